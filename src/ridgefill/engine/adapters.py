@@ -1,0 +1,181 @@
+"""Family adapters: where a Hugging Face decoder keeps its norms, projections, RoPE and MLP.
+
+The engine only talks to an `Adapter`; it never touches a model's modules itself. An adapter exposes
+the pieces of one decoder layer as small functions so the engine can run them on any subset of rows:
+
+    h_normed = input_norm(l, h)                       # [B, n, H]
+    q, gate  = query(l, h_normed, cos, sin)           # q [B, Hq, n, D] (RoPE applied); gate: None or
+                                                      #   what attention_output needs (output gates)
+    k, v     = key_value(l, h_normed, cos, sin)       # [B, Hkv, n, D] (k-norm and RoPE applied)
+    h        = h + attention_output(l, attn, gate)    # attn [B, Hq, n, D]
+    out      = state_mixer(l, h_normed, state)        # linear-attention layers only: [B, n, H],
+                                                      #   advancing the layer's recurrent and conv state
+    h        = mlp_block(l, h)                        # h + mlp(post_attention_norm(h))
+
+To add a family, subclass `Adapter` (or `DenseAdapter` when the layer has the Llama shape) and
+add its `model_type` to `_FAMILIES` (see docs/adding-a-family.md).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ridgefill.errors import RidgefillError
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, heads, n, D]; cos/sin [B, n, Dr] with Dr <= D (partial rotary rotates the first Dr dims)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    rot = cos.shape[-1]
+    if rot == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
+
+
+class Adapter:
+    """Base class: what every family provides. Subclasses fill in the layer pieces."""
+
+    family = "base"
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.decoder = model.model
+        self.layers = self.decoder.layers
+        self.n_layers = len(self.layers)
+        self.hidden_size = self.config.hidden_size
+        self.n_heads = self.config.num_attention_heads
+        self.n_kv_heads = self.config.num_key_value_heads
+        self.head_dim = getattr(self.config, "head_dim", None) or self.hidden_size // self.n_heads
+        self.max_positions = getattr(self.config, "max_position_embeddings", None)
+
+    # --- whole-model pieces -------------------------------------------------------------------
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.decoder.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.decoder.embed_tokens.weight.device
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [B, n] -> [B, n, H]"""
+        return self.decoder.embed_tokens(ids)
+
+    def rope(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, n] -> cos, sin [B, n, Dr] using the checkpoint's own RoPE scaling."""
+        return self.decoder.rotary_emb(like, position_ids=positions)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head: [B, n, H] -> [B, n, V]."""
+        return self.model.lm_head(self.decoder.norm(h))
+
+    def layer_kind(self, layer: int) -> str:
+        return "attention"
+
+    # --- one layer's pieces ---------------------------------------------------------------------
+    def input_norm(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        return self.layers[layer].input_layernorm(h)
+
+    def mlp_block(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        block = self.layers[layer]
+        return h + block.mlp(block.post_attention_layernorm(h))
+
+    def query(self, layer, h_normed, cos, sin):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def key_value(self, layer, h_normed, cos, sin):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def attention_output(self, layer: int, attn: torch.Tensor, gate=None) -> torch.Tensor:
+        """attn [B, Hq, n, D] -> [B, n, H] through o_proj."""
+        b, _, n, _ = attn.shape
+        return self.layers[layer].self_attn.o_proj(attn.transpose(1, 2).reshape(b, n, -1))
+
+    @property
+    def attention_scale(self) -> float:
+        return self.head_dim**-0.5
+
+    def describe(self) -> dict:
+        return {
+            "family": self.family,
+            "layers": self.n_layers,
+            "hidden_size": self.hidden_size,
+            "heads": self.n_heads,
+            "kv_heads": self.n_kv_heads,
+            "head_dim": self.head_dim,
+            "layer_kinds": [self.layer_kind(i) for i in range(self.n_layers)],
+        }
+
+
+class DenseAdapter(Adapter):
+    """Llama-shaped layers: Llama-3.x / SmolLM2 / Qwen2 (q/k/v biases live in the Linear modules)
+    and Qwen3 (per-head RMSNorm on q and k before RoPE)."""
+
+    family = "llama"
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        layer_types = getattr(self.config, "layer_types", None) or []
+        if any(t != "full_attention" for t in layer_types):
+            raise RidgefillError(
+                f"this checkpoint uses sliding-window attention layers ({sorted(set(layer_types))}); "
+                "ridgefill supports full attention only for dense families: disable use_sliding_window"
+            )
+
+    def _heads(self, x: torch.Tensor, n_heads: int) -> torch.Tensor:
+        b, n, _ = x.shape
+        return x.view(b, n, n_heads, self.head_dim)  # [B, n, heads, D]
+
+    def query(self, layer, h_normed, cos, sin):
+        attn = self.layers[layer].self_attn
+        q = self._heads(attn.q_proj(h_normed), self.n_heads)
+        if hasattr(attn, "q_norm"):
+            q = attn.q_norm(q)
+        return apply_rope(q.transpose(1, 2), cos, sin), None
+
+    def key_value(self, layer, h_normed, cos, sin):
+        attn = self.layers[layer].self_attn
+        k = self._heads(attn.k_proj(h_normed), self.n_kv_heads)
+        if hasattr(attn, "k_norm"):
+            k = attn.k_norm(k)
+        v = self._heads(attn.v_proj(h_normed), self.n_kv_heads)
+        return apply_rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
+
+
+class Qwen2Adapter(DenseAdapter):
+    family = "qwen2"
+
+
+class Qwen3Adapter(DenseAdapter):
+    family = "qwen3"
+
+
+_FAMILIES: dict[str, type[Adapter]] = {
+    "llama": DenseAdapter,
+    "qwen2": Qwen2Adapter,
+    "qwen3": Qwen3Adapter,
+}
+
+
+def supported_families() -> tuple[str, ...]:
+    """The transformers `model_type`s that have an adapter."""
+    return tuple(sorted(_FAMILIES))
+
+
+def adapter_for(model: nn.Module) -> Adapter:
+    """The adapter for a loaded transformers causal LM, or a one-line error naming the supported families."""
+    model_type = getattr(model.config, "model_type", None)
+    if model_type not in _FAMILIES:
+        raise RidgefillError(
+            f"unsupported architecture '{model_type}': ridgefill supports {', '.join(supported_families())}; "
+            "pick a checkpoint of one of those families (docs/adding-a-family.md explains how to add one)"
+        )
+    return _FAMILIES[model_type](model)

@@ -1,0 +1,315 @@
+"""Exact prefill, filled prefill and decode steps: the one API every command uses.
+
+Semantics (split S, L layers, tail T, keep_rows K):
+- layers 0..S-1 run exactly on every prompt row; the split state x is the residual stream entering layer S;
+- a row is *full* if it is one of the last T rows or in K; every other row is *filled*;
+- a filled row writes the cache of each late layer l = S..L-1 from a predicted input (layer S: x itself;
+  l > S: the filler's prediction) through that layer's own input norm, K/V projections, k-norm and RoPE
+  at its true position; it runs no attention or MLP in those layers;
+- full rows run every layer, attending to all cached keys at or before their position (filled or not).
+
+Rows are processed chunk by chunk in position order, so activation memory stays bounded and a chunk's
+full rows see the cache written by every earlier row. With T >= prompt length, or S = L, every row is
+full and the result is the exact model's.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ridgefill.engine.adapters import Adapter
+from ridgefill.engine.cache import AttentionCache, Cache
+from ridgefill.engine.fillers import Filler
+from ridgefill.errors import RidgefillError
+
+# observe(layer, h, positions): h [B, n, H] the input of `layer` (layer = L: the final residual stream)
+# for the rows at absolute `positions` [n] that run that layer.
+Observer = Callable[[int, torch.Tensor, torch.Tensor], None]
+
+
+@dataclass
+class FillPlan:
+    """How to fill a prompt: which filler (and so which split), how many tail rows, which extra rows run in full."""
+
+    filler: Filler
+    tail: int
+    keep_rows: Sequence[int] = ()
+
+    @property
+    def split(self) -> int:
+        return self.filler.split
+
+    def full_rows(self, n: int) -> torch.Tensor:
+        """[n] bool: True for rows that run the full model."""
+        if self.tail < 1:
+            raise RidgefillError("tail must be at least 1: the last prompt token must run the full model")
+        full = torch.zeros(n, dtype=torch.bool)
+        full[max(0, n - self.tail) :] = True
+        keep = [r for r in self.keep_rows if 0 <= r < n]
+        if keep:
+            full[torch.tensor(keep, dtype=torch.long)] = True
+        return full
+
+
+@dataclass
+class PrefillResult:
+    cache: Cache
+    logits: torch.Tensor  # [B, m, V] at `rows`
+    rows: torch.Tensor  # [m] prompt-relative row indices that have logits
+    n_rows: int
+    n_filled: int
+
+    @property
+    def filled_share(self) -> float:
+        return self.n_filled / max(1, self.n_rows)
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[list[int]]  # [B][k] generated token ids
+    ttft_s: float  # prompt ids -> first generated token
+    total_s: float
+    prefill: PrefillResult = field(repr=False, default=None)
+
+
+class Engine:
+    """Runs a model through its adapter. `chunk` bounds how many prompt rows run at once."""
+
+    def __init__(self, adapter: Adapter, chunk: int = 2048) -> None:
+        self.adapter = adapter
+        self.chunk = chunk
+
+    @property
+    def n_layers(self) -> int:
+        return self.adapter.n_layers
+
+    def new_cache(self) -> Cache:
+        return Cache([self._layer_cache(layer) for layer in range(self.n_layers)])
+
+    def _layer_cache(self, layer: int):
+        if self.adapter.layer_kind(layer) == "attention":
+            return AttentionCache()
+        return self.adapter.new_state_cache(layer)
+
+    # ------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(
+        self,
+        ids: torch.Tensor,
+        fill: FillPlan | None = None,
+        cache: Cache | None = None,
+        logits_at: str | Sequence[int] = "last",
+        chunk: int | None = None,
+        observe: Observer | None = None,
+        capacity: int = 0,
+    ) -> PrefillResult:
+        """Run prompt rows `ids` [B, N] after whatever `cache` holds (exact if `fill` is None).
+
+        logits_at: "last", "full" (every full row) or prompt-relative row indices (all must be full rows).
+        capacity: cache positions to preallocate (e.g. prompt + tokens to generate).
+        """
+        ids = ids.to(self.adapter.device)
+        n_rows = ids.shape[1]
+        cache = cache if cache is not None else self.new_cache()
+        start = cache.length
+        self._check_length(start + n_rows)
+        if fill is not None and not 1 <= fill.split <= self.n_layers:
+            raise RidgefillError(f"split {fill.split} is out of range: use 1..{self.n_layers} for this model")
+        if fill is not None and fill.split < self.n_layers:
+            full = fill.full_rows(n_rows)
+        else:  # exact, or S = L: no layer is left to fill
+            full = torch.ones(n_rows, dtype=torch.bool)
+        wanted = self._logit_rows(logits_at, full)
+        chunk = chunk or self.chunk
+        capacity = max(capacity, start + n_rows)
+        hidden, rows = [], []
+        for c0 in range(0, n_rows, chunk):
+            c1 = min(n_rows, c0 + chunk)
+            sel = wanted[(wanted >= c0) & (wanted < c1)]
+            h_full, full_idx = self._chunk(ids[:, c0:c1], start + c0, full[c0:c1], fill, cache, observe, capacity)
+            if len(sel):
+                where = torch.searchsorted(full_idx, sel - c0)
+                hidden.append(h_full[:, where])
+                rows.append(sel)
+        if hidden:
+            logits = self.adapter.logits(torch.cat(hidden, dim=1))
+        else:
+            logits = torch.empty(ids.shape[0], 0, 0)
+        rows_t = torch.cat(rows) if rows else torch.empty(0, dtype=torch.long)
+        return PrefillResult(cache, logits, rows_t, n_rows, int((~full).sum()))
+
+    @torch.inference_mode()
+    def decode_step(self, cache: Cache, tokens: torch.Tensor) -> torch.Tensor:
+        """Run the full model on `tokens` [B, 1] after `cache`; returns logits [B, V]."""
+        return self.prefill(tokens.view(-1, 1), cache=cache).logits[:, -1]
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        ids: torch.Tensor,
+        max_new_tokens: int,
+        fill: FillPlan | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
+    ) -> GenerationResult:
+        """Greedy generation after an exact or filled prefill; every decode step runs the full model."""
+        t0 = time.perf_counter()
+        pre = self.prefill(ids, fill=fill, capacity=ids.shape[1] + max_new_tokens)
+        token = pre.logits[:, -1].argmax(-1)  # [B]
+        ttft = time.perf_counter() - t0
+        eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
+        out = [token]
+        done = torch.tensor([t in eos for t in token.tolist()])
+        for _ in range(max_new_tokens - 1):
+            if done.all():
+                break
+            token = self.decode_step(pre.cache, token.view(-1, 1)).argmax(-1)
+            out.append(token)
+            done |= torch.tensor([t in eos for t in token.tolist()])
+        tokens = torch.stack(out, dim=1).tolist()
+        tokens = [_cut_at_eos(row, eos) for row in tokens]
+        return GenerationResult(tokens, ttft, time.perf_counter() - t0, pre)
+
+    # ------------------------------------------------------------------------------------------
+    def _check_length(self, total: int) -> None:
+        limit = self.adapter.max_positions
+        if limit and total > limit:
+            raise RidgefillError(
+                f"{total} tokens exceed the model's context of {limit}: shorten the prompt or lower the length"
+            )
+
+    @staticmethod
+    def _logit_rows(logits_at, full: torch.Tensor) -> torch.Tensor:
+        n = full.shape[0]
+        if logits_at == "last":
+            return torch.tensor([n - 1])
+        if logits_at == "full":
+            return full.nonzero().squeeze(1)
+        rows = torch.as_tensor(list(logits_at), dtype=torch.long).sort().values
+        if len(rows) and (rows.min() < 0 or rows.max() >= n):
+            raise RidgefillError(f"logits requested for rows outside the prompt (0..{n - 1})")
+        if not full[rows].all():
+            raise RidgefillError("logits requested for filled rows: only full rows (tail or keep_rows) have logits")
+        return rows
+
+    def _chunk(self, ids, start, full, fill, cache, observe, capacity):
+        """One chunk of rows at absolute positions start..start+n. Returns (final hidden of the full rows
+        [B, nU, H], their chunk-relative indices [nU])."""
+        a = self.adapter
+        b, n = ids.shape
+        positions = torch.arange(start, start + n, device=ids.device)
+        h = a.embed(ids)  # [B, n, H]
+        cos, sin = a.rope(positions.unsqueeze(0).expand(b, n), h)  # [B, n, Dr]
+        split = fill.split if fill is not None else self.n_layers
+        idx_full = full.nonzero().squeeze(1).to(ids.device)
+        idx_fill = (~full).nonzero().squeeze(1).to(ids.device)
+        rows = _Rows(n, idx_full, idx_fill, positions, cos, sin)
+        if len(idx_fill) == 0:
+            split = self.n_layers  # nothing to fill in this chunk: every layer runs exactly
+        predicted = None  # [B, nF, L-S-1, H]
+        x_fill = None  # [B, nF, H]
+        for layer in range(self.n_layers):
+            if layer == split:
+                x_fill = h[:, idx_fill]
+                if split + 1 < self.n_layers:
+                    predicted = fill.filler.predict(x_fill, positions[idx_fill])
+                h = h[:, idx_full]
+                rows = rows.after_split()
+            if observe is not None:
+                observe(layer, h, rows.positions_full)
+            fill_in = None
+            if layer >= split:
+                fill_in = x_fill if layer == split else predicted[:, :, layer - split - 1]
+            h = self._layer(layer, h, fill_in, rows, cache, capacity)
+        if observe is not None:
+            observe(self.n_layers, h, rows.positions_full)
+        return h, idx_full.cpu()
+
+    def _layer(self, layer, h, fill_in, rows, cache, capacity):
+        """One decoder layer. h holds the rows that run it ([B, n, H] before the split, [B, nU, H] after);
+        fill_in [B, nF, H] is the predicted input of the filled rows (None before the split)."""
+        if self.adapter.layer_kind(layer) == "attention":
+            return self._attention_layer(layer, h, fill_in, rows, cache[layer], capacity)
+        return self._state_layer(layer, h, fill_in, rows, cache[layer])
+
+    def _attention_layer(self, layer, h, fill_in, rows, layer_cache: AttentionCache, capacity):
+        a = self.adapter
+        h_normed = a.input_norm(layer, h)
+        k, v = a.key_value(layer, h_normed, rows.cos_run, rows.sin_run)  # [B, Hkv, n_run, D]
+        if fill_in is not None:
+            k_fill, v_fill = a.key_value(layer, a.input_norm(layer, fill_in), rows.cos_fill, rows.sin_fill)
+            k, v = rows.merge(k, k_fill, dim=2), rows.merge(v, v_fill, dim=2)
+        layer_cache.append(k, v, capacity)
+        if h.shape[1] == 0:
+            return h
+        q, gate = a.query(layer, h_normed, rows.cos_run, rows.sin_run)  # q [B, Hq, n_run, D]
+        attn = F.scaled_dot_product_attention(
+            q, layer_cache.keys, layer_cache.values,
+            attn_mask=_causal_mask(rows.positions_run, layer_cache.length),
+            scale=a.attention_scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+        h = h + a.attention_output(layer, attn, gate)
+        return a.mlp_block(layer, h)
+
+    def _state_layer(self, layer, h, fill_in, rows, layer_cache):
+        """A recurrent (linear-attention) layer: the state must pass through every row in order, so the
+        layer runs its mixer over all chunk rows (predicted inputs for filled rows) and keeps the outputs
+        of the full rows."""
+        a = self.adapter
+        x = h if fill_in is None else rows.merge(h, fill_in, dim=1)  # [B, n, H] all chunk rows, in order
+        out = a.state_mixer(layer, a.input_norm(layer, x), layer_cache)  # [B, n, H]
+        if fill_in is not None:
+            out = out[:, rows.idx_full]
+        if h.shape[1] == 0:
+            return h
+        return a.mlp_block(layer, h + out)
+
+
+class _Rows:
+    """Bookkeeping of a chunk's rows: which run the layer, which are filled, their positions and RoPE."""
+
+    def __init__(self, n, idx_full, idx_fill, positions, cos, sin, split_done=False):
+        self.n, self.idx_full, self.idx_fill = n, idx_full, idx_fill
+        self.positions, self.cos, self.sin = positions, cos, sin
+        self.split_done = split_done
+        run = idx_full if split_done else slice(None)
+        self.positions_run = positions[run]
+        self.cos_run, self.sin_run = cos[:, run], sin[:, run]
+        self.cos_fill, self.sin_fill = cos[:, idx_fill], sin[:, idx_fill]
+
+    @property
+    def positions_full(self) -> torch.Tensor:
+        return self.positions_run
+
+    def after_split(self) -> "_Rows":
+        return _Rows(self.n, self.idx_full, self.idx_fill, self.positions, self.cos, self.sin, True)
+
+    def merge(self, full_part: torch.Tensor, fill_part: torch.Tensor, dim: int) -> torch.Tensor:
+        """Interleave full-row and filled-row tensors back into chunk row order along `dim`."""
+        shape = list(full_part.shape)
+        shape[dim] = self.n
+        out = full_part.new_empty(shape)
+        out.index_copy_(dim, self.idx_full, full_part)
+        out.index_copy_(dim, self.idx_fill, fill_part)
+        return out
+
+
+def _causal_mask(query_positions: torch.Tensor, n_keys: int) -> torch.Tensor | None:
+    """[nq, n_keys] bool, True where key position <= query position (None when nothing is masked).
+    Built explicitly: SDPA's is_causal aligns top-left, wrong when queries follow cached keys."""
+    if query_positions.numel() == 1 and int(query_positions[0]) == n_keys - 1:
+        return None
+    keys = torch.arange(n_keys, device=query_positions.device)
+    return keys.unsqueeze(0) <= query_positions.unsqueeze(1)
+
+
+def _cut_at_eos(row: list[int], eos: set[int]) -> list[int]:
+    for i, t in enumerate(row):
+        if t in eos:
+            return row[: i + 1]
+    return row

@@ -1,0 +1,54 @@
+"""Tiny random-init models of every supported family, built in the test process (no downloads)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+VOCAB = 128
+
+
+def tiny_config(family: str, **overrides):
+    common = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    common.update(overrides)
+    if family == "llama":
+        return LlamaConfig(rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                            "original_max_position_embeddings": 64}, **common)
+    if family == "qwen2":
+        return Qwen2Config(rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **common)
+    if family == "qwen3":
+        return Qwen3Config(head_dim=16, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0,
+                                                          "factor": 4.0, "original_max_position_embeddings": 128},
+                           **common)
+    raise ValueError(family)
+
+
+def tiny_model(family: str, seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, **overrides), dtype=torch.float32)
+    model.eval()
+    # Random init leaves norms at 1 and biases at 0; perturb them so the tests exercise them.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+DENSE_FAMILIES = ["llama", "qwen2", "qwen3"]
+
+
+@pytest.fixture(params=DENSE_FAMILIES)
+def dense_model(request):
+    return tiny_model(request.param)
+
+
+def random_ids(n: int, batch: int = 1, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (batch, n), generator=g)
