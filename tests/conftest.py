@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import (AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3_5TextConfig, Qwen3Config,
+                          Qwen3NextConfig)
 
 VOCAB = 128
 
@@ -47,6 +48,45 @@ DENSE_FAMILIES = ["llama", "qwen2", "qwen3"]
 @pytest.fixture(params=DENSE_FAMILIES)
 def dense_model(request):
     return tiny_model(request.param)
+
+
+HYBRID_FAMILIES = ["qwen3_5", "qwen3_next"]
+L, A = "linear_attention", "full_attention"
+HYBRID_LAYERS = [L, L, A, L, L, A]  # default: linear layer first (Cache.length reads layer 0), attention last
+
+
+def tiny_hybrid_config(family: str, **overrides):
+    """Qwen3.5 / Qwen3-Next with Gated DeltaNet and gated full-attention layers (partial RoPE 0.25, so 4 of
+    16 head dims rotate); linear layers have 2 key heads serving 4 value heads. Qwen3-Next's layers use a
+    4-expert top-2 MoE with a shared expert except layer 1 (dense MLP)."""
+    common = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=6, layer_types=HYBRID_LAYERS,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_conv_kernel_dim=4, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    common.update(overrides)
+    common["num_hidden_layers"] = len(common["layer_types"])
+    if family == "qwen3_5":
+        return Qwen3_5TextConfig(**common)
+    if family == "qwen3_next":
+        return Qwen3NextConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                               shared_expert_intermediate_size=48, mlp_only_layers=[1], **common)
+    raise ValueError(family)
+
+
+def tiny_hybrid_model(family: str, seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_hybrid_config(family, **overrides), dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):  # incl. q/k norms, the gated norm and dt_bias
+                p.add_(0.1 * torch.randn_like(p))
+            if name.endswith("mlp.gate.weight"):  # decisive routing: no near-ties flipped by rounding
+                p.mul_(20.0)
+    return model
 
 
 def random_ids(n: int, batch: int = 1, seed: int = 1) -> torch.Tensor:

@@ -158,10 +158,17 @@ class Qwen3Adapter(DenseAdapter):
     family = "qwen3"
 
 
+# Hybrid (linear + full attention) families live in hybrid.py, which imports this module's base classes;
+# the package __init__ always imports this module first, so the import below sees a complete hybrid module.
+from ridgefill.engine.hybrid import Qwen3_5Adapter, Qwen3NextAdapter  # noqa: E402
+
 _FAMILIES: dict[str, type[Adapter]] = {
     "llama": DenseAdapter,
     "qwen2": Qwen2Adapter,
     "qwen3": Qwen3Adapter,
+    "qwen3_5": Qwen3_5Adapter,  # AutoModelForCausalLM gives the text model (model_type qwen3_5_text)
+    "qwen3_5_text": Qwen3_5Adapter,
+    "qwen3_next": Qwen3NextAdapter,
 }
 
 

@@ -1,4 +1,5 @@
 """Per-layer caches. Attention layers hold post-norm, post-RoPE keys and values; the cache grows in place.
+Linear-attention layers hold a recurrent state and a short conv state (`StateCache`).
 
 Shapes: keys/values are [B, Hkv, T, D] with T the number of cached positions.
 """
@@ -80,3 +81,34 @@ class Cache:
 
     def __getitem__(self, index: int):
         return self.layers[index]
+
+
+class StateCache:
+    """The running state of one linear-attention (Gated DeltaNet) layer.
+
+    recurrent: [B, heads, Dk, Dv] float32 delta-rule state after the last consumed row (None before use);
+    conv: [B, channels, kernel-1] the last kernel-1 pre-conv inputs (None before use; zeros stand in);
+    length: positions consumed so far (kept so `Cache.length` works when layer 0 is a linear layer).
+    """
+
+    kind = "state"
+
+    def __init__(self, recurrent: torch.Tensor | None = None, conv: torch.Tensor | None = None,
+                 length: int = 0) -> None:
+        self.recurrent = recurrent
+        self.conv = conv
+        self.length = length
+
+    def replace(self, recurrent: torch.Tensor | None = None, conv: torch.Tensor | None = None) -> None:
+        """Swap in another recurrent and/or conv state (same shapes); used by splice tests."""
+        if recurrent is not None:
+            self.recurrent = recurrent.clone()
+        if conv is not None:
+            self.conv = conv.clone()
+
+    def clone(self) -> "StateCache":
+        return StateCache(
+            None if self.recurrent is None else self.recurrent.clone(),
+            None if self.conv is None else self.conv.clone(),
+            self.length,
+        )

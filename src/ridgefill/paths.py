@@ -1,0 +1,44 @@
+"""Where ridgefill keeps converted models and downloaded corpora, and how it writes files atomically."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """$RIDGEFILL_CACHE, else ~/.cache/ridgefill."""
+    return Path(os.environ.get("RIDGEFILL_CACHE", Path.home() / ".cache" / "ridgefill"))
+
+
+@contextmanager
+def atomic_path(path: str | Path):
+    """Yield a temporary path beside `path`; rename it over `path` only if the block succeeds.
+    Works for files and folders: a reader never sees a half-written result."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent)) / path.name
+    try:
+        yield tmp
+        if path.is_dir() and tmp.is_dir():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    finally:
+        shutil.rmtree(tmp.parent, ignore_errors=True)
+
+
+def write_json(path: str | Path, data) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(data, indent=2, default=_json_default) + "\n")
+
+
+def _json_default(obj):
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    if isinstance(obj, Path):
+        return str(obj)
+    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
