@@ -86,6 +86,13 @@ def tiny_hybrid_model(family: str, seed: int = 0, **overrides):
                 p.add_(0.1 * torch.randn_like(p))
             if name.endswith("mlp.gate.weight"):  # decisive routing: no near-ties flipped by rounding
                 p.mul_(20.0)
+            if ".linear_attn.in_proj" in name or ".linear_attn.conv1d" in name:  # O(1) q/k/v, gates and states
+                p.mul_(6.0 if "in_proj" in name else 25.0)
+            if name.endswith("A_log"):
+                # Moderate decays (init draws A up to 16: a head then sees ~one token, its output q.k v is
+                # often near zero, and the gated RMSNorm blows fp32 rounding up ~1e4x). Here a state spans
+                # several tokens, as in trained checkpoints.
+                p.copy_(torch.empty_like(p).uniform_(0.05, 0.5).log())
     return model
 
 

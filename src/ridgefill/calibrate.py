@@ -12,10 +12,13 @@ sinks) and rows whose split-state norm exceeds `outlier_factor` times the sequen
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
+from ridgefill.artifacts import load_artifact, save_artifact
 from ridgefill.engine import Engine
+from ridgefill.errors import RidgefillError
 
 PARTS = ("train", "val")
 
@@ -130,3 +133,44 @@ def accumulate(engine: Engine, calibration: Calibration, ids: torch.Tensor, part
     engine.prefill(ids, observe=collector, logits_at=[], chunk=chunk or ids.shape[1])
     calibration.tokens_done += ids.numel()
     calibration.sequences_done += ids.shape[0]
+
+
+# --- the `calibrate` workflow ------------------------------------------------------------------------
+def heldout_every(holdout: float) -> int:
+    """Every k-th sequence is held out (k = round(1/holdout)); 0 means none."""
+    return round(1 / holdout) if holdout > 0 else 0
+
+
+def run_calibration(engine: Engine, sequences: list[list[int]], splits: list[int], out, meta: dict,
+                    holdout: float = 0.1, skip_first: int = 1, outlier_factor: float = 20.0,
+                    checkpoint_every: int = 8, resume: bool = False, advance=lambda n=1: None) -> Calibration:
+    """Accumulate statistics over `sequences`, checkpointing to `<out>.partial` and resuming from it."""
+    a = engine.adapter
+    partial = Path(str(out) + ".partial")
+    run_meta = {**meta, "artifact": "stats", "splits": sorted(splits), "holdout": holdout,
+                "skip_first": skip_first, "outlier_factor": outlier_factor, "n_layers": a.n_layers,
+                "hidden_size": a.hidden_size}
+    cal = Calibration.empty(splits, a.n_layers, a.hidden_size)
+    if resume and partial.exists():
+        tensors, saved = load_artifact(partial, "stats")
+        if any(saved.get(k) != v for k, v in run_meta.items()):
+            raise RidgefillError(f"{partial} was written with other settings: rerun without --resume to start over")
+        cal = Calibration.from_tensors(splits, tensors, saved)
+        advance(cal.sequences_done)
+    every = heldout_every(holdout)
+    device = a.device
+
+    def save(path):
+        save_artifact(path, cal.tensors(), {**run_meta, "sequences_done": cal.sequences_done,
+                                             "tokens_done": cal.tokens_done})
+
+    for i in range(cal.sequences_done, len(sequences)):
+        part = "val" if every and i % every == every - 1 else "train"
+        accumulate(engine, cal, torch.tensor([sequences[i]], device=device), part, skip_first, outlier_factor)
+        advance()
+        if checkpoint_every and (i + 1) % checkpoint_every == 0 and i + 1 < len(sequences):
+            save(partial)
+    save(out)
+    partial.unlink(missing_ok=True)
+    cal.meta = run_meta
+    return cal

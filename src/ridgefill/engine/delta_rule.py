@@ -74,6 +74,8 @@ def chunk_gated_delta_rule(
     q = l2norm(q) * dk**-0.5
     k = l2norm(k)
     state = q.new_zeros(b, hv, dk, dv) if initial_state is None else initial_state.float()
+    if n == 0:
+        return v.transpose(1, 2).to(out_dtype), state
 
     c = max(1, min(chunk_size, n))
     pad = (-n) % c  # padded rows: beta = 0 (no write) and g = 0 (no decay), so the state is unchanged

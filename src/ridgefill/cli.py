@@ -1,0 +1,117 @@
+"""The `ridgefill` command line: thin commands that parse options, call one workflow, print a table and
+write JSON. Bad input ends with one line on stderr and exit code 2."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ridgefill import __version__
+from ridgefill.errors import RidgefillError
+
+app = typer.Typer(
+    help="RidgeFill: fill upper-layer caches from a ridge map of the split state, and measure the cost.",
+    no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False,
+)
+
+MODEL = typer.Option("smollm2-135m", "--model", help="Local HF folder, Hub id, or alias 'smollm2-135m'.")
+DTYPE = typer.Option("fp32", "--dtype", help="fp32, bf16 or fp16.")
+DEVICE = typer.Option("cpu", "--device", help="cpu or cuda.")
+CHUNK = typer.Option(2048, "--chunk", help="Prompt rows run at once (bounds activation memory).")
+
+
+def _version(value: bool):
+    if value:
+        print(f"ridgefill {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main_options(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                              help="Print the version and exit.")):
+    """Calibrate once, fit closed-form maps, then fill prefill and measure it against exact."""
+
+
+@app.command()
+def calibrate(
+    model: str = MODEL,
+    data: str = typer.Option(..., "--data", help="Text: .txt/.jsonl file or folder, Hub dataset, "
+                             "or 'wiki-leads' / 'shakespeare'."),
+    split: str = typer.Option(..., "--split", help="Split layer(s) S, comma-separated: one pass serves all."),
+    tokens: int = typer.Option(65536, "--tokens", help="Calibration tokens (held-out share included)."),
+    seq_len: int = typer.Option(1024, "--seq-len", help="Tokens per calibration sequence."),
+    out: Path = typer.Option(..., "--out", help="Statistics file (.safetensors) to write."),
+    resume: bool = typer.Option(False, "--resume", help="Continue from <out>.partial after an interruption."),
+    holdout: float = typer.Option(0.1, "--holdout", help="Share of sequences kept for validation (0..0.5)."),
+    skip_first: int = typer.Option(1, "--skip-first", help="Leading rows of each sequence kept out (sinks)."),
+    outlier_factor: float = typer.Option(20.0, "--outlier-factor",
+                                         help="Drop rows whose split-state norm exceeds this x the median; 0 keeps all."),
+    checkpoint_every: int = typer.Option(8, "--checkpoint-every", help="Sequences between checkpoints."),
+    dtype: str = DTYPE, device: str = DEVICE, chunk: int = CHUNK,
+):
+    """One pass over calibration text: float64 statistics of the split state and every late layer's input."""
+    from ridgefill.workflows import calibrate_command
+
+    calibrate_command(model, data, split, tokens, seq_len, out, resume, holdout, skip_first, outlier_factor,
+                      checkpoint_every, dtype, device, chunk)
+
+
+@app.command()
+def fit(
+    stats: Path = typer.Option(..., "--stats", help="Statistics from `ridgefill calibrate`."),
+    out: Path = typer.Option(..., "--out", help="Maps file (.safetensors) to write; a JSON summary goes beside it."),
+    split: Optional[int] = typer.Option(None, "--split", help="Which split to fit (needed if the stats hold several)."),
+    lam: str = typer.Option("auto", "--lam", help="'auto' (per layer, by held-out error) or a λ relative to "
+                            "trace(XᵀX)/H."),
+    kind: str = typer.Option("ridge", "--kind", help="ridge (fitted maps) or identity (x itself, no fit)."),
+    rank: Optional[int] = typer.Option(None, "--rank", help="Keep only the top-r directions of each map's residual."),
+):
+    """Fit per-layer maps in closed form and print held-out error of identity fill vs the map."""
+    from ridgefill.workflows import fit_command
+
+    fit_command(stats, out, split, lam, kind, rank)
+
+
+@app.command()
+def generate(
+    model: str = MODEL,
+    maps: Optional[Path] = typer.Option(None, "--maps", help="Maps file for filled prefill."),
+    split: Optional[int] = typer.Option(None, "--split", help="Split S (checked against the maps)."),
+    tail: int = typer.Option(256, "--tail", help="Last prompt rows that run the full model."),
+    keep_first: int = typer.Option(1, "--keep-first", help="Leading rows run in full (the attention sink)."),
+    exact: bool = typer.Option(False, "--exact", help="Exact prefill (no maps)."),
+    prompt: Optional[str] = typer.Option(None, "--prompt", help="Prompt text."),
+    prompt_file: Optional[Path] = typer.Option(None, "--prompt-file", help="Read the prompt from a file."),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Tokens to generate (greedy)."),
+    compare: bool = typer.Option(False, "--compare", help="Run exact and filled; print both with their TTFT."),
+    dtype: str = DTYPE, device: str = DEVICE, chunk: int = CHUNK,
+):
+    """Generate greedily after exact or filled prefill. Only generated text goes to stdout."""
+    from ridgefill.workflows import generate_command
+
+    generate_command(model, maps, split, tail, keep_first, exact, prompt, prompt_file, max_new_tokens, compare,
+                     dtype, device, chunk)
+
+
+@app.command()
+def demo(out_dir: Path = typer.Option(Path("runs/demo"), "--out-dir", help="Where artifacts and demo.json go.")):
+    """The main job on the embedded model: calibrate, fit, then exact vs identity vs ridge on Shakespeare."""
+    from ridgefill.workflows import demo_command
+
+    demo_command(out_dir)
+
+
+def main() -> None:
+    """Console-script entry point: one-line errors with exit code 2 instead of tracebacks."""
+    try:
+        app()
+    except RidgefillError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("error: interrupted (artifacts already written are complete; rerun to continue)", file=sys.stderr)
+        sys.exit(130)

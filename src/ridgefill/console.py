@@ -1,0 +1,42 @@
+"""Terminal output: progress bars and notes on stderr, tables via rich, results on stdout."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+
+def console(stderr: bool = False) -> Console:
+    return Console(stderr=stderr)
+
+
+@contextmanager
+def progress_bar(description: str, total: int):
+    """A rich progress bar on stderr; yields `advance(n=1)`."""
+    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("eta"), TimeRemainingColumn())
+    with Progress(*columns, console=console(stderr=True), transient=False) as progress:
+        task = progress.add_task(description, total=total)
+        yield lambda n=1: progress.advance(task, n)
+
+
+def table(title: str, columns: list[str], rows: list[list], stderr: bool = False) -> None:
+    t = Table(title=title)
+    for c in columns:
+        t.add_column(c, justify="right" if c not in (columns[0],) else "left")
+    for r in rows:
+        t.add_row(*[_fmt(v) for v in r])
+    console(stderr).print(t)
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def note(message: str) -> None:
+    console(stderr=True).print(message, highlight=False)

@@ -1,0 +1,1 @@
+"""Measurements: one module per evaluation."""
