@@ -99,3 +99,6 @@ def tiny_hybrid_model(family: str, seed: int = 0, **overrides):
 def random_ids(n: int, batch: int = 1, seed: int = 1) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, VOCAB, (batch, n), generator=g)
+
+
+from tiny_checkpoint import tiny_checkpoint  # noqa: E402,F401  (fixture: a loadable tiny model folder)

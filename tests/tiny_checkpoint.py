@@ -1,0 +1,54 @@
+"""A tiny random-init checkpoint folder (model + a byte-level BPE tokenizer trained here) that commands can
+load with `--model PATH`, offline and in seconds."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+WORDS = ("the grass is green sky blue sun yellow here we go there and back again one of special magic number "
+         "numbers word words for key value is what are all mentioned in provided text answer question memorize "
+         "king queen lord lady castle river night day love war time friend enemy letter").split()
+
+
+def training_text(n: int = 400, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    lines = ["The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."] * 20
+    for _ in range(n):
+        lines.append(" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 15))).capitalize() + ".")
+        lines.append(f"One of the special magic numbers for {rng.choice(WORDS)} is: {rng.randint(10**6, 10**7 - 1)}.")
+    return lines
+
+
+def save_tiny_checkpoint(path: Path, family: str = "llama", vocab: int = 512, **overrides) -> Path:
+    """Write config, weights and tokenizer of a tiny model of `family` into `path`."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from conftest import tiny_model
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(training_text(), trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    settings = dict(vocab_size=len(fast), max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
+                    pad_token_id=0)
+    settings.update(overrides)
+    model = tiny_model(family, **settings)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    fast.save_pretrained(path)
+    torch.manual_seed(0)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    """A tiny Llama-family checkpoint folder, shared by the whole test session (treat it as read-only)."""
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "llama")
