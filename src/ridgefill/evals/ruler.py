@@ -344,3 +344,179 @@ def _record(path: Path, number: int, line: str) -> dict:
     if not all(isinstance(r, str) for r in record["outputs"]):
         raise RidgefillError(f"{path}:{number}: field 'outputs' must be a list of strings")
     return record
+
+
+# --- the command ----------------------------------------------------------------------------------------
+DEPTH_BUCKETS = 5  # needle depth buckets of 20 %
+
+
+def ruler_command(model: str = "smollm2-135m", maps=None, split: int | None = None, tail: int = 256,
+                  lengths: str = "4096", tasks: str | None = None, samples: int | None = None,
+                  region: str = "filled", seed: int = 0, out="ruler.json", variants: str = "exact,identity,ridge",
+                  keep_first: int = 1, chunk: int = 2048, dtype: str = "fp32", device: str = "cpu",
+                  haystack: str = "auto", essay_corpus: str = "wiki-leads", max_new_tokens: int | None = None,
+                  from_jsonl=None, chat_template: bool = False) -> dict:
+    """Generate (or read) RULER samples, answer them greedily with each variant, score them, write `out`."""
+    config = {k: str(v) if isinstance(v, Path) else v for k, v in locals().items()}
+    from ridgefill.console import progress_bar
+    from ridgefill.results import ResultWriter, maps_info
+    from ridgefill.session import open_session, variant_plans
+
+    names = [v.strip() for v in variants.split(",") if v.strip()]
+    task_names = _parse_tasks(tasks)
+    length_list = _parse_lengths(lengths)
+    if samples is not None and samples < 1 or max_new_tokens is not None and max_new_tokens < 1:
+        raise RidgefillError("--samples and --max-new-tokens must be at least 1")
+    if from_jsonl is None:
+        for length in length_list:
+            check_region(region, tail, keep_first, length)
+        config.update(budgets={t: budget(t, max_new_tokens) for t in task_names},
+                      haystacks={t: SPECS[t].haystack if haystack == "auto" else haystack for t in task_names})
+    config["region_enforced"] = from_jsonl is None
+    writer = ResultWriter("ruler", config, seed)
+    session = open_session(model, dtype, device, chunk)
+    context = session.engine.adapter.max_positions
+    too_long = [n for n in length_list if context and n > context] if from_jsonl is None else []
+    if too_long:
+        raise RidgefillError(f"length {too_long[0]} exceeds the model's context of {context} (prompt plus generation "
+                             "budget must fit): lower --lengths")
+    plans, meta = variant_plans(session, maps, split, tail, range(keep_first), names)
+    if from_jsonl is not None:
+        items = read_jsonl(from_jsonl, session.tokenizer, tail, max_new_tokens, chat_template, samples)
+        over = [s for s in items if context and len(s.input_ids) + s.max_new_tokens > context]
+        if over:
+            raise RidgefillError(f"record {over[0].index + 1} of {from_jsonl} needs {len(over[0].input_ids)} prompt + "
+                                 f"{over[0].max_new_tokens} new tokens, over the model's context of {context}")
+    else:
+        sources = Sources.load(essay_corpus)
+        n = samples or 25
+        items = []
+        with progress_bar("building RULER samples", n * len(task_names) * len(length_list)) as advance:
+            for length in length_list:
+                for task in task_names:
+                    items += build_samples(session.tokenizer, task, length, n, seed, region, tail, keep_first,
+                                           haystack, max_new_tokens, chat_template, sources, advance)
+    predictions = {v: [] for v in plans}
+    with progress_bar(f"answering {len(items)} samples x {len(plans)} variants", len(items) * len(plans)) as advance:
+        for sample in items:
+            for name, plan in plans.items():
+                predictions[name].append(predict(session.engine, session.tokenizer, sample, plan))
+                advance()
+    scores = {v: [score_prediction(s.task, p, s.outputs) for s, p in zip(items, predictions[v])] for v in plans}
+    results, intervals = summarise(items, scores, seed)
+    records = [_record_of(s, {v: predictions[v][i] for v in plans}, {v: scores[v][i] for v in plans})
+               for i, s in enumerate(items)]
+    doc = writer.write(out, session.loaded.info(), maps_info(maps, meta), list(plans), results, intervals,
+                       samples=records)
+    _print_tables(results, intervals, region if from_jsonl is None else "as given", tail)
+    return doc
+
+
+def summarise(items: list[RulerSample], scores: dict[str, list[float]], seed: int) -> tuple[dict, dict]:
+    """Per variant: headline score (mean over task x length cells), per task / length / depth bucket; and
+    paired-bootstrap intervals of each variant's difference against exact (cells weighted equally)."""
+    cells = [(s.task, s.length) for s in items]
+    buckets = [_bucket(s.depth) for s in items]
+    results = {}
+    for name, values in scores.items():
+        by_cell = _group_means(values, cells)
+        results[name] = {
+            "score": float(np.mean(list(by_cell.values()))),
+            "tasks": {t: {"score": _mean_of(by_cell, lambda c: c[0] == t),
+                          "lengths": {str(c[1]): m for c, m in by_cell.items() if c[0] == t}}
+                      for t in dict.fromkeys(c[0] for c in cells)},
+            "lengths": {str(n): _mean_of(by_cell, lambda c: c[1] == n) for n in dict.fromkeys(c[1] for c in cells)},
+            "depths": {b: {"score": m, "n": buckets.count(b)} for b, m in sorted(_group_means(values, buckets).items())},
+        }
+    intervals = {}
+    if "exact" in scores:
+        for name in (v for v in scores if v != "exact"):
+            diff = _differences(scores[name], scores["exact"], cells, seed)
+            intervals[name] = {
+                "score": diff(range(len(items))),
+                "tasks": {t: diff([i for i, c in enumerate(cells) if c[0] == t]) for t in results[name]["tasks"]},
+                "lengths": {str(n): diff([i for i, c in enumerate(cells) if c[1] == n])
+                            for n in dict.fromkeys(c[1] for c in cells)},
+            }
+    return results, intervals
+
+
+def _differences(a: list[float], b: list[float], cells: list, seed: int):
+    """diff(indices) -> the interval of mean(a) - mean(b) over those samples, each cell weighted equally."""
+    from ridgefill.stats import mean_difference
+
+    def diff(indices) -> dict:
+        indices = list(indices)
+        sub = [cells[i] for i in indices]
+        return mean_difference(_balanced([a[i] for i in indices], sub), _balanced([b[i] for i in indices], sub),
+                               seed=seed).to_dict()
+
+    return diff
+
+
+def _balanced(values: list[float], groups: list) -> list[float]:
+    """Values rescaled so that their plain mean is the mean of the group means."""
+    counts = {g: groups.count(g) for g in set(groups)}
+    return [v * len(groups) / (len(counts) * counts[g]) for v, g in zip(values, groups)]
+
+
+def _group_means(values: list[float], groups: list) -> dict:
+    out: dict = {}
+    for v, g in zip(values, groups):
+        out.setdefault(g, []).append(v)
+    return {g: float(np.mean(vs)) for g, vs in out.items()}
+
+
+def _mean_of(by_cell: dict, keep) -> float:
+    return float(np.mean([m for c, m in by_cell.items() if keep(c)]))
+
+
+def _bucket(depth: float) -> str:
+    if math.isnan(depth):
+        return "none"
+    width = 100 // DEPTH_BUCKETS
+    lo = min(int(depth * 100) // width, DEPTH_BUCKETS - 1) * width
+    return f"{lo:02d}-{lo + width}%"
+
+
+def _record_of(sample: RulerSample, predictions: dict, scores: dict) -> dict:
+    nan = math.isnan(sample.depth)
+    return {"task": sample.task, "length": sample.length, "index": sample.index,
+            "depth": None if nan else sample.depth, "needle_depths": sample.needle_depths,
+            "needle_spans": [list(s) for s in sample.needle_spans], "tail_start": sample.tail_start,
+            "n_tokens": len(sample.input_ids), "max_new_tokens": sample.max_new_tokens, "outputs": sample.outputs,
+            "predictions": predictions, "scores": scores}
+
+
+def _parse_tasks(text: str | None) -> list[str]:
+    names = [t.strip() for t in (text or ",".join(TASKS)).split(",") if t.strip()]
+    unknown = [t for t in names if t not in SPECS]
+    if unknown or not names:
+        raise RidgefillError(f"unknown RULER task(s) {', '.join(unknown) or '(none)'}: use {', '.join(TASKS)}")
+    return list(dict.fromkeys(names))
+
+
+def _parse_lengths(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in str(text).split(",") if v.strip()]
+    except ValueError:
+        raise RidgefillError(f"--lengths '{text}' is not a comma-separated list of integers") from None
+    if not values or min(values) < 1:
+        raise RidgefillError(f"--lengths '{text}' must list positive token counts, e.g. 2048,4096")
+    return sorted(set(values))
+
+
+def _print_tables(results: dict, intervals: dict, region: str, tail: int) -> None:
+    from ridgefill.console import table
+
+    names = list(results)
+    first = results[names[0]]
+    rows = [[t, n] + [results[v]["tasks"][t]["lengths"][n] for v in names]
+            for t in first["tasks"] for n in first["tasks"][t]["lengths"]]
+    rows.append(["score (mean)", ""] + [results[v]["score"] for v in names])
+    table(f"RULER score (0-100), needles in {region} rows, tail {tail}", ["task", "length"] + names, rows)
+    table("score by needle depth (first needle)", ["depth", "samples"] + names,
+          [[b, d["n"]] + [results[v]["depths"][b]["score"] for v in names] for b, d in first["depths"].items()])
+    if intervals:
+        table("difference vs exact (95% paired bootstrap over samples)", ["variant", "Δ score", "low", "high"],
+              [[v, iv["score"]["estimate"], iv["score"]["low"], iv["score"]["high"]] for v, iv in intervals.items()])
