@@ -70,7 +70,7 @@ class _HeldOut:
         self.identity_sse = float(val.yy[index] - 2 * torch.trace(val.xty[index]) + val.xx)
 
     def sse(self, d: torch.Tensor) -> float:
-        return self.t - 2 * (self.tr_r + d @ self.u) + self.tr_p + 2 * d @ self.w + d @ self.mg @ d
+        return float(self.t - 2 * (self.tr_r + d @ self.u) + self.tr_p + 2 * d @ self.w + d @ self.mg @ d)
 
     def sse_of(self, w: torch.Tensor) -> float:
         """Held-out SSE of an explicit W (bias b = ȳ − x̄W)."""

@@ -1,0 +1,5 @@
+"""`python -m ridgefill` runs the CLI."""
+
+from ridgefill.cli import main
+
+main()

@@ -1,0 +1,123 @@
+"""The core commands end to end on a tiny checkpoint, and their one-line errors (exit code 2)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from ridgefill.cli import app
+from tiny_checkpoint import training_text
+
+RIDGEFILL = [sys.executable, "-m", "ridgefill"]
+
+
+def run_cli(*args):
+    return subprocess.run([*RIDGEFILL, *map(str, args)], capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "text.txt"
+    lines = training_text(600, seed=3)
+    path.write_text("\n\n\n".join(" ".join(lines[i:i + 12]) for i in range(0, len(lines), 12)))
+    return path
+
+
+@pytest.fixture(scope="module")
+def fitted(tiny_checkpoint, corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    stats, maps = out / "stats.safetensors", out / "maps.safetensors"
+    runner = CliRunner()
+    r = runner.invoke(app, ["calibrate", "--model", str(tiny_checkpoint), "--data", str(corpus), "--split", "2,3",
+                            "--tokens", "2048", "--seq-len", "128", "--out", str(stats), "--holdout", "0.25"])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(app, ["fit", "--stats", str(stats), "--out", str(maps), "--split", "3"])
+    assert r.exit_code == 0, r.output
+    return stats, maps
+
+
+def test_calibrate_and_fit_write_artifacts_and_summaries(fitted):
+    stats, maps = fitted
+    summary = json.loads(Path(str(stats) + ".json").read_text())
+    assert [r["split"] for r in summary["rows"]] == [2, 3]
+    assert all(r["train_rows"] > 0 and r["val_rows"] > 0 for r in summary["rows"])
+    fit = json.loads(Path(str(maps) + ".json").read_text())
+    assert [layer["layer"] for layer in fit["layers"]] == [4, 5]
+    assert fit["mean_error_map"] < fit["mean_error_identity"]
+    assert not any(p.name.endswith(".partial") for p in stats.parent.iterdir())
+
+
+def test_generate_prints_only_text_and_tail_covering_prompt_is_exact(tiny_checkpoint, fitted):
+    _, maps = fitted
+    prompt = "The grass is green. The sky is blue. One of the special magic numbers for king is: 1234567."
+    exact = run_cli("generate", "--model", tiny_checkpoint, "--exact", "--prompt", prompt, "--max-new-tokens", 8)
+    filled = run_cli("generate", "--model", tiny_checkpoint, "--maps", maps, "--tail", 500, "--prompt", prompt,
+                     "--max-new-tokens", 8)
+    assert exact.returncode == 0 and filled.returncode == 0, filled.stderr
+    assert exact.stdout == filled.stdout and exact.stdout.strip()
+    assert "exact" in filled.stderr  # the note that tail >= prompt is exact
+    both = run_cli("generate", "--model", tiny_checkpoint, "--maps", maps, "--tail", 4, "--prompt", prompt,
+                   "--max-new-tokens", 4, "--compare")
+    assert both.returncode == 0
+    assert "=== exact ===" in both.stdout and "=== filled ===" in both.stdout and "ttft" in both.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["generate", "--model", "no-such-model", "--exact", "--prompt", "hi"], "unknown model 'no-such-model'"),
+    (["calibrate", "--data", "wiki-leads", "--split", "40", "--out", "x.safetensors"], "out of range"),
+    (["fit", "--stats", "missing.safetensors", "--out", "m.safetensors"], "does not exist"),
+])
+def test_bad_input_is_one_line_exit_2(args, message, tiny_checkpoint):
+    if args[0] == "calibrate":
+        args = [*args, "--model", str(tiny_checkpoint)]
+    r = run_cli(*args)
+    assert r.returncode == 2
+    assert message in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+def test_corrupted_and_foreign_artifacts_are_refused(tiny_checkpoint, fitted, tmp_path):
+    stats, maps = fitted
+    broken = tmp_path / "broken.safetensors"
+    broken.write_bytes(maps.read_bytes()[:1000])
+    r = run_cli("fit", "--stats", broken, "--out", tmp_path / "m.safetensors")
+    assert r.returncode == 2 and "corrupted or truncated" in r.stderr
+    r = run_cli("fit", "--stats", maps, "--out", tmp_path / "m.safetensors")
+    assert r.returncode == 2 and "not a ridgefill stats file" in r.stderr
+    r = run_cli("generate", "--model", tiny_checkpoint, "--maps", maps, "--split", "2", "--prompt", "hi")
+    assert r.returncode == 2 and "split 3, not 2" in r.stderr
+    assert not (tmp_path / "m.safetensors").exists()
+
+
+def test_maps_for_another_model_are_refused(fitted, tmp_path):
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    _, maps = fitted
+    folder = tmp_path / "changed"
+    shutil.copytree(Path(json.loads(Path(str(maps) + ".json").read_text())["model"]["id"]), folder)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(2)
+    model.save_pretrained(folder)
+    r = run_cli("generate", "--model", folder, "--maps", maps, "--prompt", "hello there")
+    assert r.returncode == 2 and "fitted for another model" in r.stderr
+
+
+def test_data_without_enough_tokens_is_refused(tiny_checkpoint, tmp_path):
+    small = tmp_path / "small.txt"
+    small.write_text("too short")
+    r = run_cli("calibrate", "--model", tiny_checkpoint, "--data", small, "--split", "2", "--seq-len", "64",
+                "--out", tmp_path / "s.safetensors")
+    assert r.returncode == 2 and "yields no calibration sequence" in r.stderr
+    assert not (tmp_path / "s.safetensors").exists()
+
+
+def test_version():
+    r = CliRunner().invoke(app, ["--version"])
+    assert r.exit_code == 0 and r.output.startswith("ridgefill ")
