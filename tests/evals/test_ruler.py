@@ -227,3 +227,18 @@ def test_cli_error_is_one_line_with_exit_code_2(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: unknown RULER task(s) nope: use niah_single_1")
     assert proc.stderr.count("\n") == 1
+
+
+def test_chat_template_wraps_the_input_and_keeps_spans(tiny_checkpoint, sources):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    with pytest.raises(RidgefillError, match="no chat template"):
+        build_samples(tok, "niah_single_1", 768, 1, seed=0, chat_template=True, sources=sources)
+    tok.chat_template = "{% for m in messages %}<s>user: {{ m['content'] }}</s>{% endfor %}assistant:"
+    (s,) = build_samples(tok, "niah_single_1", 768, 1, seed=0, chat_template=True, tail=64, sources=sources)
+    assert s.input_ids == tok("<s>user: " + s.input + "</s>assistant:" + s.answer_prefix,
+                              add_special_tokens=False)["input_ids"]
+    assert s.input_ids[0] == tok.bos_token_id
+    check_needles(tok, s)
+    assert all(1 <= a < b <= s.tail_start for a, b in s.needle_spans)
