@@ -143,6 +143,117 @@ def ruler(
                   max_new_tokens=max_new_tokens, from_jsonl=from_jsonl, chat_template=chat_template)
 
 
+LONG_DATA = typer.Option(..., "--data", help="Text whose evaluation documents are cut into --context passages: "
+                         ".txt/.jsonl file or folder, Hub dataset, or 'wiki-leads' / 'shakespeare'.")
+SHORT = typer.Option(512, "--short", help="Short window (tokens) whose loss marks distant-context tokens.")
+SHORT_STRIDE = typer.Option(None, "--short-stride", help="Tail tokens per short window (each sees short..short+"
+                            "stride-1 tokens); 1 = exactly --short each. Default: short // 8.")
+ALPHA = typer.Option(2.0, "--alpha", help="Distant-context token: full-context log-prob gain over the short "
+                     "window above alpha ...")
+BETA = typer.Option(2.0, "--beta", help="... and full-context log-prob above -beta (LongPPL's key tokens).")
+
+
+@app.command()
+def loss(
+    model: str = MODEL,
+    maps: Optional[Path] = typer.Option(None, "--maps", help="Maps file (needed for the ridge variant)."),
+    split: Optional[int] = typer.Option(None, "--split", help="Split S (checked against the maps; needed "
+                                        "without them)."),
+    tail: int = typer.Option(256, "--tail", help="Last rows of each passage that run the full model (scored)."),
+    data: str = LONG_DATA,
+    context: int = typer.Option(4096, "--context", help="Tokens per passage."),
+    short: int = SHORT, short_stride: Optional[int] = SHORT_STRIDE, alpha: float = ALPHA, beta: float = BETA,
+    samples: int = typer.Option(16, "--samples", help="Passages to score."),
+    out: Path = typer.Option(..., "--out", help="Result JSON to write."),
+    keep_first: int = typer.Option(1, "--keep-first", help="Leading rows run in full (the attention sink)."),
+    variants: Optional[str] = typer.Option(None, "--variants", help="Comma-separated: exact, identity, ridge "
+                                           "(default: all; ridge only with --maps)."),
+    seed: int = typer.Option(0, "--seed", help="Bootstrap seed."),
+    dtype: str = DTYPE, device: str = DEVICE, chunk: int = CHUNK,
+):
+    """Teacher-forced tail NLL of each variant on long passages, on all tail tokens and on distant-context tokens."""
+    from ridgefill.evals.loss import loss_command
+
+    loss_command(model=model, maps=maps, split=split, tail=tail, data=data, context=context, short=short,
+                 short_stride=short_stride, samples=samples, alpha=alpha, beta=beta, keep_first=keep_first,
+                 variants=variants, seed=seed, chunk=chunk, dtype=dtype, device=device, out=out)
+
+
+@app.command()
+def splice(
+    model: str = MODEL,
+    maps: Optional[Path] = typer.Option(None, "--maps", help="Maps file (the ridge fill)."),
+    split: Optional[int] = typer.Option(None, "--split", help="Split S (checked against the maps; needed "
+                                        "without them)."),
+    tail: int = typer.Option(256, "--tail", help="Last rows of each passage that run the full model (scored)."),
+    swap: Optional[str] = typer.Option(None, "--swap", help="Comma-separated swaps of keys, values, key-scale, "
+                                       "key-direction, state; join with '+' (default: each, and keys+values)."),
+    layers: Optional[str] = typer.Option(None, "--layers", help="Layer ranges to splice over, e.g. 16-29,20-29 "
+                                         "(default: the filled range S..L-1)."),
+    by_quarter: bool = typer.Option(False, "--by-quarter", help="Also splice over each quarter of the filled range."),
+    data: str = LONG_DATA,
+    context: int = typer.Option(4096, "--context", help="Tokens per passage (and per needle prompt)."),
+    short: int = SHORT, short_stride: Optional[int] = SHORT_STRIDE, alpha: float = ALPHA, beta: float = BETA,
+    samples: int = typer.Option(8, "--samples", help="Passages to score."),
+    needles: int = typer.Option(0, "--needles", help="Needle prompts (needles in the filled region) to answer "
+                                "from each cache; 0 = NLL only."),
+    task: str = typer.Option("niah_single_1", "--task", help="RULER task of the needle prompts."),
+    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", help="Cap on generated answer tokens "
+                                                 "(default: RULER's budget for the task)."),
+    fill: Optional[str] = typer.Option(None, "--fill", help="The filled cache to splice: ridge or identity "
+                                       "(default: ridge with --maps, else identity)."),
+    out: Path = typer.Option(..., "--out", help="Result JSON to write."),
+    keep_first: int = typer.Option(1, "--keep-first", help="Leading rows run in full (the attention sink)."),
+    seed: int = typer.Option(0, "--seed", help="Bootstrap and needle seed."),
+    dtype: str = DTYPE, device: str = DEVICE, chunk: int = CHUNK,
+):
+    """Swap exact cache components into the filled cache: which one carries the fill's error."""
+    from ridgefill.evals.splice import splice_command
+
+    splice_command(model=model, maps=maps, split=split, tail=tail, swap=swap, layers=layers, by_quarter=by_quarter,
+                   data=data, context=context, short=short, short_stride=short_stride, samples=samples, alpha=alpha,
+                   beta=beta, needles=needles, task=task, max_new_tokens=max_new_tokens, fill=fill,
+                   keep_first=keep_first, seed=seed, chunk=chunk, dtype=dtype, device=device, out=out)
+
+
+@app.command()
+def ruler(
+    model: str = MODEL,
+    maps: Optional[Path] = typer.Option(None, "--maps", help="Maps file (needed for the ridge variant)."),
+    split: Optional[int] = typer.Option(None, "--split", help="Split S (checked against the maps; needed "
+                                        "without them)."),
+    tail: int = typer.Option(256, "--tail", help="Last prompt rows that run the full model."),
+    lengths: str = typer.Option("4096", "--lengths", help="Comma-separated prompt + generation lengths (tokens)."),
+    tasks: Optional[str] = typer.Option(None, "--tasks", help="Comma-separated RULER tasks (default: all 11)."),
+    samples: Optional[int] = typer.Option(None, "--samples", help="Samples per task and length (default 25; "
+                                          "with --from-jsonl: the first N records, default all)."),
+    region: str = typer.Option("filled", "--region", help="Where the needles go: filled (rows the fill fills), "
+                               "tail, or any."),
+    seed: int = typer.Option(0, "--seed", help="Sample and bootstrap seed."),
+    out: Path = typer.Option(..., "--out", help="Result JSON to write."),
+    variants: str = typer.Option("exact,identity,ridge", "--variants", help="Comma-separated: exact, identity, "
+                                 "ridge (ridge needs --maps)."),
+    keep_first: int = typer.Option(1, "--keep-first", help="Leading rows run in full (the attention sink)."),
+    haystack: str = typer.Option("auto", "--haystack", help="noise, essay, or auto (each task's RULER default)."),
+    essay_corpus: str = typer.Option("wiki-leads", "--essay-corpus", help="Essay haystack text: wiki-leads or "
+                                     "shakespeare (evaluation documents)."),
+    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", help="Cap on RULER's generation "
+                                                 "budgets (niah 128, vt 30, cwe 120, fwe 50)."),
+    from_jsonl: Optional[Path] = typer.Option(None, "--from-jsonl", help="Score RULER jsonl records (input, "
+                                              "outputs, length, answer_prefix) instead of generating samples."),
+    chat_template: bool = typer.Option(False, "--chat-template", help="Wrap inputs in the tokenizer's chat "
+                                       "template (default: plain text, as RULER's base template)."),
+    dtype: str = DTYPE, device: str = DEVICE, chunk: int = CHUNK,
+):
+    """RULER's synthetic tasks with needles in filled rows (or the tail): score of exact, identity and ridge."""
+    from ridgefill.evals.ruler import ruler_command
+
+    ruler_command(model=model, maps=maps, split=split, tail=tail, lengths=lengths, tasks=tasks, samples=samples,
+                  region=region, seed=seed, out=out, variants=variants, keep_first=keep_first, chunk=chunk,
+                  dtype=dtype, device=device, haystack=haystack, essay_corpus=essay_corpus,
+                  max_new_tokens=max_new_tokens, from_jsonl=from_jsonl, chat_template=chat_template)
+
+
 def main() -> None:
     """Console-script entry point: one-line errors with exit code 2 instead of tracebacks."""
     try:

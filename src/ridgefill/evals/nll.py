@@ -1,11 +1,12 @@
-"""Teacher-forced negative log-likelihood on the rows that run the full model."""
+"""Teacher-forced negative log-likelihood on the rows that run the full model, and LongPPL's distant-context
+(key) tokens: those whose loss drops sharply when the model sees the full context instead of a short window."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from ridgefill.engine import Engine, FillPlan
+from ridgefill.engine import Cache, Engine, FillPlan
 
 
 def tail_nll(engine: Engine, ids: torch.Tensor, tail: int, fill: FillPlan | None = None) -> torch.Tensor:
@@ -16,3 +17,57 @@ def tail_nll(engine: Engine, ids: torch.Tensor, tail: int, fill: FillPlan | None
     logits = engine.prefill(ids, fill=fill, logits_at=rows).logits  # [B, tail-1, V]
     targets = ids[:, n - tail + 1 :].to(logits.device)
     return F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none")
+
+
+def continuation_nll(engine: Engine, cache: Cache, ids: torch.Tensor) -> torch.Tensor:
+    """Per-token NLL [B, n-1] of ids[:, 1:] when the rows `ids` [B, n] run the full model after `cache`
+    (which they extend: pass a clone to keep it). With `cache` a prefix prefill of rows 0..N-n-1 this scores
+    the same tokens as `tail_nll(engine, whole, n, ...)`."""
+    n = ids.shape[1]
+    logits = engine.prefill(ids, cache=cache, logits_at=range(n - 1)).logits  # [B, n-1, V]
+    targets = ids[:, 1:].to(logits.device)
+    return F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none")
+
+
+def short_context_nll(engine: Engine, ids: torch.Tensor, tail: int, short: int, stride: int,
+                      full_nll: torch.Tensor) -> torch.Tensor:
+    """NLL [tail-1] of the tokens `tail_nll` scores (N-tail+1..N-1 of `ids` [1, N]) when the exact model sees
+    only a short window of the tokens before each, as a fresh sequence starting at position 0.
+
+    Targets are taken in blocks of `stride`; one window per block ends just before the block's last target and
+    starts `short` tokens before its first, so the j-th target of a block sees short + j tokens (short..
+    short+stride-1; stride 1: exactly `short`, one window per target). A target with at most `short` tokens
+    before it sees all of them, so its short-context NLL is its full-context NLL `full_nll` [tail-1]."""
+    n = ids.shape[1]
+    first = n - tail + 1  # the first scored token
+    out = full_nll.detach().float().cpu().clone()
+    start = max(first, short + 1)  # earlier targets see their whole prefix: already in `out`
+    stride = max(1, min(stride, n - start))  # a stride beyond the targets only widens the windows
+    blocks = [(t0, min(t0 + stride, n)) for t0 in range(start, n, stride)]
+    width = short + stride - 1  # window length; the last block's window is right-padded (causal: no effect)
+    rows = list(range(short - 1, short - 1 + stride))  # window rows whose logits predict the block's targets
+    per_batch = max(1, engine.chunk // width)
+    seq = ids[0]
+    for b0 in range(0, len(blocks), per_batch):
+        batch = blocks[b0 : b0 + per_batch]
+        windows = torch.stack([_padded(seq[t0 - short : t1 - 1], width) for t0, t1 in batch])  # [b, width]
+        logits = engine.prefill(windows, logits_at=rows).logits.float()  # [b, stride, V]
+        for (t0, t1), row_logits in zip(batch, logits):
+            k = t1 - t0
+            nll = F.cross_entropy(row_logits[:k], seq[t0:t1].to(row_logits.device), reduction="none")
+            out[t0 - first : t1 - first] = nll.cpu()
+    return out
+
+
+def _padded(window: torch.Tensor, width: int) -> torch.Tensor:
+    """Right-pad a 1-D token window to `width` by repeating its last token."""
+    if len(window) == width:
+        return window
+    return torch.cat([window, window[-1:].expand(width - len(window))])
+
+
+def distant_tokens(full_nll: torch.Tensor, short_nll: torch.Tensor, alpha: float = 2.0,
+                   beta: float = 2.0) -> torch.Tensor:
+    """LongPPL's key tokens, bool like `full_nll`: the full context raises the token's log-prob by more than
+    `alpha` over the short window, and its full-context log-prob is above -`beta`."""
+    return (short_nll - full_nll > alpha) & (full_nll < beta)

@@ -1,0 +1,197 @@
+"""`ridgefill loss`: teacher-forced NLL of each variant on long evaluation passages, on the whole tail and on
+LongPPL's distant-context (key) tokens.
+
+Protocol, per passage of `context` tokens (evaluation documents of --data, cut with data.passages):
+- every variant prefills the passage with its plan (tail T, keep_first rows) and is scored on the tail tokens
+  N-T+1..N-1, each predicted from the row before it; the filled rows are never scored (evals.nll.tail_nll);
+- a tail token is *distant-context* (LongPPL's key token) when the EXACT model's full-context log-prob beats its
+  short-window log-prob by more than alpha and is above -beta. The marking uses the exact model only, so every
+  variant is scored on the same tokens;
+- the short-window loss (evals.nll.short_context_nll) runs the exact model on windows that start `short` tokens
+  before a block of `short_stride` targets (default short // 8): the j-th target of a block sees short + j
+  tokens, within 12.5 % of `short` by default; --short-stride 1 gives every target exactly `short` tokens at
+  the cost of one window per target. Tokens with at most `short` tokens before them see their whole prefix.
+
+Numbers: means over tokens pooled across passages (LongPPL: exp of the mean NLL over all key tokens), and paired
+bootstrap intervals of the differences to exact that resample *passages* (tokens within a passage are not
+independent; a passage is the honest unit). The headline `score` is the mean NLL on distant-context tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ridgefill.console import note, progress_bar, table
+from ridgefill.data import documents_for, load_corpus, passages
+from ridgefill.errors import RidgefillError
+from ridgefill.evals.nll import distant_tokens, short_context_nll, tail_nll
+from ridgefill.results import ResultWriter, maps_info
+from ridgefill.session import VARIANTS, open_session, variant_plans
+from ridgefill.stats import Interval, mean_difference, paired_bootstrap, relative_difference
+
+
+def loss_command(model: str, maps: str | None, split: int | None, tail: int, data: str, context: int, short: int,
+                 short_stride: int | None, samples: int, alpha: float, beta: float, keep_first: int,
+                 variants: str | None, seed: int, chunk: int, dtype: str, device: str, out: str | Path) -> dict:
+    config = dict(locals())  # every option, as passed
+    writer = ResultWriter("loss", config, seed)
+    check_lengths(context, short, short_stride, tail, samples, keep_first)
+    names = parse_variants(variants, maps)
+    session = open_session(model, dtype, device, chunk)
+    check_context(session, context)
+    plans, meta = variant_plans(session, maps, split, tail, range(keep_first), names)
+    texts = evaluation_passages(session.tokenizer, data, context, samples)
+    stride = short_stride or max(1, short // 8)
+    scored = min(tail, context)  # a tail beyond the passage runs every row in full
+    sums = {name: {"tail": [], "distant": []} for name in plans}
+    counts = []
+    engine = session.engine
+    with progress_bar(f"scoring {len(texts)} passages of {context} tokens", len(texts) * (len(plans) + 1)) as advance:
+        for passage in texts:
+            ids = torch.tensor([passage])
+            exact = tail_nll(engine, ids, scored)[0].float().cpu()  # [scored-1]
+            key = distant_tokens(exact, short_context_nll(engine, ids, scored, short, stride, exact), alpha, beta)
+            counts.append(int(key.sum()))
+            advance()
+            for name, plan in plans.items():
+                nll = exact if plan is None else tail_nll(engine, ids, scored, plan)[0].float().cpu()
+                sums[name]["tail"].append(float(nll.sum()))
+                sums[name]["distant"].append(float(nll[key].sum()))
+                advance()
+    results, intervals = summarise(sums, counts, scored - 1, seed)
+    if not sum(counts):
+        note(f"no distant-context tokens in {len(texts)} passages: lower --alpha/--beta, raise --context or "
+             "give more --samples")
+    doc = writer.write(out, session.loaded.info(), maps_info(maps, meta), list(plans), results, intervals,
+                       short_stride_used=stride, scored_tail=scored)
+    print_table(results, intervals, f"NLL on {len(texts)} passages of {context} tokens, tail {scored} "
+                f"({sum(counts)} distant-context tokens, short window {short})")
+    return doc
+
+
+# --- options ------------------------------------------------------------------------------------------
+def check_lengths(context: int, short: int, short_stride: int | None, tail: int, samples: int,
+                  keep_first: int) -> None:
+    if context < 2:
+        raise RidgefillError(f"--context {context} is too small: use at least 2 tokens")
+    if not 1 <= short < context:
+        raise RidgefillError(f"--short {short} must be between 1 and --context - 1 ({context - 1}): the short "
+                             "window must be shorter than the full context")
+    if short_stride is not None and short_stride < 1:
+        raise RidgefillError(f"--short-stride {short_stride} must be at least 1 (1 = exactly --short tokens)")
+    if tail < 2:
+        raise RidgefillError(f"--tail {tail} scores nothing: use at least 2 (the tail's rows predict its tokens)")
+    if samples < 1:
+        raise RidgefillError(f"--samples {samples} must be at least 1")
+    if keep_first < 0:
+        raise RidgefillError(f"--keep-first {keep_first} must be 0 or more")
+
+
+def check_context(session, context: int) -> None:
+    limit = session.engine.adapter.max_positions
+    if limit and context > limit:
+        raise RidgefillError(f"--context {context} exceeds the model's context of {limit}: lower it")
+
+
+def parse_variants(text: str | None, maps) -> tuple[str, ...]:
+    """Comma-separated variant names (default: all, ridge only with --maps). Exact always runs: it marks the
+    distant-context tokens and every difference is taken against it."""
+    if text is None:
+        return tuple(v for v in VARIANTS if v != "ridge" or maps is not None)
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    unknown = [v for v in names if v not in VARIANTS]
+    if not names or unknown:
+        raise RidgefillError(f"--variants '{text}' names unknown variant(s) {unknown}: use {', '.join(VARIANTS)}")
+    return ("exact", *[v for v in VARIANTS if v in names and v != "exact"])
+
+
+def evaluation_passages(tokenizer, data: str, context: int, samples: int) -> list[list[int]]:
+    """Up to `samples` passages of `context` tokens from the evaluation documents of `data`."""
+    texts = passages(tokenizer, documents_for(load_corpus(data), "evaluation"), context, samples)
+    if not texts:
+        raise RidgefillError(f"data '{data}' has no evaluation document of {context} tokens: give longer "
+                             "documents or lower --context")
+    if len(texts) < samples:
+        note(f"note: data '{data}' yields {len(texts)} passages of {context} tokens, not {samples}")
+    return texts
+
+
+# --- summaries ----------------------------------------------------------------------------------------
+def summarise(sums: dict, counts: list[int], tail_tokens: int, seed: int) -> tuple[dict, dict]:
+    """sums: variant -> {"tail": per-passage NLL sums over the tail, "distant": ... over distant tokens};
+    counts: distant tokens per passage; tail_tokens: scored tokens per passage."""
+    n_distant, n_tail = sum(counts), tail_tokens * len(counts)
+    results, intervals = {}, {}
+    exact = sums["exact"]
+    for name, s in sums.items():
+        distant = sum(s["distant"]) / n_distant if n_distant else None
+        mean_tail = sum(s["tail"]) / n_tail
+        results[name] = {
+            "score": distant, "distant_nll": distant, "distant_ppl": _exp(distant), "distant_tokens": n_distant,
+            "tail_nll": mean_tail, "tail_ppl": math.exp(mean_tail), "tail_tokens": n_tail,
+            "per_passage": {"distant_nll_sum": s["distant"], "distant_tokens": counts, "tail_nll_sum": s["tail"]},
+        }
+        if name == "exact":
+            continue
+        per_token = [x / tail_tokens for x in s["tail"]], [x / tail_tokens for x in exact["tail"]]
+        found = {
+            "tail_nll_nats": mean_difference(*per_token, seed=seed),
+            "tail_nll_pct": percent(relative_difference(s["tail"], exact["tail"], seed=seed)),
+        }
+        if n_distant:
+            found["distant_nll_nats"] = pooled_difference(s["distant"], exact["distant"], counts, seed)
+            found["distant_nll_pct"] = percent(relative_difference(s["distant"], exact["distant"], seed=seed))
+        intervals[name] = {metric: interval_dict(iv) for metric, iv in found.items()}
+    return results, intervals
+
+
+def pooled_difference(sums_a, sums_b, counts, seed: int) -> Interval:
+    """Σa/Σn − Σb/Σn over passages (token-pooled mean NLL difference), resampling passages."""
+    def statistic(m):
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return (m["a"] - m["b"]) / m["n"]
+
+    return paired_bootstrap({"a": sums_a, "b": sums_b, "n": counts}, statistic, seed=seed)
+
+
+def percent(interval: Interval) -> Interval:
+    return Interval(100 * interval.estimate, 100 * interval.low, 100 * interval.high, interval.level)
+
+
+def interval_dict(interval: Interval) -> dict:
+    """Interval.to_dict() with NaN (a resample without distant tokens gives one; not JSON) stored as None."""
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in interval.to_dict().items()}
+
+
+def _exp(value: float | None) -> float | None:
+    return None if value is None else math.exp(value)
+
+
+def format_interval(values: dict | None, bounds: bool = True) -> str:
+    """'+0.031 [+0.012, +0.05]' from an interval_dict (bounds=False: the estimate only)."""
+    if not values or values.get("estimate") is None:
+        return "–"
+    text = f"{values['estimate']:+.3g}"
+    if bounds and values.get("low") is not None and values.get("high") is not None:
+        text += f" [{values['low']:+.3g}, {values['high']:+.3g}]"
+    return text
+
+
+def print_table(results: dict, intervals: dict, title: str) -> None:
+    rows = []
+    for name, r in results.items():
+        iv = intervals.get(name, {})
+        rows.append([name, _or_dash(r["distant_nll"]), _or_dash(r["distant_ppl"]),
+                     format_interval(iv.get("distant_nll_nats")), format_interval(iv.get("distant_nll_pct"), False),
+                     r["tail_nll"], format_interval(iv.get("tail_nll_nats")),
+                     format_interval(iv.get("tail_nll_pct"), False)])
+    table(title, ["variant", "distant NLL", "distant PPL", "Δ distant [95% CI]", "Δ distant %", "tail NLL",
+                  "Δ tail [95% CI]", "Δ tail %"], rows)
+
+
+def _or_dash(value):
+    return "–" if value is None else value

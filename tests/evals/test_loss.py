@@ -1,0 +1,123 @@
+"""`ridgefill loss`: distant-context token marking, short-window NLL, the command's JSON and its errors."""
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from typer.testing import CliRunner
+
+from conftest import random_ids, tiny_model
+from ridgefill.cli import app
+from ridgefill.engine import Engine, adapter_for
+from ridgefill.errors import RidgefillError
+from ridgefill.evals.loss import loss_command
+from ridgefill.evals.nll import distant_tokens, short_context_nll, tail_nll
+from tiny_checkpoint import training_text
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """Documents of ~700 tokens; about one in five is an evaluation document."""
+    path = tmp_path_factory.mktemp("data") / "docs.jsonl"
+    lines = training_text(1200, seed=5)
+    docs = [" ".join(lines[i : i + 48]) for i in range(0, len(lines), 48)]
+    path.write_text("\n".join(json.dumps({"text": d}) for d in docs) + "\n")
+    return path
+
+
+def options(**overrides):
+    base = dict(model=None, maps=None, split=3, tail=16, data=None, context=96, short=24, short_stride=None,
+                samples=3, alpha=0.0, beta=100.0, keep_first=1, variants=None, seed=0, chunk=2048, dtype="fp32",
+                device="cpu", out=None)
+    base.update(overrides)
+    return base
+
+
+def test_distant_tokens_known_answer():
+    full = torch.tensor([0.5, 0.5, 1.9, 2.5, 0.1, 1.0, 3.0])
+    short = torch.tensor([3.0, 2.5, 4.0, 6.0, 2.0, 1.0, 9.0])
+    # gain:              2.5  2.0  2.1  3.5  1.9  0.0  6.0   (> 2 strictly)
+    # full log-prob > -2: yes  yes  yes  no   yes  yes  no
+    assert distant_tokens(full, short).tolist() == [True, False, True, False, False, False, False]
+    assert distant_tokens(full, short, alpha=1.5, beta=3.5).tolist() == [True, True, True, True, True, False, True]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine(adapter_for(tiny_model("qwen2")), chunk=16)  # chunk < a few windows: several batches
+
+
+@pytest.mark.parametrize("stride", [1, 3, 64])
+def test_short_context_nll_equals_separate_windows(engine, stride):
+    """Target t of a block starting at t0 (all > short) sees exactly the short + (t - t0) tokens before it, as a
+    fresh sequence; targets with at most `short` tokens before them keep their full-context NLL."""
+    n, tail, short = 28, 20, 10
+    ids = random_ids(n)
+    full = tail_nll(engine, ids, tail)[0]
+    got = short_context_nll(engine, ids, tail, short, stride, full)
+    first, start = n - tail + 1, short + 1
+    used = max(1, min(stride, n - start))
+    for i, t in enumerate(range(first, n)):
+        if t <= short:
+            assert got[i] == full[i]
+            continue
+        seen = short + (t - start) % used
+        logits = engine.prefill(ids[:, t - seen : t]).logits[:, -1]
+        assert abs(float(F.cross_entropy(logits, ids[:, t])) - float(got[i])) < 1e-4, (t, seen)
+
+
+def test_loss_command_json_and_distant_tokens(tiny_checkpoint, corpus, tmp_path):
+    out = tmp_path / "loss.json"
+    r = CliRunner().invoke(app, ["loss", "--model", str(tiny_checkpoint), "--split", "3", "--tail", "16",
+                                 "--data", str(corpus), "--context", "96", "--short", "24", "--samples", "3",
+                                 "--alpha", "0", "--beta", "100", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "NLL on 3 passages of 96 tokens" in r.output  # the table
+    doc = json.loads(out.read_text())
+    for key in ("command", "model", "maps", "config", "variants", "results", "intervals", "seed",
+                "ridgefill_version", "started_at", "duration_s"):
+        assert key in doc
+    assert doc["command"] == "loss" and doc["variants"] == ["exact", "identity"] and doc["maps"] is None
+    assert doc["config"]["context"] == 96 and doc["config"]["short"] == 24 and doc["short_stride_used"] == 3
+    exact, identity = doc["results"]["exact"], doc["results"]["identity"]
+    assert exact["tail_tokens"] == 3 * 15
+    counts = exact["per_passage"]["distant_tokens"]
+    assert len(counts) == 3 and exact["distant_tokens"] == sum(counts) > 0
+    assert exact["score"] == exact["distant_nll"] == pytest.approx(sum(exact["per_passage"]["distant_nll_sum"])
+                                                                    / sum(counts))
+    assert exact["distant_ppl"] == pytest.approx(math.exp(exact["distant_nll"]))
+    assert identity["tail_nll"] != exact["tail_nll"]
+    iv = doc["intervals"]["identity"]
+    assert set(iv) == {"distant_nll_nats", "distant_nll_pct", "tail_nll_nats", "tail_nll_pct"}
+    assert iv["tail_nll_nats"]["estimate"] == pytest.approx(identity["tail_nll"] - exact["tail_nll"])
+    assert iv["distant_nll_nats"]["estimate"] == pytest.approx(identity["distant_nll"] - exact["distant_nll"])
+    assert iv["distant_nll_pct"]["estimate"] == pytest.approx(100 * (identity["distant_nll"] / exact["distant_nll"] - 1))
+    assert iv["tail_nll_nats"]["low"] <= iv["tail_nll_nats"]["estimate"] <= iv["tail_nll_nats"]["high"]
+
+
+def test_tail_covering_the_context_makes_all_variants_identical(tiny_checkpoint, corpus, tmp_path):
+    doc = loss_command(**options(model=str(tiny_checkpoint), data=str(corpus), tail=200, out=tmp_path / "l.json"))
+    assert doc["scored_tail"] == 96
+    exact, identity = doc["results"]["exact"], doc["results"]["identity"]
+    assert exact["tail_tokens"] == 3 * 95
+    assert identity["per_passage"] == exact["per_passage"]
+    assert doc["intervals"]["identity"]["tail_nll_nats"]["estimate"] == 0.0
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(short=96), "--short 96 must be between 1 and --context - 1"),
+    (dict(tail=1), "--tail 1 scores nothing"),
+    (dict(short_stride=0), "--short-stride 0 must be at least 1"),
+    (dict(variants="exact,best"), "unknown variant"),
+    (dict(variants="exact,ridge"), "the ridge variant needs --maps"),
+    (dict(context=5000), "--context 5000 exceeds the model's context of 4096"),
+    (dict(context=4000), "has no evaluation document of 4000 tokens"),
+])
+def test_bad_options_are_one_line_errors(tiny_checkpoint, corpus, tmp_path, overrides, message):
+    kw = options(model=str(tiny_checkpoint), data=str(corpus), out=tmp_path / "l.json", **overrides)
+    with pytest.raises(RidgefillError, match=message.replace("(", r"\(")) as err:
+        loss_command(**kw)
+    assert "\n" not in str(err.value)
+    assert not (tmp_path / "l.json").exists()
