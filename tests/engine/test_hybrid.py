@@ -10,6 +10,12 @@ from ridgefill.engine import Engine, FillPlan, HybridAdapter, IdentityFiller, Or
 from ridgefill.engine.delta_rule import causal_conv, chunk_gated_delta_rule
 
 TOL = 1e-5
+# For caches produced by genuinely different fp32 op orders: filled rows fed transformers' hidden states
+# (another implementation of the same layers), or the delta rule cut at other chunk boundaries. Hidden states
+# then agree to ~1e-5 *relative* (the linear layers' gated RMSNorm normalises small per-head outputs, which
+# amplifies rounding), and keys after the per-head k-norm are O(1), so their absolute gap reaches ~2e-5.
+# Logits (O(0.5)) stay within TOL and are checked at TOL.
+TOL_REORDERED = 1e-4
 
 
 @pytest.fixture(scope="module", params=HYBRID_FAMILIES)
@@ -108,7 +114,7 @@ def test_oracle_maps_are_exact(hybrid_model, split, tail, keep):
     filled = eng.prefill(ids, fill=plan, logits_at="full")
     assert filled.n_filled == 33 - tail - len(keep)
     assert max_diff(filled.logits, exact.logits[:, filled.rows]) <= TOL
-    assert_caches_equal(filled.cache, exact.cache)
+    assert_caches_equal(filled.cache, exact.cache, TOL_REORDERED)
 
 
 def test_identity_fill_changes_states_after_split(hybrid_model):
@@ -160,7 +166,7 @@ def test_chunked_equals_unchunked(hybrid_model, chunk):
     parts = eng.prefill(ids, fill=plan, logits_at="full", chunk=chunk)
     assert torch.equal(whole.rows, parts.rows)
     assert max_diff(whole.logits, parts.logits) <= TOL
-    assert_caches_equal(whole.cache, parts.cache)
+    assert_caches_equal(whole.cache, parts.cache, TOL_REORDERED)
 
 
 # --- 5. the delta rule and the conv ------------------------------------------------------------------------
@@ -234,7 +240,7 @@ def test_filled_range_without_attention_layers(family):
     # the filled rows still reach the tail through the late layers' states
     assert max_diff(filled.logits, exact.logits[:, filled.rows]) > 1e-5
     oracle = FillPlan(OracleFiller(split, hf_hidden(model, ids)), tail=3, keep_rows=(10,))
-    assert_caches_equal(eng.prefill(ids, fill=oracle).cache, exact.cache)
+    assert_caches_equal(eng.prefill(ids, fill=oracle).cache, exact.cache, TOL_REORDERED)
 
 
 # --- StateCache ----------------------------------------------------------------------------------------------

@@ -10,7 +10,9 @@ Per value head, with q and k L2-normalised and q scaled by Dk^-1/2, the gated de
     S_t = a_t S_{t-1} + k_t (beta_t (v_t - a_t S_{t-1}^T k_t))^T,   a_t = exp(g_t);   o_t = S_t^T q_t.
 
 `chunk_gated_delta_rule` evaluates it chunk by chunk (the WY/UT form: one triangular solve per chunk and a
-scan over chunks, never over tokens). On CUDA with flash-linear-attention installed it uses fla's kernel.
+scan over chunks, never over tokens; chunks are `chunk_size` rows, the last one zero-padded, as in transformers'
+torch fallback; a single row takes one recurrent step). On CUDA with flash-linear-attention installed it uses
+fla's kernel.
 """
 
 from __future__ import annotations
@@ -65,19 +67,33 @@ def chunk_gated_delta_rule(
     if kernel is not None:
         return _run_fla(kernel, q, k, v, g, beta, initial_state)
     out_dtype = v.dtype
-    b, n, hk, dk = k.shape
+    b, n, _, dk = k.shape
     hv, dv = v.shape[-2:]
-    if hv != hk:  # grouped value heads: each q/k head serves hv // hk consecutive value heads
-        q, k = (t.repeat_interleave(hv // hk, dim=2) for t in (q, k))
-    q, k, v = (t.transpose(1, 2).float() for t in (q, k, v))  # [B, Hv, n, D]
-    g, beta = (t.transpose(1, 2).float() for t in (g, beta))  # [B, Hv, n]
-    q = l2norm(q) * dk**-0.5
-    k = l2norm(k)
+    q, k, v, g, beta = _heads_first(q, k, v, g, beta)
     state = q.new_zeros(b, hv, dk, dv) if initial_state is None else initial_state.float()
     if n == 0:
-        return v.transpose(1, 2).to(out_dtype), state
+        out = v
+    elif n == 1:  # a decode row: one step of the recurrence
+        out, state = _step(q, k, v, g, beta, state)
+    else:
+        out, state = _chunked(q, k, v, g, beta, state, chunk_size)
+    return out.transpose(1, 2).to(out_dtype), state
 
-    c = max(1, min(chunk_size, n))
+
+def _heads_first(q, k, v, g, beta):
+    """fp32, heads before rows: q, k [B, Hv, n, Dk] (L2-normalised, q scaled by Dk^-1/2), v [B, Hv, n, Dv],
+    g, beta [B, Hv, n]."""
+    hk, hv = k.shape[2], v.shape[2]
+    if hv != hk:  # grouped value heads: each q/k head serves hv // hk consecutive value heads
+        q, k = (t.repeat_interleave(hv // hk, dim=2) for t in (q, k))
+    q, k, v, g, beta = (t.transpose(1, 2).float() for t in (q, k, v, g, beta))
+    return l2norm(q) * q.shape[-1] ** -0.5, l2norm(k), v, g, beta
+
+
+def _chunked(q, k, v, g, beta, state, chunk_size):
+    """Chunk-parallel form (shapes as `_heads_first`; state [B, Hv, Dk, Dv]) -> out [B, Hv, n, Dv], state."""
+    b, hv, n, dv = v.shape
+    c = chunk_size
     pad = (-n) % c  # padded rows: beta = 0 (no write) and g = 0 (no decay), so the state is unchanged
     if pad:
         q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
@@ -105,8 +121,16 @@ def chunk_gated_delta_rule(
         v_new = u[:, :, i] - w[:, :, i] @ state  # [B, Hv, C, Dv] what the state does not yet predict
         out[:, :, i] = q_decayed[:, :, i] @ state + attn[:, :, i] @ v_new
         state = state * chunk_decay[:, :, i] + k_to_end[:, :, i].transpose(-1, -2) @ v_new
-    out = out.reshape(b, hv, n_chunks * c, dv)[:, :, :n]
-    return out.transpose(1, 2).to(out_dtype), state
+    return out.reshape(b, hv, n_chunks * c, dv)[:, :, :n], state
+
+
+def _step(q, k, v, g, beta, state):
+    """One row: q, k [B, H, 1, Dk], v [B, H, 1, Dv], g, beta [B, H, 1], state [B, H, Dk, Dv] (all fp32)."""
+    state = state * g.exp()[..., None]  # [B, H, 1, 1] broadcast: decay
+    k_col = k.transpose(-1, -2)  # [B, H, Dk, 1]
+    delta = (v - k @ state) * beta.unsqueeze(-1)  # [B, H, 1, Dv] correction of what the state predicts
+    state = state + k_col @ delta
+    return q @ state, state  # [B, H, 1, Dv]
 
 
 # --- optional kernel hook (flash-linear-attention) -------------------------------------------------------
