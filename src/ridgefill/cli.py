@@ -106,6 +106,49 @@ def demo(out_dir: Path = typer.Option(Path("runs/demo"), "--out-dir", help="Wher
 
 
 @app.command()
+def longbench(
+    model: str = MODEL,
+    maps: Optional[Path] = typer.Option(None, "--maps", help="Maps file (needed for the ridge variant)."),
+    split: Optional[int] = typer.Option(None, "--split", help="Split S (checked against the maps; needed "
+                                        "without them)."),
+    tail: int = typer.Option(256, "--tail", help="Last prompt rows that run the full model."),
+    data: str = typer.Option(..., "--data", help="LongBench v2 records: .json list or .jsonl file, or a Hub "
+                             "dataset id (THUDM/LongBench-v2)."),
+    mode: str = typer.Option("loglik", "--mode", help="loglik (compare the letters' log-likelihood) or "
+                             "generate (greedy, extract 'The correct answer is (X)')."),
+    max_len: Optional[int] = typer.Option(None, "--max-len", help="Longer prompts keep their first and last "
+                                          "halves (default: the model's context)."),
+    out: Path = typer.Option(..., "--out", help="Result JSON to write."),
+    limit: Optional[int] = typer.Option(None, "--limit", help="Run only the first N questions."),
+    keep_first: int = typer.Option(1, "--keep-first", help="Leading rows run in full (the attention sink)."),
+    seed: int = typer.Option(0, "--seed", help="Bootstrap seed."),
+    variants: str = typer.Option("exact,identity,ridge", "--variants", help="Comma-separated: exact, identity, "
+                                 "ridge."),
+    chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template",
+                                       help="Wrap prompts in the tokenizer's chat template when it has one."),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", help="Tokens to generate (generate mode)."),
+    dtype: str = DTYPE, device: str = DEVICE, chunk: int = CHUNK,
+):
+    """LongBench v2 accuracy (overall, easy/hard, short/medium/long) for exact, identity and ridge prefill."""
+    from ridgefill.evals.longbench import longbench_command
+
+    longbench_command(model=model, maps=maps, split=split, tail=tail, data=data, mode=mode, max_len=max_len,
+                      out=out, limit=limit, keep_first=keep_first, seed=seed, chunk=chunk, dtype=dtype,
+                      device=device, variants=variants, chat_template=chat_template, max_new_tokens=max_new_tokens)
+
+
+@app.command("lm-eval", add_help_option=False,
+             context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def lm_eval(ctx: typer.Context):
+    """lm-evaluation-harness with the `ridgefill` model registered; all arguments go to lm-eval, e.g.
+    --model ridgefill --model_args pretrained=M,maps=MAPS,tail=256 --tasks T (fill=identity,split=S: identity;
+    no maps: exact)."""
+    from ridgefill.evals.lm_eval_model import lm_eval_command
+
+    lm_eval_command(args=list(ctx.args))
+
+
+@app.command()
 def ruler(
     model: str = MODEL,
     maps: Optional[Path] = typer.Option(None, "--maps", help="Maps file (needed for the ridge variant)."),

@@ -1,0 +1,181 @@
+"""The `ridgefill` model for lm-evaluation-harness: any lm-eval task under exact, identity or ridge prefill.
+
+lm-eval 0.4.x discovers no out-of-tree models (its registry is filled from its own model list), so importing
+this module registers the model, and `ridgefill lm-eval ARGS...` runs lm-eval's own CLI after that import:
+
+    ridgefill lm-eval --model ridgefill --model_args pretrained=M,maps=MAPS,tail=256 --tasks T
+    ridgefill lm-eval --model ridgefill --model_args pretrained=M,fill=identity,split=18 --tasks T
+    ridgefill lm-eval --model ridgefill --model_args pretrained=M --tasks T          # exact prefill
+
+model_args: pretrained (a --model spec: alias, folder or Hub id), maps, split, tail (256), keep_first (1),
+fill (exact | identity | ridge; default ridge with maps, else exact), dtype (fp32), chunk (2048),
+max_gen_toks (256). Every request's context is prefilled with the plan; the scored continuation and every
+generated token run the full model. Contexts that share their tokens (a multiple-choice question's options)
+are prefilled once. loglikelihood_rolling is refused: filled rows have no logits to score.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from ridgefill.console import note, progress_bar
+from ridgefill.errors import RidgefillError
+from ridgefill.evals.longbench import continuation_scores
+from ridgefill.session import open_session, variant_plans
+
+try:
+    from lm_eval.api.model import TemplateLM
+    from lm_eval.api.registry import register_model
+    from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
+except ImportError:
+    raise RidgefillError("lm-eval is not installed: pip install lm-eval==0.4.13 (ridgefill's `eval` extra)") from None
+
+FILLS = ("exact", "identity", "ridge")
+
+
+@register_model("ridgefill")
+class RidgefillLM(TemplateLM):
+    def __init__(self, pretrained: str = "smollm2-135m", maps: str | None = None, split: int | None = None,
+                 tail: int = 256, keep_first: int = 1, fill: str | None = None, dtype: str = "fp32",
+                 device: str | None = None, chunk: int = 2048, max_gen_toks: int = 256,
+                 batch_size=None, max_batch_size=None, **unknown) -> None:
+        super().__init__()
+        if unknown:
+            raise RidgefillError(f"unknown model_args {sorted(unknown)} for the ridgefill model: use pretrained, "
+                                 "maps, split, tail, keep_first, fill, dtype, chunk, max_gen_toks")
+        fill = fill or ("ridge" if maps else "exact")
+        if fill not in FILLS:
+            raise RidgefillError(f"unknown fill '{fill}': use {', '.join(FILLS)}")
+        if maps and fill != "ridge":
+            raise RidgefillError(f"maps were given with fill={fill}: drop maps, or use fill=ridge")
+        if int(max_gen_toks) < 1:
+            raise RidgefillError(f"max_gen_toks must be at least 1, got {max_gen_toks}")
+        device = _device(device)
+        self.session = open_session(str(pretrained), dtype, device, int(chunk))
+        split = None if split is None else int(split)
+        self.plan, meta = None, None  # exact
+        if fill != "exact":
+            plans, meta = variant_plans(self.session, maps, split, int(tail), range(int(keep_first)), (fill,))
+            self.plan = plans[fill]
+        self.fill, self.maps_meta = fill, meta
+        self.engine = self.session.engine
+        self.tokenizer = self.session.tokenizer
+        self.max_gen_toks = int(max_gen_toks)
+        self._device = torch.device(device)
+        self._name = str(pretrained)
+
+    # --- what lm-eval asks of a model ------------------------------------------------------------------
+    @property
+    def eot_token_id(self) -> int:
+        return self.tokenizer.eos_token_id
+
+    @property
+    def max_length(self) -> int:
+        return self.engine.adapter.max_positions or 2048
+
+    @property
+    def tokenizer_name(self) -> str:
+        return self._name.replace("/", "__")
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+        """The tokenizer's own special tokens (e.g. a BOS) unless the string already starts with them."""
+        if add_special_tokens is None:
+            bos = self.tokenizer.bos_token
+            add_special_tokens = not (bos and string.startswith(bos))
+        return self.tokenizer(string, add_special_tokens=add_special_tokens)["input_ids"]
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        return self.tokenizer.apply_chat_template(chat_history, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        """Requests with the same context tokens share one prefill; each continuation is scored on a clone."""
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i, (_, context, _) in enumerate(requests):
+            groups.setdefault(tuple(context), []).append(i)
+        answers: list = [None] * len(requests)
+        with progress_bar(f"loglikelihood ({self.fill})", len(requests)) as advance:
+            for context, members in groups.items():
+                continuations = [requests[i][2] for i in members]
+                context = self._fit_context(list(context), max(len(c) for c in continuations))
+                for i, score in zip(members, continuation_scores(self.engine, context, continuations, self.plan)):
+                    answers[i] = score
+                    self.cache_hook.add_partial("loglikelihood", requests[i][0], score)
+                    advance()
+        return answers
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        raise NotImplementedError(
+            "the ridgefill model has no loglikelihood_rolling: filled prompt rows run no late layers and so have no "
+            "logits to score; use a loglikelihood or generate_until task, or `ridgefill loss` for perplexity"
+        )
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        eos = self.tokenizer.decode([self.eot_token_id], skip_special_tokens=False)
+        out = []
+        with progress_bar(f"generate_until ({self.fill})", len(requests)) as advance:
+            for request in requests:
+                context, gen_kwargs = request.args
+                kwargs = normalize_gen_kwargs(dict(gen_kwargs), self.max_gen_toks)
+                if kwargs.get("do_sample"):
+                    raise RidgefillError("the ridgefill model decodes greedily: run with --gen_kwargs do_sample=false")
+                until = handle_stop_sequences(kwargs.get("until"), eos=eos)
+                max_new = int(kwargs["max_gen_toks"])
+                ids = self._fit_context(self.tok_encode(context), max_new)
+                text = self._greedy_until(ids, until, max_new)
+                self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
+                out.append(text)
+                advance()
+        return out
+
+    # --- helpers ------------------------------------------------------------------------------------------
+    def _fit_context(self, context: list[int], reserve: int) -> list[int]:
+        """Keep the last tokens of `context` so that `reserve` more tokens fit the model's context."""
+        room = self.max_length - reserve
+        if room < 1:
+            raise RidgefillError(f"{reserve} continuation tokens leave no room for a context in the model's "
+                                 f"{self.max_length}: shorten the continuation or lower max_gen_toks")
+        return context[-room:]
+
+    def _greedy_until(self, ids: list[int], until: list[str], max_new: int) -> str:
+        """Greedy decoding after the filled prefill, stopping at the end-of-text token, at the first stop
+        sequence (the text is cut before it) or after `max_new` tokens."""
+        pre = self.engine.prefill(torch.tensor([ids]), fill=self.plan, capacity=len(ids) + max_new)
+        token, tokens = int(pre.logits[0, -1].argmax()), []
+        while token != self.eot_token_id:
+            tokens.append(token)
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            if len(tokens) == max_new or any(stop in text for stop in until):
+                break
+            token = int(self.engine.decode_step(pre.cache, torch.tensor([[token]]))[0].argmax())
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        for stop in until:
+            if stop:
+                text = text.split(stop)[0]
+        return text
+
+
+def _device(device: str | None) -> str:
+    """lm-eval's --device (None, cpu, cuda, cuda:0, ...) as ridgefill's cpu or cuda. lm-eval's CLI asks for cuda
+    by default, so like its hf model this falls back to the CPU when no GPU is visible."""
+    if device is None or str(device).startswith("cuda"):
+        if torch.cuda.is_available():
+            return "cuda"
+        if device is not None:
+            note(f"note: --device {device} but no CUDA GPU is visible: running on the CPU")
+        return "cpu"
+    return str(device)
+
+
+def lm_eval_command(args: list[str]) -> None:
+    """lm-eval's own CLI, with the `ridgefill` model registered (this module's import did that)."""
+    from lm_eval.__main__ import cli_evaluate
+
+    saved = sys.argv
+    sys.argv = ["lm-eval", *args]
+    try:
+        cli_evaluate()
+    finally:
+        sys.argv = saved

@@ -1,0 +1,362 @@
+"""LongBench v2 under exact, identity and ridge prefill: four-choice questions over long contexts.
+
+Records carry `_id, domain, sub_domain, difficulty (easy/hard), length (short/medium/long), question,
+choice_A..choice_D, answer (A-D), context`. Each question gets the benchmark's 0-shot prompt (reworded here),
+wrapped in the tokenizer's chat template when it has one (pred.py sends the prompt as a chat message); a
+prompt longer than --max-len tokens keeps its first and last halves (pred.py's middle cut), so the question
+at the end survives. Two ways to answer:
+- generate: greedy decoding after the prefill, then `The correct answer is (X)` (or `... is X`) is extracted;
+- loglik: the prompt ends with the answer lead "The correct answer is (" and the four letters' log-likelihoods
+  are compared; the prompt is prefilled once and every option is scored on a clone of its cache.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ridgefill.console import note, progress_bar, table
+from ridgefill.engine import Engine, FillPlan
+from ridgefill.errors import RidgefillError
+from ridgefill.results import ResultWriter, maps_info
+from ridgefill.session import VARIANTS, open_session, variant_plans
+from ridgefill.stats import mean_difference
+
+LETTERS = ("A", "B", "C", "D")
+DIFFICULTIES = ("easy", "hard")
+LENGTHS = ("short", "medium", "long")
+CATEGORIES = ("overall",) + DIFFICULTIES + LENGTHS
+FIELDS = ("_id", "domain", "sub_domain", "difficulty", "length", "question",
+          "choice_A", "choice_B", "choice_C", "choice_D", "answer", "context")
+MODES = ("loglik", "generate")
+ANSWER_LEAD = "The correct answer is ("
+
+PROMPT = """Please read the text below, then answer the question that follows it.
+
+<text>
+{context}
+</text>
+
+What is the correct answer to this question: {question}
+Choices:
+(A) {choice_A}
+(B) {choice_B}
+(C) {choice_C}
+(D) {choice_D}
+
+Reply in the form "The correct answer is (X)", where X is the letter of your choice."""
+
+
+@dataclass
+class Question:
+    id: str
+    domain: str
+    sub_domain: str
+    difficulty: str
+    length: str
+    question: str
+    choices: tuple[str, str, str, str]
+    answer: str
+    context: str
+
+
+# --- data ----------------------------------------------------------------------------------------------
+def load_questions(spec: str) -> list[Question]:
+    """LongBench v2 questions from a local .json (a list of records) or .jsonl file, or a Hub dataset id."""
+    path = Path(spec).expanduser()
+    if path.is_file():
+        records = _file_records(path)
+    elif not path.exists() and spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
+        records = _hub_records(spec)
+    else:
+        raise RidgefillError(f"--data {spec} is neither a file nor a Hub dataset id: pass a LongBench v2 .json "
+                             "or .jsonl file")
+    questions = [_question(record, where) for record, where in records]
+    if not questions:
+        raise RidgefillError(f"--data {spec} holds no questions: give a file with LongBench v2 records")
+    return questions
+
+
+def _file_records(path: Path) -> list[tuple[object, str]]:
+    """(record, where) pairs; `where` names the file and the line (.jsonl) or record index (.json list)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RidgefillError(f"cannot read {path}: {exc}") from None
+    if path.suffix == ".jsonl":
+        records = []
+        for number, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                records.append((_parse_json(line, f"{path}:{number}"), f"{path}:{number}"))
+        return records
+    if path.suffix == ".json":
+        data = _parse_json(text, str(path))
+        if not isinstance(data, list):
+            raise RidgefillError(f"{path} holds a JSON {type(data).__name__}, not a list of records: give "
+                                 "LongBench v2's data.json (a list) or a .jsonl file")
+        return [(record, f"{path}, record {i}") for i, record in enumerate(data)]
+    raise RidgefillError(f"{path} is neither .json nor .jsonl: give LongBench v2 records in one of those")
+
+
+def _parse_json(text: str, where: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise RidgefillError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno}): fix the record") from None
+
+
+def _hub_records(name: str) -> list[tuple[object, str]]:
+    try:
+        import datasets
+
+        rows = datasets.load_dataset(name, split="train")
+    except Exception as exc:  # offline, unknown or gated: all end the same way for the user
+        raise RidgefillError(f"LongBench data '{name}' could not be loaded from the Hub ({type(exc).__name__}): "
+                             "download data.json from THUDM/LongBench-v2 and pass --data data.json") from None
+    return [(dict(row), f"{name}, record {i}") for i, row in enumerate(rows)]
+
+
+def _question(record, where: str) -> Question:
+    if not isinstance(record, dict):
+        raise RidgefillError(f"{where}: record is a JSON {type(record).__name__}, not an object with LongBench "
+                             "v2 fields")
+    for name in FIELDS:
+        if name not in record:
+            raise RidgefillError(f"{where}: missing field '{name}': every LongBench v2 record needs "
+                                 f"{', '.join(FIELDS)}")
+        if not isinstance(record[name], str):
+            raise RidgefillError(f"{where}: field '{name}' is a {type(record[name]).__name__}, not a string")
+    for name, allowed in (("answer", LETTERS), ("difficulty", DIFFICULTIES), ("length", LENGTHS)):
+        if record[name] not in allowed:
+            raise RidgefillError(f"{where}: field '{name}' is '{record[name]}': use one of {', '.join(allowed)}")
+    choices = tuple(record[f"choice_{letter}"] for letter in LETTERS)
+    return Question(record["_id"], record["domain"], record["sub_domain"], record["difficulty"], record["length"],
+                    record["question"], choices, record["answer"], record["context"])
+
+
+# --- prompts ---------------------------------------------------------------------------------------------
+def prompt_text(question: Question) -> str:
+    """The 0-shot prompt (pred.py strips every field before filling the template)."""
+    choices = {f"choice_{letter}": c.strip() for letter, c in zip(LETTERS, question.choices)}
+    return PROMPT.format(context=question.context.strip(), question=question.question.strip(), **choices)
+
+
+def prompt_ids(tokenizer, question: Question, mode: str, max_len: int, chat: bool) -> list[int]:
+    """Token ids of the prompt (chat-wrapped if `chat`; ending in the answer lead for loglik), cut in the middle
+    to at most `max_len` tokens."""
+    text = prompt_text(question)
+    if chat:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+    if mode == "loglik":
+        text += ANSWER_LEAD
+    ids = tokenizer(text, add_special_tokens=not chat)["input_ids"]
+    return cut_middle(ids, max_len)
+
+
+def cut_middle(ids: list[int], max_len: int) -> list[int]:
+    """First max_len//2 and last max_len - max_len//2 tokens of an over-long sequence (pred.py's cut)."""
+    if len(ids) <= max_len:
+        return list(ids)
+    head = max_len // 2
+    return list(ids[:head]) + list(ids[len(ids) - (max_len - head):])
+
+
+def option_ids(tokenizer) -> list[list[int]]:
+    """The tokens of each letter as it follows the answer lead."""
+    lead = tokenizer(ANSWER_LEAD, add_special_tokens=False)["input_ids"]
+    options = []
+    for letter in LETTERS:
+        whole = tokenizer(ANSWER_LEAD + letter, add_special_tokens=False)["input_ids"]
+        same_prefix = whole[: len(lead)] == lead
+        options.append(whole[len(lead):] if same_prefix else tokenizer(letter, add_special_tokens=False)["input_ids"])
+    return options
+
+
+def extract_answer(response: str) -> str | None:
+    """The letter in `The correct answer is (X)`, else in `The correct answer is X`; None if neither appears."""
+    response = response.replace("*", "")
+    for pattern in (r"The correct answer is \(([A-D])\)", r"The correct answer is ([A-D])"):
+        match = re.search(pattern, response)
+        if match:
+            return match.group(1)
+    return None
+
+
+# --- scoring ---------------------------------------------------------------------------------------------
+def continuation_scores(engine: Engine, context: list[int], continuations: list[list[int]],
+                        plan: FillPlan | None = None) -> list[tuple[float, bool]]:
+    """(log-likelihood, greedy) of each continuation after one shared prefill of `context` (exact if `plan` is
+    None). Continuation rows run the full model on a clone of the context's cache, so the context is prefilled
+    once however many continuations there are; `greedy` says whether greedy decoding would produce it."""
+    longest = max((len(c) for c in continuations), default=0)
+    pre = engine.prefill(torch.tensor([context]), fill=plan, capacity=len(context) + longest)
+    first = pre.logits[0, -1:].float().log_softmax(-1)  # [1, V]: predicts each continuation's first token
+    scores = []
+    for i, cont in enumerate(continuations):
+        if not cont:
+            scores.append((0.0, True))
+            continue
+        logprobs = first
+        if len(cont) > 1:
+            last_use = i == len(continuations) - 1
+            cache = pre.cache if last_use else pre.cache.clone()
+            rest = engine.prefill(torch.tensor([cont[:-1]]), cache=cache, logits_at="full").logits[0]  # [k-1, V]
+            logprobs = torch.cat([first, rest.float().log_softmax(-1)])  # [k, V]
+        target = torch.tensor(cont, device=logprobs.device)
+        total = logprobs.gather(1, target.unsqueeze(1)).sum()
+        scores.append((float(total), bool((logprobs.argmax(-1) == target).all())))
+    return scores
+
+
+def answer_question(engine: Engine, tokenizer, ids: list[int], plan: FillPlan | None, mode: str,
+                    options: list[list[int]] | None, max_new_tokens: int) -> dict:
+    """One variant's answer to one prompt: the predicted letter and what it came from."""
+    if mode == "loglik":
+        logprobs = [s for s, _ in continuation_scores(engine, ids, options, plan)]
+        best = max(range(len(LETTERS)), key=lambda i: logprobs[i])
+        return {"prediction": LETTERS[best], "option_logprobs": logprobs}
+    run = engine.generate(torch.tensor([ids]), max_new_tokens, plan, tokenizer.eos_token_id)
+    response = tokenizer.decode(run.tokens[0], skip_special_tokens=True)
+    return {"prediction": extract_answer(response), "response": response}
+
+
+def summarize(questions: list[Question], answers: list[dict], exact: list[dict] | None) -> dict:
+    """Accuracy (%) overall and per difficulty and length; agreement (%) with exact's predictions."""
+    correct = [a["prediction"] == q.answer for q, a in zip(questions, answers)]
+    accuracy, counts = {}, {}
+    for category, members in category_members(questions).items():
+        counts[category] = len(members)
+        accuracy[category] = 100 * sum(correct[i] for i in members) / len(members) if members else None
+    out = {"score": accuracy["overall"], "accuracy": accuracy, "counts": counts,
+           "unanswered": sum(a["prediction"] is None for a in answers)}
+    if exact is not None:
+        same = [a["prediction"] == e["prediction"] for a, e in zip(answers, exact)]
+        out["agreement_with_exact"] = 100 * sum(same) / len(same)
+        if "option_logprobs" in answers[0]:  # loglik: how far the options' log-likelihoods moved from exact's
+            moved = [abs(x - y) for a, e in zip(answers, exact)
+                     for x, y in zip(a["option_logprobs"], e["option_logprobs"])]
+            out["mean_abs_logprob_change"] = sum(moved) / len(moved)
+    out["per_question"] = [{"id": q.id, "answer": q.answer, "correct": c, **a}
+                           for q, a, c in zip(questions, answers, correct)]
+    return out
+
+
+def category_members(questions: list[Question]) -> dict[str, list[int]]:
+    members = {"overall": list(range(len(questions)))}
+    for category in DIFFICULTIES + LENGTHS:
+        members[category] = [i for i, q in enumerate(questions) if category in (q.difficulty, q.length)]
+    return members
+
+
+def accuracy_intervals(questions: list[Question], results: dict, seed: int) -> dict:
+    """Paired bootstrap interval of each variant's accuracy minus exact's (percentage points), per category."""
+    if "exact" not in results:
+        return {}
+    points = {name: [100.0 * p["correct"] for p in r["per_question"]] for name, r in results.items()}
+    intervals = {}
+    for name in results:
+        if name == "exact":
+            continue
+        intervals[name] = {}
+        for category, members in category_members(questions).items():
+            if members:
+                diff = mean_difference([points[name][i] for i in members], [points["exact"][i] for i in members],
+                                       seed=seed)
+                intervals[name][category] = diff.to_dict()
+    return intervals
+
+
+# --- the command -----------------------------------------------------------------------------------------
+def longbench_command(model, maps, split, tail, data, mode, max_len, out, limit, keep_first, seed, chunk, dtype,
+                      device, variants, chat_template=True, max_new_tokens=128) -> dict:
+    if mode not in MODES:
+        raise RidgefillError(f"unknown --mode '{mode}': use loglik or generate")
+    if limit is not None and limit < 1:
+        raise RidgefillError(f"--limit must be at least 1, got {limit}")
+    if max_len is not None and max_len < 2:
+        raise RidgefillError(f"--max-len must be at least 2 tokens, got {max_len}")
+    if max_new_tokens < 1:
+        raise RidgefillError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+    if keep_first < 0:
+        raise RidgefillError(f"--keep-first must be 0 or more, got {keep_first}")
+    names = parse_variants(variants)
+    if "ridge" in names and maps is None:
+        raise RidgefillError("the ridge variant needs --maps (from ridgefill fit), or drop it from --variants")
+    questions = load_questions(str(data))[:limit]
+    config = {"data": str(data), "mode": mode, "max_len": max_len, "limit": limit, "split": split, "tail": tail,
+              "keep_first": keep_first, "chunk": chunk, "dtype": dtype, "device": device, "variants": names,
+              "chat_template": chat_template, "max_new_tokens": max_new_tokens, "questions": len(questions)}
+    writer = ResultWriter("longbench", config, seed)
+    session = open_session(model, dtype, device, chunk)
+    plans, meta = {"exact": None}, None  # exact alone needs neither maps nor a split
+    if names != ["exact"]:
+        plans, meta = variant_plans(session, None if maps is None else str(maps), split, tail, range(keep_first),
+                                    names)
+    tokenizer = session.tokenizer
+    options = option_ids(tokenizer) if mode == "loglik" else None
+    budget = max(len(o) for o in options) if options else max_new_tokens
+    max_len = _checked_max_len(max_len, budget, session.engine.adapter.max_positions)
+    chat = bool(chat_template and getattr(tokenizer, "chat_template", None))
+    config.update(max_len=max_len, chat_template_used=chat, split=meta["split"] if meta else split)
+    if tail >= max_len:
+        note(f"note: tail {tail} >= --max-len {max_len}: every prompt row runs the full model (exact)")
+    answers = {name: [] for name in plans}
+    lengths = []
+    with progress_bar(f"LongBench v2 ({mode})", len(questions) * len(plans)) as advance:
+        for q in questions:
+            ids = prompt_ids(tokenizer, q, mode, max_len, chat)
+            lengths.append(len(ids))
+            for name, plan in plans.items():
+                answers[name].append(answer_question(session.engine, tokenizer, ids, plan, mode, options,
+                                                     max_new_tokens))
+                advance()
+    config["prompt_tokens"] = {"mean": sum(lengths) / len(lengths), "max": max(lengths)}
+    results = {name: summarize(questions, answers[name], answers.get("exact")) for name in plans}
+    intervals = accuracy_intervals(questions, results, seed)
+    doc = writer.write(out, session.loaded.info(), maps_info(maps, meta), list(plans), results, intervals)
+    _print_table(results, intervals, questions, config)
+    return doc
+
+
+def parse_variants(text) -> list[str]:
+    names = [v.strip() for v in (text.split(",") if isinstance(text, str) else text) if v.strip()]
+    unknown = [v for v in names if v not in VARIANTS]
+    if not names or unknown:
+        raise RidgefillError(f"--variants '{text}' is not a comma-separated list of {', '.join(VARIANTS)}")
+    return list(dict.fromkeys(names))
+
+
+def _checked_max_len(max_len: int | None, budget: int, context: int | None) -> int:
+    """--max-len (default: the model's context minus the answer budget), refused if the prompt plus the
+    answer tokens cannot fit the model's context."""
+    if max_len is None:
+        if context is None:
+            raise RidgefillError("this model declares no context length: pass --max-len")
+        return context - budget
+    if context is not None and max_len + budget > context:
+        raise RidgefillError(f"prompts of up to --max-len {max_len} tokens plus {budget} answer tokens exceed the "
+                             f"model's context of {context}: use --max-len {context - budget} or less")
+    return max_len
+
+
+def _print_table(results: dict, intervals: dict, questions: list[Question], config: dict) -> None:
+    counts = next(iter(results.values()))["counts"]
+    rows = []
+    for name, r in results.items():
+        acc = [r["accuracy"][c] if r["accuracy"][c] is not None else "–" for c in CATEGORIES]
+        iv = intervals.get(name, {}).get("overall")
+        delta = f"{iv['estimate']:+.1f} [{iv['low']:+.1f}, {iv['high']:+.1f}]" if iv else "–"
+        rows.append([name, *acc, delta, r.get("agreement_with_exact", "–")])
+        if config["mode"] == "loglik":
+            rows[-1].append(r.get("mean_abs_logprob_change", "–"))
+    sizes = ", ".join(f"{c} {counts[c]}" for c in CATEGORIES)
+    columns = ["variant", *CATEGORIES, "Δ overall vs exact [95% CI]", "agrees with exact %"]
+    if config["mode"] == "loglik":
+        columns.append("mean |Δ log p| of options vs exact")
+    table(f"LongBench v2 accuracy (%), {config['mode']}, split {config['split']}, tail {config['tail']}, "
+          f"max-len {config['max_len']} — questions: {sizes}", columns, rows)
