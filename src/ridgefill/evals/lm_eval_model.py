@@ -55,11 +55,8 @@ class RidgefillLM(TemplateLM):
         device = _device(device)
         self.session = open_session(str(pretrained), dtype, device, int(chunk))
         split = None if split is None else int(split)
-        self.plan, meta = None, None  # exact
-        if fill != "exact":
-            plans, meta = variant_plans(self.session, maps, split, int(tail), range(int(keep_first)), (fill,))
-            self.plan = plans[fill]
-        self.fill, self.maps_meta = fill, meta
+        plans, meta = variant_plans(self.session, maps, split, int(tail), range(int(keep_first)), (fill,))
+        self.plan, self.fill, self.maps_meta = plans[fill], fill, meta
         self.engine = self.session.engine
         self.tokenizer = self.session.tokenizer
         self.max_gen_toks = int(max_gen_toks)

@@ -293,10 +293,7 @@ def longbench_command(model, maps, split, tail, data, mode, max_len, out, limit,
               "chat_template": chat_template, "max_new_tokens": max_new_tokens, "questions": len(questions)}
     writer = ResultWriter("longbench", config, seed)
     session = open_session(model, dtype, device, chunk)
-    plans, meta = {"exact": None}, None  # exact alone needs neither maps nor a split
-    if names != ["exact"]:
-        plans, meta = variant_plans(session, None if maps is None else str(maps), split, tail, range(keep_first),
-                                    names)
+    plans, meta = variant_plans(session, None if maps is None else str(maps), split, tail, range(keep_first), names)
     tokenizer = session.tokenizer
     options = option_ids(tokenizer) if mode == "loglik" else None
     budget = max(len(o) for o in options) if options else max_new_tokens
