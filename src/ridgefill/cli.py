@@ -98,11 +98,12 @@ def generate(
 
 
 @app.command()
-def demo(out_dir: Path = typer.Option(Path("runs/demo"), "--out-dir", help="Where artifacts and demo.json go.")):
-    """The main job on the embedded model: calibrate, fit, then exact vs identity vs ridge on Shakespeare."""
-    from ridgefill.workflows import demo_command
+def demo(out_dir: Optional[Path] = typer.Option(None, "--out-dir", help="Run folder (default runs/quickstart).")):
+    """The main job on the embedded model: `ridgefill run recipes/quickstart.toml` (calibrate, fit, then exact
+    vs identity vs ridge NLL on Shakespeare, and the report)."""
+    from ridgefill.recipes import run_recipe
 
-    demo_command(out_dir)
+    run_recipe("quickstart", out_dir)
 
 
 @app.command()
@@ -295,6 +296,33 @@ def ruler(
                   region=region, seed=seed, out=out, variants=variants, keep_first=keep_first, chunk=chunk,
                   dtype=dtype, device=device, haystack=haystack, essay_corpus=essay_corpus,
                   max_new_tokens=max_new_tokens, from_jsonl=from_jsonl, chat_template=chat_template)
+
+
+@app.command()
+def run(
+    recipe: str = typer.Argument(..., help="Recipe file (e.g. recipes/quickstart.toml) or a shipped recipe's name."),
+    out_dir: Optional[Path] = typer.Option(None, "--out-dir", help="Run folder (default runs/<recipe name>)."),
+    force: Optional[list[str]] = typer.Option(None, "--force", help="Recompute this step even if its artifacts "
+                                              "are cached (repeatable)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Validate the recipe and list its tasks; run nothing."),
+):
+    """Run a recipe: calibrate → fit → evaluations as one cached pipeline, then write the report."""
+    from ridgefill.recipes import run_recipe
+
+    run_recipe(recipe, out_dir, tuple(force or ()), dry_run)
+
+
+@app.command()
+def report(
+    run_dir: Path = typer.Argument(..., help="Run folder (from `ridgefill run`) or any folder of result JSONs."),
+    tolerance: Optional[float] = typer.Option(None, "--tolerance", help="Retrieval points below exact that still "
+                                              "count as equal quality for the useful split (default: the "
+                                              "recipe's, else 5)."),
+):
+    """Write report.md and PNG plots from the results in a run folder."""
+    from ridgefill.report import write_report
+
+    print(write_report(run_dir, tolerance))
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""The core commands' workflows: calibrate, fit, generate and the demo. cli.py only parses options."""
+"""The core commands' workflows: calibrate, fit and generate. cli.py only parses options."""
 
 from __future__ import annotations
 
@@ -162,12 +162,3 @@ def generate_command(model, maps, split, tail, keep_first, exact, prompt, prompt
         note(f"ttft {r.ttft_s * 1000:.0f} ms, {r.prefill.filled_share:.0%} of {ids.shape[1]} prompt rows filled")
         sys.stdout.write(texts[name] + "\n")
     return texts
-
-
-# --- demo --------------------------------------------------------------------------------------------
-def demo_command(out_dir: Path) -> dict:
-    """Calibrate SmolLM2 on wiki-leads, fit split 18, and compare exact / identity / ridge on the tail NLL
-    of Shakespeare passages."""
-    from ridgefill.demo import run_demo
-
-    return run_demo(Path(out_dir))

@@ -1,0 +1,107 @@
+"""The speed–quality frontier of a sweep over splits (and tails), and the *useful split*.
+
+Per variant (identity, ridge) and tail, each split is one point: its quality (filled-region RULER retrieval and
+distant-context NLL, each beside exact's on the same samples) and its speed (FLOP-limit and measured prefill
+speedup over exact, from bench-ttft). Seeds of one (split, tail) are averaged.
+
+The useful split is the smallest split (the most layers filled, the most speed) whose filled-region retrieval
+stays within `tolerance` points of exact: how much speed the method buys at equal quality.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+FILLS = ("identity", "ridge")
+
+
+@dataclass
+class Point:
+    variant: str
+    split: int
+    tail: int
+    retrieval: float | None = None  # RULER score (0-100), needles in filled rows
+    retrieval_exact: float | None = None
+    distant_nll: float | None = None  # mean NLL on distant-context tokens (tail NLL if the run found none)
+    distant_nll_exact: float | None = None
+    flop_speedup: float | None = None  # exact FLOPs / fill FLOPs at `length`
+    measured_speedup: float | None = None  # exact TTFT / fill TTFT at `length`
+    length: int | None = None  # prompt length of the speedups
+
+    @property
+    def retrieval_drop(self) -> float | None:
+        if self.retrieval is None or self.retrieval_exact is None:
+            return None
+        return self.retrieval_exact - self.retrieval
+
+
+@dataclass
+class Frontier:
+    points: list[Point] = field(default_factory=list)
+    useful: list[tuple[str, int, Point | None]] = field(default_factory=list)  # (variant, tail, useful point)
+
+    @property
+    def splits(self) -> list[int]:
+        return sorted({p.split for p in self.points})
+
+
+def useful_split(points: list[Point], tolerance: float = 5.0) -> Point | None:
+    """The point with the smallest split whose retrieval is within `tolerance` points of exact (None if none is)."""
+    within = [p for p in points if p.retrieval_drop is not None and p.retrieval_drop <= tolerance]
+    return min(within, key=lambda p: p.split) if within else None
+
+
+def frontier(ruler: list, loss: list, bench: list, tolerance: float = 5.0) -> Frontier:
+    """Points from result documents (report.Result objects: .doc, .split, .tail) of ruler (filled region only),
+    loss and bench-ttft; the useful split per (variant, tail) wherever retrieval was measured."""
+    points: dict[tuple, Point] = {}
+
+    def point(variant: str, split, tail) -> Point:
+        return points.setdefault((variant, split, tail), Point(variant, split, tail))
+
+    for (split, tail), docs in _by_config([r for r in ruler if r.config.get("region") == "filled"]).items():
+        for v in FILLS:
+            if all(v in d["results"] and "exact" in d["results"] for d in docs):
+                p = point(v, split, tail)
+                p.retrieval = _mean([d["results"][v]["score"] for d in docs])
+                p.retrieval_exact = _mean([d["results"]["exact"]["score"] for d in docs])
+    for (split, tail), docs in _by_config(loss).items():
+        for v in FILLS:
+            if all(v in d["results"] and "exact" in d["results"] for d in docs):
+                metric = "distant_nll" if all(d["results"]["exact"]["distant_nll"] is not None for d in docs) \
+                    else "tail_nll"
+                p = point(v, split, tail)
+                p.distant_nll = _mean([d["results"][v][metric] for d in docs])
+                p.distant_nll_exact = _mean([d["results"]["exact"][metric] for d in docs])
+    for (split, tail), docs in _by_config(bench).items():
+        for v, (length, flop, measured) in _speedups(docs[0]).items():
+            if v in FILLS or v == "fill":
+                for name in (FILLS if v == "fill" else (v,)):
+                    p = point(name, split, tail)
+                    p.length, p.flop_speedup, p.measured_speedup = length, flop, measured
+    ordered = sorted(points.values(), key=lambda p: (p.variant, p.tail, p.split))
+    useful = []
+    for v in FILLS:
+        for tail in sorted({p.tail for p in ordered if p.variant == v and p.retrieval is not None}):
+            useful.append((v, tail, useful_split([p for p in ordered if p.variant == v and p.tail == tail],
+                                                  tolerance)))
+    return Frontier(ordered, useful)
+
+
+def _by_config(results: list) -> dict[tuple, list[dict]]:
+    out: dict[tuple, list[dict]] = {}
+    for r in results:
+        if r.split is not None and r.tail is not None:
+            out.setdefault((r.split, r.tail), []).append(r.doc)
+    return out
+
+
+def _speedups(doc: dict) -> dict[str, tuple[int | None, float | None, float | None]]:
+    """variant -> (length, FLOP-limit speedup, measured speedup) at the longest length a bench-ttft document
+    measured."""
+    return {}
+
+
+def _mean(values: list[float]) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
