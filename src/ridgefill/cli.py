@@ -325,6 +325,35 @@ def report(
     print(write_report(run_dir, tolerance))
 
 
+@app.command("bench-ttft")
+def bench_ttft(
+    model: str = MODEL,
+    maps: Optional[Path] = typer.Option(None, "--maps", help="Maps file (from ridgefill fit) for the ridge variant."),
+    split: Optional[int] = typer.Option(None, "--split", help="Split S (the maps carry it; identity needs it)."),
+    tail: int = typer.Option(256, "--tail", help="Last prompt rows that run the full model."),
+    lengths: str = typer.Option("1024,2048,4096,8192", "--lengths", help="Prompt lengths (tokens), comma-separated."),
+    repeats: int = typer.Option(5, "--repeats", help="Timed runs of each variant per length (interleaved)."),
+    warmup: int = typer.Option(1, "--warmup", help="Untimed runs of each variant per length, first."),
+    device: str = DEVICE, dtype: str = DTYPE,
+    out: Path = typer.Option(Path("ttft.json"), "--out", help="Result JSON (raw samples included)."),
+    variants: Optional[str] = typer.Option(None, "--variants", help="exact plus identity and/or ridge "
+                                           "(default: all that the options allow)."),
+    data: str = typer.Option("wiki-leads", "--data", help="Prompt text (evaluation documents), or 'random' ids."),
+    keep_first: int = typer.Option(1, "--keep-first", help="Leading rows run in full (the attention sink)."),
+    chunk: int = CHUNK,
+    threads: int = typer.Option(0, "--threads", help="torch CPU threads (0: torch's default)."),
+    projection: str = typer.Option("auto", "--projection", help="Fill projection: auto (Triton on CUDA, else "
+                                   "torch), torch, triton, or layers (per layer, unfused)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of random prompts and bootstrap intervals."),
+):
+    """Time to first token: exact vs filled prefill vs transformers, with the FLOP-limit speedup."""
+    from ridgefill.bench import bench_ttft_command
+
+    bench_ttft_command(model=model, maps=maps, split=split, tail=tail, lengths=lengths, repeats=repeats,
+                       warmup=warmup, device=device, dtype=dtype, out=out, variants=variants, data=data,
+                       keep_first=keep_first, chunk=chunk, threads=threads, projection=projection, seed=seed)
+
+
 def main() -> None:
     """Console-script entry point: one-line errors with exit code 2 instead of tracebacks."""
     try:

@@ -18,6 +18,8 @@ add its `model_type` to `_FAMILIES` (see docs/adding-a-family.md).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -37,6 +39,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
         return x * cos + rotate_half(x) * sin
     x_rot, x_pass = x[..., :rot], x[..., rot:]
     return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
+
+
+@dataclass(frozen=True)
+class KVWeights:
+    """What a layer's K/V of a filled row needs (for the fused fill projection): input RMSNorm, k/v Linear
+    weights ([Hkv*D, H]) and biases, and the per-head k RMSNorm (Qwen3) if any."""
+
+    norm_weight: torch.Tensor  # [H]
+    norm_eps: float
+    k_weight: torch.Tensor  # [Hkv*D, H]
+    k_bias: torch.Tensor | None  # [Hkv*D]
+    v_weight: torch.Tensor
+    v_bias: torch.Tensor | None
+    k_norm_weight: torch.Tensor | None = None  # [D]
+    k_norm_eps: float = 0.0
 
 
 class Adapter:
@@ -103,6 +120,11 @@ class Adapter:
     def attention_scale(self) -> float:
         return self.head_dim**-0.5
 
+    def kv_weights(self, layer: int) -> KVWeights | None:
+        """The K/V weights of an attention layer for the fused fill projection; None: this family has no
+        fused path (filled rows then go through `input_norm` and `key_value` layer by layer)."""
+        return None
+
     def describe(self) -> dict:
         return {
             "family": self.family,
@@ -148,6 +170,16 @@ class DenseAdapter(Adapter):
             k = attn.k_norm(k)
         v = self._heads(attn.v_proj(h_normed), self.n_kv_heads)
         return apply_rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
+
+    def kv_weights(self, layer: int) -> KVWeights:
+        block = self.layers[layer]
+        attn, norm = block.self_attn, block.input_layernorm
+        k_norm = getattr(attn, "k_norm", None)
+        return KVWeights(
+            norm.weight, norm.variance_epsilon, attn.k_proj.weight, attn.k_proj.bias, attn.v_proj.weight,
+            attn.v_proj.bias, None if k_norm is None else k_norm.weight,
+            0.0 if k_norm is None else k_norm.variance_epsilon,
+        )
 
 
 class Qwen2Adapter(DenseAdapter):

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from ridgefill.engine.adapters import Adapter
 from ridgefill.engine.cache import AttentionCache, Cache
 from ridgefill.engine.fillers import Filler
+from ridgefill.engine.projection import FillProjection
 from ridgefill.errors import RidgefillError
 
 # observe(layer, h, positions): h [B, n, H] the input of `layer` (layer = L: the final residual stream)
@@ -83,6 +84,7 @@ class Engine:
     def __init__(self, adapter: Adapter, chunk: int = 2048) -> None:
         self.adapter = adapter
         self.chunk = chunk
+        self.projection = FillProjection(adapter)  # the filled rows' fused K/V projection, weights per split
 
     @property
     def n_layers(self) -> int:
@@ -210,20 +212,16 @@ class Engine:
         rows = _Rows(n, idx_full, idx_fill, positions, cos, sin)
         if len(idx_fill) == 0:
             split = self.n_layers  # nothing to fill in this chunk: every layer runs exactly
-        predicted = None  # [B, nF, L-S-1, H]
-        x_fill = None  # [B, nF, H]
+        filled = None  # FilledRows: what the filled rows bring to each late layer
         for layer in range(self.n_layers):
             if layer == split:
-                x_fill = h[:, idx_fill]
-                if split + 1 < self.n_layers:
-                    predicted = fill.filler.predict(x_fill, positions[idx_fill])
+                filled = self.projection.fill(fill.filler, h[:, idx_fill], positions[idx_fill], rows.cos_fill,
+                                              rows.sin_fill)
                 h = h[:, idx_full]
                 rows = rows.after_split()
             if observe is not None:
                 observe(layer, h, rows.positions_full)
-            fill_in = None
-            if layer >= split:
-                fill_in = x_fill if layer == split else predicted[:, :, layer - split - 1]
+            fill_in = filled.layer(layer) if layer >= split else None
             h = self._layer(layer, h, fill_in, rows, cache, capacity)
         if observe is not None:
             observe(self.n_layers, h, rows.positions_full)
@@ -231,7 +229,8 @@ class Engine:
 
     def _layer(self, layer, h, fill_in, rows, cache, capacity):
         """One decoder layer. h holds the rows that run it ([B, n, H] before the split, [B, nU, H] after);
-        fill_in [B, nF, H] is the predicted input of the filled rows (None before the split)."""
+        fill_in (None before the split): the filled rows' (k, v) [B, Hkv, nF, D] in an attention layer, their
+        predicted input [B, nF, H] in any other."""
         if self.adapter.layer_kind(layer) == "attention":
             return self._attention_layer(layer, h, fill_in, rows, cache[layer], capacity)
         return self._state_layer(layer, h, fill_in, rows, cache[layer])
@@ -241,18 +240,13 @@ class Engine:
         h_normed = a.input_norm(layer, h)
         k, v = a.key_value(layer, h_normed, rows.cos_run, rows.sin_run)  # [B, Hkv, n_run, D]
         if fill_in is not None:
-            k_fill, v_fill = a.key_value(layer, a.input_norm(layer, fill_in), rows.cos_fill, rows.sin_fill)
+            k_fill, v_fill = fill_in
             k, v = rows.merge(k, k_fill, dim=2), rows.merge(v, v_fill, dim=2)
         layer_cache.append(k, v, capacity)
         if h.shape[1] == 0:
             return h
         q, gate = a.query(layer, h_normed, rows.cos_run, rows.sin_run)  # q [B, Hq, n_run, D]
-        attn = F.scaled_dot_product_attention(
-            q, layer_cache.keys, layer_cache.values,
-            attn_mask=_causal_mask(rows.positions_run, layer_cache.length),
-            scale=a.attention_scale,
-            enable_gqa=q.shape[1] != k.shape[1],
-        )
+        attn = rows.attend(q, layer_cache.keys, layer_cache.values, a.attention_scale)
         h = h + a.attention_output(layer, attn, gate)
         return a.mlp_block(layer, h)
 
@@ -281,6 +275,8 @@ class _Rows:
         self.positions_run = positions[run]
         self.cos_run, self.sin_run = cos[:, run], sin[:, run]
         self.cos_fill, self.sin_fill = cos[:, idx_fill], sin[:, idx_fill]
+        self._block: bool | None = None  # are the run rows the chunk's last rows? (found on first use)
+        self._mask: torch.Tensor | None = None  # additive causal mask of the run rows, built once per chunk
 
     @property
     def positions_full(self) -> torch.Tensor:
@@ -299,13 +295,40 @@ class _Rows:
         return out
 
 
-def _causal_mask(query_positions: torch.Tensor, n_keys: int) -> torch.Tensor | None:
-    """[nq, n_keys] bool, True where key position <= query position (None when nothing is masked).
-    Built explicitly: SDPA's is_causal aligns top-left, wrong when queries follow cached keys."""
-    if query_positions.numel() == 1 and int(query_positions[0]) == n_keys - 1:
-        return None
-    keys = torch.arange(n_keys, device=query_positions.device)
-    return keys.unsqueeze(0) <= query_positions.unsqueeze(1)
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+        """Causal attention of the run rows (q [B, Hq, nq, D]) over every cached key [B, Hkv, n_keys, D].
+
+        SDPA's is_causal aligns top-left, right only when the queries are positions 0..n_keys-1. When the
+        queries are the last nq positions (every row before the split; a tail that ends the chunk), the CPU
+        path attends to the cached prefix without a mask and to the block itself causally, and merges the
+        two by their log-sum-exp (no masked work, no mask); any other query set gets an additive mask, built
+        once per chunk and shared by every layer."""
+        nq, n_keys = q.shape[2], keys.shape[2]
+        gqa = q.shape[1] != keys.shape[1]
+        if self._block is None:
+            first, last = self.positions_run[[0, -1]].tolist() if nq else (0, -1)
+            self._block = last == n_keys - 1 and last - first + 1 == nq
+        if self._block and (nq == 1 or nq == n_keys):
+            return F.scaled_dot_product_attention(q, keys, values, is_causal=nq > 1, scale=scale, enable_gqa=gqa)
+        if self._block and q.device.type == "cpu" and hasattr(torch.ops.aten, _FLASH_CPU):
+            return _prefix_then_block(q, keys, values, n_keys - nq, scale)
+        if self._mask is None:
+            later = torch.arange(n_keys, device=q.device).unsqueeze(0) > self.positions_run.unsqueeze(1)
+            self._mask = torch.zeros(later.shape, dtype=q.dtype, device=q.device).masked_fill_(later, float("-inf"))
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=self._mask, scale=scale, enable_gqa=gqa)
+
+
+_FLASH_CPU = "_scaled_dot_product_flash_attention_for_cpu"  # returns (out, logsumexp); takes GQA heads
+
+
+def _prefix_then_block(q, keys, values, prefix: int, scale: float) -> torch.Tensor:
+    """Queries at positions prefix..prefix+nq-1 over keys 0..prefix+nq-1: unmasked attention to the prefix and
+    causal attention within the block, merged by softmax weights from their log-sum-exps."""
+    flash = getattr(torch.ops.aten, _FLASH_CPU)
+    out_p, lse_p = flash(q, keys[:, :, :prefix], values[:, :, :prefix], 0.0, False, scale=scale)[:2]
+    out_b, lse_b = flash(q, keys[:, :, prefix:], values[:, :, prefix:], 0.0, True, scale=scale)[:2]
+    w = torch.sigmoid(lse_p - lse_b).unsqueeze(-1).to(out_p.dtype)  # [B, Hq, nq, 1] share of the prefix
+    return out_b.add_((out_p - out_b).mul_(w))
 
 
 def _cut_at_eos(row: list[int], eos: set[int]) -> list[int]:

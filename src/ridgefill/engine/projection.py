@@ -1,0 +1,205 @@
+"""The fused fill projection: the K/V that a chunk's filled rows write into every late attention layer, computed
+for all those layers at once instead of a loop of small ops per layer.
+
+For split S and the filled rows' split state x [R, H] (R = B·nF rows), with M' = L-S late layers:
+1. inputs Y [M', R, H], layer-major: Y[0] = x (layer S), Y[j] the prediction for layer S+j (a MapFiller's
+   maps as one batched GEMM against their stacked weights; identity fill a stride-0 view of x, no copy);
+2. norm + K/V for the M late *attention* layers: RMSNorm(Y_l)·g_l·Wkv_lᵀ + b_l = r_l ⊙ (Y_l·(g_l∘Wkv_l)ᵀ) + b_l
+   with r_l = rsqrt(mean(Y_l²) + ε) a per-row scale, so the norm weights are folded into the stacked K/V
+   weights once per (engine, split) and the norm becomes a scale of one bmm [M, R, H] @ [M, H, 2·Hkv·D];
+3. k-norm (Qwen3) batched over layers and heads, RoPE once per position for all layers.
+
+Each late attention layer then gets its slice; the engine only writes it into the cache. The result equals the
+per-layer route (adapter.input_norm, then adapter.key_value) up to float rounding. Layers of another kind
+(hybrid linear layers), and every layer of a family whose adapter has no `kv_weights`, take their predicted
+input from Y and run the per-layer route. On CUDA the norm + K/V stage runs as one Triton kernel
+(triton_projection.py); elsewhere this torch path.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ridgefill.engine.adapters import Adapter, apply_rope
+from ridgefill.engine.fillers import Filler, IdentityFiller, MapFiller
+
+BACKENDS = ("auto", "torch", "triton", "layers")
+
+
+@dataclass
+class StackedKV:
+    """The K/V weights of the late attention layers of one split, stacked once (E = Hkv·D)."""
+
+    layers: list[int]  # the late attention layers, ascending
+    index: torch.Tensor | None  # [M] their offsets among the late layers S..L-1 (None: every late layer)
+    weight: torch.Tensor  # [M, H, 2E]: (g_l ∘ Wk_l)ᵀ | (g_l ∘ Wv_l)ᵀ, g_l the layer's input-norm weight
+    bias: torch.Tensor | None  # [M, 1, 2E] (Qwen2)
+    eps: torch.Tensor  # [M, 1, 1] float32 input-norm ε
+    k_norm: torch.Tensor | None  # [M, D] per-head k RMSNorm weights (Qwen3)
+    k_norm_eps: torch.Tensor | None  # [M, 1, 1, 1, 1] float32
+    heads: int  # Hkv
+    head_dim: int  # D
+
+    @property
+    def nbytes(self) -> int:
+        parts = (self.weight, self.bias, self.k_norm)
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+
+
+def stack_kv(adapter: Adapter, split: int) -> StackedKV | None:
+    """Stack the K/V weights of the attention layers in split..L-1; None when there are none or the family
+    exposes no `kv_weights`."""
+    late = list(range(split, adapter.n_layers))
+    layers = [layer for layer in late if adapter.layer_kind(layer) == "attention"]
+    weights = [adapter.kv_weights(layer) for layer in layers]
+    if not layers or any(w is None for w in weights):
+        return None
+    dtype, device = adapter.dtype, adapter.device
+    with torch.no_grad():
+        # k = RMSNorm(y)·g·Wkᵀ: the norm weight scales Wk's columns (input dims); fold it in float32, round once.
+        w = torch.stack([torch.cat([kw.k_weight, kw.v_weight]).float() * kw.norm_weight.float() for kw in weights])
+        weight = w.transpose(1, 2).contiguous().to(dtype)  # [M, H, 2E]
+        bias = None
+        if any(kw.k_bias is not None or kw.v_bias is not None for kw in weights):
+            bias = torch.stack([torch.cat([_or_zeros(kw.k_bias, kw.k_weight), _or_zeros(kw.v_bias, kw.v_weight)])
+                                for kw in weights]).unsqueeze(1).to(dtype)
+        k_norm = k_norm_eps = None
+        if weights[0].k_norm_weight is not None:
+            k_norm = torch.stack([kw.k_norm_weight for kw in weights]).to(dtype)
+            k_norm_eps = torch.tensor([kw.k_norm_eps for kw in weights], device=device).view(-1, 1, 1, 1, 1)
+    eps = torch.tensor([kw.norm_eps for kw in weights], device=device).view(-1, 1, 1)
+    index = None if len(layers) == len(late) else torch.tensor([l - split for l in layers], device=device)
+    return StackedKV(layers, index, weight, bias, eps, k_norm, k_norm_eps, adapter.n_kv_heads, adapter.head_dim)
+
+
+def _or_zeros(bias: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
+    return bias if bias is not None else weight.new_zeros(weight.shape[0])
+
+
+def late_inputs(filler: Filler, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """x [B, nF, H] split state of the filled rows -> [L-S, B·nF, H]: the input of each late layer S..L-1,
+    layer-major (index 0: x itself)."""
+    b, n, h = x.shape
+    flat = x.reshape(b * n, h)
+    m = filler.n_layers - filler.split - 1  # maps: layers S+1..L-1
+    if isinstance(filler, IdentityFiller):
+        return flat.expand(m + 1, b * n, h)
+    out = flat.new_empty(m + 1, b * n, h)
+    out[0] = flat
+    if m == 0:
+        return out
+    if isinstance(filler, MapFiller) and filler.low_rank is None:
+        weights = filler.stacked.view(h, m, h).transpose(0, 1)  # [m, H, H], a view: column block j is map j
+        torch.bmm(flat.expand(m, -1, -1), weights, out=out[1:])
+        out[1:] += filler.biases.unsqueeze(1)
+    elif isinstance(filler, MapFiller):  # W = I + U V: x + (x U) V + b
+        r = filler.v.shape[1]
+        z = (flat @ filler.stacked_u).view(b * n, m, r).transpose(0, 1)  # [m, R, r]
+        torch.bmm(z, filler.v, out=out[1:])
+        out[1:] += flat
+        out[1:] += filler.biases.unsqueeze(1)
+    else:  # any other filler (oracle): its own prediction, made layer-major
+        out[1:] = filler.predict(x, positions).reshape(b * n, m, h).transpose(0, 1)
+    return out
+
+
+def norm_kv_torch(stack: StackedKV, y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """y [M, R, H] inputs of the stack's layers (R = B·n rows), cos/sin [B, n, Dr] -> k, v [M, B, Hkv, n, D]
+    (input norm, K/V projection and bias, k-norm, RoPE)."""
+    m, rows, h = y.shape
+    n, d = rows // batch, stack.head_dim
+    distinct = y[:1] if y.stride(0) == 0 else y  # identity fill: one input shared by every layer
+    ms = torch.linalg.vector_norm(distinct, dim=-1, keepdim=True, dtype=torch.float32).square_().div_(h)
+    scale = torch.rsqrt(ms + stack.eps)  # [M, R, 1] per-row RMSNorm scale
+    kv = torch.bmm(y, stack.weight)  # [M, R, 2E]
+    kv.mul_(scale)
+    if stack.bias is not None:
+        kv.add_(stack.bias)
+    e = stack.heads * d
+    k = kv[..., :e].view(m, batch, n, stack.heads, d)
+    v = kv[..., e:].view(m, batch, n, stack.heads, d)
+    if stack.k_norm is not None:
+        kf = k.float()
+        kf = kf * torch.rsqrt(kf.pow(2).mean(-1, keepdim=True) + stack.k_norm_eps)
+        k = stack.k_norm.view(m, 1, 1, 1, d) * kf.to(k.dtype)
+    return apply_rope(k.transpose(2, 3), cos, sin), v.transpose(2, 3)
+
+
+class FilledRows:
+    """What one chunk's filled rows bring to each late layer l >= S: `layer(l)` gives an attention layer its
+    (k, v) [B, Hkv, nF, D] and any other layer its predicted input [B, nF, H]."""
+
+    def __init__(self, adapter: Adapter, split: int, inputs: torch.Tensor, shape: tuple[int, int, int],
+                 kv: dict[int, tuple[torch.Tensor, torch.Tensor]], cos: torch.Tensor, sin: torch.Tensor) -> None:
+        self.adapter, self.split, self.inputs, self.shape = adapter, split, inputs, shape
+        self.kv, self.cos, self.sin = kv, cos, sin
+
+    def input(self, layer: int) -> torch.Tensor:
+        return self.inputs[layer - self.split].reshape(self.shape)
+
+    def layer(self, layer: int):
+        a = self.adapter
+        if a.layer_kind(layer) != "attention":
+            return self.input(layer)
+        if layer in self.kv:
+            return self.kv[layer]
+        return a.key_value(layer, a.input_norm(layer, self.input(layer)), self.cos, self.sin)  # per-layer route
+
+
+class FillProjection:
+    """Owned by an Engine: the stacked K/V weights of each split it has filled at (built once), and the fused
+    projection of a chunk's filled rows. backend: auto (Triton on CUDA where it applies, else torch), torch,
+    triton, or layers (no fused K/V: every layer takes the per-layer route, the reference). With `timed` set, `elapsed_s` accumulates the wall time spent here (synchronising on CUDA)."""
+
+    def __init__(self, adapter: Adapter, backend: str = "auto") -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"backend {backend!r} not in {BACKENDS}")
+        self.adapter, self.backend = adapter, backend
+        self._stacks: dict[int, StackedKV | None] = {}
+        self.timed, self.elapsed_s = False, 0.0
+
+    def stack(self, split: int) -> StackedKV | None:
+        if split not in self._stacks:
+            self._stacks[split] = stack_kv(self.adapter, split)
+        return self._stacks[split]
+
+    def fill(self, filler: Filler, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+             sin: torch.Tensor) -> FilledRows:
+        """x [B, nF, H] split state of the filled rows at `positions` [nF]; cos/sin [B, nF, Dr] their RoPE."""
+        t0 = self._clock()
+        b, n, _ = x.shape
+        inputs = late_inputs(filler, x, positions)  # [L-S, B·nF, H]
+        kv = {}
+        stack = self.stack(filler.split) if n and self.backend != "layers" else None
+        if stack is not None:
+            y = inputs if stack.index is None else inputs[stack.index]
+            k, v = self._norm_kv(stack, y, cos, sin, b)
+            kv = {layer: (k[j], v[j]) for j, layer in enumerate(stack.layers)}
+        if self.timed:
+            self.elapsed_s += self._clock() - t0
+        return FilledRows(self.adapter, filler.split, inputs, x.shape, kv, cos, sin)
+
+    def _norm_kv(self, stack, y, cos, sin, batch):
+        if self._use_triton(stack, cos):
+            from ridgefill.engine.triton_projection import norm_kv_triton
+
+            return norm_kv_triton(stack, y, cos, sin, batch)
+        return norm_kv_torch(stack, y, cos, sin, batch)
+
+    def _use_triton(self, stack: StackedKV, cos: torch.Tensor) -> bool:
+        if self.backend != "auto":
+            return self.backend == "triton"
+        if cos.device.type != "cuda":  # never import triton for a CPU run
+            return False
+        from ridgefill.engine import triton_projection
+
+        return triton_projection.supports(stack, cos.shape[-1])
+
+    def _clock(self) -> float:
+        if self.timed and self.adapter.device.type == "cuda":
+            torch.cuda.synchronize(self.adapter.device)
+        return time.perf_counter()

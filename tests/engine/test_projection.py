@@ -1,0 +1,179 @@
+"""The fused fill projection equals the per-layer route (input norm, then the adapter's key_value) for every
+dense family and filler; the Triton kernel (run by its interpreter on the CPU) equals the torch path."""
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from conftest import random_ids, tiny_model
+from ridgefill.engine import Engine, FillPlan, IdentityFiller, MapFiller, OracleFiller, adapter_for
+from ridgefill.engine.projection import FillProjection, StackedKV, late_inputs, norm_kv_torch
+
+TOL = 1e-5
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+if HAS_TRITON and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton_projection is imported: kernels run in numpy
+
+
+def random_maps(split, n_layers, hidden, rank=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    m = n_layers - split - 1
+    bias = 0.1 * torch.randn(m, hidden, generator=g)
+    if rank is None:
+        weight = torch.eye(hidden) + 0.1 * torch.randn(m, hidden, hidden, generator=g)
+        return MapFiller(split, n_layers, weight, bias)
+    u = 0.3 * torch.randn(m, hidden, rank, generator=g)
+    v = 0.3 * torch.randn(m, rank, hidden, generator=g)
+    return MapFiller(split, n_layers, None, bias, (u, v))
+
+
+def per_layer_reference(adapter, filler, x, positions, cos, sin):
+    """The route the engine took before fusion: predict, then each layer's input norm and key_value."""
+    predicted = filler.predict(x, positions) if filler.split + 1 < filler.n_layers else None
+    out = {}
+    for layer in range(filler.split, adapter.n_layers):
+        inp = x if layer == filler.split else predicted[:, :, layer - filler.split - 1]
+        out[layer] = adapter.key_value(layer, adapter.input_norm(layer, inp), cos, sin)
+    return out
+
+
+def filled_inputs(adapter, batch=2, n=9, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    x = 2.0 * torch.randn(batch, n, adapter.hidden_size, generator=g)
+    positions = torch.arange(5, 5 + 2 * n, 2)  # filled rows need not be contiguous
+    cos, sin = adapter.rope(positions.unsqueeze(0).expand(batch, n), x)
+    return x, positions, cos, sin
+
+
+def fillers(split, n_layers, hidden):
+    return {"identity": IdentityFiller(split, n_layers), "ridge": random_maps(split, n_layers, hidden),
+            "low-rank": random_maps(split, n_layers, hidden, rank=5)}
+
+
+@pytest.mark.parametrize("split", [2, 5])
+def test_fused_projection_equals_per_layer_route(dense_model, split):
+    adapter = adapter_for(dense_model)
+    x, positions, cos, sin = filled_inputs(adapter)
+    projection = FillProjection(adapter, backend="torch")
+    for name, filler in fillers(split, adapter.n_layers, adapter.hidden_size).items():
+        ref = per_layer_reference(adapter, filler, x, positions, cos, sin)
+        with torch.inference_mode():
+            filled = projection.fill(filler, x, positions, cos, sin)
+        assert sorted(filled.kv) == list(range(split, adapter.n_layers)), name  # every late layer is fused
+        for layer, (k_ref, v_ref) in ref.items():
+            k, v = filled.layer(layer)
+            assert k.shape == k_ref.shape and v.shape == v_ref.shape
+            assert (k - k_ref).abs().max() <= TOL, (name, layer)
+            assert (v - v_ref).abs().max() <= TOL, (name, layer)
+
+
+def test_late_inputs_are_the_fillers_predictions(dense_model):
+    adapter = adapter_for(dense_model)
+    x, positions, _, _ = filled_inputs(adapter)
+    b, n, h = x.shape
+    for name, filler in fillers(2, adapter.n_layers, h).items():
+        y = late_inputs(filler, x, positions)  # [L-S, B*n, H]
+        assert y.shape == (adapter.n_layers - 2, b * n, h)
+        assert torch.equal(y[0], x.reshape(b * n, h))
+        ref = filler.predict(x, positions).permute(2, 0, 1, 3).reshape(-1, b * n, h)
+        assert (y[1:] - ref).abs().max() <= TOL, name
+
+
+def test_engine_prefill_fused_equals_per_layer(dense_model):
+    """Whole filled prefill (chunked, keep rows, batch 2): fused and per-layer routes give the same caches."""
+    ids = random_ids(40, batch=2)
+    fused, reference = Engine(adapter_for(dense_model), chunk=16), Engine(adapter_for(dense_model), chunk=16)
+    reference.projection = FillProjection(reference.adapter, backend="layers")
+    filler = random_maps(3, fused.n_layers, fused.adapter.hidden_size, rank=4)
+    plan = FillPlan(filler, tail=6, keep_rows=(0, 20))
+    a = fused.prefill(ids, fill=plan, logits_at="full")
+    b = reference.prefill(ids, fill=plan, logits_at="full")
+    assert (a.logits - b.logits).abs().max() <= TOL
+    for la, lb in zip(a.cache.layers, b.cache.layers):
+        assert (la.keys - lb.keys).abs().max() <= TOL
+        assert (la.values - lb.values).abs().max() <= TOL
+
+
+def test_oracle_fill_through_the_fused_path_is_exact(dense_model):
+    ids = random_ids(30)
+    eng = Engine(adapter_for(dense_model), chunk=11)
+    exact = eng.prefill(ids, logits_at="full")
+    with torch.no_grad():
+        hidden = dense_model(ids, output_hidden_states=True).hidden_states
+    filled = eng.prefill(ids, fill=FillPlan(OracleFiller(2, hidden), tail=5), logits_at="full")
+    assert (filled.logits - exact.logits[:, filled.rows]).abs().max() <= TOL
+    for la, lb in zip(filled.cache.layers, exact.cache.layers):
+        assert (la.keys - lb.keys).abs().max() <= TOL
+
+
+def test_stacked_weights_are_built_once_per_split(dense_model):
+    eng = Engine(adapter_for(dense_model))
+    plan = FillPlan(IdentityFiller(3, eng.n_layers), tail=4)
+    eng.prefill(random_ids(20), fill=plan)
+    stack = eng.projection.stack(3)
+    eng.prefill(random_ids(20, seed=2), fill=plan)
+    assert eng.projection.stack(3) is stack
+    assert stack.layers == [3, 4, 5] and stack.weight.shape == (3, 64, 2 * 2 * eng.adapter.head_dim)
+    assert stack.nbytes == sum(t.numel() * 4 for t in (stack.weight, stack.bias, stack.k_norm) if t is not None)
+
+
+# --- Triton kernel ------------------------------------------------------------------------------------
+triton_only = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+
+
+def random_stack(m, hidden, heads, head_dim, bias, k_norm, dtype, seed=0):
+    """Stacked K/V weights as FillProjection builds them, random (with a Qwen2 bias and/or a Qwen3 k-norm)."""
+    g = torch.Generator().manual_seed(seed)
+    e = heads * head_dim
+    rnd = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+    return StackedKV(
+        list(range(m)), None, (rnd(m, hidden, 2 * e) / hidden**0.5).to(dtype),
+        (0.5 * rnd(m, 1, 2 * e)).to(dtype) if bias else None, torch.full((m, 1, 1), 1e-6),
+        (1 + 0.1 * rnd(m, head_dim)).to(dtype) if k_norm else None,
+        torch.full((m, 1, 1, 1, 1), 1e-6) if k_norm else None, heads, head_dim)
+
+
+@triton_only
+@pytest.mark.parametrize("bias,k_norm", [(False, False), (True, False), (False, True)])  # llama, qwen2, qwen3
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shared_input", [False, True])  # maps (one input per layer) / identity (stride-0 view)
+def test_triton_kernel_equals_torch_path(bias, k_norm, dtype, shared_input):
+    from ridgefill.engine.triton_projection import norm_kv_triton, supports
+
+    m, hidden, heads, d, batch, n = 3, 96, 2, 32, 2, 37  # hidden and rows not multiples of the blocks
+    stack = random_stack(m, hidden, heads, d, bias, k_norm, dtype)
+    g = torch.Generator().manual_seed(1)
+    if shared_input:
+        y = (2 * torch.randn(batch * n, hidden, generator=g)).to(dtype).expand(m, -1, -1)
+    else:
+        y = (2 * torch.randn(m, batch * n, hidden, generator=g)).to(dtype)
+    angles = torch.rand(batch, n, d // 2, generator=g) * 6.3
+    cos, sin = torch.cat([angles.cos()] * 2, -1).to(dtype), torch.cat([angles.sin()] * 2, -1).to(dtype)
+    assert supports(stack, d)
+    k_ref, v_ref = norm_kv_torch(stack, y, cos, sin, batch)
+    k, v = norm_kv_triton(stack, y, cos, sin, batch)
+    assert k.shape == k_ref.shape == v.shape == (m, batch, heads, n, d)
+    for got, ref in ((k, k_ref), (v, v_ref)):
+        err = (got.float() - ref.float()).abs().max()
+        if dtype == torch.float32:
+            assert err <= TOL
+        else:
+            assert err <= 1e-2 * ref.float().abs().max()
+
+
+@triton_only
+def test_triton_backend_in_the_engine_equals_per_layer():
+    model = tiny_model("qwen2", hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                       num_hidden_layers=4)  # head_dim 32
+    ids = random_ids(24)
+    fused, reference = Engine(adapter_for(model), chunk=16), Engine(adapter_for(model), chunk=16)
+    fused.projection = FillProjection(fused.adapter, backend="triton")
+    reference.projection = FillProjection(reference.adapter, backend="layers")
+    plan = FillPlan(random_maps(2, 4, 128), tail=5, keep_rows=(0,))
+    a, b = fused.prefill(ids, fill=plan), reference.prefill(ids, fill=plan)
+    assert (a.logits - b.logits).abs().max() <= TOL
+    for la, lb in zip(a.cache.layers, b.cache.layers):
+        assert (la.keys - lb.keys).abs().max() <= TOL
+        assert (la.values - lb.values).abs().max() <= TOL
