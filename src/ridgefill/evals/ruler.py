@@ -426,7 +426,8 @@ def summarise(items: list[RulerSample], scores: dict[str, list[float]], seed: in
                           "lengths": {str(c[1]): m for c, m in by_cell.items() if c[0] == t}}
                       for t in dict.fromkeys(c[0] for c in cells)},
             "lengths": {str(n): _mean_of(by_cell, lambda c: c[1] == n) for n in dict.fromkeys(c[1] for c in cells)},
-            "depths": {b: {"score": m, "n": buckets.count(b)} for b, m in sorted(_group_means(values, buckets).items())},
+            "depths": {b: {"score": m, "n": buckets.count(b)}
+                       for b, m in sorted(_group_means(values, buckets).items())},
         }
     intervals = {}
     if "exact" in scores:
