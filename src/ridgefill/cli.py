@@ -149,44 +149,6 @@ def lm_eval(ctx: typer.Context):
     lm_eval_command(args=list(ctx.args))
 
 
-@app.command()
-def ruler(
-    model: str = MODEL,
-    maps: Optional[Path] = typer.Option(None, "--maps", help="Maps file (needed for the ridge variant)."),
-    split: Optional[int] = typer.Option(None, "--split", help="Split S (checked against the maps; needed "
-                                        "without them)."),
-    tail: int = typer.Option(256, "--tail", help="Last prompt rows that run the full model."),
-    lengths: str = typer.Option("4096", "--lengths", help="Comma-separated prompt + generation lengths (tokens)."),
-    tasks: Optional[str] = typer.Option(None, "--tasks", help="Comma-separated RULER tasks (default: all 11)."),
-    samples: Optional[int] = typer.Option(None, "--samples", help="Samples per task and length (default 25; "
-                                          "with --from-jsonl: the first N records, default all)."),
-    region: str = typer.Option("filled", "--region", help="Where the needles go: filled (rows the fill fills), "
-                               "tail, or any."),
-    seed: int = typer.Option(0, "--seed", help="Sample and bootstrap seed."),
-    out: Path = typer.Option(..., "--out", help="Result JSON to write."),
-    variants: str = typer.Option("exact,identity,ridge", "--variants", help="Comma-separated: exact, identity, "
-                                 "ridge (ridge needs --maps)."),
-    keep_first: int = typer.Option(1, "--keep-first", help="Leading rows run in full (the attention sink)."),
-    haystack: str = typer.Option("auto", "--haystack", help="noise, essay, or auto (each task's RULER default)."),
-    essay_corpus: str = typer.Option("wiki-leads", "--essay-corpus", help="Essay haystack text: wiki-leads or "
-                                     "shakespeare (evaluation documents)."),
-    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", help="Cap on RULER's generation "
-                                                 "budgets (niah 128, vt 30, cwe 120, fwe 50)."),
-    from_jsonl: Optional[Path] = typer.Option(None, "--from-jsonl", help="Score RULER jsonl records (input, "
-                                              "outputs, length, answer_prefix) instead of generating samples."),
-    chat_template: bool = typer.Option(False, "--chat-template", help="Wrap inputs in the tokenizer's chat "
-                                       "template (default: plain text, as RULER's base template)."),
-    dtype: str = DTYPE, device: str = DEVICE, chunk: int = CHUNK,
-):
-    """RULER's synthetic tasks with needles in filled rows (or the tail): score of exact, identity and ridge."""
-    from ridgefill.evals.ruler import ruler_command
-
-    ruler_command(model=model, maps=maps, split=split, tail=tail, lengths=lengths, tasks=tasks, samples=samples,
-                  region=region, seed=seed, out=out, variants=variants, keep_first=keep_first, chunk=chunk,
-                  dtype=dtype, device=device, haystack=haystack, essay_corpus=essay_corpus,
-                  max_new_tokens=max_new_tokens, from_jsonl=from_jsonl, chat_template=chat_template)
-
-
 LONG_DATA = typer.Option(..., "--data", help="Text whose evaluation documents are cut into --context passages: "
                          ".txt/.jsonl file or folder, Hub dataset, or 'wiki-leads' / 'shakespeare'.")
 SHORT = typer.Option(512, "--short", help="Short window (tokens) whose loss marks distant-context tokens.")
