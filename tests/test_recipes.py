@@ -3,13 +3,13 @@ cache hits, --force, resume after an interruption) and the manifest."""
 
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from ridgefill import recipes
+from ridgefill.cli import main
 from ridgefill.errors import RidgefillError
 from ridgefill.recipes import Step, load_recipe, plan, run_recipe
 from tiny_checkpoint import training_text
@@ -110,12 +110,13 @@ def test_sweep_plan_shares_calibration_and_fits_each_split():
     assert all(t.needs == f"fit-s{t.split}" and t.kwargs["lengths"] == "2048,4096,8192" for t in ruler)
 
 
-def test_bad_recipe_on_the_command_line_is_one_line_exit_2(tmp_path):
+def test_bad_recipe_on_the_command_line_is_one_line_exit_2(tmp_path, monkeypatch, capsys):
     path = write(tmp_path, BASE + '[ruler]\nlengths = "2k"\n')
-    r = subprocess.run([sys.executable, "-m", "ridgefill", "run", str(path), "--dry-run"], capture_output=True,
-                       text=True, timeout=120)
-    assert r.returncode == 2
-    assert r.stderr.strip() == f'error: {path}: [ruler].lengths: expected a list of integers, got "2k"'
+    monkeypatch.setattr(sys, "argv", ["ridgefill", "run", str(path)])
+    with pytest.raises(SystemExit) as info:
+        main()
+    assert info.value.code == 2
+    assert capsys.readouterr().err.strip() == f'error: {path}: [ruler].lengths: expected a list of integers, got "2k"'
 
 
 # --- the pipeline on a tiny checkpoint ------------------------------------------------------------------
@@ -144,6 +145,11 @@ max-new-tokens = 4
 context = 256
 short = 64
 samples = 2
+
+[bench-ttft]
+lengths = [64]
+repeats = 1
+warmup = 0
 """
 
 
@@ -176,12 +182,16 @@ def metrics(run_dir: Path) -> dict:
         for name in step["hashes"]:
             if name.endswith(".json"):
                 doc = json.loads((run_dir / name).read_text())
+                if doc["command"] == "bench-ttft":  # everything but the clock: FLOPs, filled rows, first tokens
+                    out[step["label"]] = [[e["length"], e["flops"], e["first_token"]] + [
+                        [f["filled_rows"], f["limit_speedup"]] for f in e["fill"].values()] for e in doc["results"]]
+                    continue
                 keep = ("results", "intervals", "layers", "rows", "samples", "mean_error_identity", "mean_error_map")
                 out[step["label"]] = {k: doc[k] for k in keep if k in doc}
     return out
 
 
-LABELS = ["calibrate", "fit-s3", "ruler-s3-t32-seed0", "loss-s3-t32-seed0"]
+LABELS = ["calibrate", "fit-s3", "ruler-s3-t32-seed0", "loss-s3-t32-seed0", "bench-ttft-s3-t32-seed0"]
 
 
 def test_two_runs_from_scratch_give_identical_metrics(tiny_recipe, first_run, tmp_path):
@@ -199,7 +209,7 @@ def test_rerun_reuses_every_step_and_force_recomputes_one(tiny_recipe, first_run
     assert all(s["cached"] for s in again)
     assert [s["hashes"] for s in again] == [s["hashes"] for s in steps(first_run)]
     forced = steps(run_recipe(tiny_recipe, run_dir, force=("loss",)))
-    assert [s["cached"] for s in forced] == [True, True, True, False]
+    assert [s["cached"] for s in forced] == [True, True, True, False, True]
     assert metrics(run_dir) == metrics(first_run)
 
 
@@ -207,7 +217,7 @@ def test_changed_option_recomputes_only_what_depends_on_it(tiny_recipe, first_ru
     run_dir = copy_of(first_run, tmp_path)
     changed = write(tmp_path, tiny_recipe.read_text().replace("samples = 2", "samples = 1").replace(
         '"text.txt"', f'"{tiny_recipe.parent / "text.txt"}"'))
-    assert [s["cached"] for s in steps(run_recipe(changed, run_dir))] == [True, True, True, False]
+    assert [s["cached"] for s in steps(run_recipe(changed, run_dir))] == [True, True, True, False, True]
 
 
 def test_manifest_records_what_reproduces_the_run(tiny_recipe, first_run):
@@ -240,7 +250,7 @@ def test_interrupted_run_resumes_where_it_stopped(tiny_recipe, first_run, tmp_pa
     assert manifest["status"] == "interrupted" and [s["label"] for s in manifest["steps"]] == LABELS[:3]
     assert not list((run_dir / "artifacts").glob("loss-*"))
     monkeypatch.undo()
-    assert [s["cached"] for s in steps(run_recipe(tiny_recipe, run_dir))] == [True, True, True, False]
+    assert [s["cached"] for s in steps(run_recipe(tiny_recipe, run_dir))] == [True, True, True, False, True]
     assert metrics(run_dir) == metrics(first_run)
 
 

@@ -74,6 +74,19 @@ def longbench_doc(split: int, tail: int) -> dict:
             "intervals": intervals}
 
 
+def bench_doc(split: int, tail: int, speedup: float) -> dict:
+    def entry(n: int) -> dict:
+        exact = 0.001 * n
+        timings = {v: {"median_s": exact / (speedup if v != "exact" else 1.0), "p90_s": exact, "min_s": exact}
+                   for v in ("transformers",) + VARIANTS}
+        fill = {v: {"speedup": speedup, "speedup_interval": interval(speedup), "limit_speedup": speedup + 0.5,
+                    "achieved_over_limit": speedup / (speedup + 0.5)} for v in ("identity", "ridge")}
+        return {"length": n, "timings": timings, "fill": fill, "headline_variant": "ridge"}
+
+    return {**common("bench-ttft", split, tail, repeats=3, dtype="fp32", device="cpu"),
+            "results": [entry(1024), entry(4096)], "intervals": {}, "split": split}
+
+
 def write_docs(folder: Path, docs: dict) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     for name, doc in docs.items():
@@ -88,6 +101,7 @@ def full_run(folder: Path) -> Path:
         docs[f"ruler-s{split}.json"] = ruler_doc(split, 256, {"exact": 90.0, "identity": 90.0 - 2 * drop,
                                                               "ridge": 90.0 - drop})
         docs[f"loss-s{split}.json"] = loss_doc(split, 256)
+        docs[f"bench-s{split}.json"] = bench_doc(split, 256, 1.0 + 20.0 / split)
     docs["splice-s15.json"] = splice_doc(15, 256)
     docs["longbench-s15.json"] = longbench_doc(15, 256)
     return write_docs(folder, docs)
@@ -99,16 +113,20 @@ def test_report_has_every_section_and_plot(tmp_path):
     for heading in ("# ridgefill report", "## At a glance", "## Fit: held-out error per layer",
                     "## Distant-context NLL (loss)", "## RULER: retrieval by needle depth and length",
                     "## Splice: which cache component carries the fill's error", "## LongBench v2 accuracy",
+                    "## Time to first token",
                     "## Sweep: speed–quality frontier and the useful split"):
         assert heading in report
     plots = {p.name: p.stat().st_size for p in (run_dir / "plots").iterdir()}
     assert set(plots) == {"fit.png", "loss.png", "ruler-s15-t256.png", "ruler-s20-t256.png", "splice-s15-t256-seed0.png",
-                          "longbench-s15-t256-seed0.png", "frontier.png"}
+                          "longbench-s15-t256-seed0.png", "ttft-s15-t256-seed0.png", "ttft-s20-t256-seed0.png",
+                          "frontier.png"}
     assert all(size > 1000 for size in plots.values())
     for name in plots:
         assert f"(plots/{name})" in report
     # the known answer: ridge drops 12 points at split 15 and 3 at split 20; identity 24 and 6
-    assert "- ridge, tail 256: **split 20**" in report
+    assert "- ridge, tail 256: **split 20**, 2.50x FLOP-limit, 2.00x measured" in report
+    assert "| ridge | 256 | 15 | 2.833 | 2.333 | 4096 | 78 | 90 |" in report  # the frontier point of split 15
+    assert "| 4096 | ridge | 4096 | 2048 | 2.00x [1.90, 2.10] | 2.5 | 0.8 |" in report  # TTFT table of split 20
     assert "- identity, tail 256: no split within 5 points of exact" in report
     assert "- useful split (ridge, tail 256): 20 (retrieval 87.0 vs exact 90.0" in report
     assert "| 15 | 16 | 0.01 | 0.1 | 0.03 |" in report  # per-layer held-out error of the fit

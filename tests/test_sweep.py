@@ -63,3 +63,16 @@ def test_useful_split_on_points(drops, expected):
     points = [Point("ridge", s, 256, retrieval=90.0 - d, retrieval_exact=90.0) for s, d in zip((10, 15, 20), drops)]
     found = useful_split(points, 5.0)
     assert (found.split if found else None) == expected
+
+
+def test_speedups_come_from_the_longest_prompt_bench_ttft_timed():
+    def entry(n, identity, ridge):
+        return {"length": n, "fill": {"identity": {"speedup": identity, "limit_speedup": identity + 1},
+                                      "ridge": {"speedup": ridge, "limit_speedup": ridge + 1}}}
+
+    doc = {"command": "bench-ttft", "split": 15, "maps": {"split": 15}, "seed": 0, "config": {"tail": 256},
+           "results": [entry(8192, 1.8, 1.7), entry(1024, 1.1, 1.0)]}
+    f = frontier(SWEEP, [], [Result(Path("bench.json"), doc)], 5.0)
+    p = {v: next(p for p in f.points if (p.variant, p.split, p.tail) == (v, 15, 256)) for v in ("identity", "ridge")}
+    assert (p["ridge"].length, p["ridge"].measured_speedup, p["ridge"].flop_speedup) == (8192, 1.7, 2.7)
+    assert (p["identity"].measured_speedup, p["identity"].flop_speedup, p["identity"].retrieval) == (1.8, 2.8, 80.0)

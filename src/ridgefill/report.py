@@ -424,11 +424,76 @@ def _longbench(results: list[Result], plots: Path) -> str:
 
 # --- bench-ttft -----------------------------------------------------------------------------------------
 def _ttft(results: list[Result], plots: Path) -> str:
-    return ""
+    if not results:
+        return ""
+    text = ["## Time to first token\n\nMedian wall time from prompt ids to the first token (prefill, caches "
+            "written, first greedy token). FLOP limit: the fill's TTFT if its speedup over exact reached the "
+            "ratio of FLOPs (exact TTFT / FLOP-limit speedup)."]
+    plt = _pyplot()
+    for r in results:
+        entries = sorted(r.doc.get("results", []), key=lambda e: e["length"])
+        if not entries:
+            continue
+        fills = [v for v in _variants(r.doc) if v != "exact"]
+        lengths = [e["length"] for e in entries]
+        fig, ax = plt.subplots(figsize=(6.5, 4))
+        exact_ms = [1000 * e["timings"]["exact"]["median_s"] for e in entries]
+        ax.plot(lengths, exact_ms, "-o", color=COLORS["exact"], label="exact")
+        hf = [1000 * e["timings"]["transformers"]["median_s"] for e in entries if "transformers" in e["timings"]]
+        if len(hf) == len(entries):
+            ax.plot(lengths, hf, ":", color=COLORS["exact"], alpha=0.6, label="transformers forward")
+        rows = []
+        for v in fills:
+            color = COLORS.get(v, "C9")
+            ax.plot(lengths, [1000 * e["timings"][v]["median_s"] for e in entries], "-o", color=color, label=v)
+            limits = [e["fill"][v].get("limit_speedup") for e in entries]
+            if all(limits):
+                ax.plot(lengths, [x / lim for x, lim in zip(exact_ms, limits)], "--", color=color,
+                        label=f"{v}: FLOP limit")
+            rows += [[e["length"], v, 1000 * e["timings"]["exact"]["median_s"], 1000 * e["timings"][v]["median_s"],
+                      _speedup_text(e["fill"][v].get("speedup_interval")), e["fill"][v].get("limit_speedup"),
+                      e["fill"][v].get("achieved_over_limit")] for e in entries]
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(_plain())
+        ax.yaxis.set_minor_formatter(_plain())
+        ax.set_xticks(lengths, [str(n) for n in lengths])
+        ax.set(xlabel="prompt length (tokens)", ylabel="time to first token (ms, median)",
+               title=f"TTFT, {r.label} ({r.config.get('repeats')} repeats, {r.config.get('dtype')} on "
+                     f"{(r.doc.get('device') or {}).get('device', r.config.get('device'))})")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+        name = f"ttft-{r.slug}.png"
+        _save(fig, plots / name)
+        text.append(f"### {r.label}\n\n" + _table(["length", "variant", "exact ms", "fill ms", "speedup [95% CI]",
+                                                     "FLOP-limit speedup", "achieved / limit"], rows)
+                    + f"\n\n{_image(plots, name, 'TTFT vs length')}")
+    return "\n\n".join(text) if len(text) > 1 else ""
+
+
+def _plain():
+    from matplotlib.ticker import FuncFormatter
+
+    return FuncFormatter(lambda v, _: f"{v:g}")
+
+
+def _speedup_text(iv: dict | None) -> str:
+    if not iv or iv.get("estimate") is None:
+        return "–"
+    return f"{iv['estimate']:.2f}x [{iv['low']:.2f}, {iv['high']:.2f}]"
 
 
 def _ttft_glance(r: Result) -> str:
-    return ""
+    entries = r.doc.get("results") or []
+    if not entries:
+        return ""
+    e = max(entries, key=lambda e: e["length"])
+    parts = [f"exact {1000 * e['timings']['exact']['median_s']:.0f} ms"]
+    for v, f in e.get("fill", {}).items():
+        limit = f" (FLOP limit {f['limit_speedup']:.2f}x)" if f.get("limit_speedup") else ""
+        parts.append(f"{v} {1000 * e['timings'][v]['median_s']:.0f} ms, "
+                     f"{_speedup_text(f.get('speedup_interval'))}{limit}")
+    return f"- time to first token at {e['length']} tokens ({r.label}): " + "; ".join(parts)
 
 
 # --- sweep ----------------------------------------------------------------------------------------------

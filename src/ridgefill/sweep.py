@@ -74,11 +74,14 @@ def frontier(ruler: list, loss: list, bench: list, tolerance: float = 5.0) -> Fr
                 p.distant_nll = _mean([d["results"][v][metric] for d in docs])
                 p.distant_nll_exact = _mean([d["results"]["exact"][metric] for d in docs])
     for (split, tail), docs in _by_config(bench).items():
-        for v, (length, flop, measured) in _speedups(docs[0]).items():
-            if v in FILLS or v == "fill":
-                for name in (FILLS if v == "fill" else (v,)):
-                    p = point(name, split, tail)
-                    p.length, p.flop_speedup, p.measured_speedup = length, flop, measured
+        for v in FILLS:
+            found = [_speedup(d, v) for d in docs]
+            found = [f for f in found if f is not None]
+            if found:
+                p = point(v, split, tail)
+                p.length = found[0][0]
+                p.flop_speedup = _mean([f[1] for f in found if f[0] == p.length])
+                p.measured_speedup = _mean([f[2] for f in found if f[0] == p.length])
     ordered = sorted(points.values(), key=lambda p: (p.variant, p.tail, p.split))
     useful = []
     for v in FILLS:
@@ -96,10 +99,15 @@ def _by_config(results: list) -> dict[tuple, list[dict]]:
     return out
 
 
-def _speedups(doc: dict) -> dict[str, tuple[int | None, float | None, float | None]]:
-    """variant -> (length, FLOP-limit speedup, measured speedup) at the longest length a bench-ttft document
-    measured."""
-    return {}
+def _speedup(doc: dict, variant: str) -> tuple[int, float | None, float | None] | None:
+    """(length, FLOP-limit speedup, measured speedup) of `variant` at the longest prompt a bench-ttft document
+    timed; None if it did not time that variant."""
+    entries = [e for e in doc.get("results", []) if variant in e.get("fill", {})]
+    if not entries:
+        return None
+    longest = max(entries, key=lambda e: e["length"])
+    fill = longest["fill"][variant]
+    return longest["length"], fill.get("limit_speedup"), fill.get("speedup")
 
 
 def _mean(values: list[float]) -> float | None:
