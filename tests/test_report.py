@@ -144,7 +144,9 @@ def test_sections_of_missing_steps_are_skipped(tmp_path):
     for absent in ("## RULER", "## Splice", "## LongBench", "## Sweep", "## Steps"):
         assert absent not in report
     assert {p.name for p in (run_dir / "plots").iterdir()} == {"fit.png", "loss.png"}
-    assert "distant-context NLL (split 18, tail 256, seed 0): exact 2, identity 2.4 (+0.4 [+0.35, +0.45])" in report
+    assert "distant-context NLL (split 18, tail 256, seed 0; 40 tokens): exact 2, identity 2.4 (+0.4 [+0.35, +0.45])" \
+        in report
+    assert "tail NLL (split 18, tail 256, seed 0; 1000 tokens): exact 1, identity 1.2 (+0.2 [+0.18, +0.22])" in report
 
 
 def test_manifest_limits_the_report_to_its_artifacts(tmp_path):

@@ -187,11 +187,13 @@ def _glance(by: dict, frontier, tolerance: float) -> str:
                      f"identity fill {r.doc['mean_error_identity']:.3g} → ridge map {r.doc['mean_error_map']:.3g}")
     for r in by["loss"]:
         res, iv = r.doc["results"], r.doc.get("intervals", {})
-        metric = "distant" if res.get("exact", {}).get("distant_nll") is not None else "tail"
-        parts = [f"exact {res['exact'][f'{metric}_nll']:.4g}"] if "exact" in res else []
-        parts += [f"{v} {res[v][f'{metric}_nll']:.4g} ({_iv(iv.get(v, {}).get(f'{metric}_nll_nats'))})"
-                  for v in res if v != "exact"]
-        lines.append(f"- {metric}-context NLL ({r.label}): " + ", ".join(parts))
+        for metric, what in (("distant", "distant-context NLL"), ("tail", "tail NLL")):
+            if "exact" not in res or res["exact"].get(f"{metric}_nll") is None:
+                continue
+            parts = [f"exact {res['exact'][f'{metric}_nll']:.4g}"]
+            parts += [f"{v} {res[v][f'{metric}_nll']:.4g} ({_iv(iv.get(v, {}).get(f'{metric}_nll_nats'))})"
+                      for v in res if v != "exact"]
+            lines.append(f"- {what} ({r.label}; {res['exact'].get(f'{metric}_tokens')} tokens): " + ", ".join(parts))
     for r in by["ruler"]:
         res = r.doc["results"]
         lines.append(f"- RULER score, needles in {r.config.get('region', '?')} rows ({r.label}): "
@@ -254,7 +256,7 @@ def _loss(results: list[Result], plots: Path) -> str:
     plt = _pyplot()
     metrics = [m for m in ("distant", "tail")
                if any(r.doc["results"].get("exact", {}).get(f"{m}_nll") is not None for r in results)]
-    fig, axes = plt.subplots(1, len(metrics), figsize=(1.5 + (1 + 0.9 * len(results)) * len(metrics), 3.8),
+    fig, axes = plt.subplots(1, len(metrics), figsize=(1.5 + (2.2 + 0.9 * len(results)) * len(metrics), 3.8),
                              squeeze=False)
     for ax, metric in zip(axes[0], metrics):
         for g, r in enumerate(results):
