@@ -121,3 +121,15 @@ def test_data_without_enough_tokens_is_refused(tiny_checkpoint, tmp_path):
 def test_version():
     r = CliRunner().invoke(app, ["--version"])
     assert r.exit_code == 0 and r.output.startswith("ridgefill ")
+
+
+def test_identity_kind_reports_identity_error_and_json_is_strict(fitted, tmp_path):
+    stats, _ = fitted
+    out = tmp_path / "id.safetensors"
+    r = CliRunner().invoke(app, ["fit", "--stats", str(stats), "--out", str(out), "--split", "2", "--kind", "identity"])
+    assert r.exit_code == 0, r.output
+    summary = json.loads(Path(str(out) + ".json").read_text(), parse_constant=lambda c: pytest.fail(f"bare {c}"))
+    assert summary["kind"] == "identity"
+    for layer in summary["layers"]:
+        assert layer["error_map"] == layer["error_identity"]
+        assert layer["lam"] is None  # NaN is written as null: strict JSON

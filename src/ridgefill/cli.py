@@ -66,7 +66,7 @@ def fit(
     out: Path = typer.Option(..., "--out", help="Maps file (.safetensors) to write; a JSON summary goes beside it."),
     split: Optional[int] = typer.Option(None, "--split", help="Which split to fit (needed if the stats hold several)."),
     lam: str = typer.Option("auto", "--lam", help="'auto' (per layer, by held-out error) or a λ relative to "
-                            "trace(XᵀX)/H."),
+                            "trace(Pxx)/H (Pxx: the centred XᵀX)."),
     kind: str = typer.Option("ridge", "--kind", help="ridge (fitted maps) or identity (x itself, no fit)."),
     rank: Optional[int] = typer.Option(None, "--rank", help="Keep only the top-r directions of each map's residual."),
 ):

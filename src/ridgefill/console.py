@@ -39,4 +39,4 @@ def _fmt(v) -> str:
 
 
 def note(message: str) -> None:
-    console(stderr=True).print(message, highlight=False)
+    console(stderr=True).print(message, highlight=False, markup=False)

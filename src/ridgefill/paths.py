@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -32,8 +33,21 @@ def atomic_path(path: str | Path):
 
 
 def write_json(path: str | Path, data) -> None:
+    """Strict JSON (NaN and infinities become null), written atomically."""
     with atomic_path(path) as tmp:
-        tmp.write_text(json.dumps(data, indent=2, default=_json_default) + "\n")
+        tmp.write_text(json.dumps(_finite(data), indent=2, default=_json_default, allow_nan=False) + "\n")
+
+
+def _finite(obj):
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    if hasattr(obj, "tolist") and not isinstance(obj, (str, bytes)):
+        return _finite(obj.tolist())
+    return obj
 
 
 def _json_default(obj):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -51,7 +52,8 @@ def calibrate_command(model, data, split, tokens, seq_len, out, resume, holdout,
                      tr.skipped_outliers + va.skipped_outliers])
     table(f"calibration statistics → {out}", ["split", "train rows", "held-out rows", "sink rows skipped",
                                                "outlier rows skipped"], rows)
-    summary = {"command": "calibrate", **cal.meta, "duration_s": time.perf_counter() - started,
+    summary = {"command": "calibrate", **cal.meta, "ridgefill_version": __version__,
+               "duration_s": time.perf_counter() - started,
                "rows": [dict(zip(["split", "train_rows", "val_rows", "skipped_first", "skipped_outliers"], r))
                         for r in rows]}
     write_json(Path(str(out) + ".json"), summary)
@@ -79,11 +81,15 @@ def fit_command(stats, out, split, lam, kind, rank) -> dict:
         raise RidgefillError(f"--rank {rank} is out of range: use 1..{hidden - 1}")
     if train.count < 2:
         raise RidgefillError(f"{stats} has only {train.count} training rows for split {split}: calibrate on more tokens")
+    if kind == "identity":
+        lam_value = 1.0  # no map is fitted; the pass only measures identity fill's held-out error
     if lam_value == "auto" and val.count == 0:
         raise RidgefillError("--lam auto needs held-out rows: calibrate with --holdout > 0 or pass --lam 1e-3")
     n_maps = meta["n_layers"] - split - 1
     with progress_bar(f"fitting split {split}", n_maps) as advance:
         fits = fit_split(train, val if val.count else None, lam_value, rank, advance)
+    if kind == "identity":  # the stored map is x itself: its error is identity fill's
+        fits = [replace(f, error_map=f.error_identity, error_full_rank=f.error_identity, lam=math.nan) for f in fits]
     base = {k: meta[k] for k in ("model", "data", "tokens", "seq_len")}
     save_maps(out, split, meta["n_layers"], fits, {**base, "stats": str(stats), "rank": rank}, kind)
     rows = [[f.layer, f.lam, f.error_identity, f.error_map] for f in fits]
