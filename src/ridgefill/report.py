@@ -134,6 +134,11 @@ def _iv(values: dict | None, scale: float = 1.0, unit: str = "") -> str:
     return text
 
 
+def _nan(v) -> float:
+    """JSON null (a NaN the command could not store) back to NaN for plotting."""
+    return math.nan if v is None else v
+
+
 def _image(plots: Path, name: str, alt: str) -> str:
     return f"![{alt}]({plots.name}/{name})"
 
@@ -184,7 +189,8 @@ def _glance(by: dict, frontier, tolerance: float) -> str:
     lines = []
     for r in by["fit"]:
         lines.append(f"- held-out error of the late layers' inputs (split {r.doc['split']}, mean over layers): "
-                     f"identity fill {r.doc['mean_error_identity']:.3g} → ridge map {r.doc['mean_error_map']:.3g}")
+                     f"identity fill {_cell(r.doc.get('mean_error_identity'))} → {r.doc.get('kind', 'ridge')} map "
+                     f"{_cell(r.doc.get('mean_error_map'))}")
     for r in by["loss"]:
         res, iv = r.doc["results"], r.doc.get("intervals", {})
         for metric, what in (("distant", "distant-context NLL"), ("tail", "tail NLL")):
@@ -230,9 +236,10 @@ def _fit(fits: list[Result], plots: Path) -> str:
         layers = r.doc["layers"]
         color = f"C{i}"
         xs = [x["layer"] for x in layers]
-        ax.plot(xs, [x["error_identity"] for x in layers], "--o", color=color, ms=3,
+        ax.plot(xs, [_nan(x["error_identity"]) for x in layers], "--o", color=color, ms=3,
                 label=f"identity, split {r.doc['split']}")
-        ax.plot(xs, [x["error_map"] for x in layers], "-o", color=color, ms=3, label=f"ridge, split {r.doc['split']}")
+        ax.plot(xs, [_nan(x["error_map"]) for x in layers], "-o", color=color, ms=3,
+                label=f"{r.doc.get('kind', 'ridge')} map, split {r.doc['split']}")
         rows += [[r.doc["split"], x["layer"], x["lam"], x["error_identity"], x["error_map"]] for x in layers]
     ax.set(xlabel="layer", ylabel="held-out relative error ‖Ŷ−Y‖²/‖Y−Ȳ‖²",
            title="late layers' input predicted from the split state")
