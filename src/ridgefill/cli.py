@@ -123,8 +123,8 @@ def longbench(
     limit: Optional[int] = typer.Option(None, "--limit", help="Run only the first N questions."),
     keep_first: int = typer.Option(1, "--keep-first", help="Leading rows run in full (the attention sink)."),
     seed: int = typer.Option(0, "--seed", help="Bootstrap seed."),
-    variants: str = typer.Option("exact,identity,ridge", "--variants", help="Comma-separated: exact, identity, "
-                                 "ridge."),
+    variants: Optional[str] = typer.Option(None, "--variants", help="Comma-separated: exact, identity, ridge "
+                                           "(default: all; ridge only with --maps)."),
     chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template",
                                        help="Wrap prompts in the tokenizer's chat template when it has one."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", help="Tokens to generate (generate mode)."),
@@ -237,8 +237,8 @@ def ruler(
                                "tail, or any."),
     seed: int = typer.Option(0, "--seed", help="Sample and bootstrap seed."),
     out: Path = typer.Option(..., "--out", help="Result JSON to write."),
-    variants: str = typer.Option("exact,identity,ridge", "--variants", help="Comma-separated: exact, identity, "
-                                 "ridge (ridge needs --maps)."),
+    variants: Optional[str] = typer.Option(None, "--variants", help="Comma-separated: exact, identity, ridge "
+                                           "(default: all; ridge only with --maps)."),
     keep_first: int = typer.Option(1, "--keep-first", help="Leading rows run in full (the attention sink)."),
     haystack: str = typer.Option("auto", "--haystack", help="noise, essay, or auto (each task's RULER default)."),
     essay_corpus: str = typer.Option("wiki-leads", "--essay-corpus", help="Essay haystack text: wiki-leads or "

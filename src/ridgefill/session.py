@@ -73,6 +73,21 @@ def parse_splits(text: str, n_layers: int) -> list[int]:
 VARIANTS = ("exact", "identity", "ridge")
 
 
+def parse_variants(text, maps) -> list[str]:
+    """--variants: comma-separated names (or a list). Default: every variant, ridge only with --maps.
+    Exact always runs, first: every difference is taken against it."""
+    if text is None:
+        return [v for v in VARIANTS if v != "ridge" or maps is not None]
+    names = [v.strip() for v in (text.split(",") if isinstance(text, str) else text) if v.strip()]
+    unknown = [v for v in names if v not in VARIANTS]
+    if not names or unknown:
+        raise RidgefillError(f"--variants '{text}' names unknown variant(s) {unknown}: use {', '.join(VARIANTS)}")
+    if "ridge" in names and maps is None:
+        raise RidgefillError("the ridge variant needs --maps (from ridgefill fit): pass it, or drop ridge from "
+                             "--variants")
+    return ["exact", *[v for v in VARIANTS if v in names and v != "exact"]]
+
+
 def variant_plans(session: Session, maps: str | None, split: int | None, tail: int, keep_rows=(),
                   variants=VARIANTS) -> tuple[dict[str, FillPlan | None], dict | None]:
     """The plans measured side by side: exact (None), identity fill and the fitted maps, at one split and tail.

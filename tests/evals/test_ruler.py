@@ -200,7 +200,8 @@ def test_command_from_jsonl(tmp_path, tiny_checkpoint):
     path.write_text(json.dumps(ruler_record()) + "\n")
     doc = ruler_command(model=str(tiny_checkpoint), split=3, variants="identity", tail=8, from_jsonl=path,
                         max_new_tokens=2, out=tmp_path / "r.json")
-    assert doc["config"]["region_enforced"] is False and doc["intervals"] == {}
+    assert doc["variants"] == ["exact", "identity"]  # exact always runs: differences are taken against it
+    assert doc["config"]["region_enforced"] is False and set(doc["intervals"]) == {"identity"}
     (sample,) = doc["samples"]
     assert sample["length"] == 128 and sample["tail_start"] == sample["n_tokens"] - 8
     assert json.loads((tmp_path / "r.json").read_text())["results"]["identity"]["tasks"]["niah_single_1"]
@@ -215,8 +216,8 @@ def test_bad_input_is_refused_before_model_work(tmp_path, tiny_checkpoint):
         ruler_command(model="/nonexistent", split=3, tasks="niah,vt", out=out)
     with pytest.raises(RidgefillError, match="length 8192 exceeds the model's context of 4096"):
         ruler_command(model=str(tiny_checkpoint), split=3, lengths="1024,8192", variants="exact,identity", out=out)
-    with pytest.raises(RidgefillError, match="ridge variant needs --maps"):
-        ruler_command(model=str(tiny_checkpoint), split=3, lengths="1024", out=out)
+    with pytest.raises(RidgefillError, match="ridge variant needs --maps"):  # before the model loads
+        ruler_command(model="/nonexistent", split=3, lengths="1024", variants="exact,ridge", out=out)
     assert not out.exists()
 
 

@@ -23,7 +23,7 @@ from ridgefill.console import note, progress_bar, table
 from ridgefill.engine import Engine, FillPlan
 from ridgefill.errors import RidgefillError
 from ridgefill.results import ResultWriter, maps_info
-from ridgefill.session import VARIANTS, open_session, variant_plans
+from ridgefill.session import open_session, parse_variants, variant_plans
 from ridgefill.stats import mean_difference
 
 LETTERS = ("A", "B", "C", "D")
@@ -284,9 +284,7 @@ def longbench_command(model, maps, split, tail, data, mode, max_len, out, limit,
         raise RidgefillError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
     if keep_first < 0:
         raise RidgefillError(f"--keep-first must be 0 or more, got {keep_first}")
-    names = parse_variants(variants)
-    if "ridge" in names and maps is None:
-        raise RidgefillError("the ridge variant needs --maps (from ridgefill fit), or drop it from --variants")
+    names = parse_variants(variants, maps)
     questions = load_questions(str(data))[:limit]
     config = {"data": str(data), "mode": mode, "max_len": max_len, "limit": limit, "split": split, "tail": tail,
               "keep_first": keep_first, "chunk": chunk, "dtype": dtype, "device": device, "variants": names,
@@ -318,14 +316,6 @@ def longbench_command(model, maps, split, tail, data, mode, max_len, out, limit,
     doc = writer.write(out, session.loaded.info(), maps_info(maps, meta), list(plans), results, intervals)
     _print_table(results, intervals, questions, config)
     return doc
-
-
-def parse_variants(text) -> list[str]:
-    names = [v.strip() for v in (text.split(",") if isinstance(text, str) else text) if v.strip()]
-    unknown = [v for v in names if v not in VARIANTS]
-    if not names or unknown:
-        raise RidgefillError(f"--variants '{text}' is not a comma-separated list of {', '.join(VARIANTS)}")
-    return list(dict.fromkeys(names))
 
 
 def _checked_max_len(max_len: int | None, budget: int, context: int | None) -> int:

@@ -30,7 +30,7 @@ from ridgefill.data import documents_for, load_corpus, passages
 from ridgefill.errors import RidgefillError
 from ridgefill.evals.nll import distant_tokens, short_context_nll, tail_nll
 from ridgefill.results import ResultWriter, maps_info
-from ridgefill.session import VARIANTS, open_session, variant_plans
+from ridgefill.session import open_session, parse_variants, variant_plans
 from ridgefill.stats import Interval, mean_difference, paired_bootstrap, relative_difference
 
 
@@ -95,18 +95,6 @@ def check_context(session, context: int) -> None:
     limit = session.engine.adapter.max_positions
     if limit and context > limit:
         raise RidgefillError(f"--context {context} exceeds the model's context of {limit}: lower it")
-
-
-def parse_variants(text: str | None, maps) -> tuple[str, ...]:
-    """Comma-separated variant names (default: all, ridge only with --maps). Exact always runs: it marks the
-    distant-context tokens and every difference is taken against it."""
-    if text is None:
-        return tuple(v for v in VARIANTS if v != "ridge" or maps is not None)
-    names = [v.strip() for v in text.split(",") if v.strip()]
-    unknown = [v for v in names if v not in VARIANTS]
-    if not names or unknown:
-        raise RidgefillError(f"--variants '{text}' names unknown variant(s) {unknown}: use {', '.join(VARIANTS)}")
-    return ("exact", *[v for v in VARIANTS if v in names and v != "exact"])
 
 
 def evaluation_passages(tokenizer, data: str, context: int, samples: int) -> list[list[int]]:

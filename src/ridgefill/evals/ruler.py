@@ -352,7 +352,7 @@ DEPTH_BUCKETS = 5  # needle depth buckets of 20 %
 
 def ruler_command(model: str = "smollm2-135m", maps=None, split: int | None = None, tail: int = 256,
                   lengths: str = "4096", tasks: str | None = None, samples: int | None = None,
-                  region: str = "filled", seed: int = 0, out="ruler.json", variants: str = "exact,identity,ridge",
+                  region: str = "filled", seed: int = 0, out="ruler.json", variants: str | None = None,
                   keep_first: int = 1, chunk: int = 2048, dtype: str = "fp32", device: str = "cpu",
                   haystack: str = "auto", essay_corpus: str = "wiki-leads", max_new_tokens: int | None = None,
                   from_jsonl=None, chat_template: bool = False) -> dict:
@@ -360,9 +360,9 @@ def ruler_command(model: str = "smollm2-135m", maps=None, split: int | None = No
     config = {k: str(v) if isinstance(v, Path) else v for k, v in locals().items()}
     from ridgefill.console import progress_bar
     from ridgefill.results import ResultWriter, maps_info
-    from ridgefill.session import open_session, variant_plans
+    from ridgefill.session import open_session, parse_variants, variant_plans
 
-    names = [v.strip() for v in variants.split(",") if v.strip()]
+    names = parse_variants(variants, maps)
     task_names = _parse_tasks(tasks)
     length_list = _parse_lengths(lengths)
     if samples is not None and samples < 1 or max_new_tokens is not None and max_new_tokens < 1:
