@@ -152,6 +152,18 @@ def test_bad_input_is_one_line(tiny_checkpoint, tmp_path, options, message):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")
+def test_triton_projection_needs_cuda_or_the_interpreter(tiny_checkpoint, tmp_path, monkeypatch):
+    kwargs = dict(model=str(tiny_checkpoint), split=2, lengths="16", repeats=1, out=tmp_path / "t.json",
+                  data="random", projection="triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(RidgefillError, match="runs on CUDA|needs triton"):
+        bench_ttft_command(**kwargs)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the tiny checkpoint's head_dim 16 is too small for the kernel
+    with pytest.raises(RidgefillError, match="does not apply to this model"):
+        bench_ttft_command(**kwargs)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")
 def test_cuda_without_gpu_exits_2_with_one_line(tiny_checkpoint, tmp_path):
     exe = Path(sys.executable).parent / "ridgefill"
     proc = subprocess.run([str(exe), "bench-ttft", "--model", str(tiny_checkpoint), "--split", "2", "--device",

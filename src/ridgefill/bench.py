@@ -18,6 +18,8 @@ speedup is exact FLOPs over filled FLOPs; `achieved_over_limit` is the measured 
 from __future__ import annotations
 
 import gc
+import importlib.util
+import os
 import platform
 import time
 from dataclasses import asdict, dataclass
@@ -103,24 +105,27 @@ def bench_ttft_command(model="smollm2-135m", maps=None, split=None, tail=256, le
         raise RidgefillError(f"unknown --projection '{projection}': use one of {', '.join(BACKENDS)}")
     if threads < 0:
         raise RidgefillError(f"--threads must be >= 0 (0 keeps torch's default), got {threads}")
+    if projection == "triton":
+        _check_triton(device)
     if threads:
         torch.set_num_threads(threads)
     config = {"model": model, "maps": str(maps) if maps else None, "split": split, "tail": tail,
               "lengths": sizes, "repeats": repeats, "warmup": warmup, "device": device, "dtype": dtype,
               "variants": names, "data": data, "keep_first": keep_first, "chunk": chunk,
-              "threads": torch.get_num_threads(), "projection": projection}
+              "threads": torch.get_num_threads(), "projection": projection, "out": str(out)}
     writer = ResultWriter("bench-ttft", config, seed)
+    load_before = _load_average()
     session = open_session(model, dtype, device, chunk)
     limit = session.engine.adapter.max_positions
     if limit and sizes[-1] > limit:
         raise RidgefillError(f"--lengths {sizes[-1]} exceeds the model's context of {limit}: use lengths up to "
                              f"{limit}")
-    if projection == "triton":
-        _check_triton(device)
     session.engine.projection = FillProjection(session.engine.adapter, projection)
     plans, meta = variant_plans(session, maps, split, tail, range(keep_first), names)
     fill_names = [n for n in names if n != "exact"]
     split = plans[fill_names[0]].split
+    if projection == "triton":
+        _check_triton_applies(session, split)
     prompts = _prompts(session, data, sizes, seed)
     shape = ModelShape.of(session)
     dense = all(session.engine.adapter.layer_kind(i) == "attention" for i in range(shape.layers))
@@ -144,7 +149,8 @@ def bench_ttft_command(model="smollm2-135m", maps=None, split=None, tail=256, le
     for entry in results:
         entry["map_bytes"] = memory["map_bytes"]
     doc = writer.write(out, session.loaded.info(), maps_info(maps, meta), names, results, intervals,
-                       split=split, map_memory=memory, device=_device_info(session), versions=_versions())
+                       split=split, map_memory=memory, device=_device_info(session, load_before),
+                       versions=_versions())
     _print(doc, out)
     return doc
 
@@ -173,17 +179,23 @@ def _parse_lengths(lengths) -> list[int]:
 
 
 def _check_triton(device: str) -> None:
-    from ridgefill.engine import triton_projection
-
-    if not triton_projection.available():
+    # find_spec, not an import of triton_projection: importing it fixes whether its kernel is interpreted
+    if importlib.util.find_spec("triton") is None:
         raise RidgefillError("--projection triton needs triton: pip install triton (or use --projection auto)")
     if device != "cuda" and not _interpreting():
         raise RidgefillError("--projection triton runs on CUDA (or under TRITON_INTERPRET=1): use --projection auto")
 
 
-def _interpreting() -> bool:
-    import os
+def _check_triton_applies(session: Session, split: int) -> None:
+    from ridgefill.engine.triton_projection import supports
 
+    stack = session.engine.projection.stack(split)
+    if stack is None or not supports(stack, stack.head_dim):
+        raise RidgefillError("--projection triton does not apply to this model (it needs dense attention layers "
+                             "with head_dim a power of two >= 32): use --projection auto")
+
+
+def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -369,13 +381,16 @@ def _mean(values) -> float | None:
     return float(np.mean(values)) if values else None
 
 
-def _device_info(session: Session) -> dict:
-    import os
+def _load_average() -> float | None:
+    """The 1-minute load average (other processes on a shared machine swing the timings)."""
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
 
+
+def _device_info(session: Session, load_before: float | None) -> dict:
     device = session.engine.adapter.device
     info = {"device": str(device), "dtype": str(session.engine.adapter.dtype).replace("torch.", ""),
             "threads": torch.get_num_threads(), "cpu": _cpu_name(), "cpu_count": os.cpu_count(),
-            "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
+            "load_average_1m": {"start": load_before, "end": _load_average()}}
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     return info
@@ -407,8 +422,8 @@ def _print(doc: dict, out) -> None:
     c, timing_rows, speed_rows = doc["config"], [], []
     for entry in doc["results"]:
         for name, t in entry["timings"].items():
-            timing_rows.append([entry["length"], name, 1000 * t["median_s"], 1000 * t["p90_s"], 1000 * t["min_s"],
-                                round(t["tokens_per_s"]), (t["peak_memory_bytes"] or 0) / 2**20])
+            timing_rows.append([entry["length"], name, *(f"{1000 * t[k]:.1f}" for k in ("median_s", "p90_s", "min_s")),
+                                round(t["tokens_per_s"]), round((t["peak_memory_bytes"] or 0) / 2**20)])
         hf = entry["exact_vs_transformers"]
         for name, f in entry["fill"].items():
             speed_rows.append([entry["length"], name, _interval(f["speedup_interval"]), f["limit_speedup"] or "-",

@@ -137,3 +137,20 @@ def test_unsupported_family_lists_supported():
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
     with pytest.raises(RidgefillError, match="unsupported architecture 'gpt2'.*llama"):
         adapter_for(model)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_block_attention_paths_equal_the_masked_one(kv_heads):
+    """Queries that are the last rows after a cached prefix: the CPU log-sum-exp merge and the lower-right causal
+    bias (the CUDA path, here run on the CPU) equal attention with an explicit causal mask."""
+    import torch.nn.functional as F
+
+    from ridgefill.engine.prefill import _lower_right_causal, _prefix_then_block
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 7, 16, generator=g)
+    k, v = torch.randn(2, kv_heads, 19, 16, generator=g), torch.randn(2, kv_heads, 19, 16, generator=g)
+    mask = torch.arange(19).unsqueeze(0) <= torch.arange(12, 19).unsqueeze(1)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=kv_heads != 4)
+    assert (_prefix_then_block(q, k, v, 12, 0.3) - ref).abs().max() <= TOL
+    assert (_lower_right_causal(q, k, v, 0.3) - ref).abs().max() <= TOL

@@ -69,6 +69,30 @@ def test_fused_projection_equals_per_layer_route(dense_model, split):
             assert (v - v_ref).abs().max() <= TOL, (name, layer)
 
 
+def test_other_layer_kinds_keep_the_per_layer_route():
+    """Layers that are not attention (hybrid linear layers) get their predicted input; only the attention layers
+    among the late ones are stacked and fused."""
+    from ridgefill.engine.adapters import DenseAdapter
+
+    class Mixed(DenseAdapter):
+        def layer_kind(self, layer):
+            return "linear" if layer in (3, 5) else "attention"
+
+    adapter = Mixed(tiny_model("qwen3"))
+    x, positions, cos, sin = filled_inputs(adapter)
+    filler = random_maps(2, adapter.n_layers, adapter.hidden_size)
+    ref = per_layer_reference(adapter, filler, x, positions, cos, sin)
+    with torch.inference_mode():
+        filled = FillProjection(adapter).fill(filler, x, positions, cos, sin)
+    assert sorted(filled.kv) == [2, 4] and filled.inputs.shape[0] == 4
+    predicted = filler.predict(x, positions)
+    for layer in (3, 5):
+        assert (filled.layer(layer) - predicted[:, :, layer - 3]).abs().max() <= TOL
+    for layer in (2, 4):
+        k, v = filled.layer(layer)
+        assert (k - ref[layer][0]).abs().max() <= TOL and (v - ref[layer][1]).abs().max() <= TOL
+
+
 def test_late_inputs_are_the_fillers_predictions(dense_model):
     adapter = adapter_for(dense_model)
     x, positions, _, _ = filled_inputs(adapter)

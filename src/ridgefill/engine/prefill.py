@@ -5,7 +5,8 @@ Semantics (split S, L layers, tail T, keep_rows K):
 - a row is *full* if it is one of the last T rows or in K; every other row is *filled*;
 - a filled row writes the cache of each late layer l = S..L-1 from a predicted input (layer S: x itself;
   l > S: the filler's prediction) through that layer's own input norm, K/V projections, k-norm and RoPE
-  at its true position; it runs no attention or MLP in those layers;
+  at its true position; it runs no attention or MLP in those layers (a chunk's filled rows get their K/V
+  for every late attention layer from one fused projection, engine/projection.py);
 - full rows run every layer, attending to all cached keys at or before their position (filled or not).
 
 Rows are processed chunk by chunk in position order, so activation memory stays bounded and a chunk's
@@ -294,15 +295,15 @@ class _Rows:
         out.index_copy_(dim, self.idx_fill, fill_part)
         return out
 
-
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
         """Causal attention of the run rows (q [B, Hq, nq, D]) over every cached key [B, Hkv, n_keys, D].
 
         SDPA's is_causal aligns top-left, right only when the queries are positions 0..n_keys-1. When the
         queries are the last nq positions (every row before the split; a tail that ends the chunk), the CPU
         path attends to the cached prefix without a mask and to the block itself causally, and merges the
-        two by their log-sum-exp (no masked work, no mask); any other query set gets an additive mask, built
-        once per chunk and shared by every layer."""
+        two by their log-sum-exp (no masked work, no mask); elsewhere (CUDA) SDPA gets torch's lower-right
+        causal bias, which runs as a causal flash/efficient kernel. Any other query set gets an additive mask,
+        built once per chunk and shared by every layer."""
         nq, n_keys = q.shape[2], keys.shape[2]
         gqa = q.shape[1] != keys.shape[1]
         if self._block is None:
@@ -312,6 +313,8 @@ class _Rows:
             return F.scaled_dot_product_attention(q, keys, values, is_causal=nq > 1, scale=scale, enable_gqa=gqa)
         if self._block and q.device.type == "cpu" and hasattr(torch.ops.aten, _FLASH_CPU):
             return _prefix_then_block(q, keys, values, n_keys - nq, scale)
+        if self._block:
+            return _lower_right_causal(q, keys, values, scale)
         if self._mask is None:
             later = torch.arange(n_keys, device=q.device).unsqueeze(0) > self.positions_run.unsqueeze(1)
             self._mask = torch.zeros(later.shape, dtype=q.dtype, device=q.device).masked_fill_(later, float("-inf"))
@@ -329,6 +332,18 @@ def _prefix_then_block(q, keys, values, prefix: int, scale: float) -> torch.Tens
     out_b, lse_b = flash(q, keys[:, :, prefix:], values[:, :, prefix:], 0.0, True, scale=scale)[:2]
     w = torch.sigmoid(lse_p - lse_b).unsqueeze(-1).to(out_p.dtype)  # [B, Hq, nq, 1] share of the prefix
     return out_b.add_((out_p - out_b).mul_(w))
+
+
+def _lower_right_causal(q, keys, values, scale: float) -> torch.Tensor:
+    """The last nq positions over keys 0..n_keys-1 through torch's lower-right causal bias (its fused kernels
+    need as many K/V heads as query heads, so GQA heads are repeated)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    groups = q.shape[1] // keys.shape[1]
+    if groups > 1:
+        keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=causal_lower_right(q.shape[2], keys.shape[2]),
+                                          scale=scale)
 
 
 def _cut_at_eos(row: list[int], eos: set[int]) -> list[int]:

@@ -153,7 +153,8 @@ class FilledRows:
 class FillProjection:
     """Owned by an Engine: the stacked K/V weights of each split it has filled at (built once), and the fused
     projection of a chunk's filled rows. backend: auto (Triton on CUDA where it applies, else torch), torch,
-    triton, or layers (no fused K/V: every layer takes the per-layer route, the reference). With `timed` set, `elapsed_s` accumulates the wall time spent here (synchronising on CUDA)."""
+    triton, or layers (no fused K/V: every layer takes the per-layer route, the reference). With `timed` set,
+    `elapsed_s` accumulates the wall time spent here (synchronising on CUDA)."""
 
     def __init__(self, adapter: Adapter, backend: str = "auto") -> None:
         if backend not in BACKENDS:
