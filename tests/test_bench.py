@@ -135,7 +135,7 @@ def test_bench_ttft_identity_needs_only_a_split(tiny_checkpoint, tmp_path):
     (dict(lengths="5000"), "exceeds the model's context of 4096"),
     (dict(lengths="a,b"), "not a comma-separated list"),
     (dict(lengths="1"), "at least 2 tokens"),
-    (dict(variants="identity"), "needs exact and at least one"),
+    (dict(variants="exact"), "needs at least one of identity, ridge"),
     (dict(variants="exact,magic"), "unknown variant"),
     (dict(variants="exact,ridge"), "needs --maps"),
     (dict(repeats=0), "--repeats must be >= 1"),

@@ -35,7 +35,7 @@ from ridgefill.engine import FillPlan, MapFiller
 from ridgefill.engine.projection import BACKENDS, FillProjection
 from ridgefill.errors import RidgefillError
 from ridgefill.results import ResultWriter, maps_info
-from ridgefill.session import VARIANTS, Session, open_session, variant_plans
+from ridgefill.session import Session, open_session, parse_variants, variant_plans
 from ridgefill.stats import ratio_of_medians
 
 TRANSFORMERS = "transformers"  # the timing entry of transformers' own forward
@@ -155,17 +155,12 @@ def bench_ttft_command(model="smollm2-135m", maps=None, split=None, tail=256, le
     return doc
 
 
-def _parse_variants(variants: str | None, maps) -> list[str]:
-    if variants is None:
-        return ["exact", "identity", "ridge"] if maps is not None else ["exact", "identity"]
-    names = [v.strip() for v in str(variants).split(",") if v.strip()]
-    unknown = [v for v in names if v not in VARIANTS]
-    if unknown:
-        raise RidgefillError(f"unknown variant(s) {unknown}: use {', '.join(VARIANTS)}")
-    if "exact" not in names or len(set(names)) < 2:
-        raise RidgefillError("--variants needs exact and at least one of identity, ridge (the speedup is "
+def _parse_variants(variants, maps) -> list[str]:
+    names = parse_variants(variants, maps)  # exact first
+    if len(names) < 2:
+        raise RidgefillError("--variants needs at least one of identity, ridge besides exact (the speedup is "
                              "exact time over filled time)")
-    return ["exact"] + [v for v in dict.fromkeys(names) if v != "exact"]
+    return names
 
 
 def _parse_lengths(lengths) -> list[int]:
