@@ -70,11 +70,11 @@ def test_missing_files_are_reported_with_their_key(tmp_path):
 def test_steps_needing_a_missing_artifact_are_refused(tmp_path):
     head = 'model = "smollm2-135m"\ndata = "wiki-leads"\nsplits = 18\n'
     assert "[fit]: needs the statistics that [calibrate] makes" in error_of(write(tmp_path, head + "[fit]\n"))
-    assert "[ruler]: runs ridge by default" in error_of(write(tmp_path, head + "[calibrate]\n[ruler]\n"))
     message = error_of(write(tmp_path, head + '[loss]\nvariants = ["exact", "ridge"]\n'))
     assert "[loss].variants: ridge needs the maps that [fit] makes" in message
     assert "[splice].fill: ridge needs" in error_of(write(tmp_path, head + '[splice]\nfill = "ridge"\n'))
-    # without maps, exact and identity need no artifact
+    # without maps, exact and identity (every command's default then) need no artifact
+    assert [t.needs for t in plan(load_recipe(write(tmp_path, head + "[ruler]\nlengths = [512]\n")))] == [None]
     recipe = load_recipe(write(tmp_path, head + '[ruler]\nvariants = ["exact", "identity"]\nlengths = [512]\n'))
     assert [t.needs for t in plan(recipe)] == [None]
 

@@ -314,7 +314,6 @@ def _check_artifacts(where: str, steps: dict, raw: dict) -> None:
     if "fit" in steps:
         return
     for step in (s for s in EVALUATIONS if s in steps):
-        options = command_options(step)
         table = raw[step]
         if "variants" in table and "ridge" in table["variants"]:
             raise RidgefillError(f"{where}: [{step}].variants: ridge needs the maps that [fit] makes: add [calibrate] "
@@ -322,11 +321,6 @@ def _check_artifacts(where: str, steps: dict, raw: dict) -> None:
         if table.get("fill") == "ridge":
             raise RidgefillError(f"{where}: [{step}].fill: ridge needs the maps that [fit] makes: add [calibrate] and "
                                  "[fit] tables, or use identity")
-        default = options["variants"].default if "variants" in options and "variants" not in table else None
-        if isinstance(default, str) and "ridge" in default.split(","):
-            raise RidgefillError(f"{where}: [{step}]: runs ridge by default (variants {default}), which needs the "
-                                 "maps that [fit] makes: add [calibrate] and [fit] tables, or set "
-                                 "variants = [\"exact\", \"identity\"]")
 
 
 def _preflight(where: str, steps: dict, settings: dict) -> None:
