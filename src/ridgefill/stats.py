@@ -81,3 +81,15 @@ def gap_closed(fill, swapped, exact, **kw) -> Interval:
             return np.where(gap != 0, (m["fill"] - m["swapped"]) / gap, np.nan)
 
     return paired_bootstrap({"fill": fill, "swapped": swapped, "exact": exact}, share, **kw)
+
+
+def format_interval(values: dict | None, bounds: bool = True, percent: bool = False) -> str:
+    """An `Interval.to_dict()` for a table: '+0.031 [+0.012, +0.05]', or '43% [20%, 61%]' with percent=True
+    (bounds=False: the estimate only; '–' when there is no estimate)."""
+    if not values or values.get("estimate") is None:
+        return "–"
+    show = (lambda v: f"{100 * v:.0f}%") if percent else (lambda v: f"{v:+.3g}")
+    text = show(values["estimate"])
+    if bounds and values.get("low") is not None and values.get("high") is not None:
+        text += f" [{show(values['low'])}, {show(values['high'])}]"
+    return text

@@ -31,7 +31,7 @@ from ridgefill.errors import RidgefillError
 from ridgefill.evals.nll import distant_tokens, short_context_nll, tail_nll
 from ridgefill.results import ResultWriter, maps_info
 from ridgefill.session import open_session, parse_variants, variant_plans
-from ridgefill.stats import Interval, mean_difference, paired_bootstrap, relative_difference
+from ridgefill.stats import Interval, format_interval, mean_difference, paired_bootstrap, relative_difference
 
 
 def loss_command(model: str, maps: str | None, split: int | None, tail: int, data: str, context: int, short: int,
@@ -157,16 +157,6 @@ def interval_dict(interval: Interval) -> dict:
 
 def _exp(value: float | None) -> float | None:
     return None if value is None else math.exp(value)
-
-
-def format_interval(values: dict | None, bounds: bool = True) -> str:
-    """'+0.031 [+0.012, +0.05]' from an interval_dict (bounds=False: the estimate only)."""
-    if not values or values.get("estimate") is None:
-        return "–"
-    text = f"{values['estimate']:+.3g}"
-    if bounds and values.get("low") is not None and values.get("high") is not None:
-        text += f" [{values['low']:+.3g}, {values['high']:+.3g}]"
-    return text
 
 
 def print_table(results: dict, intervals: dict, title: str) -> None:

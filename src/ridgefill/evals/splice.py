@@ -37,7 +37,7 @@ from ridgefill.evals.loss import check_context, check_lengths, evaluation_passag
 from ridgefill.evals.nll import continuation_nll, distant_tokens, short_context_nll
 from ridgefill.results import ResultWriter, maps_info
 from ridgefill.session import open_session, variant_plans
-from ridgefill.stats import gap_closed, mean_difference
+from ridgefill.stats import format_interval, gap_closed, mean_difference
 
 COMPONENTS = ("keys", "values", "key-scale", "key-direction", "state")
 ATTENTION_SWAPS = "keys,values,key-scale,key-direction,keys+values"
@@ -323,17 +323,18 @@ def print_tables(results: dict, intervals: dict, swaps: list[frozenset], ranges:
         for parts in swaps:
             name = label(parts, layer_range)
             r, iv = results[name], intervals[name]
-            cells = [_or_dash(r["distant_nll"]), _share(iv.get("gap_closed_distant")), r["tail_nll"],
-                     _share(iv.get("gap_closed_tail"))]
+            cells = [_or_dash(r["distant_nll"]), format_interval(iv.get("gap_closed_distant"), percent=True),
+                     r["tail_nll"], format_interval(iv.get("gap_closed_tail"), percent=True)]
             if retrieval:
-                cells += [r["retrieval"], _share(iv.get("gap_closed_retrieval"))]
+                cells += [r["retrieval"], format_interval(iv.get("gap_closed_retrieval"), percent=True)]
             rows.append([_components(parts), f"{layer_range[0]}-{layer_range[1]}"] + cells)
     columns = ["swapped", "layers", "distant NLL", "gap closed [95% CI]", "tail NLL", "gap closed [95% CI]"]
     table(f"splice into the {fill} fill: {title}", columns + (["retrieval", "gap closed [95% CI]"] if retrieval
                                                                else []), rows)
     if len(ranges) > 1:
         metric = metrics[0] if results[fill]["distant_nll"] is not None else "tail"
-        matrix = [[_components(p)] + [_share(intervals[label(p, r)].get(f"gap_closed_{metric}"), bounds=False)
+        matrix = [[_components(p)] + [format_interval(intervals[label(p, r)].get(f"gap_closed_{metric}"),
+                                                      bounds=False, percent=True)
                                       for r in ranges] for p in swaps]
         table(f"share of the {fill} fill's gap to exact closed ({metric} NLL), by component and layer range",
               ["swapped"] + [f"{a}-{b}" for a, b in ranges], matrix)
@@ -341,16 +342,6 @@ def print_tables(results: dict, intervals: dict, swaps: list[frozenset], ranges:
 
 def _components(parts: frozenset) -> str:
     return "+".join(c for c in COMPONENTS if c in parts)
-
-
-def _share(values: dict | None, bounds: bool = True) -> str:
-    """An interval of shares as percentages: '43% [20%, 61%]'."""
-    if not values or values.get("estimate") is None:
-        return "–"
-    text = f"{100 * values['estimate']:.0f}%"
-    if bounds and values.get("low") is not None and values.get("high") is not None:
-        text += f" [{100 * values['low']:.0f}%, {100 * values['high']:.0f}%]"
-    return text
 
 
 def _or_dash(value):
