@@ -346,12 +346,12 @@ def _ruler(results: list[Result], plots: Path) -> str:
 
 def _ruler_cells(members: list[Result], names: list[str]) -> tuple[list[int], list[str], dict]:
     """Lengths, depth buckets and per variant the mean score of each (bucket, length) cell, over all samples."""
-    from ridgefill.evals.ruler import _bucket
+    from ridgefill.evals.ruler import depth_bucket
 
     sums: dict = {v: {} for v in names}
     for m in members:
         for s in m.doc.get("samples", []):
-            key = (_bucket(math.nan if s.get("depth") is None else s["depth"]), s["length"])
+            key = (depth_bucket(math.nan if s.get("depth") is None else s["depth"]), s["length"])
             for v in names:
                 sums[v].setdefault(key, []).append(s["scores"][v])
     keys = {k for v in names for k in sums[v]}

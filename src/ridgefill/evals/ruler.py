@@ -416,7 +416,7 @@ def summarise(items: list[RulerSample], scores: dict[str, list[float]], seed: in
     """Per variant: headline score (mean over task x length cells), per task / length / depth bucket; and
     paired-bootstrap intervals of each variant's difference against exact (cells weighted equally)."""
     cells = [(s.task, s.length) for s in items]
-    buckets = [_bucket(s.depth) for s in items]
+    buckets = [depth_bucket(s.depth) for s in items]
     results = {}
     for name, values in scores.items():
         by_cell = _group_means(values, cells)
@@ -472,7 +472,7 @@ def _mean_of(by_cell: dict, keep) -> float:
     return float(np.mean([m for c, m in by_cell.items() if keep(c)]))
 
 
-def _bucket(depth: float) -> str:
+def depth_bucket(depth: float) -> str:
     if math.isnan(depth):
         return "none"
     width = 100 // DEPTH_BUCKETS
