@@ -101,4 +101,14 @@ def random_ids(n: int, batch: int = 1, seed: int = 1) -> torch.Tensor:
     return torch.randint(3, VOCAB, (batch, n), generator=g)
 
 
-from tiny_checkpoint import tiny_checkpoint  # noqa: E402,F401  (fixture: a loadable tiny model folder)
+from tiny_checkpoint import long_docs, tiny_checkpoint  # noqa: E402,F401  (fixtures: a tiny model, long text)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models run fastest on one thread, above all on a shared, busy CPU (a module opts in with
+    `pytestmark = pytest.mark.usefixtures("one_thread")`)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -48,6 +48,18 @@ def save_tiny_checkpoint(path: Path, family: str = "llama", vocab: int = 512, **
     return path
 
 
+@pytest.fixture(scope="module")
+def long_docs(tmp_path_factory) -> Path:
+    """A .jsonl corpus of documents of ~700 tokens; about one in five is an evaluation document."""
+    import json
+
+    path = tmp_path_factory.mktemp("data") / "docs.jsonl"
+    lines = training_text(1200, seed=5)
+    docs = [" ".join(lines[i : i + 48]) for i in range(0, len(lines), 48)]
+    path.write_text("\n".join(json.dumps({"text": d}) for d in docs) + "\n")
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory) -> Path:
     """A tiny Llama-family checkpoint folder, shared by the whole test session (treat it as read-only)."""

@@ -60,6 +60,9 @@ metric_list:
 """
 
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
 @pytest.fixture(scope="module")
 def task_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("lm_eval_tasks")
@@ -68,15 +71,6 @@ def task_dir(tmp_path_factory):
     (folder / "rf_tiny_mc.yaml").write_text(MC_TASK.format(data=data))
     (folder / "rf_tiny_gen.yaml").write_text(GEN_TASK.format(data=data))
     return folder
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest on one thread, above all on a shared, busy CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)

@@ -21,19 +21,13 @@ from fixtures.longbench_fixture import build_records, write_jsonl
 from tiny_checkpoint import training_text
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest on one thread, above all on a shared, busy CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def documents(n: int = 16) -> list[str]:
     """Short documents (about 60 words) of text the tiny checkpoint's tokenizer was trained on."""
     lines = training_text(3 * n)[20:]
     return [" ".join(lines[6 * i : 6 * i + 6]) for i in range(n)]
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

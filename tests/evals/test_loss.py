@@ -14,17 +14,6 @@ from ridgefill.engine import Engine, adapter_for
 from ridgefill.errors import RidgefillError
 from ridgefill.evals.loss import loss_command
 from ridgefill.evals.nll import distant_tokens, short_context_nll, tail_nll
-from tiny_checkpoint import training_text
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """Documents of ~700 tokens; about one in five is an evaluation document."""
-    path = tmp_path_factory.mktemp("data") / "docs.jsonl"
-    lines = training_text(1200, seed=5)
-    docs = [" ".join(lines[i : i + 48]) for i in range(0, len(lines), 48)]
-    path.write_text("\n".join(json.dumps({"text": d}) for d in docs) + "\n")
-    return path
 
 
 def options(**overrides):
@@ -68,10 +57,10 @@ def test_short_context_nll_equals_separate_windows(engine, stride):
         assert abs(float(F.cross_entropy(logits, ids[:, t])) - float(got[i])) < 1e-4, (t, seen)
 
 
-def test_loss_command_json_and_distant_tokens(tiny_checkpoint, corpus, tmp_path):
+def test_loss_command_json_and_distant_tokens(tiny_checkpoint, long_docs, tmp_path):
     out = tmp_path / "loss.json"
     r = CliRunner().invoke(app, ["loss", "--model", str(tiny_checkpoint), "--split", "3", "--tail", "16",
-                                 "--data", str(corpus), "--context", "96", "--short", "24", "--samples", "3",
+                                 "--data", str(long_docs), "--context", "96", "--short", "24", "--samples", "3",
                                  "--alpha", "0", "--beta", "100", "--out", str(out)])
     assert r.exit_code == 0, r.output
     assert "NLL on 3 passages of 96 tokens" in r.output  # the table
@@ -97,8 +86,8 @@ def test_loss_command_json_and_distant_tokens(tiny_checkpoint, corpus, tmp_path)
     assert iv["tail_nll_nats"]["low"] <= iv["tail_nll_nats"]["estimate"] <= iv["tail_nll_nats"]["high"]
 
 
-def test_tail_covering_the_context_makes_all_variants_identical(tiny_checkpoint, corpus, tmp_path):
-    doc = loss_command(**options(model=str(tiny_checkpoint), data=str(corpus), tail=200, out=tmp_path / "l.json"))
+def test_tail_covering_the_context_makes_all_variants_identical(tiny_checkpoint, long_docs, tmp_path):
+    doc = loss_command(**options(model=str(tiny_checkpoint), data=str(long_docs), tail=200, out=tmp_path / "l.json"))
     assert doc["scored_tail"] == 96
     exact, identity = doc["results"]["exact"], doc["results"]["identity"]
     assert exact["tail_tokens"] == 3 * 95
@@ -115,8 +104,8 @@ def test_tail_covering_the_context_makes_all_variants_identical(tiny_checkpoint,
     (dict(context=5000), "--context 5000 exceeds the model's context of 4096"),
     (dict(context=4000), "has no evaluation document of 4000 tokens"),
 ])
-def test_bad_options_are_one_line_errors(tiny_checkpoint, corpus, tmp_path, overrides, message):
-    kw = options(model=str(tiny_checkpoint), data=str(corpus), out=tmp_path / "l.json", **overrides)
+def test_bad_options_are_one_line_errors(tiny_checkpoint, long_docs, tmp_path, overrides, message):
+    kw = options(model=str(tiny_checkpoint), data=str(long_docs), out=tmp_path / "l.json", **overrides)
     with pytest.raises(RidgefillError, match=message.replace("(", r"\(")) as err:
         loss_command(**kw)
     assert "\n" not in str(err.value)

@@ -15,7 +15,6 @@ from ridgefill.engine import Engine, FillPlan, IdentityFiller, adapter_for
 from ridgefill.errors import RidgefillError
 from ridgefill.evals.nll import continuation_nll, tail_nll
 from ridgefill.evals.splice import layer_ranges, parse_layer_ranges, parse_swaps, prefix_pair, splice, spliced_keys
-from tiny_checkpoint import training_text
 
 N, TAIL, SPLIT, KEEP = 40, 10, 2, (0, 7)
 TOL = 1e-4
@@ -125,19 +124,10 @@ def test_option_parsing():
         parse_swaps("keys,queries")
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "docs.jsonl"
-    lines = training_text(1200, seed=5)
-    docs = [" ".join(lines[i : i + 48]) for i in range(0, len(lines), 48)]
-    path.write_text("\n".join(json.dumps({"text": d}) for d in docs) + "\n")
-    return path
-
-
-def test_splice_command_end_to_end(tiny_checkpoint, corpus, tmp_path):
+def test_splice_command_end_to_end(tiny_checkpoint, long_docs, tmp_path):
     out = tmp_path / "splice.json"
     r = CliRunner().invoke(app, ["splice", "--model", str(tiny_checkpoint), "--split", "3", "--tail", "32",
-                                 "--swap", "keys,keys+values", "--layers", "3-5", "--by-quarter", "--data", str(corpus),
+                                 "--swap", "keys,keys+values", "--layers", "3-5", "--by-quarter", "--data", str(long_docs),
                                  "--context", "256", "--short", "48", "--samples", "2", "--alpha", "0", "--beta",
                                  "100", "--needles", "1", "--max-new-tokens", "4", "--out", str(out)])
     assert r.exit_code == 0, r.output
@@ -156,9 +146,9 @@ def test_splice_command_end_to_end(tiny_checkpoint, corpus, tmp_path):
     assert res["exact"]["distant_tokens"] > 0
 
 
-def test_bad_layers_exit_with_one_line(tiny_checkpoint, corpus, tmp_path):
+def test_bad_layers_exit_with_one_line(tiny_checkpoint, long_docs, tmp_path):
     r = subprocess.run([sys.executable, "-m", "ridgefill", "splice", "--model", str(tiny_checkpoint), "--split", "3",
-                        "--data", str(corpus), "--layers", "3-x", "--out", str(tmp_path / "s.json")],
+                        "--data", str(long_docs), "--layers", "3-x", "--out", str(tmp_path / "s.json")],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2
     assert r.stderr.strip().count("\n") == 0 and "--layers '3-x'" in r.stderr
