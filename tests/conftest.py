@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from transformers import (AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3_5TextConfig, Qwen3Config,
                           Qwen3NextConfig)
+
+# Triton reads TRITON_INTERPRET when it is first imported, and importing some transformers modeling files imports
+# it, so it is set here, before any test module: without a GPU the kernels run in Triton's interpreter.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 VOCAB = 128
 

@@ -37,7 +37,7 @@ def test_statistics_match_hidden_states(family):
         assert torch.allclose(st.xsum, x.sum(0), atol=1e-6)
         for i, layer in enumerate(range(split + 1, 6)):
             assert torch.allclose(st.xty[i], x.T @ ys[layer], rtol=1e-6, atol=1e-6)
-            assert torch.allclose(st.yy[i], (ys[layer] ** 2).sum(), rtol=1e-9)
+            assert torch.allclose(st.yy[i], (ys[layer] ** 2).sum(), rtol=1e-6)  # float32 states, float64 sums
     assert cal.stats[(2, "val")].count == 0
 
 

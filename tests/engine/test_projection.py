@@ -2,7 +2,6 @@
 dense family and filler; the Triton kernel (run by its interpreter on the CPU) equals the torch path."""
 
 import importlib.util
-import os
 
 import pytest
 import torch
@@ -13,8 +12,6 @@ from ridgefill.engine.projection import FillProjection, StackedKV, late_inputs, 
 
 TOL = 1e-5
 HAS_TRITON = importlib.util.find_spec("triton") is not None
-if HAS_TRITON and not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton_projection is imported: kernels run in numpy
 
 
 def random_maps(split, n_layers, hidden, rank=None, seed=0):

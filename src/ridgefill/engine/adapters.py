@@ -21,24 +21,36 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ridgefill.errors import RidgefillError
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, heads, n, D]; cos/sin [B, n, Dr] with Dr <= D (partial rotary rotates the first Dr dims)."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    """x [..., heads, n, D]; cos/sin [..., n, Dr] with Dr <= D (partial rotary rotates the first Dr dims).
+
+    The rotate-half form x·cos + rotate_half(x)·sin, with rotate_half(x) = (-x2, x1) for the halves x1, x2 of
+    the rotated dims, written as one product and two in-place multiply-adds on the halves: no concatenated
+    temporaries (on the CPU this is ~7x faster than building rotate_half(x), and it runs once per layer)."""
+    cos, sin = cos.unsqueeze(-3), sin.unsqueeze(-3)
     rot = cos.shape[-1]
+    half = rot // 2
+    x_rot = x[..., :rot]
+    out = x_rot * cos
+    out[..., :half].addcmul_(x_rot[..., half:], sin[..., :half], value=-1)
+    out[..., half:].addcmul_(x_rot[..., :half], sin[..., half:])
     if rot == x.shape[-1]:
-        return x * cos + rotate_half(x) * sin
-    x_rot, x_pass = x[..., :rot], x[..., rot:]
-    return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
+        return out
+    return torch.cat((out, x[..., rot:]), dim=-1)
+
+
+def rms_norm(norm: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """The dense families' RMSNorm module (Llama, Qwen2, Qwen3: weight · (h·rsqrt(mean(h²)+ε)) computed in float32
+    and cast back before the weight) through torch's fused kernel: one pass instead of five."""
+    if h.dtype == torch.float32:
+        return F.rms_norm(h, (h.shape[-1],), norm.weight, norm.variance_epsilon)
+    return norm.weight * F.rms_norm(h.float(), (h.shape[-1],), None, norm.variance_epsilon).to(h.dtype)
 
 
 @dataclass(frozen=True)
@@ -156,18 +168,30 @@ class DenseAdapter(Adapter):
         b, n, _ = x.shape
         return x.view(b, n, n_heads, self.head_dim)  # [B, n, heads, D]
 
+    def input_norm(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        return rms_norm(self.layers[layer].input_layernorm, h)
+
+    def mlp_block(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        """h + down(act(gate(x)) · up(x)), x = post-attention norm of h: the module's own computation, with the
+        activation and product in place on the gate's output (no two extra [n, I] temporaries)."""
+        block = self.layers[layer]
+        mlp, x = block.mlp, rms_norm(block.post_attention_layernorm, h)
+        gate = mlp.gate_proj(x)  # [B, n, I]
+        act = F.silu(gate, inplace=True) if self.config.hidden_act == "silu" else mlp.act_fn(gate)
+        return h + mlp.down_proj(act.mul_(mlp.up_proj(x)))
+
     def query(self, layer, h_normed, cos, sin):
         attn = self.layers[layer].self_attn
         q = self._heads(attn.q_proj(h_normed), self.n_heads)
         if hasattr(attn, "q_norm"):
-            q = attn.q_norm(q)
+            q = rms_norm(attn.q_norm, q)
         return apply_rope(q.transpose(1, 2), cos, sin), None
 
     def key_value(self, layer, h_normed, cos, sin):
         attn = self.layers[layer].self_attn
         k = self._heads(attn.k_proj(h_normed), self.n_kv_heads)
         if hasattr(attn, "k_norm"):
-            k = attn.k_norm(k)
+            k = rms_norm(attn.k_norm, k)
         v = self._heads(attn.v_proj(h_normed), self.n_kv_heads)
         return apply_rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
 
