@@ -6,13 +6,25 @@ import numpy as np
 import pytest
 
 from ridgefill.stats import (format_interval, gap_closed, mean_difference, paired_bootstrap, ratio_of_medians,
-                             relative_difference)
+                             relative_difference, select)
 
 
 def test_constant_difference_has_a_degenerate_interval():
     a = np.linspace(0, 5, 40)
     iv = mean_difference(a + 0.25, a)
     assert iv.estimate == pytest.approx(0.25) and iv.low == pytest.approx(0.25) and iv.high == pytest.approx(0.25)
+
+
+def test_one_sample_has_an_estimate_and_no_interval():
+    iv = mean_difference([3.0], [1.0])
+    assert iv.estimate == 2.0 and math.isnan(iv.low) and math.isnan(iv.high)
+    assert format_interval(iv.to_dict() | {"low": None, "high": None}) == "+2"
+
+
+def test_select_keeps_flagged_values_and_checks_lengths():
+    assert select([1, 2, 3], [True, False, True]) == [1, 3]
+    with pytest.raises(ValueError):
+        select([1, 2], [True])
 
 
 def test_pairing_removes_shared_variation():

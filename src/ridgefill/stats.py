@@ -7,6 +7,7 @@ pairing. Same seed, same numbers.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Callable, Mapping, Sequence
 
@@ -40,6 +41,7 @@ def paired_bootstrap(
     samples: name -> per-sample values (all the same length, index i = the same sample).
     statistic: takes name -> reduced values (a scalar array for the estimate, [n_boot] for replicates).
     reduce: how each resample is summarised per variant: 'mean' or 'median'.
+    One sample has no spread to resample: its interval's bounds are NaN (the estimate stands alone).
     """
     arrays = {k: np.asarray(v, dtype=np.float64) for k, v in samples.items()}
     lengths = {len(v) for v in arrays.values()}
@@ -50,12 +52,19 @@ def paired_bootstrap(
         raise ValueError("no samples")
     fn = {"mean": np.mean, "median": np.median}[reduce]
     estimate = float(statistic({k: fn(v) for k, v in arrays.items()}))
+    if n == 1:
+        return Interval(estimate, math.nan, math.nan, level)
     rng = np.random.default_rng(seed)
     idx = rng.integers(0, n, size=(n_boot, n))  # one set of indices per replicate, shared by all variants
     replicates = np.asarray(statistic({k: fn(v[idx], axis=1) for k, v in arrays.items()}), dtype=np.float64)
     alpha = (1 - level) / 2
     low, high = np.nanquantile(replicates, [alpha, 1 - alpha])
     return Interval(estimate, float(low), float(high), level)
+
+
+def select(values: Sequence, keep: Sequence[bool]) -> list:
+    """The values whose `keep` flag is set (e.g. the passages that hold any distant-context token)."""
+    return [v for v, k in zip(values, keep, strict=True) if k]
 
 
 def mean_difference(a, b, **kw) -> Interval:

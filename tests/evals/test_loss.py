@@ -12,6 +12,8 @@ from conftest import random_ids, tiny_model
 from ridgefill.cli import app
 from ridgefill.engine import Engine, adapter_for
 from ridgefill.errors import RidgefillError
+from ridgefill.evals.loss import summarise
+from ridgefill.stats import mean_difference
 from ridgefill.evals.loss import loss_command
 from ridgefill.evals.nll import distant_tokens, short_context_nll, tail_nll
 
@@ -110,3 +112,27 @@ def test_bad_options_are_one_line_errors(tiny_checkpoint, long_docs, tmp_path, o
         loss_command(**kw)
     assert "\n" not in str(err.value)
     assert not (tmp_path / "l.json").exists()
+
+
+def test_distant_intervals_resample_only_passages_with_distant_tokens():
+    exact = {"tail": [30.0, 31.0, 29.0, 33.0], "distant": [0.0, 4.0, 0.0, 9.0]}
+    fill = {"tail": [33.0, 35.0, 30.0, 36.0], "distant": [0.0, 7.0, 0.0, 15.0]}
+    counts = [0, 2, 0, 3]
+    _, iv = summarise({"exact": exact, "ridge": fill}, counts, tail_tokens=10, seed=0)
+    d = iv["ridge"]["distant_nll_nats"]
+    assert d["estimate"] == pytest.approx((22.0 - 13.0) / 5)  # pooled over the 5 distant tokens
+    assert d["low"] < d["estimate"] < d["high"]  # two informative passages: a real interval
+    # the same interval as bootstrapping the two informative passages alone
+    alone = summarise({"exact": {"tail": [31.0, 33.0], "distant": [4.0, 9.0]},
+                       "ridge": {"tail": [35.0, 36.0], "distant": [7.0, 15.0]}}, [2, 3], 10, 0)[1]
+    assert d == alone["ridge"]["distant_nll_nats"]
+
+
+def test_distant_tokens_from_one_passage_have_no_interval():
+    exact = {"tail": [30.0, 31.0, 29.0], "distant": [0.0, 4.0, 0.0]}
+    fill = {"tail": [33.0, 35.0, 30.0], "distant": [0.0, 7.0, 0.0]}
+    _, iv = summarise({"exact": exact, "ridge": fill}, [0, 2, 0], tail_tokens=10, seed=0)
+    d = iv["ridge"]["distant_nll_nats"]
+    assert d["estimate"] == pytest.approx(1.5) and d["low"] is None and d["high"] is None
+    t = iv["ridge"]["tail_nll_nats"]  # the tail still resamples all three passages
+    assert t == mean_difference([3.3, 3.5, 3.0], [3.0, 3.1, 2.9], seed=0).to_dict()

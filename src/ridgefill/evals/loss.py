@@ -31,7 +31,8 @@ from ridgefill.errors import RidgefillError
 from ridgefill.evals.nll import distant_tokens, short_context_nll, tail_nll
 from ridgefill.results import ResultWriter, maps_info
 from ridgefill.session import open_session, parse_variants, variant_plans
-from ridgefill.stats import Interval, format_interval, mean_difference, paired_bootstrap, relative_difference
+from ridgefill.stats import (Interval, format_interval, mean_difference, paired_bootstrap, relative_difference,
+                             select)
 
 
 def loss_command(model: str, maps: str | None, split: int | None, tail: int, data: str, context: int, short: int,
@@ -66,6 +67,9 @@ def loss_command(model: str, maps: str | None, split: int | None, tail: int, dat
     if not sum(counts):
         note(f"no distant-context tokens in {len(texts)} passages: lower --alpha/--beta, raise --context or "
              "give more --samples")
+    elif sum(c > 0 for c in counts) < 2:
+        note("the distant-context tokens all come from one passage: their differences have no interval (give "
+             "more --samples or a longer --context)")
     doc = writer.write(out, session.loaded.info(), maps_info(maps, meta), list(plans), results, intervals,
                        short_stride_used=stride, scored_tail=scored)
     print_table(results, intervals, f"NLL on {len(texts)} passages of {context} tokens, tail {scored} "
@@ -130,9 +134,11 @@ def summarise(sums: dict, counts: list[int], tail_tokens: int, seed: int) -> tup
             "tail_nll_nats": mean_difference(*per_token, seed=seed),
             "tail_nll_pct": percent(relative_difference(s["tail"], exact["tail"], seed=seed)),
         }
-        if n_distant:
-            found["distant_nll_nats"] = pooled_difference(s["distant"], exact["distant"], counts, seed)
-            found["distant_nll_pct"] = percent(relative_difference(s["distant"], exact["distant"], seed=seed))
+        if n_distant:  # resample only the passages that hold distant tokens (the others add nothing)
+            keep = [c > 0 for c in counts]
+            mine, theirs = select(s["distant"], keep), select(exact["distant"], keep)
+            found["distant_nll_nats"] = pooled_difference(mine, theirs, select(counts, keep), seed)
+            found["distant_nll_pct"] = percent(relative_difference(mine, theirs, seed=seed))
         intervals[name] = {metric: interval_dict(iv) for metric, iv in found.items()}
     return results, intervals
 

@@ -37,7 +37,7 @@ from ridgefill.evals.loss import check_context, check_lengths, evaluation_passag
 from ridgefill.evals.nll import continuation_nll, distant_tokens, short_context_nll
 from ridgefill.results import ResultWriter, maps_info
 from ridgefill.session import open_session, variant_plans
-from ridgefill.stats import format_interval, gap_closed, mean_difference
+from ridgefill.stats import format_interval, gap_closed, mean_difference, select
 
 COMPONENTS = ("keys", "values", "key-scale", "key-direction", "state")
 ATTENTION_SWAPS = "keys,values,key-scale,key-direction,keys+values"
@@ -297,9 +297,10 @@ def summarise(nll: dict, counts: list[int], tail_tokens: int, retrieval: dict | 
                                                   [x / tail_tokens for x in nll["exact"]["tail"]], seed=seed)}
         if name != fill:
             found["gap_closed_tail"] = gap_closed(nll[fill]["tail"], s["tail"], nll["exact"]["tail"], seed=seed)
-            if n_distant:
-                found["gap_closed_distant"] = gap_closed(nll[fill]["distant"], s["distant"],
-                                                         nll["exact"]["distant"], seed=seed)
+            if n_distant:  # resample only the passages that hold distant tokens
+                keep = [c > 0 for c in counts]
+                found["gap_closed_distant"] = gap_closed(select(nll[fill]["distant"], keep), select(s["distant"], keep),
+                                                         select(nll["exact"]["distant"], keep), seed=seed)
             if retrieval:
                 found["gap_closed_retrieval"] = gap_closed(retrieval[fill], retrieval[name], retrieval["exact"],
                                                            seed=seed)
