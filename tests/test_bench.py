@@ -83,7 +83,7 @@ def test_bench_ttft_writes_the_document(tiny_checkpoint, tmp_path):
     maps = _write_maps(tmp_path / "maps.safetensors", tiny_checkpoint, split=2, rank=4)
     out = tmp_path / "ttft.json"
     result = CliRunner().invoke(app, ["bench-ttft", "--model", str(tiny_checkpoint), "--maps", str(maps),
-                                      "--tail", "8", "--lengths", "40,24", "--repeats", "1", "--warmup", "0",
+                                      "--tail", "8", "--lengths", "40,24", "--repeats", "2", "--warmup", "0",
                                       "--data", "random", "--out", str(out)])
     assert result.exit_code == 0, result.output
     doc = json.loads(out.read_text())
@@ -98,7 +98,7 @@ def test_bench_ttft_writes_the_document(tiny_checkpoint, tmp_path):
         assert entry["headline_variant"] == "ridge" and entry["prompt"] == "random"
         assert set(entry["timings"]) == {"transformers", "exact", "identity", "ridge"}
         for t in entry["timings"].values():
-            assert len(t["samples_s"]) == 1 and t["min_s"] <= t["median_s"] <= t["p90_s"]
+            assert len(t["samples_s"]) == 2 and t["min_s"] <= t["median_s"] <= t["p90_s"]
             assert t["tokens_per_s"] == pytest.approx(n / t["median_s"])
         exact, ridge = entry["timings"]["exact"], entry["timings"]["ridge"]
         assert entry["speedup"] == pytest.approx(exact["median_s"] / ridge["median_s"])
@@ -129,6 +129,9 @@ def test_bench_ttft_identity_needs_only_a_split(tiny_checkpoint, tmp_path):
     (entry,) = doc["results"]
     assert entry["headline_variant"] == "identity" and entry["fill"]["identity"]["filled_rows"] == 16
     assert doc["map_memory"]["map_bytes"] == 0 and doc["map_memory"]["heldout_error"] is None
+    written = json.loads((tmp_path / "t.json").read_text())  # one run per entry: an estimate, no interval
+    iv = written["intervals"]["speedup"]["identity"]["20"]
+    assert iv["estimate"] == pytest.approx(entry["speedup"]) and iv["low"] is None and iv["high"] is None
 
 
 @pytest.mark.parametrize("options,message", [

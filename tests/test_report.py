@@ -126,7 +126,7 @@ def test_report_has_every_section_and_plot(tmp_path):
     # the known answer: ridge drops 12 points at split 15 and 3 at split 20; identity 24 and 6
     assert "- ridge, tail 256: **split 20**, 2.50x FLOP-limit, 2.00x measured" in report
     assert "| ridge | 256 | 15 | 2.833 | 2.333 | 4096 | 78 | 90 |" in report  # the frontier point of split 15
-    assert "| 4096 | ridge | 4096 | 2048 | 2.00x [1.90, 2.10] | 2.5 | 0.8 |" in report  # TTFT table of split 20
+    assert "| 4096 | ridge | 4096 | 2048 | 2.00x [1.90x, 2.10x] | 2.5 | 0.8 |" in report  # TTFT table of split 20
     assert "- identity, tail 256: no split within 5 points of exact" in report
     assert "- useful split (ridge, tail 256): 20 (retrieval 87.0 vs exact 90.0" in report
     assert "| 15 | 16 | 0.01 | 0.1 | 0.03 |" in report  # per-layer held-out error of the fit

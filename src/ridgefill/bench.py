@@ -36,7 +36,7 @@ from ridgefill.engine.projection import BACKENDS, FillProjection
 from ridgefill.errors import RidgefillError
 from ridgefill.results import ResultWriter, maps_info
 from ridgefill.session import Session, open_session, parse_variants, variant_plans
-from ridgefill.stats import ratio_of_medians
+from ridgefill.stats import format_interval, ratio_of_medians
 
 TRANSFORMERS = "transformers"  # the timing entry of transformers' own forward
 
@@ -441,4 +441,4 @@ def _print(doc: dict, out) -> None:
 
 
 def _interval(iv: dict) -> str:
-    return f"{iv['estimate']:.2f} [{iv['low']:.2f}, {iv['high']:.2f}]"
+    return format_interval(iv, spec=".2f")

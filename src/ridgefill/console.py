@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 
 from rich.console import Console
@@ -9,8 +10,15 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 
+LOG_WIDTH = 160  # columns when writing to a file or pipe: a results table stays whole in a log
+
+
 def console(stderr: bool = False) -> Console:
-    return Console(stderr=stderr)
+    """A rich console; output that is not a terminal (a log, a pipe) gets LOG_WIDTH columns unless COLUMNS is set."""
+    out = Console(stderr=stderr)
+    if not out.is_terminal and "COLUMNS" not in os.environ:
+        out = Console(stderr=stderr, width=LOG_WIDTH)
+    return out
 
 
 @contextmanager
@@ -26,7 +34,7 @@ def progress_bar(description: str, total: int):
 def table(title: str, columns: list[str], rows: list[list], stderr: bool = False) -> None:
     t = Table(title=title)
     for c in columns:
-        t.add_column(c, justify="right" if c not in (columns[0],) else "left")
+        t.add_column(c, justify="right" if c not in (columns[0],) else "left", overflow="fold")  # wrap, never cut
     for r in rows:
         t.add_row(*[_fmt(v) for v in r])
     console(stderr).print(t)

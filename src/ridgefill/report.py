@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ridgefill.errors import RidgefillError
 from ridgefill.paths import atomic_path
+from ridgefill.stats import format_interval
 
 COMMANDS = ("calibrate", "fit", "ruler", "loss", "splice", "longbench", "bench-ttft")
 COLORS = {"exact": "#444444", "identity": "#d95f02", "ridge": "#1b9e77", "fill": "#7570b3"}
@@ -124,16 +125,6 @@ def _cell(v) -> str:
     return str(v)
 
 
-def _iv(values: dict | None, scale: float = 1.0, unit: str = "") -> str:
-    """'+0.031 [+0.012, +0.05]' from an interval dict."""
-    if not values or values.get("estimate") is None:
-        return "–"
-    text = f"{scale * values['estimate']:+.3g}{unit}"
-    if values.get("low") is not None and values.get("high") is not None:
-        text += f" [{scale * values['low']:+.3g}, {scale * values['high']:+.3g}]"
-    return text
-
-
 def _nan(v) -> float:
     """JSON null (a NaN the command could not store) back to NaN for plotting."""
     return math.nan if v is None else v
@@ -197,7 +188,7 @@ def _glance(by: dict, frontier, tolerance: float) -> str:
             if "exact" not in res or res["exact"].get(f"{metric}_nll") is None:
                 continue
             parts = [f"exact {res['exact'][f'{metric}_nll']:.4g}"]
-            parts += [f"{v} {res[v][f'{metric}_nll']:.4g} ({_iv(iv.get(v, {}).get(f'{metric}_nll_nats'))})"
+            parts += [f"{v} {res[v][f'{metric}_nll']:.4g} ({format_interval(iv.get(v, {}).get(f'{metric}_nll_nats'))})"
                       for v in res if v != "exact"]
             lines.append(f"- {what} ({r.label}; {res['exact'].get(f'{metric}_tokens')} tokens): " + ", ".join(parts))
     for r in by["ruler"]:
@@ -291,8 +282,8 @@ def _loss(results: list[Result], plots: Path) -> str:
         res, iv = r.doc["results"], r.doc.get("intervals", {})
         for v in _variants(r.doc):
             x = res[v]
-            rows.append([r.label, v, x.get("distant_nll"), _iv(iv.get(v, {}).get("distant_nll_nats")),
-                         x.get("distant_tokens"), x.get("tail_nll"), _iv(iv.get(v, {}).get("tail_nll_nats"))])
+            rows.append([r.label, v, x.get("distant_nll"), format_interval(iv.get(v, {}).get("distant_nll_nats")),
+                         x.get("distant_tokens"), x.get("tail_nll"), format_interval(iv.get(v, {}).get("tail_nll_nats"))])
     first = results[0].config
     return (f"## Distant-context NLL (loss)\n\nTeacher-forced NLL on the tail of {first.get('context')}-token "
             f"passages of `{first.get('data')}`; distant-context tokens are those whose exact full-context "
@@ -336,7 +327,7 @@ def _ruler(results: list[Result], plots: Path) -> str:
         rows = []
         for m in members:
             res, iv = m.doc["results"], m.doc.get("intervals", {})
-            rows += [[m.label, v, res[v]["score"], _iv(iv.get(v, {}).get("score"))] +
+            rows += [[m.label, v, res[v]["score"], format_interval(iv.get(v, {}).get("score"))] +
                      [res[v]["lengths"].get(str(n)) for n in lengths] for v in names]
         text.append(f"### split {split}, tail {tail} (needles in {region} rows)\n\n"
                     + _table(["config", "variant", "score", "Δ vs exact"] + [f"{n} tokens" for n in lengths], rows)
@@ -397,7 +388,7 @@ def _splice(results: list[Result], plots: Path) -> str:
         ax.legend(fontsize=7)
         name = f"splice-{r.slug}.png"
         _save(fig, plots / name)
-        rows = [[k] + [_iv(iv.get(k, {}).get(f"gap_closed_{m}"), 100, "%") for m in metrics] for k in splices]
+        rows = [[k] + [format_interval(iv.get(k, {}).get(f"gap_closed_{m}"), percent=True) for m in metrics] for k in splices]
         text.append(f"### {r.label}\n\n" + _table(["swapped@layers"] + [f"gap closed, {m}" for m in metrics], rows)
                     + f"\n\n{_image(plots, name, 'splice attribution')}")
     return "\n\n".join(text) if len(text) > 1 else ""
@@ -423,7 +414,7 @@ def _longbench(results: list[Result], plots: Path) -> str:
         ax.legend(fontsize=7)
         name = f"longbench-{r.slug}.png"
         _save(fig, plots / name)
-        rows = [[v] + [res[v]["accuracy"][c] for c in categories] + [_iv(iv.get(v, {}).get("overall"))]
+        rows = [[v] + [res[v]["accuracy"][c] for c in categories] + [format_interval(iv.get(v, {}).get("overall"))]
                 for v in names]
         text.append(f"### {r.label} ({r.config.get('questions')} questions)\n\n"
                     + _table(["variant"] + categories + ["Δ overall vs exact (points)"], rows)
@@ -460,8 +451,8 @@ def _ttft(results: list[Result], plots: Path) -> str:
                 ax.plot(lengths, [x / lim for x, lim in zip(exact_ms, limits)], "--", color=color,
                         label=f"{v}: FLOP limit")
             rows += [[e["length"], v, 1000 * e["timings"]["exact"]["median_s"], 1000 * e["timings"][v]["median_s"],
-                      _speedup_text(e["fill"][v].get("speedup_interval")), e["fill"][v].get("limit_speedup"),
-                      e["fill"][v].get("achieved_over_limit")] for e in entries]
+                      format_interval(e["fill"][v].get("speedup_interval"), spec=".2f", suffix="x"),
+                      e["fill"][v].get("limit_speedup"), e["fill"][v].get("achieved_over_limit")] for e in entries]
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.yaxis.set_major_formatter(_plain())
@@ -486,12 +477,6 @@ def _plain():
     return FuncFormatter(lambda v, _: f"{v:g}")
 
 
-def _speedup_text(iv: dict | None) -> str:
-    if not iv or iv.get("estimate") is None:
-        return "–"
-    return f"{iv['estimate']:.2f}x [{iv['low']:.2f}, {iv['high']:.2f}]"
-
-
 def _ttft_glance(r: Result) -> str:
     entries = r.doc.get("results") or []
     if not entries:
@@ -501,7 +486,7 @@ def _ttft_glance(r: Result) -> str:
     for v, f in e.get("fill", {}).items():
         limit = f" (FLOP limit {f['limit_speedup']:.2f}x)" if f.get("limit_speedup") else ""
         parts.append(f"{v} {1000 * e['timings'][v]['median_s']:.0f} ms, "
-                     f"{_speedup_text(f.get('speedup_interval'))}{limit}")
+                     f"{format_interval(f.get('speedup_interval'), spec='.2f', suffix='x')}{limit}")
     return f"- time to first token at {e['length']} tokens ({r.label}): " + "; ".join(parts)
 
 

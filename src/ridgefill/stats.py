@@ -92,13 +92,19 @@ def gap_closed(fill, swapped, exact, **kw) -> Interval:
     return paired_bootstrap({"fill": fill, "swapped": swapped, "exact": exact}, share, **kw)
 
 
-def format_interval(values: dict | None, bounds: bool = True, percent: bool = False) -> str:
-    """An `Interval.to_dict()` for a table: '+0.031 [+0.012, +0.05]', or '43% [20%, 61%]' with percent=True
-    (bounds=False: the estimate only; '–' when there is no estimate)."""
-    if not values or values.get("estimate") is None:
+def format_interval(values: dict | None, bounds: bool = True, percent: bool = False, spec: str = "+.3g",
+                    suffix: str = "") -> str:
+    """An `Interval.to_dict()` for a table: '+0.031 [+0.012, +0.05]' (each number formatted with `spec`, then
+    `suffix`), or '43% [20%, 61%]' with percent=True. bounds=False, or bounds that are null/NaN (one sample):
+    the estimate only; '–' when there is no estimate."""
+    if not values or _missing(values.get("estimate")):
         return "–"
-    show = (lambda v: f"{100 * v:.0f}%") if percent else (lambda v: f"{v:+.3g}")
+    show = (lambda v: f"{100 * v:.0f}%") if percent else (lambda v: f"{v:{spec}}{suffix}")
     text = show(values["estimate"])
-    if bounds and values.get("low") is not None and values.get("high") is not None:
+    if bounds and not _missing(values.get("low")) and not _missing(values.get("high")):
         text += f" [{show(values['low'])}, {show(values['high'])}]"
     return text
+
+
+def _missing(value) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))
