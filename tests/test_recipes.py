@@ -211,6 +211,16 @@ def test_rerun_reuses_every_step_and_force_recomputes_one(tiny_recipe, first_run
     forced = steps(run_recipe(tiny_recipe, run_dir, force=("loss",)))
     assert [s["cached"] for s in forced] == [True, True, True, False, True]
     assert metrics(run_dir) == metrics(first_run)
+    loss_doc = json.loads(next((run_dir / "artifacts").glob("loss-*.json")).read_text())
+    assert loss_doc["exact_store"] == {"folder": str(run_dir / "artifacts" / "exact"), "hits": 0, "misses": 2}
+
+
+def test_sweep_tasks_share_exact_results(first_run):
+    """The run keeps exact results by sample under artifacts/exact: RULER answers and loss NLLs, computed once."""
+    docs = {p.name.split("-")[0]: json.loads(p.read_text()) for p in (first_run / "artifacts").glob("*-seed0-*.json")}
+    assert docs["ruler"]["exact_store"]["misses"] == 1 and docs["loss"]["exact_store"]["misses"] == 2
+    kinds = sorted(p.name.rsplit("-", 1)[0] for p in (first_run / "artifacts" / "exact").iterdir())
+    assert kinds == ["loss-exact-nll", "loss-exact-nll", "ruler-answer"]
 
 
 def test_changed_option_recomputes_only_what_depends_on_it(tiny_recipe, first_run, tmp_path):

@@ -22,6 +22,8 @@ MODEL = typer.Option("smollm2-135m", "--model", help="Local HF folder, Hub id, o
 DTYPE = typer.Option("fp32", "--dtype", help="fp32, bf16 or fp16.")
 DEVICE = typer.Option("cpu", "--device", help="cpu or cuda.")
 CHUNK = typer.Option(2048, "--chunk", help="Prompt rows run at once (bounds activation memory).")
+EXACT_CACHE = typer.Option(None, "--exact-cache", help="Folder that keeps exact results by sample, so runs on the "
+                           "same samples (e.g. other splits) reuse them (recipes set it in the run folder).")
 
 
 def _version(value: bool):
@@ -175,14 +177,15 @@ def loss(
     variants: Optional[str] = typer.Option(None, "--variants", help="Comma-separated: exact, identity, ridge "
                                            "(default: all; ridge only with --maps)."),
     seed: int = typer.Option(0, "--seed", help="Bootstrap seed."),
-    dtype: str = DTYPE, device: str = DEVICE, chunk: int = CHUNK,
+    dtype: str = DTYPE, device: str = DEVICE, chunk: int = CHUNK, exact_cache: Optional[Path] = EXACT_CACHE,
 ):
     """Teacher-forced tail NLL of each variant on long passages, on all tail tokens and on distant-context tokens."""
     from ridgefill.evals.loss import loss_command
 
     loss_command(model=model, maps=maps, split=split, tail=tail, data=data, context=context, short=short,
                  short_stride=short_stride, samples=samples, alpha=alpha, beta=beta, keep_first=keep_first,
-                 variants=variants, seed=seed, chunk=chunk, dtype=dtype, device=device, out=out)
+                 variants=variants, seed=seed, chunk=chunk, dtype=dtype, device=device, out=out,
+                 exact_cache=exact_cache)
 
 
 @app.command()
@@ -249,7 +252,7 @@ def ruler(
                                               "outputs, length, answer_prefix) instead of generating samples."),
     chat_template: bool = typer.Option(False, "--chat-template", help="Wrap inputs in the tokenizer's chat "
                                        "template (default: plain text, as RULER's base template)."),
-    dtype: str = DTYPE, device: str = DEVICE, chunk: int = CHUNK,
+    dtype: str = DTYPE, device: str = DEVICE, chunk: int = CHUNK, exact_cache: Optional[Path] = EXACT_CACHE,
 ):
     """RULER's synthetic tasks with needles in filled rows (or the tail): score of exact, identity and ridge."""
     from ridgefill.evals.ruler import ruler_command
@@ -257,7 +260,8 @@ def ruler(
     ruler_command(model=model, maps=maps, split=split, tail=tail, lengths=lengths, tasks=tasks, samples=samples,
                   region=region, seed=seed, out=out, variants=variants, keep_first=keep_first, chunk=chunk,
                   dtype=dtype, device=device, haystack=haystack, essay_corpus=essay_corpus,
-                  max_new_tokens=max_new_tokens, from_jsonl=from_jsonl, chat_template=chat_template)
+                  max_new_tokens=max_new_tokens, from_jsonl=from_jsonl, chat_template=chat_template,
+                  exact_cache=exact_cache)
 
 
 @app.command()

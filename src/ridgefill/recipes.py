@@ -400,7 +400,8 @@ def _common(settings: dict, step: str) -> dict:
 
 # --- running --------------------------------------------------------------------------------------------
 INPUT = {"calibrate": "stats", "fit": "maps"}  # the option a task's artifact is passed as
-NOT_KEYED = {"checkpoint_every", "model"}  # no effect on the artifact / replaced by the weights hash
+NOT_KEYED = {"checkpoint_every", "model", "exact_cache"}  # no effect on the artifact / replaced by the weights hash
+EXACT_FOLDER = "exact"  # under artifacts/: exact results by sample, shared by a sweep's tasks (ExactStore)
 
 
 def run_recipe(spec: str | Path, out_dir: str | Path | None = None, force=(), dry_run: bool = False) -> Path:
@@ -421,6 +422,9 @@ def run_recipe(spec: str | Path, out_dir: str | Path | None = None, force=(), dr
         return run_dir
     check_device(recipe.settings["device"], recipe.settings["dtype"])
     model = model_identity(recipe)
+    for step in force:  # a forced step recomputes its exact results too (ExactStore kinds start with the step)
+        for stored in (run_dir / "artifacts" / EXACT_FOLDER).glob(f"{step}-*.json"):
+            stored.unlink()
     manifest = Manifest(run_dir, recipe, model)
     (run_dir / "recipe.toml").write_text(recipe.text)
     keys, artifacts = {}, {}
@@ -453,6 +457,8 @@ def _call(task: Task, out: Path, needed: Path | None, fresh: bool) -> None:
     kwargs = {o.param: (Path(o.default) if o.kind is Path and isinstance(o.default, str) else o.default)
               for o in options.values()}
     kwargs.update(task.kwargs, out=out)
+    if "exact_cache" in kwargs and kwargs["exact_cache"] is None:  # every split of a sweep reuses exact results
+        kwargs["exact_cache"] = out.parent / EXACT_FOLDER
     if task.needs:
         needed_step = task.needs.split("-")[0]  # "calibrate" or "fit-s<split>"
         kwargs[INPUT[needed_step]] = needed

@@ -136,3 +136,22 @@ def test_distant_tokens_from_one_passage_have_no_interval():
     assert d["estimate"] == pytest.approx(1.5) and d["low"] is None and d["high"] is None
     t = iv["ridge"]["tail_nll_nats"]  # the tail still resamples all three passages
     assert t == mean_difference([3.3, 3.5, 3.0], [3.0, 3.1, 2.9], seed=0).to_dict()
+
+
+def test_exact_cache_reuses_exact_nlls_across_splits(tiny_checkpoint, long_docs, tmp_path, monkeypatch):
+    import ridgefill.evals.loss as loss_module
+
+    store = tmp_path / "exact"
+    plain = loss_command(**options(model=str(tiny_checkpoint), data=str(long_docs), out=tmp_path / "a.json"))
+    first = loss_command(**options(model=str(tiny_checkpoint), data=str(long_docs), out=tmp_path / "b.json",
+                                   exact_cache=store))
+    assert first["exact_store"]["misses"] == 3 and first["results"] == plain["results"]
+
+    def no_exact(*args, **kwargs):
+        raise AssertionError("exact NLLs recomputed")
+
+    monkeypatch.setattr(loss_module, "exact_nlls", no_exact)
+    other_split = loss_command(**options(model=str(tiny_checkpoint), data=str(long_docs), split=2,
+                                         out=tmp_path / "c.json", exact_cache=store))
+    assert other_split["exact_store"] == {"folder": str(store), "hits": 3, "misses": 0}
+    assert other_split["results"]["exact"] == plain["results"]["exact"]

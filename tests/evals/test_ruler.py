@@ -243,3 +243,15 @@ def test_chat_template_wraps_the_input_and_keeps_spans(tiny_checkpoint, sources)
     assert s.input_ids[0] == tok.bos_token_id
     check_needles(tok, s)
     assert all(1 <= a < b <= s.tail_start for a, b in s.needle_spans)
+
+
+def test_exact_answers_are_reused_across_splits(tmp_path, tiny_checkpoint):
+    common = dict(model=str(tiny_checkpoint), variants="exact,identity", tail=16, lengths="320",
+                  tasks="niah_single_1", samples=2, max_new_tokens=3, exact_cache=tmp_path / "exact")
+    first = ruler_command(split=3, out=tmp_path / "a.json", **common)
+    second = ruler_command(split=2, out=tmp_path / "b.json", **common)
+    assert first["exact_store"]["misses"] == 2 and first["exact_store"]["hits"] == 0
+    assert second["exact_store"]["hits"] == 2 and second["exact_store"]["misses"] == 0
+    assert [s["predictions"]["exact"] for s in first["samples"]] == [s["predictions"]["exact"] for s in second["samples"]]
+    plain = ruler_command(split=2, out=tmp_path / "c.json", **{**common, "exact_cache": None})
+    assert plain["results"] == second["results"] and plain["exact_store"]["folder"] is None

@@ -28,6 +28,7 @@ import torch
 from ridgefill.console import note, progress_bar, table
 from ridgefill.data import documents_for, load_corpus, passages
 from ridgefill.errors import RidgefillError
+from ridgefill.exact_store import ExactStore
 from ridgefill.evals.nll import distant_tokens, short_context_nll, tail_nll
 from ridgefill.results import ResultWriter, maps_info
 from ridgefill.session import open_session, parse_variants, variant_plans
@@ -37,7 +38,9 @@ from ridgefill.stats import (Interval, format_interval, mean_difference, paired_
 
 def loss_command(model: str, maps: str | None, split: int | None, tail: int, data: str, context: int, short: int,
                  short_stride: int | None, samples: int, alpha: float, beta: float, keep_first: int,
-                 variants: str | None, seed: int, chunk: int, dtype: str, device: str, out: str | Path) -> dict:
+                 variants: str | None, seed: int, chunk: int, dtype: str, device: str, out: str | Path,
+                 exact_cache: str | Path | None = None) -> dict:
+    """exact_cache: a folder where the exact model's per-token NLLs are kept by passage (ExactStore)."""
     config = dict(locals())  # every option, as passed
     writer = ResultWriter("loss", config, seed)
     check_lengths(context, short, short_stride, tail, samples, keep_first)
@@ -51,11 +54,14 @@ def loss_command(model: str, maps: str | None, split: int | None, tail: int, dat
     sums = {name: {"tail": [], "distant": []} for name in plans}
     counts = []
     engine = session.engine
+    store = ExactStore(exact_cache, session.loaded.info(), dtype, device, chunk)
     with progress_bar(f"scoring {len(texts)} passages of {context} tokens", len(texts) * (len(plans) + 1)) as advance:
         for passage in texts:
             ids = torch.tensor([passage])
-            exact = tail_nll(engine, ids, scored)[0].float().cpu()  # [scored-1]
-            key = distant_tokens(exact, short_context_nll(engine, ids, scored, short, stride, exact), alpha, beta)
+            found = store.get("loss-exact-nll", {"ids": passage, "scored": scored, "short": short, "stride": stride},
+                              lambda: exact_nlls(engine, ids, scored, short, stride))
+            exact, short_nll = torch.tensor(found["full"]), torch.tensor(found["short"])  # [scored-1] float32
+            key = distant_tokens(exact, short_nll, alpha, beta)
             counts.append(int(key.sum()))
             advance()
             for name, plan in plans.items():
@@ -71,10 +77,16 @@ def loss_command(model: str, maps: str | None, split: int | None, tail: int, dat
         note("the distant-context tokens all come from one passage: their differences have no interval (give "
              "more --samples or a longer --context)")
     doc = writer.write(out, session.loaded.info(), maps_info(maps, meta), list(plans), results, intervals,
-                       short_stride_used=stride, scored_tail=scored)
+                       short_stride_used=stride, scored_tail=scored, exact_store=store.summary())
     print_table(results, intervals, f"NLL on {len(texts)} passages of {context} tokens, tail {scored} "
                 f"({sum(counts)} distant-context tokens, short window {short})")
     return doc
+
+
+def exact_nlls(engine, ids: torch.Tensor, scored: int, short: int, stride: int) -> dict:
+    """The exact model's NLL of the scored tail tokens with the full context and with the short window."""
+    full = tail_nll(engine, ids, scored)[0].float().cpu()  # [scored-1]
+    return {"full": full.tolist(), "short": short_context_nll(engine, ids, scored, short, stride, full).float().tolist()}
 
 
 # --- options ------------------------------------------------------------------------------------------

@@ -355,10 +355,12 @@ def ruler_command(model: str = "smollm2-135m", maps=None, split: int | None = No
                   region: str = "filled", seed: int = 0, out="ruler.json", variants: str | None = None,
                   keep_first: int = 1, chunk: int = 2048, dtype: str = "fp32", device: str = "cpu",
                   haystack: str = "auto", essay_corpus: str = "wiki-leads", max_new_tokens: int | None = None,
-                  from_jsonl=None, chat_template: bool = False) -> dict:
-    """Generate (or read) RULER samples, answer them greedily with each variant, score them, write `out`."""
+                  from_jsonl=None, chat_template: bool = False, exact_cache=None) -> dict:
+    """Generate (or read) RULER samples, answer them greedily with each variant, score them, write `out`.
+    exact_cache: a folder where exact answers are kept by sample (ExactStore), reused by later runs."""
     config = {k: str(v) if isinstance(v, Path) else v for k, v in locals().items()}
     from ridgefill.console import progress_bar
+    from ridgefill.exact_store import ExactStore
     from ridgefill.results import ResultWriter, maps_info
     from ridgefill.session import open_session, parse_variants, variant_plans
 
@@ -396,18 +398,24 @@ def ruler_command(model: str = "smollm2-135m", maps=None, split: int | None = No
                 for task in task_names:
                     items += build_samples(session.tokenizer, task, length, n, seed, region, tail, keep_first,
                                            haystack, max_new_tokens, chat_template, sources, advance)
+    store = ExactStore(exact_cache, session.loaded.info(), dtype, device, chunk)
     predictions = {v: [] for v in plans}
     with progress_bar(f"answering {len(items)} samples x {len(plans)} variants", len(items) * len(plans)) as advance:
         for sample in items:
             for name, plan in plans.items():
-                predictions[name].append(predict(session.engine, session.tokenizer, sample, plan))
+                answer = lambda plan=plan: predict(session.engine, session.tokenizer, sample, plan)  # noqa: E731
+                if plan is None:  # exact: the same for every split
+                    key = {"ids": sample.input_ids, "max_new_tokens": sample.max_new_tokens}
+                    predictions[name].append(store.get("ruler-answer", key, answer))
+                else:
+                    predictions[name].append(answer())
                 advance()
     scores = {v: [score_prediction(s.task, p, s.outputs) for s, p in zip(items, predictions[v])] for v in plans}
     results, intervals = summarise(items, scores, seed)
     records = [_record_of(s, {v: predictions[v][i] for v in plans}, {v: scores[v][i] for v in plans})
                for i, s in enumerate(items)]
     doc = writer.write(out, session.loaded.info(), maps_info(maps, meta), list(plans), results, intervals,
-                       samples=records)
+                       exact_store=store.summary(), samples=records)
     _print_tables(results, intervals, region if from_jsonl is None else "as given", tail)
     return doc
 
