@@ -130,14 +130,15 @@ def longbench(
     chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template",
                                        help="Wrap prompts in the tokenizer's chat template when it has one."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", help="Tokens to generate (generate mode)."),
-    dtype: str = DTYPE, device: str = DEVICE, chunk: int = CHUNK,
+    dtype: str = DTYPE, device: str = DEVICE, chunk: int = CHUNK, exact_cache: Optional[Path] = EXACT_CACHE,
 ):
     """LongBench v2 accuracy (overall, easy/hard, short/medium/long) for exact, identity and ridge prefill."""
     from ridgefill.evals.longbench import longbench_command
 
     longbench_command(model=model, maps=maps, split=split, tail=tail, data=data, mode=mode, max_len=max_len,
                       out=out, limit=limit, keep_first=keep_first, seed=seed, chunk=chunk, dtype=dtype,
-                      device=device, variants=variants, chat_template=chat_template, max_new_tokens=max_new_tokens)
+                      device=device, variants=variants, chat_template=chat_template, max_new_tokens=max_new_tokens,
+                      exact_cache=exact_cache)
 
 
 @app.command("lm-eval", add_help_option=False,

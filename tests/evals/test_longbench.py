@@ -184,6 +184,16 @@ def test_loglik_run_writes_accuracies_intervals_and_per_question_answers(tiny_ch
     assert doc["results"]["exact"]["mean_abs_logprob_change"] == 0
 
 
+def test_exact_answers_are_reused_across_splits(tiny_checkpoint, data_file, tmp_path):
+    store = tmp_path / "exact"
+    first = run(tiny_checkpoint, data_file, tmp_path / "a.json", exact_cache=store)
+    second = run(tiny_checkpoint, data_file, tmp_path / "b.json", exact_cache=store, split=3)
+    assert first["exact_store"]["misses"] == 6 and second["exact_store"] == {"folder": str(store), "hits": 6,
+                                                                              "misses": 0}
+    plain = run(tiny_checkpoint, data_file, tmp_path / "c.json", split=3)
+    assert second["results"] == plain["results"]  # stored log-probs come back exactly
+
+
 @pytest.fixture(scope="module")
 def tiny_maps(tiny_checkpoint, tmp_path_factory) -> Path:
     from ridgefill.workflows import calibrate_command, fit_command

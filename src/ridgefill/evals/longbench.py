@@ -22,6 +22,7 @@ import torch
 from ridgefill.console import note, progress_bar, table
 from ridgefill.engine import Engine, FillPlan
 from ridgefill.errors import RidgefillError
+from ridgefill.exact_store import ExactStore
 from ridgefill.results import ResultWriter, maps_info
 from ridgefill.session import open_session, parse_variants, variant_plans
 from ridgefill.stats import mean_difference
@@ -273,7 +274,8 @@ def accuracy_intervals(questions: list[Question], results: dict, seed: int) -> d
 
 # --- the command -----------------------------------------------------------------------------------------
 def longbench_command(model, maps, split, tail, data, mode, max_len, out, limit, keep_first, seed, chunk, dtype,
-                      device, variants, chat_template=True, max_new_tokens=128) -> dict:
+                      device, variants, chat_template=True, max_new_tokens=128, exact_cache=None) -> dict:
+    """exact_cache: a folder where exact answers are kept by prompt (ExactStore), reused by later runs."""
     if mode not in MODES:
         raise RidgefillError(f"unknown --mode '{mode}': use loglik or generate")
     if limit is not None and limit < 1:
@@ -300,6 +302,7 @@ def longbench_command(model, maps, split, tail, data, mode, max_len, out, limit,
     config.update(max_len=max_len, chat_template_used=chat, split=meta["split"] if meta else split)
     if tail >= max_len:
         note(f"note: tail {tail} >= --max-len {max_len}: every prompt row runs the full model (exact)")
+    store = ExactStore(exact_cache, session.loaded.info(), dtype, device, chunk)
     answers = {name: [] for name in plans}
     lengths = []
     with progress_bar(f"LongBench v2 ({mode})", len(questions) * len(plans)) as advance:
@@ -307,13 +310,19 @@ def longbench_command(model, maps, split, tail, data, mode, max_len, out, limit,
             ids = prompt_ids(tokenizer, q, mode, max_len, chat)
             lengths.append(len(ids))
             for name, plan in plans.items():
-                answers[name].append(answer_question(session.engine, tokenizer, ids, plan, mode, options,
-                                                     max_new_tokens))
+                answer = lambda plan=plan: answer_question(session.engine, tokenizer, ids, plan, mode,  # noqa: E731
+                                                           options, max_new_tokens)
+                if plan is None:  # exact: the same for every split
+                    key = {"ids": ids, "mode": mode, "options": options, "max_new_tokens": max_new_tokens}
+                    answers[name].append(store.get("longbench-answer", key, answer))
+                else:
+                    answers[name].append(answer())
                 advance()
     config["prompt_tokens"] = {"mean": sum(lengths) / len(lengths), "max": max(lengths)}
     results = {name: summarize(questions, answers[name], answers.get("exact")) for name in plans}
     intervals = accuracy_intervals(questions, results, seed)
-    doc = writer.write(out, session.loaded.info(), maps_info(maps, meta), list(plans), results, intervals)
+    doc = writer.write(out, session.loaded.info(), maps_info(maps, meta), list(plans), results, intervals,
+                       exact_store=store.summary())
     _print_table(results, intervals, questions, config)
     return doc
 
