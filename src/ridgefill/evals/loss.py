@@ -28,8 +28,8 @@ import torch
 from ridgefill.console import note, progress_bar, table
 from ridgefill.data import documents_for, load_corpus, passages
 from ridgefill.errors import RidgefillError
-from ridgefill.exact_store import ExactStore
 from ridgefill.evals.nll import distant_tokens, short_context_nll, tail_nll
+from ridgefill.exact_store import ExactStore
 from ridgefill.results import ResultWriter, maps_info
 from ridgefill.session import open_session, parse_variants, variant_plans
 from ridgefill.stats import (Interval, format_interval, mean_difference, paired_bootstrap, relative_difference,
