@@ -4,7 +4,7 @@ import json
 
 import torch
 
-from ridgefill.exact_store import ExactStore
+from ridgefill.exact_store import ExactStore, forget
 
 INFO = {"id": "tiny", "weights_hash": "abc"}
 
@@ -51,3 +51,21 @@ def test_float32_values_round_trip_exactly(tmp_path):
     ExactStore(tmp_path, INFO, "fp32", "cpu", 2048).get("nll", {"ids": [1]}, lambda: values.tolist())
     back = ExactStore(tmp_path, INFO, "fp32", "cpu", 2048).get("nll", {"ids": [1]}, lambda: None)
     assert torch.equal(torch.tensor(back), values)
+
+
+def test_get_exact_stores_only_the_exact_variant(tmp_path):
+    store, compute = ExactStore(tmp_path, INFO, "fp32", "cpu", 2048), Counter("answer")
+    plan = object()  # any fill plan
+    for _ in range(2):
+        store.get_exact(None, "ruler-answer", {"ids": [1]}, compute)
+        store.get_exact(plan, "ruler-answer", {"ids": [1]}, compute)
+    assert compute.calls == 3 and store.summary()["hits"] == 1 and len(list(tmp_path.iterdir())) == 1
+
+
+def test_forget_deletes_one_commands_results(tmp_path):
+    store = ExactStore(tmp_path, INFO, "fp32", "cpu", 2048)
+    store.get("ruler-answer", {"ids": [1]}, lambda: "a")
+    store.get("loss-exact-nll", {"ids": [1]}, lambda: [1.0])
+    forget(tmp_path, "loss")
+    assert [p.name.rsplit("-", 1)[0] for p in tmp_path.iterdir()] == ["ruler-answer"]
+    forget(tmp_path / "missing", "ruler")  # nothing stored yet: nothing to do

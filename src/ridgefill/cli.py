@@ -22,6 +22,8 @@ MODEL = typer.Option("smollm2-135m", "--model", help="Local HF folder, Hub id, o
 DTYPE = typer.Option("fp32", "--dtype", help="fp32, bf16 or fp16.")
 DEVICE = typer.Option("cpu", "--device", help="cpu or cuda.")
 CHUNK = typer.Option(2048, "--chunk", help="Prompt rows run at once (bounds activation memory).")
+MAPS = typer.Option(None, "--maps", help="Maps file (needed for the ridge variant).")
+SPLIT = typer.Option(None, "--split", help="Split S (checked against the maps; needed without them).")
 EXACT_CACHE = typer.Option(None, "--exact-cache", help="Folder that keeps exact results by sample, so runs on the "
                            "same samples (e.g. other splits) reuse them (recipes set it in the run folder).")
 
@@ -111,9 +113,8 @@ def demo(out_dir: Optional[Path] = typer.Option(None, "--out-dir", help="Run fol
 @app.command()
 def longbench(
     model: str = MODEL,
-    maps: Optional[Path] = typer.Option(None, "--maps", help="Maps file (needed for the ridge variant)."),
-    split: Optional[int] = typer.Option(None, "--split", help="Split S (checked against the maps; needed "
-                                        "without them)."),
+    maps: Optional[Path] = MAPS,
+    split: Optional[int] = SPLIT,
     tail: int = typer.Option(256, "--tail", help="Last prompt rows that run the full model."),
     data: str = typer.Option(..., "--data", help="LongBench v2 records: .json list or .jsonl file, or a Hub "
                              "dataset id (THUDM/LongBench-v2)."),
@@ -165,9 +166,8 @@ BETA = typer.Option(2.0, "--beta", help="... and full-context log-prob above -be
 @app.command()
 def loss(
     model: str = MODEL,
-    maps: Optional[Path] = typer.Option(None, "--maps", help="Maps file (needed for the ridge variant)."),
-    split: Optional[int] = typer.Option(None, "--split", help="Split S (checked against the maps; needed "
-                                        "without them)."),
+    maps: Optional[Path] = MAPS,
+    split: Optional[int] = SPLIT,
     tail: int = typer.Option(256, "--tail", help="Last rows of each passage that run the full model (scored)."),
     data: str = LONG_DATA,
     context: int = typer.Option(4096, "--context", help="Tokens per passage."),
@@ -193,8 +193,7 @@ def loss(
 def splice(
     model: str = MODEL,
     maps: Optional[Path] = typer.Option(None, "--maps", help="Maps file (the ridge fill)."),
-    split: Optional[int] = typer.Option(None, "--split", help="Split S (checked against the maps; needed "
-                                        "without them)."),
+    split: Optional[int] = SPLIT,
     tail: int = typer.Option(256, "--tail", help="Last rows of each passage that run the full model (scored)."),
     swap: Optional[str] = typer.Option(None, "--swap", help="Comma-separated swaps of keys, values, key-scale, "
                                        "key-direction, state; join with '+' (default: each, and keys+values)."),
@@ -229,9 +228,8 @@ def splice(
 @app.command()
 def ruler(
     model: str = MODEL,
-    maps: Optional[Path] = typer.Option(None, "--maps", help="Maps file (needed for the ridge variant)."),
-    split: Optional[int] = typer.Option(None, "--split", help="Split S (checked against the maps; needed "
-                                        "without them)."),
+    maps: Optional[Path] = MAPS,
+    split: Optional[int] = SPLIT,
     tail: int = typer.Option(256, "--tail", help="Last prompt rows that run the full model."),
     lengths: str = typer.Option("4096", "--lengths", help="Comma-separated prompt + generation lengths (tokens)."),
     tasks: Optional[str] = typer.Option(None, "--tasks", help="Comma-separated RULER tasks (default: all 11)."),

@@ -17,7 +17,7 @@ def console(stderr: bool = False) -> Console:
     """A rich console; output that is not a terminal (a log, a pipe) gets LOG_WIDTH columns unless COLUMNS is set."""
     out = Console(stderr=stderr)
     if not out.is_terminal and "COLUMNS" not in os.environ:
-        out = Console(stderr=stderr, width=LOG_WIDTH)
+        out.width = LOG_WIDTH
     return out
 
 

@@ -37,6 +37,7 @@ from pathlib import Path
 
 from ridgefill import __version__
 from ridgefill.errors import RidgefillError
+from ridgefill.exact_store import forget
 from ridgefill.paths import write_json
 
 
@@ -422,9 +423,8 @@ def run_recipe(spec: str | Path, out_dir: str | Path | None = None, force=(), dr
         return run_dir
     check_device(recipe.settings["device"], recipe.settings["dtype"])
     model = model_identity(recipe)
-    for step in force:  # a forced step recomputes its exact results too (ExactStore kinds start with the step)
-        for stored in (run_dir / "artifacts" / EXACT_FOLDER).glob(f"{step}-*.json"):
-            stored.unlink()
+    for step in force:  # a forced step recomputes its exact results too
+        forget(run_dir / "artifacts" / EXACT_FOLDER, step)
     manifest = Manifest(run_dir, recipe, model)
     (run_dir / "recipe.toml").write_text(recipe.text)
     keys, artifacts = {}, {}

@@ -283,7 +283,8 @@ def _loss(results: list[Result], plots: Path) -> str:
         for v in _variants(r.doc):
             x = res[v]
             rows.append([r.label, v, x.get("distant_nll"), format_interval(iv.get(v, {}).get("distant_nll_nats")),
-                         x.get("distant_tokens"), x.get("tail_nll"), format_interval(iv.get(v, {}).get("tail_nll_nats"))])
+                         x.get("distant_tokens"), x.get("tail_nll"),
+                         format_interval(iv.get(v, {}).get("tail_nll_nats"))])
     first = results[0].config
     return (f"## Distant-context NLL (loss)\n\nTeacher-forced NLL on the tail of {first.get('context')}-token "
             f"passages of `{first.get('data')}`; distant-context tokens are those whose exact full-context "
@@ -388,7 +389,8 @@ def _splice(results: list[Result], plots: Path) -> str:
         ax.legend(fontsize=7)
         name = f"splice-{r.slug}.png"
         _save(fig, plots / name)
-        rows = [[k] + [format_interval(iv.get(k, {}).get(f"gap_closed_{m}"), percent=True) for m in metrics] for k in splices]
+        rows = [[k] + [format_interval(iv.get(k, {}).get(f"gap_closed_{m}"), percent=True) for m in metrics]
+                for k in splices]
         text.append(f"### {r.label}\n\n" + _table(["swapped@layers"] + [f"gap closed, {m}" for m in metrics], rows)
                     + f"\n\n{_image(plots, name, 'splice attribution')}")
     return "\n\n".join(text) if len(text) > 1 else ""

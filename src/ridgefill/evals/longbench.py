@@ -310,13 +310,9 @@ def longbench_command(model, maps, split, tail, data, mode, max_len, out, limit,
             ids = prompt_ids(tokenizer, q, mode, max_len, chat)
             lengths.append(len(ids))
             for name, plan in plans.items():
-                answer = lambda plan=plan: answer_question(session.engine, tokenizer, ids, plan, mode,  # noqa: E731
-                                                           options, max_new_tokens)
-                if plan is None:  # exact: the same for every split
-                    key = {"ids": ids, "mode": mode, "options": options, "max_new_tokens": max_new_tokens}
-                    answers[name].append(store.get("longbench-answer", key, answer))
-                else:
-                    answers[name].append(answer())
+                key = {"ids": ids, "mode": mode, "options": options, "max_new_tokens": max_new_tokens}
+                answers[name].append(store.get_exact(plan, "longbench-answer", key, lambda plan=plan: answer_question(
+                    session.engine, tokenizer, ids, plan, mode, options, max_new_tokens)))
                 advance()
     config["prompt_tokens"] = {"mean": sum(lengths) / len(lengths), "max": max(lengths)}
     results = {name: summarize(questions, answers[name], answers.get("exact")) for name in plans}

@@ -86,7 +86,8 @@ def loss_command(model: str, maps: str | None, split: int | None, tail: int, dat
 def exact_nlls(engine, ids: torch.Tensor, scored: int, short: int, stride: int) -> dict:
     """The exact model's NLL of the scored tail tokens with the full context and with the short window."""
     full = tail_nll(engine, ids, scored)[0].float().cpu()  # [scored-1]
-    return {"full": full.tolist(), "short": short_context_nll(engine, ids, scored, short, stride, full).float().tolist()}
+    short_nll = short_context_nll(engine, ids, scored, short, stride, full).float()
+    return {"full": full.tolist(), "short": short_nll.tolist()}
 
 
 # --- options ------------------------------------------------------------------------------------------

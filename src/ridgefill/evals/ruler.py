@@ -403,12 +403,9 @@ def ruler_command(model: str = "smollm2-135m", maps=None, split: int | None = No
     with progress_bar(f"answering {len(items)} samples x {len(plans)} variants", len(items) * len(plans)) as advance:
         for sample in items:
             for name, plan in plans.items():
-                answer = lambda plan=plan: predict(session.engine, session.tokenizer, sample, plan)  # noqa: E731
-                if plan is None:  # exact: the same for every split
-                    key = {"ids": sample.input_ids, "max_new_tokens": sample.max_new_tokens}
-                    predictions[name].append(store.get("ruler-answer", key, answer))
-                else:
-                    predictions[name].append(answer())
+                key = {"ids": sample.input_ids, "max_new_tokens": sample.max_new_tokens}
+                predictions[name].append(store.get_exact(plan, "ruler-answer", key, lambda plan=plan: predict(
+                    session.engine, session.tokenizer, sample, plan)))
                 advance()
     scores = {v: [score_prediction(s.task, p, s.outputs) for s, p in zip(items, predictions[v])] for v in plans}
     results, intervals = summarise(items, scores, seed)
