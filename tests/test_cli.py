@@ -69,6 +69,11 @@ def test_generate_prints_only_text_and_tail_covering_prompt_is_exact(tiny_checkp
     (["generate", "--model", "no-such-model", "--exact", "--prompt", "hi"], "unknown model 'no-such-model'"),
     (["calibrate", "--data", "wiki-leads", "--split", "40", "--out", "x.safetensors"], "out of range"),
     (["fit", "--stats", "missing.safetensors", "--out", "m.safetensors"], "does not exist"),
+    # command-line errors from the option parser: one line too, naming the fix
+    (["loss", "--tail", "8", "--out", "l.json"], "Missing option '--data': see '"),
+    (["fit", "--bogus"], "No such option: --bogus"),
+    (["ruler", "--tail", "abc", "--out", "r.json"], "Invalid value for '--tail'"),
+    (["nosuch"], "No such command 'nosuch': see '"),
 ])
 def test_bad_input_is_one_line_exit_2(args, message, tiny_checkpoint):
     if args[0] == "calibrate":
@@ -77,6 +82,8 @@ def test_bad_input_is_one_line_exit_2(args, message, tiny_checkpoint):
     assert r.returncode == 2
     assert message in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+    if args[0] in ("loss", "nosuch"):  # the fix: the command's help
+        assert r.stderr.rstrip().endswith(f"ridgefill{' loss' if args[0] == 'loss' else ''} --help'")
 
 
 def test_corrupted_and_foreign_artifacts_are_refused(tiny_checkpoint, fitted, tmp_path):

@@ -321,11 +321,21 @@ def bench_ttft(
 
 def main() -> None:
     """Console-script entry point: one-line errors with exit code 2 instead of tracebacks."""
+    from typer.exceptions import TyperException
+
     try:
-        app()
+        code = app(standalone_mode=False)  # command-line errors come back here instead of as a usage box
     except RidgefillError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
-    except KeyboardInterrupt:
+    except TyperException as exc:  # a missing or unknown option or command, a value of the wrong type
+        ctx, message = getattr(exc, "ctx", None), exc.format_message().rstrip(".")
+        if message:  # (no arguments at all: the help was printed)
+            command = ctx.command_path if ctx is not None else "ridgefill"
+            print(f"error: {message}: see '{command} --help'", file=sys.stderr)
+        sys.exit(2)
+    except (KeyboardInterrupt, typer.Abort):
         print("error: interrupted (artifacts already written are complete; rerun to continue)", file=sys.stderr)
         sys.exit(130)
+    if isinstance(code, int) and code:  # --help / --version exit through click with a code
+        sys.exit(code)
