@@ -26,9 +26,9 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
-from ridgefill.maps import save_maps
-from ridgefill.models import weights_fingerprint
-from ridgefill.ridge import LayerFit
+from ridgefill.method.maps import save_maps
+from ridgefill.runtime.models import weights_fingerprint
+from ridgefill.method.ridge import LayerFit
 
 work, split = Path(sys.argv[1]), int(sys.argv[2])
 folder, maps = work / "llama-3b-random", work / f"maps-s{split}.safetensors"

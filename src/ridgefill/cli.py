@@ -58,7 +58,7 @@ def calibrate(
     dtype: str = DTYPE, device: str = DEVICE, chunk: int = CHUNK,
 ):
     """One pass over calibration text: float64 statistics of the split state and every late layer's input."""
-    from ridgefill.workflows import calibrate_command
+    from ridgefill.method.calibrate import calibrate_command
 
     calibrate_command(model, data, split, tokens, seq_len, out, resume, holdout, skip_first, outlier_factor,
                       checkpoint_every, dtype, device, chunk)
@@ -75,7 +75,7 @@ def fit(
     rank: Optional[int] = typer.Option(None, "--rank", help="Keep only the top-r directions of each map's residual."),
 ):
     """Fit per-layer maps in closed form and print held-out error of identity fill vs the map."""
-    from ridgefill.workflows import fit_command
+    from ridgefill.method.fit import fit_command
 
     fit_command(stats, out, split, lam, kind, rank)
 
@@ -95,7 +95,7 @@ def generate(
     dtype: str = DTYPE, device: str = DEVICE, chunk: int = CHUNK,
 ):
     """Generate greedily after exact or filled prefill. Only generated text goes to stdout."""
-    from ridgefill.workflows import generate_command
+    from ridgefill.serve.generate import generate_command
 
     generate_command(model, maps, split, tail, keep_first, exact, prompt, prompt_file, max_new_tokens, compare,
                      dtype, device, chunk)
@@ -105,7 +105,7 @@ def generate(
 def demo(out_dir: Optional[Path] = typer.Option(None, "--out-dir", help="Run folder (default runs/quickstart).")):
     """The main job on the embedded model: `ridgefill run recipes/quickstart.toml` (calibrate, fit, then exact
     vs identity vs ridge NLL on Shakespeare, and the report)."""
-    from ridgefill.recipes import run_recipe
+    from ridgefill.pipeline.recipe import run_recipe
 
     run_recipe("quickstart", out_dir)
 
@@ -272,7 +272,7 @@ def run(
     dry_run: bool = typer.Option(False, "--dry-run", help="Validate the recipe and list its tasks; run nothing."),
 ):
     """Run a recipe: calibrate → fit → evaluations as one cached pipeline, then write the report."""
-    from ridgefill.recipes import run_recipe
+    from ridgefill.pipeline.recipe import run_recipe
 
     run_recipe(recipe, out_dir, tuple(force or ()), dry_run)
 
@@ -285,7 +285,7 @@ def report(
                                               "recipe's, else 5)."),
 ):
     """Write report.md and PNG plots from the results in a run folder."""
-    from ridgefill.report import write_report
+    from ridgefill.report.write import write_report
 
     print(write_report(run_dir, tolerance))
 
@@ -312,7 +312,7 @@ def bench_ttft(
     seed: int = typer.Option(0, "--seed", help="Seed of random prompts and bootstrap intervals."),
 ):
     """Time to first token: exact vs filled prefill vs transformers, with the FLOP-limit speedup."""
-    from ridgefill.bench import bench_ttft_command
+    from ridgefill.evals.bench_ttft import bench_ttft_command
 
     bench_ttft_command(model=model, maps=maps, split=split, tail=tail, lengths=lengths, repeats=repeats,
                        warmup=warmup, device=device, dtype=dtype, out=out, variants=variants, data=data,

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from conftest import A, HYBRID_FAMILIES, L, random_ids, tiny_hybrid_model
 from ridgefill.engine import Engine, FillPlan, HybridAdapter, IdentityFiller, OracleFiller, StateCache, adapter_for
-from ridgefill.engine.delta_rule import causal_conv, chunk_gated_delta_rule
+from ridgefill.engine.families.delta_rule import causal_conv, chunk_gated_delta_rule
 
 TOL = 1e-5
 # For caches produced by genuinely different fp32 op orders: filled rows fed transformers' hidden states

@@ -145,12 +145,12 @@ def test_block_attention_paths_equal_the_masked_one(kv_heads):
     bias (the CUDA path, here run on the CPU) equal attention with an explicit causal mask."""
     import torch.nn.functional as F
 
-    from ridgefill.engine.prefill import _lower_right_causal, _prefix_then_block
+    from ridgefill.engine.attention import lower_right_causal, prefix_then_block
 
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 7, 16, generator=g)
     k, v = torch.randn(2, kv_heads, 19, 16, generator=g), torch.randn(2, kv_heads, 19, 16, generator=g)
     mask = torch.arange(19).unsqueeze(0) <= torch.arange(12, 19).unsqueeze(1)
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=kv_heads != 4)
-    assert (_prefix_then_block(q, k, v, 12, 0.3) - ref).abs().max() <= TOL
-    assert (_lower_right_causal(q, k, v, 0.3) - ref).abs().max() <= TOL
+    assert (prefix_then_block(q, k, v, 12, 0.3) - ref).abs().max() <= TOL
+    assert (lower_right_causal(q, k, v, 0.3) - ref).abs().max() <= TOL

@@ -69,7 +69,7 @@ def test_fused_projection_equals_per_layer_route(dense_model, split):
 def test_other_layer_kinds_keep_the_per_layer_route():
     """Layers that are not attention (hybrid linear layers) get their predicted input; only the attention layers
     among the late ones are stacked and fused."""
-    from ridgefill.engine.adapters import DenseAdapter
+    from ridgefill.engine.families import DenseAdapter
 
     class Mixed(DenseAdapter):
         def layer_kind(self, layer):

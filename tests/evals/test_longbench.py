@@ -196,7 +196,8 @@ def test_exact_answers_are_reused_across_splits(tiny_checkpoint, data_file, tmp_
 
 @pytest.fixture(scope="module")
 def tiny_maps(tiny_checkpoint, tmp_path_factory) -> Path:
-    from ridgefill.workflows import calibrate_command, fit_command
+    from ridgefill.method.calibrate import calibrate_command
+    from ridgefill.method.fit import fit_command
 
     out = tmp_path_factory.mktemp("maps")
     text = out / "text.txt"

@@ -13,9 +13,9 @@ from ridgefill.cli import app
 from ridgefill.engine import Engine, adapter_for
 from ridgefill.errors import RidgefillError
 from ridgefill.evals.loss import summarise
-from ridgefill.stats import mean_difference
+from ridgefill.evals.stats import mean_difference
 from ridgefill.evals.loss import loss_command
-from ridgefill.evals.nll import distant_tokens, short_context_nll, tail_nll
+from ridgefill.evals.scoring import distant_tokens, short_context_nll, tail_nll
 
 
 def options(**overrides):

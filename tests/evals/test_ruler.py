@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from ridgefill.cli import app
 from ridgefill.errors import RidgefillError
 from ridgefill.evals.ruler import TASKS, budget, build_samples, read_jsonl, ruler_command, score_prediction
-from ridgefill.evals.ruler_tasks import Sources
+from ridgefill.evals.ruler.tasks import Sources
 
 NEEDLE = re.compile(r"One of the special magic \w+ for \S+ is: \S+\.")
 # the tiny tokenizer (vocab 512) spends more tokens per word than a real one: lengths where each task fits

@@ -13,7 +13,7 @@ from conftest import A, L, random_ids, tiny_hybrid_model, tiny_model
 from ridgefill.cli import app
 from ridgefill.engine import Engine, FillPlan, IdentityFiller, adapter_for
 from ridgefill.errors import RidgefillError
-from ridgefill.evals.nll import continuation_nll, tail_nll
+from ridgefill.evals.scoring import continuation_nll, tail_nll
 from ridgefill.evals.splice import layer_ranges, parse_layer_ranges, parse_swaps, prefix_pair, splice, spliced_keys
 
 N, TAIL, SPLIT, KEEP = 40, 10, 2, (0, 7)

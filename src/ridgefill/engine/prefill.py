@@ -23,7 +23,8 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from ridgefill.engine.adapters import Adapter
+from ridgefill.engine.families.base import Adapter
+from ridgefill.engine.attention import FLASH_CPU, lower_right_causal, prefix_then_block
 from ridgefill.engine.cache import AttentionCache, Cache
 from ridgefill.engine.fillers import Filler
 from ridgefill.engine.projection import FillProjection
@@ -311,39 +312,14 @@ class _Rows:
             self._block = last == n_keys - 1 and last - first + 1 == nq
         if self._block and (nq == 1 or nq == n_keys):
             return F.scaled_dot_product_attention(q, keys, values, is_causal=nq > 1, scale=scale, enable_gqa=gqa)
-        if self._block and q.device.type == "cpu" and hasattr(torch.ops.aten, _FLASH_CPU):
-            return _prefix_then_block(q, keys, values, n_keys - nq, scale)
+        if self._block and q.device.type == "cpu" and hasattr(torch.ops.aten, FLASH_CPU):
+            return prefix_then_block(q, keys, values, n_keys - nq, scale)
         if self._block:
-            return _lower_right_causal(q, keys, values, scale)
+            return lower_right_causal(q, keys, values, scale)
         if self._mask is None:
             later = torch.arange(n_keys, device=q.device).unsqueeze(0) > self.positions_run.unsqueeze(1)
             self._mask = torch.zeros(later.shape, dtype=q.dtype, device=q.device).masked_fill_(later, float("-inf"))
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=self._mask, scale=scale, enable_gqa=gqa)
-
-
-_FLASH_CPU = "_scaled_dot_product_flash_attention_for_cpu"  # returns (out, logsumexp); takes GQA heads
-
-
-def _prefix_then_block(q, keys, values, prefix: int, scale: float) -> torch.Tensor:
-    """Queries at positions prefix..prefix+nq-1 over keys 0..prefix+nq-1: unmasked attention to the prefix and
-    causal attention within the block, merged by softmax weights from their log-sum-exps."""
-    flash = getattr(torch.ops.aten, _FLASH_CPU)
-    out_p, lse_p = flash(q, keys[:, :, :prefix], values[:, :, :prefix], 0.0, False, scale=scale)[:2]
-    out_b, lse_b = flash(q, keys[:, :, prefix:], values[:, :, prefix:], 0.0, True, scale=scale)[:2]
-    w = torch.sigmoid(lse_p - lse_b).unsqueeze(-1).to(out_p.dtype)  # [B, Hq, nq, 1] share of the prefix
-    return out_b.add_((out_p - out_b).mul_(w))
-
-
-def _lower_right_causal(q, keys, values, scale: float) -> torch.Tensor:
-    """The last nq positions over keys 0..n_keys-1 through torch's lower-right causal bias (its fused kernels
-    need as many K/V heads as query heads, so GQA heads are repeated)."""
-    from torch.nn.attention.bias import causal_lower_right
-
-    groups = q.shape[1] // keys.shape[1]
-    if groups > 1:
-        keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=causal_lower_right(q.shape[2], keys.shape[2]),
-                                          scale=scale)
 
 
 def _cut_at_eos(row: list[int], eos: set[int]) -> list[int]:

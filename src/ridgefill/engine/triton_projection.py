@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from ridgefill.engine.projection import StackedKV
+from ridgefill.engine.kv_stack import StackedKV
 
 BLOCK_R, BLOCK_H = 64, 64
 

@@ -20,10 +20,10 @@ import sys
 
 import torch
 
-from ridgefill.console import note, progress_bar
+from ridgefill.runtime.console import note, progress_bar
 from ridgefill.errors import RidgefillError
 from ridgefill.evals.longbench import continuation_scores
-from ridgefill.session import open_session, variant_plans
+from ridgefill.runtime.session import open_session, variant_plans
 
 try:
     from lm_eval.api.model import TemplateLM

@@ -19,13 +19,13 @@ from pathlib import Path
 
 import torch
 
-from ridgefill.console import note, progress_bar, table
+from ridgefill.runtime.console import note, progress_bar, table
 from ridgefill.engine import Engine, FillPlan
 from ridgefill.errors import RidgefillError
-from ridgefill.exact_store import ExactStore
-from ridgefill.results import ResultWriter, maps_info
-from ridgefill.session import open_session, parse_variants, variant_plans
-from ridgefill.stats import mean_difference
+from ridgefill.evals.exact_store import ExactStore
+from ridgefill.evals.common import ResultWriter, maps_info
+from ridgefill.runtime.session import open_session, parse_variants, variant_plans
+from ridgefill.evals.stats import mean_difference
 
 LETTERS = ("A", "B", "C", "D")
 DIFFICULTIES = ("easy", "hard")

@@ -25,14 +25,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ridgefill.console import note, progress_bar, table
-from ridgefill.data import documents_for, load_corpus, passages
+from ridgefill.runtime.console import note, progress_bar, table
+from ridgefill.runtime.data import documents_for, load_corpus, passages
 from ridgefill.errors import RidgefillError
-from ridgefill.evals.nll import distant_tokens, short_context_nll, tail_nll
-from ridgefill.exact_store import ExactStore
-from ridgefill.results import ResultWriter, maps_info
-from ridgefill.session import open_session, parse_variants, variant_plans
-from ridgefill.stats import (Interval, format_interval, mean_difference, paired_bootstrap, relative_difference,
+from ridgefill.evals.scoring import distant_tokens, short_context_nll, tail_nll
+from ridgefill.evals.exact_store import ExactStore
+from ridgefill.evals.common import ResultWriter, maps_info
+from ridgefill.runtime.session import open_session, parse_variants, variant_plans
+from ridgefill.evals.stats import (Interval, format_interval, mean_difference, paired_bootstrap, relative_difference,
                              select)
 
 

@@ -29,15 +29,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ridgefill.console import progress_bar, table
+from ridgefill.runtime.console import progress_bar, table
 from ridgefill.engine import Cache, Engine, FillPlan
 from ridgefill.errors import RidgefillError
 from ridgefill.evals.decode import greedy_after_cache
 from ridgefill.evals.loss import check_context, check_lengths, evaluation_passages, interval_dict
-from ridgefill.evals.nll import continuation_nll, distant_tokens, short_context_nll
-from ridgefill.results import ResultWriter, maps_info
-from ridgefill.session import open_session, variant_plans
-from ridgefill.stats import format_interval, gap_closed, mean_difference, select
+from ridgefill.evals.scoring import continuation_nll, distant_tokens, short_context_nll
+from ridgefill.evals.common import ResultWriter, maps_info
+from ridgefill.runtime.session import open_session, variant_plans
+from ridgefill.evals.stats import format_interval, gap_closed, mean_difference, select
 
 COMPONENTS = ("keys", "values", "key-scale", "key-direction", "state")
 ATTENTION_SWAPS = "keys,values,key-scale,key-direction,keys+values"

@@ -1,0 +1,63 @@
+"""Exact-model results kept by content, so a sweep computes them once.
+
+Every evaluation runs exact prefill beside the fills on the same samples. In a sweep over splits, the samples
+of one tail are the same for every split, so the exact answers (RULER) and the exact per-token NLLs (loss) are
+too (and the exact LongBench answers). An `ExactStore` over a folder keeps each such result in one small JSON file named by a hash of
+- the scope: model weights hash, model id, dtype, device, chunk size and ridgefill version (anything that could
+  change an exact result, down to float rounding), and
+- the sample: what the computation reads (the prompt ids and its own settings).
+
+A result's kind starts with the command that stores it (`ruler-answer`, `loss-exact-nll`): `ridgefill run
+--force STEP` deletes that step's stored results (`forget`). A store without a folder computes every time.
+Files are written atomically, so an interrupted run leaves nothing half-written. Results are JSON numbers and strings: float32 values round-trip exactly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+from ridgefill import __version__
+from ridgefill.runtime.paths import write_json
+
+SUFFIX = ".json"
+
+
+class ExactStore:
+    def __init__(self, folder: str | Path | None, model_info: dict, dtype: str, device: str, chunk: int) -> None:
+        self.folder = Path(folder) if folder is not None else None
+        self.scope = {"weights": model_info.get("weights_hash"), "model": model_info.get("id"), "dtype": dtype,
+                      "device": device, "chunk": chunk, "ridgefill": __version__}
+        self.hits = self.misses = 0
+
+    def get(self, kind: str, sample: dict, compute: Callable[[], Any]) -> Any:
+        """The stored result of `kind` for `sample` (JSON-able: ids as lists), else compute() stored."""
+        if self.folder is None:
+            return compute()
+        path = self.folder / f"{kind}-{self._key(kind, sample)}{SUFFIX}"
+        if path.is_file():
+            self.hits += 1
+            return json.loads(path.read_text())["value"]
+        value = compute()
+        write_json(path, {"kind": kind, "scope": self.scope, "value": value})
+        self.misses += 1
+        return value
+
+    def get_exact(self, plan, kind: str, sample: dict, compute: Callable[[], Any]) -> Any:
+        """`get` for the exact variant (plan None); a fill plan's result depends on its split: always computed."""
+        return self.get(kind, sample, compute) if plan is None else compute()
+
+    def _key(self, kind: str, sample: dict) -> str:
+        payload = json.dumps({"kind": kind, "scope": self.scope, "sample": sample}, sort_keys=True)
+        return hashlib.sha256(payload.encode()).hexdigest()[:24]
+
+    def summary(self) -> dict:
+        return {"folder": None if self.folder is None else str(self.folder), "hits": self.hits, "misses": self.misses}
+
+
+def forget(folder: str | Path, command: str) -> None:
+    """Delete the results that `command` stored in `folder` (its kinds start with the command's name)."""
+    for stored in Path(folder).glob(f"{command}-*{SUFFIX}"):
+        stored.unlink()

@@ -1,0 +1,53 @@
+"""Maps files: the fitted per-layer maps of one split, and turning them into an engine filler."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ridgefill.runtime.artifacts import load_artifact, save_artifact
+from ridgefill.engine import Filler, IdentityFiller, MapFiller
+from ridgefill.errors import RidgefillError
+from ridgefill.method.ridge import LayerFit
+
+KINDS = ("ridge", "identity")
+
+
+def save_maps(path: str | Path, split: int, n_layers: int, fits: list[LayerFit], meta: dict, kind: str) -> None:
+    tensors = {}
+    if kind == "ridge":
+        tensors["bias"] = torch.stack([f.bias for f in fits]).float()
+        if fits and fits[0].low_rank is not None:
+            tensors["u"] = torch.stack([f.low_rank[0] for f in fits]).float()
+            tensors["v"] = torch.stack([f.low_rank[1] for f in fits]).float()
+        elif fits:
+            tensors["weight"] = torch.stack([f.weight for f in fits]).float()
+    layers = [{"layer": f.layer, "lam": f.lam, "error_identity": f.error_identity, "error_map": f.error_map,
+               "error_full_rank": f.error_full_rank} for f in fits]
+    save_artifact(path, tensors, {**meta, "artifact": "maps", "kind": kind, "split": split,
+                                  "n_layers": n_layers, "layers": layers})
+
+
+def load_filler(path: str | Path, model_info: dict, split: int | None = None,
+                dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> tuple[Filler, dict]:
+    """The filler stored in a maps file, checked against the model it will run on."""
+    tensors, meta = load_artifact(path, "maps")
+    if meta.get("model", {}).get("weights_hash") != model_info["weights_hash"]:
+        raise RidgefillError(
+            f"{path} was fitted for another model ({meta.get('model', {}).get('id')}, weights "
+            f"{meta.get('model', {}).get('weights_hash')}); this model's weights are {model_info['weights_hash']}: "
+            "calibrate and fit for this model"
+        )
+    if split is not None and split != meta["split"]:
+        raise RidgefillError(f"{path} holds maps for split {meta['split']}, not {split}: pass --split "
+                             f"{meta['split']} or fit maps for split {split}")
+    n_layers, s = meta["n_layers"], meta["split"]
+    if meta["kind"] == "identity":
+        return IdentityFiller(s, n_layers), meta
+    try:
+        low = (tensors["u"], tensors["v"]) if "u" in tensors else None
+        filler = MapFiller(s, n_layers, tensors.get("weight"), tensors["bias"], low)
+    except (KeyError, RuntimeError) as exc:
+        raise RidgefillError(f"{path} is incomplete ({exc}): refit it with ridgefill fit") from None
+    return filler.to(torch.device(device), dtype), meta

@@ -1,0 +1,119 @@
+"""Closed-form ridge maps from calibration statistics, shrinking toward the identity.
+
+For split S and late layer l the map predicts Y_l from X as  Ŷ = X + (X − x̄) W_res + (ȳ − x̄),
+i.e. W = I + W_res, b = ȳ − x̄ W, where W_res regresses the centred residual D = Y − X on the centred X:
+
+    W_res(λ) = (Pxx + λ I)⁻¹ Pxd,   Pxx = Σ(x−x̄)(x−x̄)ᵀ,  Pxd = Σ(x−x̄)(d−d̄)ᵀ.
+
+A large λ gives identity fill (plus the mean offset). λ is given relative to the mean eigenvalue of Pxx
+(trace / H), so one value means the same on every model. With Pxx = Q diag(e) Qᵀ computed once per split,
+W_res(λ) = Q diag(1/(e+λ)) QᵀPxd for every λ, and the held-out error of the whole λ grid comes from a few
+precomputed H×H products (no refit per λ; see `_HeldOut`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ridgefill.method.statistics import SplitStats
+
+LAMBDA_GRID = tuple(10.0**k for k in range(-7, 2))  # relative to trace(Pxx)/H
+
+
+@dataclass
+class LayerFit:
+    layer: int
+    lam: float  # relative λ
+    weight: torch.Tensor | None  # [H, H] float64 (W = I + W_res), None when low rank
+    bias: torch.Tensor  # [H]
+    low_rank: tuple[torch.Tensor, torch.Tensor] | None  # U [H, r], V [r, H] with W = I + U V
+    error_identity: float  # held-out ‖Ŷ−Y‖²/‖Y−Ȳ‖² of identity fill (x itself)
+    error_map: float  # the same for this map
+    error_full_rank: float  # the full-rank map at the same λ (equals error_map without --rank)
+
+
+def _centred(st: SplitStats):
+    n = st.count
+    mx = st.xsum / n
+    my = st.ysum / n  # [M, H]
+    pxx = st.xtx - n * torch.outer(mx, mx)
+    pxy = st.xty - n * mx[None, :, None] * my[:, None, :]  # [M, H, H]
+    return mx, my, pxx, pxy
+
+
+class _HeldOut:
+    """Held-out SSE of W = I + Q diag(d) A for any d, from validation statistics shifted by the train means.
+
+    With P = Σ(x−mx)(x−mx)ᵀ, R = Σ(x−mx)(y−my)ᵀ, T = Σ‖y−my‖² over the validation rows:
+      SSE = T − 2 tr(WᵀR) + tr(WᵀPW)
+          = T − 2 (tr R + d·u) + tr P + 2 d·w + dᵀ (M∘G) d
+    where u = diag(QᵀRAᵀ), w = diag(APQ), M = QᵀPQ, G = AAᵀ.
+    """
+
+    def __init__(self, val: SplitStats, index: int, mx, my, q, a):
+        """mx [H], my [H]: the train means of x and of this layer's y."""
+        n = val.count
+        sx, sy = val.xsum, val.ysum[index]
+        p = val.xtx - torch.outer(mx, sx) - torch.outer(sx, mx) + n * torch.outer(mx, mx)
+        r = val.xty[index] - torch.outer(mx, sy) - torch.outer(sx, my) + n * torch.outer(mx, my)
+        self.t = float(val.yy[index] - 2 * my @ sy + n * my @ my)
+        self.denominator = float(val.yy[index] - sy @ sy / n)
+        self.p, self.r = p, r
+        self.tr_r, self.tr_p = float(torch.trace(r)), float(torch.trace(p))
+        self.u = ((q.T @ r) * a).sum(1)  # diag(QᵀR Aᵀ)
+        self.w = ((a @ p) * q.T).sum(1)  # diag(A P Q)
+        self.mg = (q.T @ p @ q) * (a @ a.T)
+        # identity fill (W = I, b = 0), from the raw validation sums
+        self.identity_sse = float(val.yy[index] - 2 * torch.trace(val.xty[index]) + val.xx)
+
+    def sse(self, d: torch.Tensor) -> float:
+        return float(self.t - 2 * (self.tr_r + d @ self.u) + self.tr_p + 2 * d @ self.w + d @ self.mg @ d)
+
+    def sse_of(self, w: torch.Tensor) -> float:
+        """Held-out SSE of an explicit W (bias b = ȳ − x̄W)."""
+        return self.t - 2 * float(torch.sum(w * self.r)) + float(torch.sum(w * (self.p @ w)))
+
+    def relative(self, sse: float) -> float:
+        return sse / self.denominator if self.denominator > 0 else math.nan
+
+
+def fit_split(train: SplitStats, val: SplitStats | None, lam: float | str = "auto",
+              rank: int | None = None, progress=None) -> list[LayerFit]:
+    """Fit every late layer's map for one split. lam: a relative λ, or 'auto' (pick per layer by held-out
+    error over LAMBDA_GRID). rank: keep the top-r singular directions of W_res."""
+    has_val = val is not None and val.count > 0
+    if lam == "auto" and not has_val:
+        raise ValueError("lam='auto' needs held-out statistics")
+    mx, my, pxx, pxy = _centred(train)
+    hidden = pxx.shape[0]
+    e, q = torch.linalg.eigh(pxx)
+    e = e.clamp_min(0)
+    scale = float(e.mean()) or 1.0
+    eye = torch.eye(hidden, dtype=torch.float64)
+    fits = []
+    for index in range(pxy.shape[0]):
+        a = q.T @ (pxy[index] - pxx)  # Qᵀ Pxd  [H, H]
+        held = _HeldOut(val, index, mx, my[index], q, a) if has_val else None
+        grid = LAMBDA_GRID if lam == "auto" else (float(lam),)
+        errors = [held.sse(1.0 / (e + g * scale)) for g in grid] if held else [math.nan]
+        best = int(torch.tensor(errors).nan_to_num(math.inf).argmin()) if held else 0
+        chosen = grid[best]
+        w_res = q @ (a / (e + chosen * scale)[:, None])
+        low = None
+        if rank is not None and rank < hidden:
+            u_, s_, vh = torch.linalg.svd(w_res)
+            low = (u_[:, :rank] * s_[:rank], vh[:rank])
+            w_res = low[0] @ low[1]
+        w = eye + w_res
+        bias = my[index] - mx @ w
+        err_map = held.relative(held.sse_of(w)) if held else math.nan
+        err_full = held.relative(errors[best]) if held else math.nan
+        err_id = held.relative(held.identity_sse) if held else math.nan
+        fits.append(LayerFit(train.split + 1 + index, chosen, None if low else w, bias, low, err_id, err_map,
+                             err_full))
+        if progress is not None:
+            progress()
+    return fits

@@ -1,0 +1,93 @@
+"""The closed-form fit and its held-out error against direct computation on explicit matrices."""
+
+import math
+
+import pytest
+import torch
+
+from ridgefill.method.statistics import SplitStats
+from ridgefill.method.ridge import LAMBDA_GRID, fit_split
+
+H, LAYERS, SPLIT = 8, 5, 2  # two maps: layers 3 and 4
+
+
+def make_data(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, H, generator=g, dtype=torch.float64) * torch.linspace(0.5, 3, H, dtype=torch.float64)
+    maps = [torch.eye(H, dtype=torch.float64) + 0.3 * torch.randn(H, H, generator=torch.Generator().manual_seed(9 + i),
+                                                                  dtype=torch.float64) for i in range(2)]
+    ys = [x @ m + 0.5 + 0.1 * torch.randn(n, H, generator=g, dtype=torch.float64) for m in maps]
+    return x, ys
+
+
+def stats_of(x, ys):
+    st = SplitStats.empty(SPLIT, LAYERS, H)
+    for lo in range(0, len(x), 37):  # streamed in uneven batches
+        st.add_x(x[lo:lo + 37])
+        for i, y in enumerate(ys):
+            st.add_y(i, x[lo:lo + 37], y[lo:lo + 37])
+    return st
+
+
+def direct_fit(x, y, lam_abs):
+    mx, my = x.mean(0), y.mean(0)
+    xc, dc = x - mx, (y - x) - (my - mx)
+    w = torch.eye(H, dtype=torch.float64) + torch.linalg.solve(xc.T @ xc + lam_abs * torch.eye(H, dtype=torch.float64),
+                                                               xc.T @ dc)
+    return w, my - mx @ w
+
+
+def rel_err(x, y, w, b):
+    return float(((x @ w + b - y) ** 2).sum() / ((y - y.mean(0)) ** 2).sum())
+
+
+@pytest.mark.parametrize("lam", [1e-4, 0.5])
+def test_fit_matches_direct_solution_and_heldout_error(lam):
+    x, ys = make_data(400, 0)
+    xv, yvs = make_data(150, 1)
+    fits = fit_split(stats_of(x, ys), stats_of(xv, yvs), lam=lam)
+    xc = x - x.mean(0)
+    lam_abs = lam * float(torch.trace(xc.T @ xc)) / H
+    for fit, y, yv in zip(fits, ys, yvs):
+        w, b = direct_fit(x, y, lam_abs)
+        assert torch.allclose(fit.weight, w, atol=1e-9)
+        assert torch.allclose(fit.bias, b, atol=1e-9)
+        assert math.isclose(fit.error_map, rel_err(xv, yv, w, b), rel_tol=1e-9)
+        assert math.isclose(fit.error_full_rank, fit.error_map, rel_tol=1e-9)
+        eye = torch.eye(H, dtype=torch.float64)
+        assert math.isclose(fit.error_identity, rel_err(xv, yv, eye, torch.zeros(H, dtype=torch.float64)), rel_tol=1e-9)
+        assert fit.error_map < fit.error_identity
+
+
+def test_auto_lambda_picks_the_grid_minimum():
+    x, ys = make_data(60, 2)  # few rows: regularisation matters
+    xv, yvs = make_data(200, 3)
+    auto = fit_split(stats_of(x, ys), stats_of(xv, yvs), lam="auto")
+    for index, fit in enumerate(auto):
+        errors = [fit_split(stats_of(x, ys), stats_of(xv, yvs), lam=g)[index].error_map for g in LAMBDA_GRID]
+        assert fit.lam in LAMBDA_GRID
+        assert math.isclose(fit.error_map, min(errors), rel_tol=1e-9)
+
+
+def test_large_lambda_tends_to_identity_plus_offset():
+    x, ys = make_data(300, 4)
+    fit = fit_split(stats_of(x, ys), None, lam=1e9)[0]
+    assert torch.allclose(fit.weight, torch.eye(H, dtype=torch.float64), atol=1e-6)
+
+
+def test_low_rank_is_a_truncated_residual():
+    x, ys = make_data(300, 5)
+    xv, yvs = make_data(100, 6)
+    full = fit_split(stats_of(x, ys), stats_of(xv, yvs), lam=1e-3)[0]
+    low = fit_split(stats_of(x, ys), stats_of(xv, yvs), lam=1e-3, rank=3)[0]
+    u, v = low.low_rank
+    assert u.shape == (H, 3) and v.shape == (3, H)
+    assert torch.linalg.matrix_rank(full.weight - torch.eye(H, dtype=torch.float64)) == H
+    assert low.error_map >= full.error_map - 1e-12
+    assert math.isclose(low.error_full_rank, full.error_map, rel_tol=1e-9)
+
+
+def test_auto_without_heldout_is_refused():
+    x, ys = make_data(50, 7)
+    with pytest.raises(ValueError):
+        fit_split(stats_of(x, ys), None, lam="auto")

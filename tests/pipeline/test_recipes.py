@@ -1,0 +1,279 @@
+"""Recipes: validation with key paths, the shipped recipes, the cached pipeline on a tiny checkpoint (determinism,
+cache hits, --force, resume after an interruption) and the manifest."""
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from ridgefill.pipeline import recipe as recipes
+from ridgefill.cli import main
+from ridgefill.errors import RidgefillError
+from ridgefill.pipeline.recipe import Step, load_recipe, plan, run_recipe
+from tiny_checkpoint import training_text
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def write(folder: Path, text: str, name: str = "recipe.toml") -> Path:
+    path = folder / name
+    path.write_text(text)
+    return path
+
+
+def error_of(path: Path) -> str:
+    with pytest.raises(RidgefillError) as info:
+        load_recipe(path)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+# --- validation -----------------------------------------------------------------------------------------
+BASE = 'model = "smollm2-135m"\ndata = "wiki-leads"\nsplits = 18\n[calibrate]\n[fit]\n'
+
+
+@pytest.mark.parametrize("text,expected", [
+    (BASE + '[ruler]\nlengths = "2k"\n', 'recipe.toml: [ruler].lengths: expected a list of integers, got "2k"'),
+    (BASE + "[ruler]\nlengths = [512, 1.5]\n", "recipe.toml: [ruler].lengths: expected a list of integers, got [512, 1.5]"),
+    (BASE + "[loss]\nsamples = \"4\"\n", 'recipe.toml: [loss].samples: expected an integer, got "4"'),
+    (BASE + "[loss]\nalpha = true\n", "recipe.toml: [loss].alpha: expected a number, got true"),
+    (BASE + "[loss]\nsampels = 4\n", "recipe.toml: [loss].sampels: unknown option (did you mean samples?)"),
+    (BASE + "[loss]\nshort_stride = 4\n", "recipe.toml: [loss].short_stride: unknown option (write short-stride)"),
+    (BASE + "[loss]\ntail = 64\n", "recipe.toml: [loss].tail: set by the top-level `tails`"),
+    (BASE + "[fit]\n", "invalid TOML"),
+    (BASE + "[rulr]\n", "recipe.toml: [rulr]: unknown step (did you mean ruler?)"),
+    ("splitz = 3\n" + BASE, "recipe.toml: splitz: unknown key (did you mean splits?)"),
+    (BASE.replace("splits = 18", 'splits = "18"'), 'recipe.toml: splits: expected an integer or a list of integers, got "18"'),
+    (BASE.replace("splits = 18", "splits = [0, 4]"), "recipe.toml: splits: 0 is out of range"),
+    (BASE.replace('model = "smollm2-135m"\n', ""), "recipe.toml: model: missing (required)"),
+    (BASE + '[calibrate.extra]\n', "recipe.toml: [calibrate].extra: unknown option"),
+    ('model = "smollm2-135m"\nsplits = 18\n', "recipe.toml: no step"),
+], ids=lambda v: "" if "\n" in v else v.split(": ", 1)[-1][:40])
+def test_bad_recipes_name_the_key(tmp_path, text, expected):
+    assert expected in error_of(write(tmp_path, text))
+
+
+def test_missing_files_are_reported_with_their_key(tmp_path):
+    message = error_of(write(tmp_path, BASE + '[loss]\ndata = "held-out.txt"\n'))
+    assert "recipe.toml: [loss].data:" in message and "held-out.txt does not exist" in message
+    message = error_of(write(tmp_path, BASE.replace('"wiki-leads"', '"corpus/texts.jsonl"')))
+    assert "recipe.toml: data:" in message and "does not exist" in message
+    message = error_of(write(tmp_path, BASE.replace('"smollm2-135m"', '"./models/mine"')))
+    assert "recipe.toml: model:" in message and "does not exist" in message
+    message = error_of(write(tmp_path, BASE + '[ruler]\nfrom-jsonl = "ruler.jsonl"\n'))
+    assert "recipe.toml: [ruler].from-jsonl:" in message and "does not exist" in message
+
+
+def test_steps_needing_a_missing_artifact_are_refused(tmp_path):
+    head = 'model = "smollm2-135m"\ndata = "wiki-leads"\nsplits = 18\n'
+    assert "[fit]: needs the statistics that [calibrate] makes" in error_of(write(tmp_path, head + "[fit]\n"))
+    message = error_of(write(tmp_path, head + '[loss]\nvariants = ["exact", "ridge"]\n'))
+    assert "[loss].variants: ridge needs the maps that [fit] makes" in message
+    assert "[splice].fill: ridge needs" in error_of(write(tmp_path, head + '[splice]\nfill = "ridge"\n'))
+    # without maps, exact and identity (every command's default then) need no artifact
+    assert [t.needs for t in plan(load_recipe(write(tmp_path, head + "[ruler]\nlengths = [512]\n")))] == [None]
+    recipe = load_recipe(write(tmp_path, head + '[ruler]\nvariants = ["exact", "identity"]\nlengths = [512]\n'))
+    assert [t.needs for t in plan(recipe)] == [None]
+
+
+def test_options_are_checked_against_every_tail_before_any_work(tmp_path):
+    text = BASE.replace("splits = 18", "splits = 18\ntails = [64, 1024]") + "[ruler]\nlengths = [1024]\n"
+    assert "recipe.toml: [ruler] (tail 1024): --tail 1024 plus --keep-first 1 leave no filled row" in \
+        error_of(write(tmp_path, text))
+    assert "recipe.toml: [loss] (tail 256): --short 512 must be between 1 and --context - 1" in \
+        error_of(write(tmp_path, BASE + "[loss]\ncontext = 512\n"))
+
+
+def test_longbench_needs_its_own_data(tmp_path):
+    message = error_of(write(tmp_path, BASE + "[longbench]\n"))
+    assert message.startswith(f"{tmp_path / 'recipe.toml'}: [longbench].data: missing")
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "recipes").glob("*.toml")), ids=lambda p: p.stem)
+def test_shipped_recipes_validate(path):
+    recipe = load_recipe(path)
+    assert recipe.name == path.stem
+    tasks = plan(recipe)
+    assert tasks[0].step == "calibrate" and all(t.needs for t in tasks[1:])
+
+
+def test_sweep_plan_shares_calibration_and_fits_each_split():
+    recipe = load_recipe(ROOT / "recipes" / "smollm2-methodology.toml")
+    tasks = plan(recipe)
+    assert [t.label for t in tasks if t.step in ("calibrate", "fit")] == ["calibrate", "fit-s10", "fit-s15", "fit-s20"]
+    assert tasks[0].kwargs["split"] == "10,15,20"
+    ruler = [t for t in tasks if t.step == "ruler"]
+    assert {(t.split, t.tail) for t in ruler} == {(s, t) for s in (10, 15, 20) for t in (256, 1024)}
+    assert all(t.needs == f"fit-s{t.split}" and t.kwargs["lengths"] == "2048,4096,8192" for t in ruler)
+
+
+def test_bad_recipe_on_the_command_line_is_one_line_exit_2(tmp_path, monkeypatch, capsys):
+    path = write(tmp_path, BASE + '[ruler]\nlengths = "2k"\n')
+    monkeypatch.setattr(sys, "argv", ["ridgefill", "run", str(path)])
+    with pytest.raises(SystemExit) as info:
+        main()
+    assert info.value.code == 2
+    assert capsys.readouterr().err.strip() == f'error: {path}: [ruler].lengths: expected a list of integers, got "2k"'
+
+
+# --- the pipeline on a tiny checkpoint ------------------------------------------------------------------
+TINY = """
+name = "tiny"
+model = "{model}"
+data = "text.txt"
+splits = 3
+tails = 32
+seeds = 0
+
+[calibrate]
+tokens = 1024
+seq-len = 128
+holdout = 0.25
+
+[fit]
+
+[ruler]
+lengths = [320]
+tasks = ["niah_single_1"]
+samples = 1
+max-new-tokens = 4
+
+[loss]
+context = 256
+short = 64
+samples = 2
+
+[bench-ttft]
+lengths = [64]
+repeats = 1
+warmup = 0
+"""
+
+
+@pytest.fixture(scope="module")
+def tiny_recipe(tiny_checkpoint, tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("recipe")
+    lines = training_text(600, seed=5)
+    (folder / "text.txt").write_text("\n\n\n".join(" ".join(lines[i:i + 40]) for i in range(0, len(lines), 40)))
+    return write(folder, TINY.format(model=tiny_checkpoint))
+
+
+@pytest.fixture(scope="module")
+def first_run(tiny_recipe, tmp_path_factory) -> Path:
+    """A finished run; tests that rerun it work on a copy."""
+    return run_recipe(tiny_recipe, tmp_path_factory.mktemp("runs") / "first")
+
+
+def copy_of(run_dir: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(run_dir, tmp_path / "copy"))
+
+
+def steps(run_dir: Path) -> list[dict]:
+    return json.loads((run_dir / "manifest.json").read_text())["steps"]
+
+
+def metrics(run_dir: Path) -> dict:
+    """Every result number of a run, without timings, paths and dates."""
+    out = {}
+    for step in steps(run_dir):
+        for name in step["hashes"]:
+            if name.endswith(".json"):
+                doc = json.loads((run_dir / name).read_text())
+                if doc["command"] == "bench-ttft":  # everything but the clock: FLOPs, filled rows, first tokens
+                    out[step["label"]] = [[e["length"], e["flops"], e["first_token"]] + [
+                        [f["filled_rows"], f["limit_speedup"]] for f in e["fill"].values()] for e in doc["results"]]
+                    continue
+                keep = ("results", "intervals", "layers", "rows", "samples", "mean_error_identity", "mean_error_map")
+                out[step["label"]] = {k: doc[k] for k in keep if k in doc}
+    return out
+
+
+LABELS = ["calibrate", "fit-s3", "ruler-s3-t32-seed0", "loss-s3-t32-seed0", "bench-ttft-s3-t32-seed0"]
+
+
+def test_two_runs_from_scratch_give_identical_metrics(tiny_recipe, first_run, tmp_path):
+    second = run_recipe(tiny_recipe, tmp_path / "second")
+    assert list(metrics(first_run)) == LABELS
+    assert metrics(first_run) == metrics(second)
+    assert [s["artifact"] for s in steps(first_run)] == [s["artifact"] for s in steps(second)]  # same keys
+    assert not any(s["cached"] for s in steps(second))
+    assert (second / "report.md").stat().st_size > 0
+
+
+def test_rerun_reuses_every_step_and_force_recomputes_one(tiny_recipe, first_run, tmp_path):
+    run_dir = copy_of(first_run, tmp_path)
+    again = steps(run_recipe(tiny_recipe, run_dir))
+    assert all(s["cached"] for s in again)
+    assert [s["hashes"] for s in again] == [s["hashes"] for s in steps(first_run)]
+    forced = steps(run_recipe(tiny_recipe, run_dir, force=("loss",)))
+    assert [s["cached"] for s in forced] == [True, True, True, False, True]
+    assert metrics(run_dir) == metrics(first_run)
+    loss_doc = json.loads(next((run_dir / "artifacts").glob("loss-*.json")).read_text())
+    assert loss_doc["exact_store"] == {"folder": str(run_dir / "artifacts" / "exact"), "hits": 0, "misses": 2}
+
+
+def test_sweep_tasks_share_exact_results(first_run):
+    """The run keeps exact results by sample under artifacts/exact: RULER answers and loss NLLs, computed once."""
+    docs = {p.name.split("-")[0]: json.loads(p.read_text()) for p in (first_run / "artifacts").glob("*-seed0-*.json")}
+    assert docs["ruler"]["exact_store"]["misses"] == 1 and docs["loss"]["exact_store"]["misses"] == 2
+    kinds = sorted(p.name.rsplit("-", 1)[0] for p in (first_run / "artifacts" / "exact").iterdir())
+    assert kinds == ["loss-exact-nll", "loss-exact-nll", "ruler-answer"]
+
+
+def test_changed_option_recomputes_only_what_depends_on_it(tiny_recipe, first_run, tmp_path):
+    run_dir = copy_of(first_run, tmp_path)
+    changed = write(tmp_path, tiny_recipe.read_text().replace("samples = 2", "samples = 1").replace(
+        '"text.txt"', f'"{tiny_recipe.parent / "text.txt"}"'))
+    assert [s["cached"] for s in steps(run_recipe(changed, run_dir))] == [True, True, True, False, True]
+
+
+def test_manifest_records_what_reproduces_the_run(tiny_recipe, first_run):
+    manifest = json.loads((first_run / "manifest.json").read_text())
+    assert manifest["recipe"]["text"] == tiny_recipe.read_text() == (first_run / "recipe.toml").read_text()
+    assert manifest["status"] == "complete" and manifest["duration_s"] > 0
+    assert set(manifest["versions"]) >= {"python", "torch", "transformers", "ridgefill"}
+    assert manifest["device"]["kind"] == "cpu" and manifest["platform"]
+    assert manifest["git"] is None or len(manifest["git"]["commit"]) == 40
+    assert manifest["seeds"] == [0] and manifest["model"]["weights_hash"] and manifest["model"]["n_layers"] == 6
+    for step in manifest["steps"]:
+        assert step["key"] in step["artifact"] and step["duration_s"] >= 0
+        assert all((first_run / name).is_file() and len(digest) == 16 for name, digest in step["hashes"].items())
+    fit = manifest["steps"][1]
+    assert fit["reads"] == "calibrate" and len(fit["hashes"]) == 2  # maps and their JSON summary
+
+
+def _interrupt(**kwargs):
+    raise KeyboardInterrupt
+
+
+def test_interrupted_run_resumes_where_it_stopped(tiny_recipe, first_run, tmp_path, monkeypatch):
+    run_dir = copy_of(first_run, tmp_path)
+    for f in (run_dir / "artifacts").glob("loss-*"):
+        f.unlink()
+    monkeypatch.setitem(recipes.STEPS, "loss", Step(f"{__name__}:_interrupt", ".json"))
+    with pytest.raises(KeyboardInterrupt):
+        run_recipe(tiny_recipe, run_dir)
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["status"] == "interrupted" and [s["label"] for s in manifest["steps"]] == LABELS[:3]
+    assert not list((run_dir / "artifacts").glob("loss-*"))
+    monkeypatch.undo()
+    assert [s["cached"] for s in steps(run_recipe(tiny_recipe, run_dir))] == [True, True, True, False, True]
+    assert metrics(run_dir) == metrics(first_run)
+
+
+def test_force_names_a_step_of_the_recipe(tiny_recipe, tmp_path):
+    with pytest.raises(RidgefillError, match="--force splice: not a step of"):
+        run_recipe(tiny_recipe, tmp_path / "run", force=("splice",))
+
+
+def test_docs_example_and_shipped_names_resolve(tmp_path):
+    text = (ROOT / "docs" / "recipes.md").read_text()
+    example = text[text.rindex("```toml") + len("```toml"):text.rindex("```")]
+    recipe = load_recipe(write(tmp_path, example))
+    assert recipe.name == "sweep-example" and len(plan(recipe)) == 1 + 3 + 2 * 3 * 2
+    assert recipes.find_recipe("quickstart").resolve() == ROOT / "recipes" / "quickstart.toml"
+    with pytest.raises(RidgefillError, match="recipe nope does not exist"):
+        recipes.find_recipe("nope")
