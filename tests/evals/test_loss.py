@@ -14,7 +14,7 @@ from ridgefill.engine import Engine, adapter_for
 from ridgefill.errors import RidgefillError
 from ridgefill.evals.loss import summarise
 from ridgefill.evals.stats import mean_difference
-from ridgefill.evals.loss import loss_command
+from ridgefill.evals.loss import COMMAND as loss_command
 from ridgefill.evals.scoring import distant_tokens, short_context_nll, tail_nll
 
 

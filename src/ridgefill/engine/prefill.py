@@ -83,10 +83,10 @@ class GenerationResult:
 class Engine:
     """Runs a model through its adapter. `chunk` bounds how many prompt rows run at once."""
 
-    def __init__(self, adapter: Adapter, chunk: int = 2048) -> None:
+    def __init__(self, adapter: Adapter, chunk: int = 2048, projection: str = "auto") -> None:
         self.adapter = adapter
         self.chunk = chunk
-        self.projection = FillProjection(adapter)  # the filled rows' fused K/V projection, weights per split
+        self.projection = FillProjection(adapter, projection)  # the filled rows' fused K/V projection
 
     @property
     def n_layers(self) -> int:

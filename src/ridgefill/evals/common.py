@@ -1,24 +1,137 @@
-"""The one JSON result document every measurement command writes (schema in docs/results-schema.md)."""
+"""What every measurement shares: its common options, the one loop that runs the variants side by side, and the
+JSON result document it writes (schema in docs/results-schema.md).
+
+A measurement command's run is:
+
+    m = start("loss", config, names)          # result clock, model + engine, the variants' plans, exact store
+    for sample in m.progress(samples, "scoring", per_sample=len(m.plans)) ...   # or m.answers(...)
+    doc = m.write(results, intervals, **extra)
+"""
 
 from __future__ import annotations
 
-import hashlib
 import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
 
 from ridgefill import __version__
-from ridgefill.runtime.paths import write_json
+from ridgefill.commands import REQUIRED, option
+from ridgefill.engine import FillPlan
+from ridgefill.errors import RidgefillError
+from ridgefill.evals.exact_store import ExactStore
+from ridgefill.runtime.console import progress_bar
+from ridgefill.runtime.paths import file_hash, write_json
+from ridgefill.runtime.session import ModelConfig, Session, variant_plans
 
 
-def file_hash(path: str | Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()[:16]
+# --- options ------------------------------------------------------------------------------------------------
+@dataclass
+class MeasureConfig(ModelConfig):
+    """The options of every command that measures variants of prefill against exact."""
+
+    maps: Path | None = option(None, "Maps file (from ridgefill fit) for the ridge variant.", role="input")
+    split: int | None = option(None, "Split S (the maps carry it; identity fill needs it without them).",
+                               top="splits")
+    tail: int = option(256, "Last prompt rows that run the full model.", top="tails")
+    keep_first: int = option(1, "Leading rows run in full (the attention sink).")
+    seed: int = option(0, "Bootstrap seed.", top="seeds")
+    out: Path = option(REQUIRED, "Result JSON to write.", role="output")
+
+    def wants_input(self):
+        variants = getattr(self, "variants", None)
+        if variants is not None and "ridge" in [v.strip() for v in str(variants).split(",")]:
+            return "variants", "ridge", "drop ridge"
+        return None
 
 
+def variants_option() -> Any:
+    return option(None, "Comma-separated: exact, identity, ridge (default: all; ridge only with --maps).",
+                  listed=str)
+
+
+def exact_cache_option() -> Any:
+    return option(None, "Folder that keeps exact results by sample, so runs on the same samples (e.g. other "
+                  "splits) reuse them (recipes set it in the run folder).", role="store", keyed=False)
+
+
+def parse_lengths(text: str, minimum: int = 1) -> list[int]:
+    """--lengths: comma-separated token counts of at least `minimum`, sorted, without repeats."""
+    try:
+        values = sorted({int(v) for v in str(text).split(",") if v.strip()})
+    except ValueError:
+        raise RidgefillError(f"--lengths '{text}' is not a comma-separated list of integers") from None
+    if not values or values[0] < minimum:
+        raise RidgefillError(f"--lengths '{text}' must list token counts of at least {minimum}, e.g. 2048,4096")
+    return values
+
+
+# --- the variant loop ---------------------------------------------------------------------------------------
+@dataclass
+class Measurement:
+    """A measurement under way: the model, the plans measured side by side (exact first), the exact store."""
+
+    config: MeasureConfig
+    session: Session
+    plans: dict[str, FillPlan | None]
+    maps_meta: dict | None
+    store: ExactStore
+    writer: "ResultWriter"
+
+    @property
+    def engine(self):
+        return self.session.engine
+
+    @property
+    def tokenizer(self):
+        return self.session.tokenizer
+
+    @property
+    def split(self) -> int | None:
+        """The split measured: the maps' when they are given, else --split."""
+        return self.maps_meta["split"] if self.maps_meta else self.config.split
+
+    def progress(self, items: Sequence, description: str, per_item: int = 1) -> Iterator[tuple[Any, Callable]]:
+        """(item, advance) for each item, with one progress bar of len(items) * per_item steps."""
+        with progress_bar(description, len(items) * per_item) as advance:
+            for item in items:
+                yield item, advance
+
+    def answers(self, items: Sequence, description: str, kind: str, key: Callable[[Any], dict],
+                answer: Callable[[Any, FillPlan | None], Any]) -> dict[str, list]:
+        """answer(item, plan) for every item and variant, in order; the exact variant's answers go through the
+        exact store under `kind` and key(item), so a sweep's other splits reuse them."""
+        out: dict[str, list] = {name: [] for name in self.plans}
+        for item, advance in self.progress(items, description, len(self.plans)):
+            for name, plan in self.plans.items():
+                out[name].append(self.store.get_exact(plan, kind, key(item),
+                                                      lambda plan=plan: answer(item, plan)))
+                advance()
+        return out
+
+    def write(self, results, intervals: dict, **extra) -> dict:
+        """The result document, written atomically to --out (with the exact store's hits and misses)."""
+        if hasattr(self.config, "exact_cache"):  # a command that keeps exact results says how many it reused
+            extra = {"exact_store": self.store.summary(), **extra}
+        info = maps_info(self.config.maps, self.maps_meta)
+        return self.writer.write(self.config.out, self.session.loaded.info(), info, list(self.plans), results,
+                                 intervals, **extra)
+
+
+def start(command: str, config: MeasureConfig, variants: Sequence[str], record: dict | None = None,
+          projection: str = "auto") -> Measurement:
+    """Start the clock, load the model, build the plans of `variants` at the config's split and tail.
+    record: the `config` of the result document (default: every option as given)."""
+    writer = ResultWriter(command, config.as_dict() if record is None else record, config.seed)
+    session = config.open(projection)
+    plans, meta = variant_plans(session, config.maps, config.split, config.tail, range(config.keep_first), variants)
+    store = ExactStore(getattr(config, "exact_cache", None), session.loaded.info(), config.dtype, config.device,
+                       config.chunk)
+    return Measurement(config, session, plans, meta, store, writer)
+
+
+# --- the result document ------------------------------------------------------------------------------------
 def maps_info(path: str | Path | None, meta: dict | None) -> dict | None:
     if path is None:
         return None

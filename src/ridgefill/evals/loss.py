@@ -20,67 +20,97 @@ independent; a passage is the honest unit). The headline `score` is the mean NLL
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from ridgefill.runtime.console import note, progress_bar, table
-from ridgefill.runtime.data import documents_for, load_corpus, passages
+from ridgefill.commands import REQUIRED, Command, option
 from ridgefill.errors import RidgefillError
+from ridgefill.evals.common import MeasureConfig, exact_cache_option, start, variants_option
 from ridgefill.evals.scoring import distant_tokens, short_context_nll, tail_nll
-from ridgefill.evals.exact_store import ExactStore
-from ridgefill.evals.common import ResultWriter, maps_info
-from ridgefill.runtime.session import open_session, parse_variants, variant_plans
+from ridgefill.runtime.console import cell, note, table
+from ridgefill.runtime.data import documents_for, load_corpus, passages
+from ridgefill.runtime.session import parse_variants
 from ridgefill.evals.stats import (Interval, format_interval, mean_difference, paired_bootstrap, relative_difference,
                              select)
 
 
-def loss_command(model: str, maps: str | None, split: int | None, tail: int, data: str, context: int, short: int,
-                 short_stride: int | None, samples: int, alpha: float, beta: float, keep_first: int,
-                 variants: str | None, seed: int, chunk: int, dtype: str, device: str, out: str | Path,
-                 exact_cache: str | Path | None = None) -> dict:
-    """exact_cache: a folder where the exact model's per-token NLLs are kept by passage (ExactStore)."""
-    config = dict(locals())  # every option, as passed
-    writer = ResultWriter("loss", config, seed)
-    check_lengths(context, short, short_stride, tail, samples, keep_first)
-    names = parse_variants(variants, maps)
-    session = open_session(model, dtype, device, chunk)
-    check_context(session, context)
-    plans, meta = variant_plans(session, maps, split, tail, range(keep_first), names)
-    texts = evaluation_passages(session.tokenizer, data, context, samples)
-    stride = short_stride or max(1, short // 8)
-    scored = min(tail, context)  # a tail beyond the passage runs every row in full
-    sums = {name: {"tail": [], "distant": []} for name in plans}
+@dataclass
+class PassageConfig(MeasureConfig):
+    """Options of the commands that score the tails of long passages (loss, splice)."""
+
+    tail: int = option(256, "Last rows of each passage that run the full model (scored).", top="tails")
+    data: str = option(REQUIRED, "Text whose evaluation documents are cut into --context passages: .txt/.jsonl "
+                       "file or folder, Hub dataset, or 'wiki-leads' / 'shakespeare'.", fallback="data")
+    context: int = option(4096, "Tokens per passage.")
+    short: int = option(512, "Short window (tokens) whose loss marks distant-context tokens.")
+    short_stride: int | None = option(None, "Tail tokens per short window (each sees short..short+stride-1 "
+                                      "tokens); 1 = exactly --short each. Default: short // 8.")
+    alpha: float = option(2.0, "Distant-context token: full-context log-prob gain over the short window above "
+                          "alpha ...")
+    beta: float = option(2.0, "... and full-context log-prob above -beta (LongPPL's key tokens).")
+
+    def check(self) -> None:
+        check_lengths(self.context, self.short, self.short_stride, self.tail, self.samples, self.keep_first)
+
+    @property
+    def stride(self) -> int:
+        """Tail tokens per short window."""
+        return self.short_stride or max(1, self.short // 8)
+
+
+@dataclass
+class LossConfig(PassageConfig):
+    samples: int = option(16, "Passages to score.")
+    variants: str | None = variants_option()
+    exact_cache: Path | None = exact_cache_option()
+
+    def check(self) -> None:
+        super().check()
+        parse_variants(self.variants, self.maps)
+
+
+def run(config: LossConfig) -> dict:
+    """Score every passage's tail with each variant; the exact model's per-token NLLs go through the exact store
+    (by passage), so a sweep's other splits reuse them."""
+    c = config
+    m = start("loss", c, parse_variants(c.variants, c.maps))
+    check_context(m.session, c.context)
+    texts = evaluation_passages(m.tokenizer, c.data, c.context, c.samples)
+    scored = min(c.tail, c.context)  # a tail beyond the passage runs every row in full
+    sums = {name: {"tail": [], "distant": []} for name in m.plans}
     counts = []
-    engine = session.engine
-    store = ExactStore(exact_cache, session.loaded.info(), dtype, device, chunk)
-    with progress_bar(f"scoring {len(texts)} passages of {context} tokens", len(texts) * (len(plans) + 1)) as advance:
-        for passage in texts:
-            ids = torch.tensor([passage])
-            found = store.get("loss-exact-nll", {"ids": passage, "scored": scored, "short": short, "stride": stride},
-                              lambda: exact_nlls(engine, ids, scored, short, stride))
-            exact, short_nll = torch.tensor(found["full"]), torch.tensor(found["short"])  # [scored-1] float32
-            key = distant_tokens(exact, short_nll, alpha, beta)
-            counts.append(int(key.sum()))
+    for passage, advance in m.progress(texts, f"scoring {len(texts)} passages of {c.context} tokens",
+                                       len(m.plans) + 1):
+        ids = torch.tensor([passage])
+        found = m.store.get("loss-exact-nll", {"ids": passage, "scored": scored, "short": c.short,
+                                               "stride": c.stride},
+                            lambda: exact_nlls(m.engine, ids, scored, c.short, c.stride))
+        exact, short_nll = torch.tensor(found["full"]), torch.tensor(found["short"])  # [scored-1] float32
+        key = distant_tokens(exact, short_nll, c.alpha, c.beta)
+        counts.append(int(key.sum()))
+        advance()
+        for name, plan in m.plans.items():
+            nll = exact if plan is None else tail_nll(m.engine, ids, scored, plan)[0].float().cpu()
+            sums[name]["tail"].append(float(nll.sum()))
+            sums[name]["distant"].append(float(nll[key].sum()))
             advance()
-            for name, plan in plans.items():
-                nll = exact if plan is None else tail_nll(engine, ids, scored, plan)[0].float().cpu()
-                sums[name]["tail"].append(float(nll.sum()))
-                sums[name]["distant"].append(float(nll[key].sum()))
-                advance()
-    results, intervals = summarise(sums, counts, scored - 1, seed)
+    results, intervals = summarise(sums, counts, scored - 1, c.seed)
     if not sum(counts):
         note(f"no distant-context tokens in {len(texts)} passages: lower --alpha/--beta, raise --context or "
              "give more --samples")
-    elif sum(c > 0 for c in counts) < 2:
+    elif sum(n > 0 for n in counts) < 2:
         note("the distant-context tokens all come from one passage: their differences have no interval (give "
              "more --samples or a longer --context)")
-    doc = writer.write(out, session.loaded.info(), maps_info(maps, meta), list(plans), results, intervals,
-                       short_stride_used=stride, scored_tail=scored, exact_store=store.summary())
-    print_table(results, intervals, f"NLL on {len(texts)} passages of {context} tokens, tail {scored} "
-                f"({sum(counts)} distant-context tokens, short window {short})")
+    doc = m.write(results, intervals, short_stride_used=c.stride, scored_tail=scored)
+    print_table(results, intervals, f"NLL on {len(texts)} passages of {c.context} tokens, tail {scored} "
+                f"({sum(counts)} distant-context tokens, short window {c.short})")
     return doc
+
+
+COMMAND = Command("loss", LossConfig, run, writes=".json", reads="maps")
 
 
 def exact_nlls(engine, ids: torch.Tensor, scored: int, short: int, stride: int) -> dict:
@@ -109,7 +139,7 @@ def check_lengths(context: int, short: int, short_stride: int | None, tail: int,
 
 
 def check_context(session, context: int) -> None:
-    limit = session.engine.adapter.max_positions
+    limit = session.context_length
     if limit and context > limit:
         raise RidgefillError(f"--context {context} exceeds the model's context of {limit}: lower it")
 
@@ -182,13 +212,9 @@ def print_table(results: dict, intervals: dict, title: str) -> None:
     rows = []
     for name, r in results.items():
         iv = intervals.get(name, {})
-        rows.append([name, _or_dash(r["distant_nll"]), _or_dash(r["distant_ppl"]),
+        rows.append([name, cell(r["distant_nll"]), cell(r["distant_ppl"]),
                      format_interval(iv.get("distant_nll_nats")), format_interval(iv.get("distant_nll_pct"), False),
                      r["tail_nll"], format_interval(iv.get("tail_nll_nats")),
                      format_interval(iv.get("tail_nll_pct"), False)])
     table(title, ["variant", "distant NLL", "distant PPL", "Δ distant [95% CI]", "Δ distant %", "tail NLL",
                   "Δ tail [95% CI]", "Δ tail %"], rows)
-
-
-def _or_dash(value):
-    return "–" if value is None else value

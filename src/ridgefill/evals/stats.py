@@ -62,6 +62,12 @@ def paired_bootstrap(
     return Interval(estimate, float(low), float(high), level)
 
 
+def mean(values: Sequence[float | None]) -> float | None:
+    """The mean of the values that are numbers (None and NaN left out); None when none is."""
+    kept = [float(v) for v in values if v is not None and not math.isnan(v)]
+    return sum(kept) / len(kept) if kept else None
+
+
 def select(values: Sequence, keep: Sequence[bool]) -> list:
     """The values whose `keep` flag is set (e.g. the passages that hold any distant-context token)."""
     return [v for v, k in zip(values, keep, strict=True) if k]

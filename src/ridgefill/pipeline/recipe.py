@@ -486,7 +486,7 @@ def task_key(task: Task, weights_hash: str, upstream: str | None) -> str:
 
 def data_id(spec) -> str:
     """A data spec's identity: its name, plus the content hash of a local file or folder."""
-    from ridgefill.evals.common import file_hash
+    from ridgefill.runtime.paths import file_hash
 
     path = Path(str(spec))
     if path.is_file():
@@ -571,7 +571,7 @@ def _previous_hashes(path: Path) -> dict:
 
 
 def _file_hash(path: Path) -> str:
-    from ridgefill.evals.common import file_hash
+    from ridgefill.runtime.paths import file_hash
 
     return file_hash(path)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from contextlib import contextmanager
 
@@ -36,11 +37,14 @@ def table(title: str, columns: list[str], rows: list[list], stderr: bool = False
     for c in columns:
         t.add_column(c, justify="right" if c not in (columns[0],) else "left", overflow="fold")  # wrap, never cut
     for r in rows:
-        t.add_row(*[_fmt(v) for v in r])
+        t.add_row(*[cell(v) for v in r])
     console(stderr).print(t)
 
 
-def _fmt(v) -> str:
+def cell(v) -> str:
+    """A value as a table cell (terminal or markdown): floats to 4 significant digits, '–' for none or NaN."""
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "–"
     if isinstance(v, float):
         return f"{v:.4g}"
     return str(v)

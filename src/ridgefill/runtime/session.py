@@ -8,10 +8,26 @@ from dataclasses import dataclass
 
 import torch
 
+from ridgefill.commands import Config, option
 from ridgefill.engine import Engine, FillPlan
 from ridgefill.errors import RidgefillError
 from ridgefill.method.maps import load_filler
 from ridgefill.runtime.models import DTYPES, LoadedModel, load_model
+
+
+@dataclass
+class ModelConfig(Config):
+    """The options of every command that loads a model (a recipe sets them once, at its top level)."""
+
+    model: str = option("smollm2-135m", "Local HF folder, Hub id, or alias 'smollm2-135m'.", top="model",
+                        keyed=False)  # a recipe keys artifacts by the weights hash instead
+    dtype: str = option("fp32", "fp32, bf16 or fp16.", top="dtype")
+    device: str = option("cpu", "cpu or cuda.", top="device")
+    chunk: int = option(2048, "Prompt rows run at once (bounds activation memory).", top="chunk")
+
+    def open(self, projection: str = "auto") -> "Session":
+        """The model of these options, loaded, with its engine."""
+        return open_session(self.model, self.dtype, self.device, self.chunk, projection)
 
 
 def quiet_libraries() -> None:
@@ -43,19 +59,25 @@ class Session:
     def tokenizer(self):
         return self.loaded.tokenizer
 
+    @property
+    def context_length(self) -> int | None:
+        """The model's context (max positions), None if it declares none."""
+        return self.engine.adapter.max_positions
+
     def fill_plan(self, maps: str, split: int | None, tail: int, keep_rows=()) -> tuple[FillPlan, dict]:
         a = self.engine.adapter
         filler, meta = load_filler(maps, self.loaded.info(), split, a.dtype, a.device)
         return FillPlan(filler, tail, tuple(keep_rows)), meta
 
 
-def open_session(model: str, dtype: str = "fp32", device: str = "cpu", chunk: int = 2048) -> Session:
+def open_session(model: str, dtype: str = "fp32", device: str = "cpu", chunk: int = 2048,
+                 projection: str = "auto") -> Session:
     quiet_libraries()
     check_device(device, dtype)
     if chunk < 1:
         raise RidgefillError(f"--chunk must be at least 1, got {chunk}")
     loaded = load_model(model, dtype, device)
-    return Session(loaded, Engine(loaded.adapter, chunk=chunk))
+    return Session(loaded, Engine(loaded.adapter, chunk=chunk, projection=projection))
 
 
 def parse_splits(text: str, n_layers: int) -> list[int]:

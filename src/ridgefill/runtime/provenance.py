@@ -1,0 +1,65 @@
+"""Where a result came from: package versions, the device, the load on the machine, the source commit. One copy,
+used by a recipe's manifest and by bench-ttft's result document."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+from ridgefill import __version__
+
+PACKAGES = ("torch", "transformers", "numpy", "triton")
+
+
+def versions(packages=PACKAGES) -> dict:
+    """ridgefill, Python and the installed version of each package (None where it is not installed)."""
+    out = {"ridgefill": __version__, "python": platform.python_version()}
+    for name in packages:
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def device_info(device: str) -> dict:
+    """The device a run uses: the GPU's name and count, or the CPU's name, cores and torch threads."""
+    import torch
+
+    if device == "cuda":
+        return {"kind": "cuda", "name": torch.cuda.get_device_name(0), "count": torch.cuda.device_count(),
+                "cuda": torch.version.cuda}
+    return {"kind": "cpu", "name": cpu_name(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+
+
+def load_average() -> list[float] | None:
+    """The 1, 5 and 15-minute load averages (other processes on a shared machine swing timings)."""
+    return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
+
+
+def git_commit() -> dict | None:
+    """The commit of the ridgefill source, when it runs from a git checkout."""
+    source = Path(__file__).resolve().parent
+    try:
+        commit = subprocess.run(["git", "-C", str(source), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=10)
+        if commit.returncode:
+            return None
+        dirty = subprocess.run(["git", "-C", str(source), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {"commit": commit.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
