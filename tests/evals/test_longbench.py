@@ -13,8 +13,9 @@ import torch
 
 from ridgefill.engine import Engine, FillPlan, IdentityFiller, adapter_for
 from ridgefill.errors import RidgefillError
-from ridgefill.evals.longbench import (ANSWER_LEAD, cut_middle, continuation_scores, extract_answer, load_questions,
-                                       longbench_command, option_ids, prompt_ids)
+from ridgefill.evals.longbench import COMMAND as longbench_command
+from ridgefill.evals.longbench import ANSWER_LEAD, cut_middle, extract_answer, load_questions, option_ids, prompt_ids
+from ridgefill.evals.scoring import continuation_scores
 
 from conftest import random_ids, tiny_model
 from fixtures.longbench_fixture import build_records, write_jsonl
@@ -196,15 +197,15 @@ def test_exact_answers_are_reused_across_splits(tiny_checkpoint, data_file, tmp_
 
 @pytest.fixture(scope="module")
 def tiny_maps(tiny_checkpoint, tmp_path_factory) -> Path:
-    from ridgefill.method.calibrate import calibrate_command
-    from ridgefill.method.fit import fit_command
+    from ridgefill.method.calibrate import COMMAND as calibrate_command
+    from ridgefill.method.fit import COMMAND as fit_command
 
     out = tmp_path_factory.mktemp("maps")
     text = out / "text.txt"
     text.write_text("\n\n\n".join(documents(40)))
-    calibrate_command(str(tiny_checkpoint), str(text), "2", 1024, 128, out / "stats.safetensors", False, 0.25, 1,
-                      20.0, 8, "fp32", "cpu", 128)
-    fit_command(out / "stats.safetensors", out / "maps.safetensors", 2, "auto", "ridge", None)
+    calibrate_command(model=str(tiny_checkpoint), data=str(text), split="2", tokens=1024, seq_len=128,
+                      out=out / "stats.safetensors", holdout=0.25, chunk=128)
+    fit_command(stats=out / "stats.safetensors", out=out / "maps.safetensors", split=2)
     return out / "maps.safetensors"
 
 

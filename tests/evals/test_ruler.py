@@ -12,7 +12,8 @@ from typer.testing import CliRunner
 
 from ridgefill.cli import app
 from ridgefill.errors import RidgefillError
-from ridgefill.evals.ruler import TASKS, budget, build_samples, read_jsonl, ruler_command, score_prediction
+from ridgefill.evals.ruler import COMMAND as ruler_command
+from ridgefill.evals.ruler import TASKS, budget, build_samples, read_jsonl, score_prediction
 from ridgefill.evals.ruler.tasks import Sources
 
 NEEDLE = re.compile(r"One of the special magic \w+ for \S+ is: \S+\.")

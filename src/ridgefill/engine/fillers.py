@@ -2,7 +2,9 @@
 
 A filler for split S maps the split state x (the residual stream entering layer S) of the filled rows to
 predicted inputs of layers S+1..L-1. Layer S itself always gets x (its map is the identity, so its cache
-is exact). All fillers return [B, n, L-S-1, H].
+is exact). `predict` returns [B, n, L-S-1, H]; `late_inputs` returns the same inputs layer-major with x first,
+[L-S, B·n, H], the layout of the fused fill projection (engine/projection.py), each filler computing it its own
+way (no copy for identity fill, one batched GEMM for maps).
 """
 
 from __future__ import annotations
@@ -20,17 +22,62 @@ class Filler(Protocol):
         """x [B, n, H] split state of the filled rows at absolute `positions` [n] -> [B, n, L-S-1, H]."""
         ...
 
+    def late_inputs(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [B, n, H] -> [L-S, B·n, H]: the input of each late layer S..L-1, layer-major (index 0: x itself)."""
+        ...
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the filler's tensors."""
+        ...
+
+    @property
+    def rank(self) -> int | None:
+        """The rank of low-rank maps; None for full-rank maps, identity and oracle fill."""
+        ...
+
+    def flops_per_row(self) -> int:
+        """FLOPs (multiply-adds × 2) of one filled row's maps, layers S+1..L-1."""
+        ...
+
+
+def _n_maps(filler) -> int:
+    """Predicted layers S+1..L-1."""
+    return filler.n_layers - filler.split - 1
+
+
+def _with_split_state(x: torch.Tensor, maps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x as rows [B·n, H], an uninitialised [maps+1, B·n, H] whose index 0 already holds them)."""
+    b, n, h = x.shape
+    flat = x.reshape(b * n, h)
+    out = flat.new_empty(maps + 1, b * n, h)
+    out[0] = flat
+    return flat, out
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
 
 class IdentityFiller:
     """Identity fill (training-free, SwiftKV-style): x itself is every late layer's input."""
 
     name = "identity"
+    nbytes = 0
+    rank = None
 
     def __init__(self, split: int, n_layers: int) -> None:
         self.split, self.n_layers = split, n_layers
 
     def predict(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return x.unsqueeze(2).expand(-1, -1, self.n_layers - self.split - 1, -1)
+        return x.unsqueeze(2).expand(-1, -1, _n_maps(self), -1)
+
+    def late_inputs(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        b, n, h = x.shape
+        return x.reshape(b * n, h).expand(_n_maps(self) + 1, b * n, h)  # a stride-0 view: no copy
+
+    def flops_per_row(self) -> int:
+        return 0
 
 
 class MapFiller:
@@ -45,34 +92,65 @@ class MapFiller:
     def __init__(self, split: int, n_layers: int, weights: torch.Tensor | None, biases: torch.Tensor,
                  low_rank: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         self.split, self.n_layers = split, n_layers
-        self.biases = biases
-        self.low_rank = low_rank
         hidden = biases.shape[-1]
-        n_maps = n_layers - split - 1
+        self._biases = biases  # [L-S-1, H]
+        self._stacked = self._stacked_u = self._v = None
         if weights is not None:
             # [H, (L-S-1)*H]: column block j is layer S+1+j's map.
-            self.stacked = weights.permute(1, 0, 2).reshape(hidden, n_maps * hidden).contiguous()
+            self._stacked = weights.permute(1, 0, 2).reshape(hidden, _n_maps(self) * hidden).contiguous()
         else:
             u, v = low_rank
-            self.stacked_u = u.permute(1, 0, 2).reshape(hidden, -1).contiguous()  # [H, (L-S-1)*r]
-            self.v = v  # [L-S-1, r, H]
+            self._stacked_u = u.permute(1, 0, 2).reshape(hidden, -1).contiguous()  # [H, (L-S-1)*r]
+            self._v = v  # [L-S-1, r, H]
+
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        names = ("_stacked", "_stacked_u", "_v", "_biases")
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
     def to(self, device: torch.device, dtype: torch.dtype) -> "MapFiller":
-        for name in ("stacked", "stacked_u", "v", "biases"):
-            if hasattr(self, name):
-                setattr(self, name, getattr(self, name).to(device=device, dtype=dtype))
+        for name, tensor in self._tensors().items():
+            setattr(self, name, tensor.to(device=device, dtype=dtype))
         return self
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self._tensors().values())
+
+    @property
+    def rank(self) -> int | None:
+        return None if self._v is None else self._v.shape[1]
+
+    def flops_per_row(self) -> int:
+        h = self._biases.shape[-1]
+        per_map = 2 * h * h if self.rank is None else 4 * h * self.rank  # x·W, or x·U then z·V
+        return _n_maps(self) * per_map
 
     def predict(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         b, n, h = x.shape
-        n_maps = self.n_layers - self.split - 1
-        if self.low_rank is None:
-            out = (x.reshape(b * n, h) @ self.stacked).view(b, n, n_maps, h)
+        m = _n_maps(self)
+        if self._v is None:
+            out = (x.reshape(b * n, h) @ self._stacked).view(b, n, m, h)
         else:
-            r = self.v.shape[1]
-            z = (x.reshape(b * n, h) @ self.stacked_u).view(b * n, n_maps, r).transpose(0, 1)  # [maps, B*n, r]
-            out = x.unsqueeze(2) + torch.bmm(z, self.v).transpose(0, 1).view(b, n, n_maps, h)
-        return out + self.biases
+            r = self._v.shape[1]
+            z = (x.reshape(b * n, h) @ self._stacked_u).view(b * n, m, r).transpose(0, 1)  # [maps, B*n, r]
+            out = x.unsqueeze(2) + torch.bmm(z, self._v).transpose(0, 1).view(b, n, m, h)
+        return out + self._biases
+
+    def late_inputs(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        m = _n_maps(self)
+        flat, out = _with_split_state(x, m)  # flat [R, H], out [m+1, R, H]
+        if m == 0:
+            return out
+        h = flat.shape[1]
+        if self._v is None:
+            weights = self._stacked.view(h, m, h).transpose(0, 1)  # [m, H, H], a view: column block j is map j
+            torch.bmm(flat.expand(m, -1, -1), weights, out=out[1:])
+        else:  # W = I + U V: x + (x U) V + b
+            z = (flat @ self._stacked_u).view(flat.shape[0], m, -1).transpose(0, 1)  # [m, R, r]
+            torch.bmm(z, self._v, out=out[1:])
+            out[1:] += flat
+        out[1:] += self._biases.unsqueeze(1)
+        return out
 
 
 class OracleFiller:
@@ -82,6 +160,7 @@ class OracleFiller:
     """
 
     name = "oracle"
+    rank = None
 
     def __init__(self, split: int, hidden: list[torch.Tensor]) -> None:
         self.split = split
@@ -90,5 +169,19 @@ class OracleFiller:
         b, n, h = hidden[0].shape
         self.late = torch.stack(late, dim=2) if late else hidden[0].new_empty(b, n, 0, h)  # [B, N, L-S-1, H]
 
+    @property
+    def nbytes(self) -> int:
+        return _nbytes([self.late])
+
+    def flops_per_row(self) -> int:
+        return 0  # a lookup, no maps
+
     def predict(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.late[:, positions]
+
+    def late_inputs(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        m = _n_maps(self)
+        flat, out = _with_split_state(x, m)
+        if m:
+            out[1:] = self.predict(x, positions).reshape(flat.shape[0], m, -1).transpose(0, 1)  # [m, R, H]
+        return out

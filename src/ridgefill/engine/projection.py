@@ -2,8 +2,9 @@
 for all those layers at once instead of a loop of small ops per layer.
 
 For split S and the filled rows' split state x [R, H] (R = B·nF rows), with M' = L-S late layers:
-1. inputs Y [M', R, H], layer-major: Y[0] = x (layer S), Y[j] the prediction for layer S+j (a MapFiller's
-   maps as one batched GEMM against their stacked weights; identity fill a stride-0 view of x, no copy);
+1. inputs Y [M', R, H], layer-major: Y[0] = x (layer S), Y[j] the prediction for layer S+j, from the filler's
+   own `late_inputs` (a MapFiller's maps as one batched GEMM against their stacked weights; identity fill a
+   stride-0 view of x, no copy);
 2. norm + K/V for the M late *attention* layers: RMSNorm(Y_l)·g_l·Wkv_lᵀ + b_l = r_l ⊙ (Y_l·(g_l∘Wkv_l)ᵀ) + b_l
    with r_l = rsqrt(mean(Y_l²) + ε) a per-row scale, so the norm weights are folded into the stacked K/V
    weights once per (engine, split) and the norm becomes a scale of one bmm [M, R, H] @ [M, H, 2·Hkv·D];
@@ -13,46 +14,21 @@ Each late attention layer then gets its slice; the engine only writes it into th
 per-layer route (adapter.input_norm, then adapter.key_value) up to float rounding. Layers of another kind
 (hybrid linear layers), and every layer of a family whose adapter has no `kv_weights`, take their predicted
 input from Y and run the per-layer route. On CUDA the norm + K/V stage runs as one Triton kernel
-(triton_projection.py); elsewhere this torch path.
+(triton_projection.py) where the kernel supports the model's heads; elsewhere this torch path.
 """
 
 from __future__ import annotations
 
-import time
+from contextlib import nullcontext
+
 import torch
 
 from ridgefill.engine.families.base import Adapter, apply_rope
-from ridgefill.engine.fillers import Filler, IdentityFiller, MapFiller
+from ridgefill.engine.fillers import Filler
 from ridgefill.engine.kv_stack import StackedKV, stack_kv
+from ridgefill.engine.timing import Stopwatch
 
 BACKENDS = ("auto", "torch", "triton", "layers")
-
-
-def late_inputs(filler: Filler, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """x [B, nF, H] split state of the filled rows -> [L-S, B·nF, H]: the input of each late layer S..L-1,
-    layer-major (index 0: x itself)."""
-    b, n, h = x.shape
-    flat = x.reshape(b * n, h)
-    m = filler.n_layers - filler.split - 1  # maps: layers S+1..L-1
-    if isinstance(filler, IdentityFiller):
-        return flat.expand(m + 1, b * n, h)
-    out = flat.new_empty(m + 1, b * n, h)
-    out[0] = flat
-    if m == 0:
-        return out
-    if isinstance(filler, MapFiller) and filler.low_rank is None:
-        weights = filler.stacked.view(h, m, h).transpose(0, 1)  # [m, H, H], a view: column block j is map j
-        torch.bmm(flat.expand(m, -1, -1), weights, out=out[1:])
-        out[1:] += filler.biases.unsqueeze(1)
-    elif isinstance(filler, MapFiller):  # W = I + U V: x + (x U) V + b
-        r = filler.v.shape[1]
-        z = (flat @ filler.stacked_u).view(b * n, m, r).transpose(0, 1)  # [m, R, r]
-        torch.bmm(z, filler.v, out=out[1:])
-        out[1:] += flat
-        out[1:] += filler.biases.unsqueeze(1)
-    else:  # any other filler (oracle): its own prediction, made layer-major
-        out[1:] = filler.predict(x, positions).reshape(b * n, m, h).transpose(0, 1)
-    return out
 
 
 def norm_kv_torch(stack: StackedKV, y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -102,54 +78,62 @@ class FilledRows:
 class FillProjection:
     """Owned by an Engine: the stacked K/V weights of each split it has filled at (built once), and the fused
     projection of a chunk's filled rows. backend: auto (Triton on CUDA where it applies, else torch), torch,
-    triton, or layers (no fused K/V: every layer takes the per-layer route, the reference). With `timed` set,
-    `elapsed_s` accumulates the wall time spent here (synchronising on CUDA)."""
+    triton, or layers (no fused K/V: every layer takes the per-layer route, the reference). timer: a Stopwatch
+    that the wall time spent here is added to (None: not timed)."""
 
-    def __init__(self, adapter: Adapter, backend: str = "auto") -> None:
+    def __init__(self, adapter: Adapter, backend: str = "auto", timer: Stopwatch | None = None) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend {backend!r} not in {BACKENDS}")
-        self.adapter, self.backend = adapter, backend
+        self.adapter, self.backend, self.timer = adapter, backend, timer
         self._stacks: dict[int, StackedKV | None] = {}
-        self.timed, self.elapsed_s = False, 0.0
+
+    def with_timer(self, timer: Stopwatch | None) -> "FillProjection":
+        """The same projection (backend, and the stacked weights already built, shared) timed by `timer`."""
+        other = FillProjection(self.adapter, self.backend, timer)
+        other._stacks = self._stacks
+        return other
 
     def stack(self, split: int) -> StackedKV | None:
+        """The stacked K/V weights of the split's late attention layers; None: no fused path (no attention layer
+        among them, or a family without `kv_weights`)."""
         if split not in self._stacks:
             self._stacks[split] = stack_kv(self.adapter, split)
         return self._stacks[split]
 
+    def backend_for(self, split: int) -> str:
+        """The route the filled rows of `split` take: "layers" (per layer: asked for, or no fused path), "triton"
+        (the kernel, where it supports the stack: on CUDA for auto, anywhere for triton) or "torch"."""
+        stack = self.stack(split) if self.backend != "layers" else None
+        if stack is None:
+            return "layers"
+        return "triton" if self._use_triton(stack, stack.head_dim) else "torch"
+
     def fill(self, filler: Filler, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
              sin: torch.Tensor) -> FilledRows:
         """x [B, nF, H] split state of the filled rows at `positions` [nF]; cos/sin [B, nF, Dr] their RoPE."""
-        t0 = self._clock()
-        b, n, _ = x.shape
-        inputs = late_inputs(filler, x, positions)  # [L-S, B·nF, H]
-        kv = {}
-        stack = self.stack(filler.split) if n and self.backend != "layers" else None
-        if stack is not None:
-            y = inputs if stack.index is None else inputs[stack.index]
-            k, v = self._norm_kv(stack, y, cos, sin, b)
-            kv = {layer: (k[j], v[j]) for j, layer in enumerate(stack.layers)}
-        if self.timed:
-            self.elapsed_s += self._clock() - t0
+        with self.timer.span() if self.timer is not None else nullcontext():
+            b, n, _ = x.shape
+            inputs = filler.late_inputs(x, positions)  # [L-S, B·nF, H]
+            kv = {}
+            stack = self.stack(filler.split) if n and self.backend != "layers" else None
+            if stack is not None:
+                y = inputs if stack.index is None else inputs[stack.index]  # [M, B·nF, H]
+                k, v = self._norm_kv(stack, y, cos, sin, b)  # [M, B, Hkv, nF, D]
+                kv = {layer: (k[j], v[j]) for j, layer in enumerate(stack.layers)}
         return FilledRows(self.adapter, filler.split, inputs, x.shape, kv, cos, sin)
 
     def _norm_kv(self, stack, y, cos, sin, batch):
-        if self._use_triton(stack, cos):
+        if self._use_triton(stack, cos.shape[-1]):
             from ridgefill.engine.triton_projection import norm_kv_triton
 
             return norm_kv_triton(stack, y, cos, sin, batch)
         return norm_kv_torch(stack, y, cos, sin, batch)
 
-    def _use_triton(self, stack: StackedKV, cos: torch.Tensor) -> bool:
-        if self.backend != "auto":
-            return self.backend == "triton"
-        if cos.device.type != "cuda":  # never import triton for a CPU run
+    def _use_triton(self, stack: StackedKV, rotary_dim: int) -> bool:
+        if self.backend not in ("auto", "triton"):
+            return False
+        if self.backend == "auto" and self.adapter.device.type != "cuda":  # never import triton for a CPU run
             return False
         from ridgefill.engine import triton_projection
 
-        return triton_projection.supports(stack, cos.shape[-1])
-
-    def _clock(self) -> float:
-        if self.timed and self.adapter.device.type == "cuda":
-            torch.cuda.synchronize(self.adapter.device)
-        return time.perf_counter()
+        return triton_projection.supports(stack, rotary_dim)

@@ -63,7 +63,7 @@ def parse_lengths(text: str, minimum: int = 1) -> list[int]:
     except ValueError:
         raise RidgefillError(f"--lengths '{text}' is not a comma-separated list of integers") from None
     if not values or values[0] < minimum:
-        raise RidgefillError(f"--lengths '{text}' must list token counts of at least {minimum}, e.g. 2048,4096")
+        raise RidgefillError(f"--lengths '{text}' must list lengths of at least {minimum} tokens, e.g. 2048,4096")
     return values
 
 
@@ -110,13 +110,14 @@ class Measurement:
                 advance()
         return out
 
-    def write(self, results, intervals: dict, **extra) -> dict:
-        """The result document, written atomically to --out (with the exact store's hits and misses)."""
+    def write(self, results, intervals: dict, variants: list[str] | None = None, **extra) -> dict:
+        """The result document, written atomically to --out (with the exact store's hits and misses). variants:
+        the names its results hold (default: the plans measured)."""
         if hasattr(self.config, "exact_cache"):  # a command that keeps exact results says how many it reused
             extra = {"exact_store": self.store.summary(), **extra}
         info = maps_info(self.config.maps, self.maps_meta)
-        return self.writer.write(self.config.out, self.session.loaded.info(), info, list(self.plans), results,
-                                 intervals, **extra)
+        return self.writer.write(self.config.out, self.session.loaded.info(), info,
+                                 list(self.plans) if variants is None else variants, results, intervals, **extra)
 
 
 def start(command: str, config: MeasureConfig, variants: Sequence[str], record: dict | None = None,

@@ -19,13 +19,14 @@ from pathlib import Path
 
 import torch
 
-from ridgefill.runtime.console import note, progress_bar, table
+from ridgefill.commands import REQUIRED, Command, option
 from ridgefill.engine import Engine, FillPlan
 from ridgefill.errors import RidgefillError
-from ridgefill.evals.exact_store import ExactStore
-from ridgefill.evals.common import ResultWriter, maps_info
-from ridgefill.runtime.session import open_session, parse_variants, variant_plans
+from ridgefill.evals.common import MeasureConfig, exact_cache_option, start, variants_option
+from ridgefill.evals.scoring import continuation_scores
 from ridgefill.evals.stats import mean_difference
+from ridgefill.runtime.console import note, table
+from ridgefill.runtime.session import parse_variants
 
 LETTERS = ("A", "B", "C", "D")
 DIFFICULTIES = ("easy", "hard")
@@ -189,31 +190,6 @@ def extract_answer(response: str) -> str | None:
 
 
 # --- scoring ---------------------------------------------------------------------------------------------
-def continuation_scores(engine: Engine, context: list[int], continuations: list[list[int]],
-                        plan: FillPlan | None = None) -> list[tuple[float, bool]]:
-    """(log-likelihood, greedy) of each continuation after one shared prefill of `context` (exact if `plan` is
-    None). Continuation rows run the full model on a clone of the context's cache, so the context is prefilled
-    once however many continuations there are; `greedy` says whether greedy decoding would produce it."""
-    longest = max((len(c) for c in continuations), default=0)
-    pre = engine.prefill(torch.tensor([context]), fill=plan, capacity=len(context) + longest)
-    first = pre.logits[0, -1:].float().log_softmax(-1)  # [1, V]: predicts each continuation's first token
-    scores = []
-    for i, cont in enumerate(continuations):
-        if not cont:
-            scores.append((0.0, True))
-            continue
-        logprobs = first
-        if len(cont) > 1:
-            last_use = i == len(continuations) - 1
-            cache = pre.cache if last_use else pre.cache.clone()
-            rest = engine.prefill(torch.tensor([cont[:-1]]), cache=cache, logits_at="full").logits[0]  # [k-1, V]
-            logprobs = torch.cat([first, rest.float().log_softmax(-1)])  # [k, V]
-        target = torch.tensor(cont, device=logprobs.device)
-        total = logprobs.gather(1, target.unsqueeze(1)).sum()
-        scores.append((float(total), bool((logprobs.argmax(-1) == target).all())))
-    return scores
-
-
 def answer_question(engine: Engine, tokenizer, ids: list[int], plan: FillPlan | None, mode: str,
                     options: list[list[int]] | None, max_new_tokens: int) -> dict:
     """One variant's answer to one prompt: the predicted letter and what it came from."""
@@ -273,54 +249,64 @@ def accuracy_intervals(questions: list[Question], results: dict, seed: int) -> d
 
 
 # --- the command -----------------------------------------------------------------------------------------
-def longbench_command(model, maps, split, tail, data, mode, max_len, out, limit, keep_first, seed, chunk, dtype,
-                      device, variants, chat_template=True, max_new_tokens=128, exact_cache=None) -> dict:
-    """exact_cache: a folder where exact answers are kept by prompt (ExactStore), reused by later runs."""
-    if mode not in MODES:
-        raise RidgefillError(f"unknown --mode '{mode}': use loglik or generate")
-    if limit is not None and limit < 1:
-        raise RidgefillError(f"--limit must be at least 1, got {limit}")
-    if max_len is not None and max_len < 2:
-        raise RidgefillError(f"--max-len must be at least 2 tokens, got {max_len}")
-    if max_new_tokens < 1:
-        raise RidgefillError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
-    if keep_first < 0:
-        raise RidgefillError(f"--keep-first must be 0 or more, got {keep_first}")
-    names = parse_variants(variants, maps)
-    questions = load_questions(str(data))[:limit]
-    config = {"data": str(data), "mode": mode, "max_len": max_len, "limit": limit, "split": split, "tail": tail,
-              "keep_first": keep_first, "chunk": chunk, "dtype": dtype, "device": device, "variants": names,
-              "chat_template": chat_template, "max_new_tokens": max_new_tokens, "questions": len(questions)}
-    writer = ResultWriter("longbench", config, seed)
-    session = open_session(model, dtype, device, chunk)
-    plans, meta = variant_plans(session, None if maps is None else str(maps), split, tail, range(keep_first), names)
-    tokenizer = session.tokenizer
-    options = option_ids(tokenizer) if mode == "loglik" else None
-    budget = max(len(o) for o in options) if options else max_new_tokens
-    max_len = _checked_max_len(max_len, budget, session.engine.adapter.max_positions)
-    chat = bool(chat_template and getattr(tokenizer, "chat_template", None))
-    config.update(max_len=max_len, chat_template_used=chat, split=meta["split"] if meta else split)
-    if tail >= max_len:
-        note(f"note: tail {tail} >= --max-len {max_len}: every prompt row runs the full model (exact)")
-    store = ExactStore(exact_cache, session.loaded.info(), dtype, device, chunk)
-    answers = {name: [] for name in plans}
-    lengths = []
-    with progress_bar(f"LongBench v2 ({mode})", len(questions) * len(plans)) as advance:
-        for q in questions:
-            ids = prompt_ids(tokenizer, q, mode, max_len, chat)
-            lengths.append(len(ids))
-            for name, plan in plans.items():
-                key = {"ids": ids, "mode": mode, "options": options, "max_new_tokens": max_new_tokens}
-                answers[name].append(store.get_exact(plan, "longbench-answer", key, lambda plan=plan: answer_question(
-                    session.engine, tokenizer, ids, plan, mode, options, max_new_tokens)))
-                advance()
-    config["prompt_tokens"] = {"mean": sum(lengths) / len(lengths), "max": max(lengths)}
-    results = {name: summarize(questions, answers[name], answers.get("exact")) for name in plans}
-    intervals = accuracy_intervals(questions, results, seed)
-    doc = writer.write(out, session.loaded.info(), maps_info(maps, meta), list(plans), results, intervals,
-                       exact_store=store.summary())
-    _print_table(results, intervals, questions, config)
+@dataclass
+class LongBenchConfig(MeasureConfig):
+    data: str = option(REQUIRED, "LongBench v2 records: .json list or .jsonl file, or a Hub dataset id "
+                       "(THUDM/LongBench-v2).")  # no fallback: LongBench questions are not calibration text
+    mode: str = option("loglik", "loglik (compare the letters' log-likelihood) or generate (greedy, extract 'The "
+                       "correct answer is (X)').")
+    max_len: int | None = option(None, "Longer prompts keep their first and last halves (default: the model's "
+                                 "context).")
+    limit: int | None = option(None, "Run only the first N questions.")
+    variants: str | None = variants_option()
+    chat_template: bool = option(True, "Wrap prompts in the tokenizer's chat template when it has one.",
+                                 negatable=True)
+    max_new_tokens: int = option(128, "Tokens to generate (generate mode).")
+    exact_cache: Path | None = exact_cache_option()
+
+    def check(self) -> None:
+        if self.mode not in MODES:
+            raise RidgefillError(f"unknown --mode '{self.mode}': use loglik or generate")
+        if self.limit is not None and self.limit < 1:
+            raise RidgefillError(f"--limit must be at least 1, got {self.limit}")
+        if self.max_len is not None and self.max_len < 2:
+            raise RidgefillError(f"--max-len must be at least 2 tokens, got {self.max_len}")
+        if self.max_new_tokens < 1:
+            raise RidgefillError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}")
+        if self.keep_first < 0:
+            raise RidgefillError(f"--keep-first must be 0 or more, got {self.keep_first}")
+        parse_variants(self.variants, self.maps)
+
+
+def run(c: LongBenchConfig) -> dict:
+    """Answer every question with each variant; exact answers go through the exact store (by prompt)."""
+    names = parse_variants(c.variants, c.maps)
+    questions = load_questions(str(c.data))[:c.limit]
+    record = {**c.as_dict(), "variants": names, "questions": len(questions)}
+    m = start("longbench", c, names, record)
+    tokenizer = m.tokenizer
+    options = option_ids(tokenizer) if c.mode == "loglik" else None
+    budget = max(len(o) for o in options) if options else c.max_new_tokens
+    max_len = _checked_max_len(c.max_len, budget, m.session.context_length)
+    chat = bool(c.chat_template and getattr(tokenizer, "chat_template", None))
+    record.update(max_len=max_len, chat_template_used=chat, split=m.split)
+    if c.tail >= max_len:
+        note(f"note: tail {c.tail} >= --max-len {max_len}: every prompt row runs the full model (exact)")
+    prompts = [prompt_ids(tokenizer, q, c.mode, max_len, chat) for q in questions]
+    answers = m.answers(prompts, f"LongBench v2 ({c.mode})", "longbench-answer",
+                        lambda ids: {"ids": ids, "mode": c.mode, "options": options,
+                                     "max_new_tokens": c.max_new_tokens},
+                        lambda ids, plan: answer_question(m.engine, tokenizer, ids, plan, c.mode, options,
+                                                          c.max_new_tokens))
+    record["prompt_tokens"] = {"mean": sum(map(len, prompts)) / len(prompts), "max": max(map(len, prompts))}
+    results = {name: summarize(questions, answers[name], answers.get("exact")) for name in m.plans}
+    intervals = accuracy_intervals(questions, results, c.seed)
+    doc = m.write(results, intervals)
+    _print_table(results, intervals, questions, record)
     return doc
+
+
+COMMAND = Command("longbench", LongBenchConfig, run, writes=".json", reads="maps")
 
 
 def _checked_max_len(max_len: int | None, budget: int, context: int | None) -> int:

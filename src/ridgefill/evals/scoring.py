@@ -1,5 +1,6 @@
-"""Teacher-forced negative log-likelihood on the rows that run the full model, and LongPPL's distant-context
-(key) tokens: those whose loss drops sharply when the model sees the full context instead of a short window."""
+"""Scoring what the full rows predict: teacher-forced negative log-likelihood of a tail or a continuation,
+LongPPL's distant-context (key) tokens (those whose loss drops sharply when the model sees the full context
+instead of a short window), and the log-likelihood of candidate continuations after one shared prefill."""
 
 from __future__ import annotations
 
@@ -71,3 +72,28 @@ def distant_tokens(full_nll: torch.Tensor, short_nll: torch.Tensor, alpha: float
     """LongPPL's key tokens, bool like `full_nll`: the full context raises the token's log-prob by more than
     `alpha` over the short window, and its full-context log-prob is above -`beta`."""
     return (short_nll - full_nll > alpha) & (full_nll < beta)
+
+
+def continuation_scores(engine: Engine, context: list[int], continuations: list[list[int]],
+                        plan: FillPlan | None = None) -> list[tuple[float, bool]]:
+    """(log-likelihood, greedy) of each continuation after one shared prefill of `context` (exact if `plan` is
+    None). Continuation rows run the full model on a clone of the context's cache, so the context is prefilled
+    once however many continuations there are; `greedy` says whether greedy decoding would produce it."""
+    longest = max((len(c) for c in continuations), default=0)
+    pre = engine.prefill(torch.tensor([context]), fill=plan, capacity=len(context) + longest)
+    first = pre.logits[0, -1:].float().log_softmax(-1)  # [1, V]: predicts each continuation's first token
+    scores = []
+    for i, cont in enumerate(continuations):
+        if not cont:
+            scores.append((0.0, True))
+            continue
+        logprobs = first
+        if len(cont) > 1:
+            last_use = i == len(continuations) - 1
+            cache = pre.cache if last_use else pre.cache.clone()
+            rest = engine.prefill(torch.tensor([cont[:-1]]), cache=cache, logits_at="full").logits[0]  # [k-1, V]
+            logprobs = torch.cat([first, rest.float().log_softmax(-1)])  # [k, V]
+        target = torch.tensor(cont, device=logprobs.device)
+        total = logprobs.gather(1, target.unsqueeze(1)).sum()
+        scores.append((float(total), bool((logprobs.argmax(-1) == target).all())))
+    return scores

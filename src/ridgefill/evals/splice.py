@@ -29,68 +29,98 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ridgefill.runtime.console import progress_bar, table
+from ridgefill.commands import Command, option
 from ridgefill.engine import Cache, Engine, FillPlan
 from ridgefill.errors import RidgefillError
+from ridgefill.evals.common import start
 from ridgefill.evals.decode import greedy_after_cache
-from ridgefill.evals.loss import check_context, check_lengths, evaluation_passages, interval_dict
+from ridgefill.evals.passages import PassageConfig, check_context, evaluation_passages, nll_results, tail_difference
+from ridgefill.evals.ruler import TASKS, build_samples, score_prediction
 from ridgefill.evals.scoring import continuation_nll, distant_tokens, short_context_nll
-from ridgefill.evals.common import ResultWriter, maps_info
-from ridgefill.runtime.session import open_session, variant_plans
-from ridgefill.evals.stats import format_interval, gap_closed, mean_difference, select
+from ridgefill.evals.stats import format_interval, gap_closed, interval_dict, select
+from ridgefill.runtime.console import cell, progress_bar, table
 
 COMPONENTS = ("keys", "values", "key-scale", "key-direction", "state")
 ATTENTION_SWAPS = "keys,values,key-scale,key-direction,keys+values"
 STATE_SWAPS = "state,keys+values+state"
 
 
-def splice_command(model: str, maps: str | None, split: int | None, tail: int, swap: str | None, layers: str | None,
-                   by_quarter: bool, data: str, context: int, short: int, short_stride: int | None, samples: int,
-                   alpha: float, beta: float, needles: int, task: str, max_new_tokens: int | None, keep_first: int,
-                   fill: str | None, seed: int, chunk: int, dtype: str, device: str, out: str | Path) -> dict:
-    config = dict(locals())  # every option, as passed
-    writer = ResultWriter("splice", config, seed)
-    check_lengths(context, short, short_stride, tail, samples, keep_first)
-    if tail >= context:
-        raise RidgefillError(f"--tail {tail} covers the whole --context {context}: nothing is filled, so there is "
-                             "nothing to splice; use a tail shorter than the context")
-    if needles < 0:
-        raise RidgefillError(f"--needles {needles} must be 0 (NLL only) or more")
-    if max_new_tokens is not None and max_new_tokens < 1:
-        raise RidgefillError(f"--max-new-tokens {max_new_tokens} must be at least 1")
-    ranges_asked = None if layers is None else parse_layer_ranges(layers)
-    swaps_asked = None if swap is None else parse_swaps(swap)
-    fill = fill or ("ridge" if maps is not None else "identity")
-    if fill not in ("identity", "ridge"):
-        raise RidgefillError(f"--fill '{fill}' is unknown: use identity or ridge")
+@dataclass
+class SpliceConfig(PassageConfig):
+    maps: Path | None = option(None, "Maps file (the ridge fill).", role="input")
+    seed: int = option(0, "Bootstrap and needle seed.", top="seeds")
+    swap: str | None = option(None, "Comma-separated swaps of keys, values, key-scale, key-direction, state; join "
+                              "with '+' (default: each, and keys+values).", listed=str)
+    layers: str | None = option(None, "Layer ranges to splice over, e.g. 16-29,20-29 (default: the filled range "
+                                "S..L-1).", listed=str)
+    by_quarter: bool = option(False, "Also splice over each quarter of the filled range.")
+    samples: int = option(8, "Passages to score.")
+    needles: int = option(0, "Needle prompts (needles in the filled region) to answer from each cache; 0 = NLL "
+                          "only.")
+    task: str = option("niah_single_1", "RULER task of the needle prompts.")
+    max_new_tokens: int | None = option(None, "Cap on generated answer tokens (default: RULER's budget for the "
+                                        "task).")
+    fill: str | None = option(None, "The filled cache to splice: ridge or identity (default: ridge with --maps, "
+                              "else identity).")
 
-    session = open_session(model, dtype, device, chunk)
-    engine = session.engine
-    check_context(session, context)
-    plans, meta = variant_plans(session, maps, split, tail, range(keep_first), ("exact", fill))
-    plan = plans[fill]
-    kinds = {engine.adapter.layer_kind(layer) for layer in range(engine.n_layers)}
-    has_state = kinds != {"attention"}
-    swaps = swaps_asked or parse_swaps(ATTENTION_SWAPS + ("," + STATE_SWAPS if has_state else ""))
+    def check(self) -> None:
+        super().check()
+        if self.tail >= self.context:
+            raise RidgefillError(f"--tail {self.tail} covers the whole --context {self.context}: nothing is filled, "
+                                 "so there is nothing to splice; use a tail shorter than the context")
+        if self.needles < 0:
+            raise RidgefillError(f"--needles {self.needles} must be 0 (NLL only) or more")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise RidgefillError(f"--max-new-tokens {self.max_new_tokens} must be at least 1")
+        if self.layers is not None:
+            parse_layer_ranges(self.layers)
+        if self.swap is not None:
+            parse_swaps(self.swap)
+        if self.fill_used not in ("identity", "ridge"):
+            raise RidgefillError(f"--fill '{self.fill}' is unknown: use identity or ridge")
+        if self.needles and self.task not in TASKS:
+            raise RidgefillError(f"--task '{self.task}' is unknown: use one of {', '.join(TASKS)}")
+
+    def wants_input(self):
+        return ("fill", "ridge", "use identity") if self.fill == "ridge" else None
+
+    @property
+    def fill_used(self) -> str:
+        return self.fill or ("ridge" if self.maps is not None else "identity")
+
+
+def run(c: SpliceConfig) -> dict:
+    """Prefill each passage's prefix exactly and filled, score the tail on the filled cache and on each splice."""
+    fill = c.fill_used
+    m = start("splice", c, ("exact", fill))
+    check_context(m.session, c.context)
+    plan = m.plans[fill]
+    has_state = set(m.engine.layer_kinds) != {"attention"}
+    swaps = parse_swaps(c.swap) if c.swap is not None else \
+        parse_swaps(ATTENTION_SWAPS + ("," + STATE_SWAPS if has_state else ""))
     if not has_state and any("state" in s for s in swaps):
         raise RidgefillError("--swap state needs a model with recurrent-state (linear-attention) layers; this "
                              "model has attention layers only: drop state from --swap")
-    ranges = layer_ranges(ranges_asked, by_quarter, plan.split, engine.n_layers)
+    ranges_asked = None if c.layers is None else parse_layer_ranges(c.layers)
+    ranges = layer_ranges(ranges_asked, c.by_quarter, plan.split, m.engine.n_layers)
     splices = [(parts, r) for r in ranges for parts in swaps]
-    prompts = _needle_samples(session.tokenizer, task, context, needles, seed, tail, keep_first, max_new_tokens)
-    texts = evaluation_passages(session.tokenizer, data, context, samples)
-    stride = short_stride or max(1, short // 8)
+    prompts = [] if c.needles == 0 else build_samples(
+        m.tokenizer, c.task, c.context, c.needles, c.seed, region="filled", tail=c.tail, keep_first=c.keep_first,
+        max_new_tokens=c.max_new_tokens)
+    texts = evaluation_passages(m.tokenizer, c.data, c.context, c.samples)
 
-    nll, counts = _passage_nll(engine, texts, plan, fill, splices, short, stride, alpha, beta)
-    answers = _retrieval(session, prompts, plan, splices, fill) if prompts else None
+    nll, counts = _passage_nll(m.engine, texts, plan, fill, splices, c.short, c.stride, c.alpha, c.beta)
+    answers = _retrieval(m.session, prompts, plan, splices, fill) if prompts else None
 
-    results, intervals = summarise(nll, counts, tail - 1, answers, fill, seed)
-    doc = writer.write(out, session.loaded.info(), maps_info(maps, meta), list(results), results, intervals,
-                       fill=fill, split=plan.split, layer_ranges=[list(r) for r in ranges],
-                       swaps=[_components(p) for p in swaps], short_stride_used=stride)
-    print_tables(results, intervals, swaps, ranges, fill, f"{len(texts)} passages of {context} tokens, tail {tail}, "
-                 f"{sum(counts)} distant-context tokens" + (f", {len(prompts)} needles" if prompts else ""))
+    results, intervals = summarise(nll, counts, c.tail - 1, answers, fill, c.seed)
+    doc = m.write(results, intervals, list(results), fill=fill, split=plan.split, layer_ranges=[list(r) for r in ranges],
+                  swaps=[_components(p) for p in swaps], short_stride_used=c.stride)
+    print_tables(results, intervals, swaps, ranges, fill, f"{len(texts)} passages of {c.context} tokens, tail "
+                 f"{c.tail}, {sum(counts)} distant-context tokens" + (f", {len(prompts)} needles" if prompts else ""))
     return doc
+
+
+COMMAND = Command("splice", SpliceConfig, run, writes=".json", reads="maps")
 
 
 # --- options ------------------------------------------------------------------------------------------
@@ -241,24 +271,8 @@ def _passage_nll(engine: Engine, texts: list[list[int]], plan: FillPlan, fill: s
 
 
 # --- needle retrieval ---------------------------------------------------------------------------------
-def _needle_samples(tokenizer, task: str, context: int, needles: int, seed: int, tail: int, keep_first: int,
-                    max_new_tokens: int | None):
-    if needles == 0:
-        return []
-    try:
-        from ridgefill.evals import ruler
-    except ImportError:
-        raise RidgefillError("--needles needs ridgefill.evals.ruler, which this install lacks: use --needles 0") from None
-    if task not in ruler.TASKS:
-        raise RidgefillError(f"--task '{task}' is unknown: use one of {', '.join(ruler.TASKS)}")
-    return ruler.build_samples(tokenizer, task, context, needles, seed, region="filled", tail=tail,
-                               keep_first=keep_first, max_new_tokens=max_new_tokens)
-
-
 def _retrieval(session, samples, plan: FillPlan, splices, fill: str) -> dict[str, list[float]]:
     """Score (0..100) of greedy answers to filled-region needle prompts from the exact, filled and spliced caches."""
-    from ridgefill.evals.ruler import score_prediction
-
     engine, tokenizer = session.engine, session.tokenizer
     scores = {name: [] for name in ["exact", fill] + [label(p, r) for p, r in splices]}
     with progress_bar(f"retrieving {len(samples)} needles", len(samples) * len(scores)) as advance:
@@ -280,21 +294,17 @@ def summarise(nll: dict, counts: list[int], tail_tokens: int, retrieval: dict | 
     """Mean NLLs (tokens pooled over passages), retrieval, and for each splice the share of the fill's gap it
     closes. Per-passage NLL sums are compared directly: every variant is scored on the same tokens, so the
     token counts cancel in the share."""
-    n_distant, n_tail = sum(counts), tail_tokens * len(counts)
+    n_distant = sum(counts)
     results, intervals = {}, {}
     for name, s in nll.items():
-        distant = sum(s["distant"]) / n_distant if n_distant else None
-        r = {"score": distant, "distant_nll": distant, "distant_tokens": n_distant,
-             "tail_nll": sum(s["tail"]) / n_tail, "tail_tokens": n_tail,
-             "per_passage": {"distant_nll_sum": s["distant"], "distant_tokens": counts, "tail_nll_sum": s["tail"]}}
+        r = nll_results(s, counts, tail_tokens)
         if retrieval:
             r["retrieval"] = float(np.mean(retrieval[name]))
             r["per_needle"] = retrieval[name]
         results[name] = r
         if name == "exact":
             continue
-        found = {"tail_nll_nats": mean_difference([x / tail_tokens for x in s["tail"]],
-                                                  [x / tail_tokens for x in nll["exact"]["tail"]], seed=seed)}
+        found = {"tail_nll_nats": tail_difference(s, nll["exact"], tail_tokens, seed)}
         if name != fill:
             found["gap_closed_tail"] = gap_closed(nll[fill]["tail"], s["tail"], nll["exact"]["tail"], seed=seed)
             if n_distant:  # resample only the passages that hold distant tokens
@@ -318,13 +328,13 @@ def print_tables(results: dict, intervals: dict, swaps: list[frozenset], ranges:
     rows = []
     for name in ["exact", fill]:
         r = results[name]
-        rows.append([name if name == "exact" else f"{fill} fill", "", _or_dash(r["distant_nll"]), "",
+        rows.append([name if name == "exact" else f"{fill} fill", "", cell(r["distant_nll"]), "",
                      r["tail_nll"], ""] + ([r["retrieval"], ""] if retrieval else []))
     for layer_range in ranges:
         for parts in swaps:
             name = label(parts, layer_range)
             r, iv = results[name], intervals[name]
-            cells = [_or_dash(r["distant_nll"]), format_interval(iv.get("gap_closed_distant"), percent=True),
+            cells = [cell(r["distant_nll"]), format_interval(iv.get("gap_closed_distant"), percent=True),
                      r["tail_nll"], format_interval(iv.get("gap_closed_tail"), percent=True)]
             if retrieval:
                 cells += [r["retrieval"], format_interval(iv.get("gap_closed_retrieval"), percent=True)]
@@ -343,7 +353,3 @@ def print_tables(results: dict, intervals: dict, swaps: list[frozenset], ranges:
 
 def _components(parts: frozenset) -> str:
     return "+".join(c for c in COMPONENTS if c in parts)
-
-
-def _or_dash(value):
-    return "–" if value is None else value

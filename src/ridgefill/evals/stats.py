@@ -114,3 +114,8 @@ def format_interval(values: dict | None, bounds: bool = True, percent: bool = Fa
 
 def _missing(value) -> bool:
     return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def interval_dict(interval: Interval) -> dict:
+    """Interval.to_dict() with NaN (a resample without distant tokens gives one; not JSON) stored as None."""
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in interval.to_dict().items()}

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ridgefill import __version__
+from ridgefill.commands import REQUIRED, Command, Config, option
 from ridgefill.errors import RidgefillError
+from ridgefill.evals.stats import mean
 from ridgefill.method.statistics import Calibration
 from ridgefill.method.maps import KINDS, save_maps
 from ridgefill.method.ridge import fit_split
@@ -16,11 +18,26 @@ from ridgefill.runtime.console import progress_bar, table
 from ridgefill.runtime.paths import write_json
 
 
-# --- fit ---------------------------------------------------------------------------------------------
-def fit_command(stats, out, split, lam, kind, rank) -> dict:
-    if kind not in KINDS:
-        raise RidgefillError(f"unknown --kind '{kind}': use {' or '.join(KINDS)}")
-    lam_value = _parse_lam(lam)
+@dataclass
+class FitConfig(Config):
+    stats: Path = option(REQUIRED, "Statistics from `ridgefill calibrate`.", role="input")
+    out: Path = option(REQUIRED, "Maps file (.safetensors) to write; a JSON summary goes beside it.", role="output")
+    split: int | None = option(None, "Which split to fit (needed if the stats hold several).", top="splits")
+    lam: str = option("auto", "'auto' (per layer, by held-out error) or a λ relative to trace(Pxx)/H (Pxx: the "
+                      "centred XᵀX).", top="lam")
+    kind: str = option("ridge", "ridge (fitted maps) or identity (x itself, no fit).")
+    rank: int | None = option(None, "Keep only the top-r directions of each map's residual.")
+
+    def check(self) -> None:
+        if self.kind not in KINDS:
+            raise RidgefillError(f"unknown --kind '{self.kind}': use {' or '.join(KINDS)}")
+        _parse_lam(self.lam)
+
+
+def run(c: FitConfig) -> dict:
+    """Fit one split's maps, print their held-out error beside identity fill's, write maps + JSON summary."""
+    stats, out, split, kind, rank = c.stats, c.out, c.split, c.kind, c.rank
+    lam_value = _parse_lam(c.lam)
     tensors, meta = load_artifact(stats, "stats")
     splits = meta["splits"]
     if split is None:
@@ -55,13 +72,17 @@ def fit_command(stats, out, split, lam, kind, rank) -> dict:
     summary = {"command": "fit", "maps": str(out), "kind": kind, "split": split, "rank": rank,
                "model": meta["model"], "layers": [dict(zip(["layer", "lam", "error_identity", "error_map"], r))
                                                   for r in rows],
-               "mean_error_identity": _mean([f.error_identity for f in fits]),
-               "mean_error_map": _mean([f.error_map for f in fits]), "ridgefill_version": __version__}
+               "mean_error_identity": mean([f.error_identity for f in fits]),
+               "mean_error_map": mean([f.error_map for f in fits]), "ridgefill_version": __version__}
     write_json(Path(str(out) + ".json"), summary)
     return summary
 
 
-def _parse_lam(lam: str):
+COMMAND = Command("fit", FitConfig, run, writes=".safetensors", summary_json=True, reads="stats", makes="maps")
+
+
+def _parse_lam(lam):
+    lam = str(lam)
     if lam == "auto":
         return "auto"
     try:
@@ -71,10 +92,4 @@ def _parse_lam(lam: str):
     if not value > 0:
         raise RidgefillError(f"--lam must be positive, got {lam}")
     return value
-
-
-def _mean(values) -> float:
-    values = [v for v in values if not math.isnan(v)]
-    return sum(values) / len(values) if values else math.nan
-
 

@@ -3,33 +3,50 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
+from ridgefill.commands import Command, option
 from ridgefill.errors import RidgefillError
 from ridgefill.runtime.console import note
-from ridgefill.runtime.session import open_session
+from ridgefill.runtime.session import ModelConfig
 
 
-# --- generate ----------------------------------------------------------------------------------------
-def generate_command(model, maps, split, tail, keep_first, exact, prompt, prompt_file, max_new_tokens, compare,
-                     dtype, device, chunk) -> dict:
-    if (prompt is None) == (prompt_file is None):
-        raise RidgefillError("give exactly one of --prompt or --prompt-file")
-    if prompt_file is not None:
-        if not Path(prompt_file).is_file():
-            raise RidgefillError(f"--prompt-file {prompt_file} does not exist")
-        prompt = Path(prompt_file).read_text()
-    if exact and compare:
-        raise RidgefillError("--compare already runs exact: drop --exact")
-    if not exact and maps is None:
-        raise RidgefillError("filled prefill needs --maps (from ridgefill fit), or pass --exact")
-    if max_new_tokens < 1:
-        raise RidgefillError("--max-new-tokens must be at least 1")
-    session = open_session(model, dtype, device, chunk)
+@dataclass
+class GenerateConfig(ModelConfig):
+    maps: Path | None = option(None, "Maps file for filled prefill.")
+    split: int | None = option(None, "Split S (checked against the maps).")
+    tail: int = option(256, "Last prompt rows that run the full model.")
+    keep_first: int = option(1, "Leading rows run in full (the attention sink).")
+    exact: bool = option(False, "Exact prefill (no maps).")
+    prompt: str | None = option(None, "Prompt text.")
+    prompt_file: Path | None = option(None, "Read the prompt from a file.")
+    max_new_tokens: int = option(64, "Tokens to generate (greedy).")
+    compare: bool = option(False, "Run exact and filled; print both with their TTFT.")
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.prompt_file is None):
+            raise RidgefillError("give exactly one of --prompt or --prompt-file")
+        if self.prompt_file is not None and not Path(self.prompt_file).is_file():
+            raise RidgefillError(f"--prompt-file {self.prompt_file} does not exist")
+        if self.exact and self.compare:
+            raise RidgefillError("--compare already runs exact: drop --exact")
+        if not self.exact and self.maps is None:
+            raise RidgefillError("filled prefill needs --maps (from ridgefill fit), or pass --exact")
+        if self.max_new_tokens < 1:
+            raise RidgefillError("--max-new-tokens must be at least 1")
+
+
+def run(c: GenerateConfig) -> dict:
+    """The generated text of each run (exact, filled), by name."""
+    maps, split, tail, keep_first, exact, max_new_tokens, compare = (c.maps, c.split, c.tail, c.keep_first, c.exact,
+                                                                     c.max_new_tokens, c.compare)
+    prompt = c.prompt if c.prompt_file is None else Path(c.prompt_file).read_text()
+    session = c.open()
     ids = session.tokenizer(prompt, return_tensors="pt", add_special_tokens=True)["input_ids"]
     if ids.shape[1] == 0:
         raise RidgefillError("the prompt is empty after tokenization")
-    limit = session.engine.adapter.max_positions
+    limit = session.context_length
     if limit and ids.shape[1] + max_new_tokens > limit:
         raise RidgefillError(f"prompt ({ids.shape[1]} tokens) plus {max_new_tokens} new tokens exceed the model's "
                              f"context of {limit}: shorten the prompt")
@@ -56,3 +73,6 @@ def generate_command(model, maps, split, tail, keep_first, exact, prompt, prompt
         note(f"ttft {r.ttft_s * 1000:.0f} ms, {r.prefill.filled_share:.0%} of {ids.shape[1]} prompt rows filled")
         sys.stdout.write(texts[name] + "\n")
     return texts
+
+
+COMMAND = Command("generate", GenerateConfig, run)
