@@ -45,29 +45,20 @@ class Entry:
 
 
 REGISTRY: dict[str, Entry] = {
-    "calibrate": Entry("ridgefill.method.calibrate", "One pass over calibration text: float64 statistics of the "
-                       "split state and every late layer's input.", step=True),
-    "fit": Entry("ridgefill.method.fit", "Fit per-layer maps in closed form and print held-out error of identity "
-                 "fill vs the map.", step=True),
-    "generate": Entry("ridgefill.serve.generate", "Generate greedily after exact or filled prefill. Only generated "
-                      "text goes to stdout."),
-    "ruler": Entry("ridgefill.evals.ruler", "RULER's synthetic tasks with needles in filled rows (or the tail): "
-                   "score of exact, identity and ridge.", step=True),
-    "loss": Entry("ridgefill.evals.loss", "Teacher-forced tail NLL of each variant on long passages, on all tail "
-                  "tokens and on distant-context tokens.", step=True),
-    "splice": Entry("ridgefill.evals.splice", "Swap exact cache components into the filled cache: which one carries "
-                    "the fill's error.", step=True),
-    "longbench": Entry("ridgefill.evals.longbench", "LongBench v2 accuracy (overall, easy/hard, short/medium/long) "
-                       "for exact, identity and ridge prefill.", step=True),
-    "bench-ttft": Entry("ridgefill.evals.bench_ttft", "Time to first token: exact vs filled prefill vs transformers, "
-                        "with the FLOP-limit speedup.", step=True),
-    "lm-eval": Entry("ridgefill.evals.lm_eval_model", "lm-evaluation-harness with the `ridgefill` model registered; "
-                     "all arguments go to lm-eval."),
-    "run": Entry("ridgefill.pipeline.run", "Run a recipe: calibrate → fit → evaluations as one cached pipeline, "
-                 "then write the report."),
+    "calibrate": Entry("ridgefill.method.calibrate", "One pass over calibration text: float64 statistics.", True),
+    "fit": Entry("ridgefill.method.fit", "Fit per-layer maps in closed form; held-out error vs identity fill.", True),
+    "generate": Entry("ridgefill.serve.generate", "Generate greedily after exact or filled prefill (text on stdout)."),
+    "ruler": Entry("ridgefill.evals.ruler", "RULER tasks with needles in filled rows: exact, identity, ridge.", True),
+    "loss": Entry("ridgefill.evals.loss", "Teacher-forced tail NLL per variant, on all and distant tokens.", True),
+    "splice": Entry("ridgefill.evals.splice", "Swap exact cache parts into the filled cache: what carries the error.",
+                    True),
+    "longbench": Entry("ridgefill.evals.longbench", "LongBench v2 accuracy for exact, identity and ridge prefill.", True),
+    "bench-ttft": Entry("ridgefill.evals.bench_ttft", "Time to first token: exact vs filled vs transformers.", True),
+    "lm-eval": Entry("ridgefill.evals.lm_eval_cli", "lm-evaluation-harness with the `ridgefill` model registered."),
+    "run": Entry("ridgefill.pipeline.run", "Run a recipe: calibrate → fit → evaluations, cached, with a report."),
     "report": Entry("ridgefill.report.write", "Write report.md and PNG plots from the results in a run folder."),
-    "demo": Entry("ridgefill.pipeline.run", "The main job on the embedded model: `ridgefill run "
-                  "recipes/quickstart.toml`.", attribute="DEMO"),
+    "demo": Entry("ridgefill.pipeline.run", "The main job on the embedded model: the quickstart recipe.",
+                  attribute="DEMO"),
 }
 
 

@@ -8,7 +8,7 @@ import torch
 
 from conftest import random_ids, tiny_model
 from ridgefill.engine import Engine, FillPlan, IdentityFiller, MapFiller, OracleFiller, adapter_for
-from ridgefill.engine.projection import FillProjection, StackedKV, late_inputs, norm_kv_torch
+from ridgefill.engine.projection import FillProjection, StackedKV, norm_kv_torch
 
 TOL = 1e-5
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -95,7 +95,7 @@ def test_late_inputs_are_the_fillers_predictions(dense_model):
     x, positions, _, _ = filled_inputs(adapter)
     b, n, h = x.shape
     for name, filler in fillers(2, adapter.n_layers, h).items():
-        y = late_inputs(filler, x, positions)  # [L-S, B*n, H]
+        y = filler.late_inputs(x, positions)  # [L-S, B*n, H]
         assert y.shape == (adapter.n_layers - 2, b * n, h)
         assert torch.equal(y[0], x.reshape(b * n, h))
         ref = filler.predict(x, positions).permute(2, 0, 1, 3).reshape(-1, b * n, h)
@@ -105,8 +105,8 @@ def test_late_inputs_are_the_fillers_predictions(dense_model):
 def test_engine_prefill_fused_equals_per_layer(dense_model):
     """Whole filled prefill (chunked, keep rows, batch 2): fused and per-layer routes give the same caches."""
     ids = random_ids(40, batch=2)
-    fused, reference = Engine(adapter_for(dense_model), chunk=16), Engine(adapter_for(dense_model), chunk=16)
-    reference.projection = FillProjection(reference.adapter, backend="layers")
+    fused = Engine(adapter_for(dense_model), chunk=16)
+    reference = Engine(adapter_for(dense_model), chunk=16, projection="layers")
     filler = random_maps(3, fused.n_layers, fused.adapter.hidden_size, rank=4)
     plan = FillPlan(filler, tail=6, keep_rows=(0, 20))
     a = fused.prefill(ids, fill=plan, logits_at="full")
@@ -189,9 +189,9 @@ def test_triton_backend_in_the_engine_equals_per_layer():
     model = tiny_model("qwen2", hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
                        num_hidden_layers=4)  # head_dim 32
     ids = random_ids(24)
-    fused, reference = Engine(adapter_for(model), chunk=16), Engine(adapter_for(model), chunk=16)
-    fused.projection = FillProjection(fused.adapter, backend="triton")
-    reference.projection = FillProjection(reference.adapter, backend="layers")
+    fused = Engine(adapter_for(model), chunk=16, projection="triton")
+    reference = Engine(adapter_for(model), chunk=16, projection="layers")
+    assert fused.projection_backend(2) == "triton" and reference.projection_backend(2) == "layers"
     plan = FillPlan(random_maps(2, 4, 128), tail=5, keep_rows=(0,))
     a, b = fused.prefill(ids, fill=plan), reference.prefill(ids, fill=plan)
     assert (a.logits - b.logits).abs().max() <= TOL

@@ -12,16 +12,18 @@ import torch
 from typer.testing import CliRunner
 
 from conftest import tiny_model
-from ridgefill.evals.bench_ttft import ModelShape, bench_ttft_command, prefill_flops
 from ridgefill.cli import app
+from ridgefill.engine import MapFiller, ModelShape
 from ridgefill.errors import RidgefillError
+from ridgefill.evals.bench_ttft import COMMAND as bench_ttft_command
+from ridgefill.evals.flops import prefill_flops, row_flops
 
 SHAPE = ModelShape(layers=2, hidden=4, heads=2, kv_heads=1, head_dim=2, intermediate=8, vocab=10)
 
 
 def test_flop_count_matches_a_hand_count():
     # per row and layer: q 2·4·4=32, k 2·4·2=16, v 16, o 32, mlp 3·2·4·8=192 -> 288
-    assert sum(SHAPE.row_flops().values()) == 288
+    assert sum(row_flops(SHAPE).values()) == 288
     # attention of rows 0,1,2: 4·Hq·D·(1+2+3) = 4·2·2·6 = 96; one layer of 3 rows: 3·288 + 96 = 960
     # exact, 2 layers: 2·960 + LM head 2·4·10 = 2000
     assert prefill_flops(SHAPE, 3) == 2000
@@ -33,9 +35,11 @@ def test_flop_count_matches_a_hand_count():
     assert prefill_flops(three, 3) == 3 * 960 + 80
     # 3 layers, split 1: layers 1 and 2 as above (2·400), one map per filled row: full rank 2·4·4 = 32,
     # rank 1: x·U (2·4·1) + z·V (2·1·4) = 16
-    assert three.map_flops(1, None, identity=False) == 32 and three.map_flops(1, 1, identity=False) == 16
-    assert prefill_flops(three, 3, full, 1, three.map_flops(1, None, False)) == 960 + 800 + 2 * 32 + 80
-    assert prefill_flops(three, 3, full, 1, three.map_flops(1, 1, False)) == 960 + 800 + 2 * 16 + 80
+    full_rank = MapFiller(1, 3, torch.eye(4).expand(1, 4, 4), torch.zeros(1, 4))
+    rank_one = MapFiller(1, 3, None, torch.zeros(1, 4), (torch.ones(1, 4, 1), torch.ones(1, 1, 4)))
+    assert full_rank.flops_per_row() == 32 and rank_one.flops_per_row() == 16
+    assert prefill_flops(three, 3, full, 1, full_rank.flops_per_row()) == 960 + 800 + 2 * 32 + 80
+    assert prefill_flops(three, 3, full, 1, rank_one.flops_per_row()) == 960 + 800 + 2 * 16 + 80
     # every row full, or split at the last layer: the exact count
     assert prefill_flops(three, 3, np.ones(3, bool), 1) == prefill_flops(three, 3)
     assert prefill_flops(three, 3, full, 3) == prefill_flops(three, 3)
@@ -50,12 +54,27 @@ def test_row_flops_are_twice_the_layer_weights(family):
     from ridgefill.runtime.session import Session
 
     session = Session(loaded=type("L", (), {"model": model})(), engine=Engine(adapter_for(model)))
-    shape = ModelShape.of(session)
+    shape = session.shape
+    assert shape.layer_kinds == ("attention",) * 6 and shape.dense and session.model is model
     layer = model.model.layers[0]
     weights = sum(m.weight.numel() for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
                                              layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj,
                                              layer.mlp.down_proj))
-    assert sum(shape.row_flops().values()) == 2 * weights
+    assert sum(row_flops(shape).values()) == 2 * weights
+
+
+def test_options_and_defaults_are_those_of_the_command_line_before_the_registry():
+    defaults = {flag: o.default for flag, o in bench_ttft_command.options.items()}
+    assert defaults == {
+        "model": "smollm2-135m", "maps": None, "split": None, "tail": 256, "lengths": "1024,2048,4096,8192",
+        "repeats": 5, "warmup": 1, "device": "cpu", "dtype": "fp32", "out": Path("ttft.json"), "variants": None,
+        "data": "wiki-leads", "keep-first": 1, "chunk": 2048, "threads": 0, "projection": "auto", "seed": 0,
+    }
+    helps = {flag: o.help for flag, o in bench_ttft_command.options.items()}
+    assert helps["split"] == "Split S (the maps carry it; identity needs it)."
+    assert helps["seed"] == "Seed of random prompts and bootstrap intervals."
+    assert helps["out"] == "Result JSON (raw samples included)."
+    assert helps["projection"].startswith("Fill projection: auto (Triton on CUDA, else torch)")
 
 
 def _write_maps(path: Path, checkpoint: Path, split: int, rank: int | None) -> Path:

@@ -174,3 +174,23 @@ def test_ridgefill_lm_eval_runs_lm_evals_cli_with_the_model_registered(tiny_chec
     doc = json.loads(written[0].read_text())
     assert doc["results"]["rf_tiny_mc"]["acc,none"] in (0.0, 0.5, 1.0)
     assert doc["config"]["model"] == "ridgefill"
+
+
+def test_the_command_imports_without_lm_eval_and_fails_in_one_line_when_run(monkeypatch):
+    """`ridgefill --help` and `ridgefill lm-eval` import the command's module; only running it needs lm-eval."""
+    import importlib
+    import sys
+
+    from ridgefill.cli import click_command
+    from ridgefill.commands import command
+
+    for name in [m for m in sys.modules if m == "lm_eval" or m.startswith("lm_eval.")]:
+        monkeypatch.setitem(sys.modules, name, None)  # as if not installed: importing them raises ImportError
+    for name in ("ridgefill.evals.lm_eval_model", "ridgefill.evals.lm_eval_cli"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    module = importlib.import_module("ridgefill.evals.lm_eval_cli")
+    cmd = command("lm-eval")
+    assert cmd is module.COMMAND and cmd.passthrough and list(cmd.options) == ["args"]
+    assert click_command(cmd).name == "lm-eval"
+    with pytest.raises(RidgefillError, match="lm-eval is not installed"):
+        cmd(args=["--help"])

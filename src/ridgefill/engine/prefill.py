@@ -16,6 +16,7 @@ full and the result is the exact model's.
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -28,6 +29,8 @@ from ridgefill.engine.attention import FLASH_CPU, lower_right_causal, prefix_the
 from ridgefill.engine.cache import AttentionCache, Cache
 from ridgefill.engine.fillers import Filler
 from ridgefill.engine.projection import FillProjection
+from ridgefill.engine.shape import ModelShape
+from ridgefill.engine.timing import Stopwatch
 from ridgefill.errors import RidgefillError
 
 # observe(layer, h, positions): h [B, n, H] the input of `layer` (layer = L: the final residual stream)
@@ -81,16 +84,58 @@ class GenerationResult:
 
 
 class Engine:
-    """Runs a model through its adapter. `chunk` bounds how many prompt rows run at once."""
+    """Runs a model through its adapter. `chunk` bounds how many prompt rows run at once; `projection` is the
+    filled rows' K/V projection backend (engine/projection.py: auto, torch, triton, layers); `timer` (a
+    Stopwatch) gets the wall time of that projection added to it (None: not timed)."""
 
-    def __init__(self, adapter: Adapter, chunk: int = 2048, projection: str = "auto") -> None:
+    def __init__(self, adapter: Adapter, chunk: int = 2048, projection: str = "auto",
+                 timer: Stopwatch | None = None) -> None:
         self.adapter = adapter
         self.chunk = chunk
-        self.projection = FillProjection(adapter, projection)  # the filled rows' fused K/V projection
+        self.projection = FillProjection(adapter, projection, timer)  # the filled rows' fused K/V projection
 
+    def with_timer(self, timer: Stopwatch | None) -> "Engine":
+        """An engine over the same model, chunk and projection backend (sharing the stacked K/V weights already
+        built) whose fill projection adds its wall time to `timer`."""
+        other = copy.copy(self)
+        other.projection = self.projection.with_timer(timer)
+        return other
+
+    # --- what the model is ----------------------------------------------------------------------
     @property
     def n_layers(self) -> int:
         return self.adapter.n_layers
+
+    @property
+    def layer_kinds(self) -> list[str]:
+        """Per layer: "attention" or the family's other kind (hybrid linear-attention layers)."""
+        return [self.adapter.layer_kind(layer) for layer in range(self.n_layers)]
+
+    @property
+    def shape(self) -> ModelShape:
+        return ModelShape.of(self.adapter)
+
+    @property
+    def context_length(self) -> int | None:
+        """The model's context (max positions), None if it declares none."""
+        return self.adapter.max_positions
+
+    @property
+    def device(self) -> torch.device:
+        return self.adapter.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.adapter.dtype
+
+    def fused_kv_bytes(self, split: int) -> int:
+        """Bytes of the stacked K/V weights the fused projection keeps for `split` (0: no fused path)."""
+        stack = self.projection.stack(split)
+        return stack.nbytes if stack is not None else 0
+
+    def projection_backend(self, split: int) -> str:
+        """The route a filled row's late K/V take at `split`: "triton", "torch" (fused) or "layers"."""
+        return self.projection.backend_for(split)
 
     def new_cache(self) -> Cache:
         return Cache([self._layer_cache(layer) for layer in range(self.n_layers)])
@@ -165,22 +210,39 @@ class Engine:
         pre = self.prefill(ids, fill=fill, capacity=ids.shape[1] + max_new_tokens)
         token = pre.logits[:, -1].argmax(-1)  # [B]
         ttft = time.perf_counter() - t0
-        eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
-        out = [token]
-        done = torch.tensor([t in eos for t in token.tolist()])
-        for _ in range(max_new_tokens - 1):
-            if done.all():
-                break
-            token = self.decode_step(pre.cache, token.view(-1, 1)).argmax(-1)
-            out.append(token)
-            done |= torch.tensor([t in eos for t in token.tolist()])
-        tokens = torch.stack(out, dim=1).tolist()
-        tokens = [_cut_at_eos(row, eos) for row in tokens]
+        tokens = self.decode_greedy(pre.cache, token, max_new_tokens, eos_token_id)
         return GenerationResult(tokens, ttft, time.perf_counter() - t0, pre)
+
+    @torch.inference_mode()
+    def decode_greedy(
+        self,
+        cache: Cache,
+        first_token: torch.Tensor,
+        max_new_tokens: int,
+        eos_token_id: int | Sequence[int] | None = None,
+        stop: Callable[[list[int]], bool] | None = None,
+    ) -> list[list[int]]:
+        """Greedy decoding after `cache` from each row's first generated token `first_token` [B] (it counts
+        among the `max_new_tokens`; at least it is returned). A row ends at its first end-of-sequence token
+        (kept) or when `stop(row_tokens)`, asked after each of its tokens, says so; decoding ends when every
+        row has ended or after `max_new_tokens`. Every step runs the full model. Returns [B][k] token ids."""
+        eos = _token_set(eos_token_id)
+        token = first_token.reshape(-1)  # [B]
+        rows: list[list[int]] = [[t] for t in token.tolist()]
+        done = [_ended(row, eos, stop) for row in rows]
+        for _ in range(max_new_tokens - 1):
+            if all(done):
+                break
+            token = self.decode_step(cache, token.view(-1, 1)).argmax(-1)  # [B]
+            for row, t, ended in zip(rows, token.tolist(), done):
+                if not ended:
+                    row.append(t)
+            done = [ended or _ended(row, eos, stop) for row, ended in zip(rows, done)]
+        return rows
 
     # ------------------------------------------------------------------------------------------
     def _check_length(self, total: int) -> None:
-        limit = self.adapter.max_positions
+        limit = self.context_length
         if limit and total > limit:
             raise RidgefillError(
                 f"{total} tokens exceed the model's context of {limit}: shorten the prompt or lower the length"
@@ -322,8 +384,10 @@ class _Rows:
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=self._mask, scale=scale, enable_gqa=gqa)
 
 
-def _cut_at_eos(row: list[int], eos: set[int]) -> list[int]:
-    for i, t in enumerate(row):
-        if t in eos:
-            return row[: i + 1]
-    return row
+def _token_set(ids: int | Sequence[int] | None) -> set[int]:
+    return {ids} if isinstance(ids, int) else set(ids or ())
+
+
+def _ended(row: list[int], eos: set[int], stop: Callable[[list[int]], bool] | None) -> bool:
+    """Whether a row's decoding ends after its last token: an end-of-sequence token, or `stop` says so."""
+    return row[-1] in eos or (stop is not None and bool(stop(row)))

@@ -1,7 +1,8 @@
 """The `ridgefill` model for lm-evaluation-harness: any lm-eval task under exact, identity or ridge prefill.
 
 lm-eval 0.4.x discovers no out-of-tree models (its registry is filled from its own model list), so importing
-this module registers the model, and `ridgefill lm-eval ARGS...` runs lm-eval's own CLI after that import:
+this module registers the model, and `ridgefill lm-eval ARGS...` (evals/lm_eval_cli.py) runs lm-eval's own CLI
+after that import:
 
     ridgefill lm-eval --model ridgefill --model_args pretrained=M,maps=MAPS,tail=256 --tasks T
     ridgefill lm-eval --model ridgefill --model_args pretrained=M,fill=identity,split=18 --tasks T
@@ -16,13 +17,11 @@ are prefilled once. loglikelihood_rolling is refused: filled rows have no logits
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
-from ridgefill.runtime.console import note, progress_bar
 from ridgefill.errors import RidgefillError
-from ridgefill.evals.longbench import continuation_scores
+from ridgefill.evals.scoring import continuation_scores
+from ridgefill.runtime.console import note, progress_bar
 from ridgefill.runtime.session import open_session, variant_plans
 
 try:
@@ -70,7 +69,7 @@ class RidgefillLM(TemplateLM):
 
     @property
     def max_length(self) -> int:
-        return self.engine.adapter.max_positions or 2048
+        return self.session.context_length or 2048
 
     @property
     def tokenizer_name(self) -> str:
@@ -140,13 +139,16 @@ class RidgefillLM(TemplateLM):
         """Greedy decoding after the filled prefill, stopping at the end-of-text token, at the first stop
         sequence (the text is cut before it) or after `max_new` tokens."""
         pre = self.engine.prefill(torch.tensor([ids]), fill=self.plan, capacity=len(ids) + max_new)
-        token, tokens = int(pre.logits[0, -1].argmax()), []
-        while token != self.eot_token_id:
-            tokens.append(token)
+        eot = self.eot_token_id
+
+        def stopped(tokens: list[int]) -> bool:
             text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-            if len(tokens) == max_new or any(stop in text for stop in until):
-                break
-            token = int(self.engine.decode_step(pre.cache, torch.tensor([[token]]))[0].argmax())
+            return any(stop in text for stop in until)
+
+        (tokens,) = self.engine.decode_greedy(pre.cache, pre.logits[:, -1].argmax(-1), max_new, eot,
+                                              stopped if until else None)
+        if eot is not None and tokens[-1] == eot:
+            tokens = tokens[:-1]  # the end-of-text token is not text
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         for stop in until:
             if stop:
@@ -164,15 +166,3 @@ def _device(device: str | None) -> str:
             note(f"note: --device {device} but no CUDA GPU is visible: running on the CPU")
         return "cpu"
     return str(device)
-
-
-def lm_eval_command(args: list[str]) -> None:
-    """lm-eval's own CLI, with the `ridgefill` model registered (this module's import did that)."""
-    from lm_eval.__main__ import cli_evaluate
-
-    saved = sys.argv
-    sys.argv = ["lm-eval", *args]
-    try:
-        cli_evaluate()
-    finally:
-        sys.argv = saved

@@ -31,12 +31,12 @@ def run_calibration(engine: Engine, sequences: list[list[int]], splits: list[int
                     holdout: float = 0.1, skip_first: int = 1, outlier_factor: float = 20.0,
                     checkpoint_every: int = 8, resume: bool = False, advance=lambda n=1: None) -> Calibration:
     """Accumulate statistics over `sequences`, checkpointing to `<out>.partial` and resuming from it."""
-    a = engine.adapter
+    n_layers, hidden = engine.n_layers, engine.shape.hidden
     partial = Path(str(out) + ".partial")
     run_meta = {**meta, "artifact": "stats", "splits": sorted(splits), "holdout": holdout,
-                "skip_first": skip_first, "outlier_factor": outlier_factor, "n_layers": a.n_layers,
-                "hidden_size": a.hidden_size}
-    cal = Calibration.empty(splits, a.n_layers, a.hidden_size)
+                "skip_first": skip_first, "outlier_factor": outlier_factor, "n_layers": n_layers,
+                "hidden_size": hidden}
+    cal = Calibration.empty(splits, n_layers, hidden)
     if resume and partial.exists():
         tensors, saved = load_artifact(partial, "stats")
         if any(saved.get(k) != v for k, v in run_meta.items()):
@@ -44,7 +44,7 @@ def run_calibration(engine: Engine, sequences: list[list[int]], splits: list[int
         cal = Calibration.from_tensors(splits, tensors, saved)
         advance(cal.sequences_done)
     every = heldout_every(holdout)
-    device = a.device
+    device = engine.device
 
     def save(path):
         save_artifact(path, cal.tensors(), {**run_meta, "sequences_done": cal.sequences_done,

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ridgefill.commands import Config, option
-from ridgefill.engine import Engine, FillPlan
+from ridgefill.engine import Engine, FillPlan, ModelShape, Stopwatch
 from ridgefill.errors import RidgefillError
 from ridgefill.method.maps import load_filler
 from ridgefill.runtime.models import DTYPES, LoadedModel, load_model
@@ -60,13 +60,26 @@ class Session:
         return self.loaded.tokenizer
 
     @property
+    def model(self):
+        """The transformers causal LM itself (what `model(ids)` runs: bench-ttft times its forward)."""
+        return self.loaded.model
+
+    @property
+    def shape(self) -> ModelShape:
+        """Layers, widths, heads, vocabulary and layer kinds of the model."""
+        return self.engine.shape
+
+    @property
     def context_length(self) -> int | None:
         """The model's context (max positions), None if it declares none."""
-        return self.engine.adapter.max_positions
+        return self.engine.context_length
+
+    def timed_engine(self, timer: Stopwatch) -> Engine:
+        """A second engine over the same loaded model whose fill projection adds its wall time to `timer`."""
+        return self.engine.with_timer(timer)
 
     def fill_plan(self, maps: str, split: int | None, tail: int, keep_rows=()) -> tuple[FillPlan, dict]:
-        a = self.engine.adapter
-        filler, meta = load_filler(maps, self.loaded.info(), split, a.dtype, a.device)
+        filler, meta = load_filler(maps, self.loaded.info(), split, self.engine.dtype, self.engine.device)
         return FillPlan(filler, tail, tuple(keep_rows)), meta
 
 

@@ -1,0 +1,42 @@
+"""The FLOP count of a prefill and its first token, which bounds the speedup a fill can reach (bench-ttft).
+
+FLOPs are multiply-adds × 2, from the model's shapes (engine.ModelShape); norms, RoPE, softmax and other
+elementwise work are not counted. Per row and layer: Q, K, V, O projections and the MLP (gate, up, down);
+attention 4·Hq·D·(p+1) for a row at position p (QKᵀ and AV over its p+1 causal keys); the LM head of the last
+row. A filled row skips attention, MLP and the Q and O projections in layers S..L-1 but keeps their K and V
+projections, and adds its maps (the filler's `flops_per_row`: 2·H² per late layer S+1..L-1 for full-rank maps,
+4·H·r for rank r, none for identity fill). The count covers attention layers only (a hybrid model's linear
+layers have no count here).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ridgefill.engine import ModelShape
+
+
+def row_flops(shape: ModelShape) -> dict[str, int]:
+    """FLOPs of one row through one layer's projections and MLP (gate, up, down)."""
+    h, q, kv = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    return {"q": 2 * h * q, "k": 2 * h * kv, "v": 2 * h * kv, "o": 2 * q * h, "mlp": 3 * 2 * h * shape.intermediate}
+
+
+def attention_flops(shape: ModelShape, positions: np.ndarray) -> int:
+    """QKᵀ and AV of rows at `positions` over their causal keys, in one layer."""
+    return 4 * shape.heads * shape.head_dim * int((positions.astype(np.int64) + 1).sum())
+
+
+def prefill_flops(shape: ModelShape, length: int, full: np.ndarray | None = None, split: int | None = None,
+                  map_flops: int = 0) -> int:
+    """FLOPs of a prefill of `length` rows and its first token. full: [length] bool, the rows that run every
+    layer of a filled prefill at `split` (None: exact); map_flops: one filled row's maps."""
+    row = row_flops(shape)
+    every = np.arange(length)
+    exact_layer = length * sum(row.values()) + attention_flops(shape, every)
+    lm_head = 2 * shape.hidden * shape.vocab
+    if full is None or split is None or split >= shape.layers or full.all():
+        return shape.layers * exact_layer + lm_head
+    full_pos, n_fill = every[full], int((~full).sum())
+    late = len(full_pos) * sum(row.values()) + attention_flops(shape, full_pos) + n_fill * (row["k"] + row["v"])
+    return split * exact_layer + (shape.layers - split) * late + n_fill * map_flops + lm_head
