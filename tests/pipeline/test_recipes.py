@@ -1,17 +1,26 @@
 """Recipes: validation with key paths, the shipped recipes, the cached pipeline on a tiny checkpoint (determinism,
-cache hits, --force, resume after an interruption) and the manifest."""
+cache hits, --force, resume after an interruption) and the manifest; key=value overrides; and that the runner
+takes every step, option and rule from the command registry (throwaway commands, no pipeline change)."""
 
 import json
 import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from ridgefill.pipeline import recipe as recipes
+from ridgefill import commands
 from ridgefill.cli import main
+from ridgefill.commands import REQUIRED, Command, Entry, option
 from ridgefill.errors import RidgefillError
-from ridgefill.pipeline.recipe import Step, load_recipe, plan, run_recipe
+from ridgefill.evals.loss import LossConfig
+from ridgefill.pipeline import recipe as recipes
+from ridgefill.pipeline.plan import plan
+from ridgefill.pipeline.recipe import load_recipe
+from ridgefill.pipeline.run import run_recipe
+from ridgefill.runtime.paths import write_json
+from ridgefill.runtime.session import ModelConfig
 from tiny_checkpoint import training_text
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -117,6 +126,76 @@ def test_bad_recipe_on_the_command_line_is_one_line_exit_2(tmp_path, monkeypatch
         main()
     assert info.value.code == 2
     assert capsys.readouterr().err.strip() == f'error: {path}: [ruler].lengths: expected a list of integers, got "2k"'
+
+
+# --- overrides: KEY=VALUE on the command line ------------------------------------------------------------
+LOSS = 'model = "smollm2-135m"\ndata = "wiki-leads"\nsplits = 18\n[loss]\ncontext = 1024\n'
+
+
+def override_error(path: Path, *overrides: str) -> str:
+    with pytest.raises(RidgefillError) as info:
+        load_recipe(path, overrides)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def test_overrides_set_step_options_and_top_level_keys(tmp_path):
+    overrides = ("loss.samples=3", "splits=[15,18]", "tails=[64, 128]", 'loss.variants=["exact", "identity"]',
+                 "loss.data=shakespeare", "loss.alpha=1")
+    recipe = load_recipe(write(tmp_path, LOSS), overrides)
+    assert recipe.steps["loss"] == {"context": 1024, "samples": 3, "variants": "exact,identity", "alpha": 1.0,
+                                    "data": "shakespeare"}  # a bare word is a string; 1 is a number here
+    assert recipe.settings["splits"] == [15, 18] and recipe.overrides == overrides
+    assert [t.label for t in plan(recipe)] == [f"loss-s{s}-t{t}-seed0" for s in (15, 18) for t in (64, 128)]
+    assert load_recipe(write(tmp_path, LOSS), ["loss.samples=4", "loss.samples=5"]).steps["loss"]["samples"] == 5
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("loss.samples=abc", 'override loss.samples=abc: expected an integer, got "abc"'),
+    ('loss.samples="4"', 'override loss.samples="4": expected an integer, got "4"'),
+    ("loss.alpha=true", "override loss.alpha=true: expected a number, got true"),
+    ("splits=abc", 'override splits=abc: expected an integer or a list of integers, got "abc"'),
+    ("splits=[0,4]", "override splits=[0,4]: 0 is out of range"),
+    ("splitz=3", "override splitz=3: unknown key (did you mean splits?)"),
+    ("loss.sampels=4", "override loss.sampels=4: unknown option (did you mean samples?)"),
+    ("loss.short_stride=4", "override loss.short_stride=4: unknown option (write short-stride)"),
+    ("loss.tail=64", "override loss.tail=64: set by the top-level `tails`"),
+    ("ruler.samples=20", "override ruler.samples=20: {path} has no [ruler] table: add one to the recipe"),
+    ("rulr.samples=20", "override rulr.samples=20: unknown step (did you mean ruler?)"),
+    ("loss=3", "override loss=3: [loss] is a step table: set its options one by one"),
+    ("samples", "override samples: expected KEY=VALUE or STEP.OPTION=VALUE"),
+    ("loss.data=held-out.txt", "override loss.data=held-out.txt: "),
+    ('loss.variants=["exact","ridge"]', 'override loss.variants=["exact","ridge"]: ridge needs the maps that [fit] '
+     "makes: add [calibrate] and [fit] tables, or drop ridge"),
+    ("loss.context=512", "recipe.toml: [loss] (tail 256): --short 512 must be between 1 and --context - 1"),
+], ids=lambda v: v if "=" in v or " " not in v else "")
+def test_a_bad_override_is_one_line_naming_it(tmp_path, override, expected):
+    path = write(tmp_path, LOSS)
+    assert expected.format(path=path) in override_error(path, override)
+
+
+def test_override_paths_are_read_from_the_current_folder(tmp_path, monkeypatch):
+    (tmp_path / "here").mkdir()
+    (tmp_path / "here" / "held-out.txt").write_text("text")
+    path = write(tmp_path, LOSS)
+    monkeypatch.chdir(tmp_path / "here")
+    assert load_recipe(path, ["loss.data=held-out.txt"]).steps["loss"]["data"] == str(tmp_path / "here" /
+                                                                                      "held-out.txt")
+    assert "does not exist" in override_error(path, "loss.data=./missing.txt")
+
+
+def test_overrides_on_the_command_line(tmp_path, monkeypatch, capsys):
+    path = write(tmp_path, LOSS)
+    monkeypatch.setattr(sys, "argv", ["ridgefill", "run", str(path), "loss.samples=abc"])
+    with pytest.raises(SystemExit) as info:
+        main()
+    assert info.value.code == 2
+    assert capsys.readouterr().err.strip() == 'error: override loss.samples=abc: expected an integer, got "abc"'
+    monkeypatch.setattr(sys, "argv", ["ridgefill", "run", str(path), "splits=[15,18]", "--dry-run", "seeds=[0,1]"])
+    main()
+    shown = capsys.readouterr().out
+    assert all(f"loss-s{s}-t256-seed{seed}" in shown for s in (15, 18) for seed in (0, 1))
 
 
 # --- the pipeline on a tiny checkpoint ------------------------------------------------------------------
@@ -238,6 +317,7 @@ def test_manifest_records_what_reproduces_the_run(tiny_recipe, first_run):
     assert manifest["device"]["kind"] == "cpu" and manifest["platform"]
     assert manifest["git"] is None or len(manifest["git"]["commit"]) == 40
     assert manifest["seeds"] == [0] and manifest["model"]["weights_hash"] and manifest["model"]["n_layers"] == 6
+    assert manifest["recipe"]["overrides"] == []
     for step in manifest["steps"]:
         assert step["key"] in step["artifact"] and step["duration_s"] >= 0
         assert all((first_run / name).is_file() and len(digest) == 16 for name, digest in step["hashes"].items())
@@ -245,15 +325,35 @@ def test_manifest_records_what_reproduces_the_run(tiny_recipe, first_run):
     assert fit["reads"] == "calibrate" and len(fit["hashes"]) == 2  # maps and their JSON summary
 
 
-def _interrupt(**kwargs):
+def test_an_override_runs_as_if_the_file_said_it(tiny_recipe, tmp_path):
+    """Same cache keys as the edited file, and the manifest records the overrides beside the file's text."""
+    text = tiny_recipe.read_text().split("[calibrate]")[0] + "[loss]\ncontext = 256\nshort = 64\nsamples = 2\n"
+    recipe = write(tiny_recipe.parent, text, "loss-only.toml")
+    edited = write(tiny_recipe.parent, text.replace("samples = 2", "samples = 1").replace("tails = 32", "tails = 16"),
+                   "loss-edited.toml")
+    overridden = run_recipe(recipe, tmp_path / "overridden", overrides=("loss.samples=1", "tails=16"))
+    from_file = run_recipe(edited, tmp_path / "edited")
+    assert [s["artifact"] for s in steps(overridden)] == [s["artifact"] for s in steps(from_file)]
+    assert [s["label"] for s in steps(overridden)] == ["loss-s3-t16-seed0"]
+    manifest = json.loads((overridden / "manifest.json").read_text())
+    assert manifest["recipe"]["overrides"] == ["loss.samples=1", "tails=16"] and manifest["recipe"]["text"] == text
+    assert json.loads((overridden / steps(overridden)[0]["artifact"]).read_text())["config"]["samples"] == 1
+    assert all(s["cached"] for s in steps(run_recipe(edited, overridden)))  # the file's edit hits the same cache
+
+
+def _interrupt(config):
     raise KeyboardInterrupt
+
+
+INTERRUPTED_LOSS = Command("loss", LossConfig, _interrupt, writes=".json", reads="maps")
 
 
 def test_interrupted_run_resumes_where_it_stopped(tiny_recipe, first_run, tmp_path, monkeypatch):
     run_dir = copy_of(first_run, tmp_path)
     for f in (run_dir / "artifacts").glob("loss-*"):
         f.unlink()
-    monkeypatch.setitem(recipes.STEPS, "loss", Step(f"{__name__}:_interrupt", ".json"))
+    monkeypatch.setitem(commands.REGISTRY, "loss", Entry(__name__, "interrupted", step=True,
+                                                         attribute="INTERRUPTED_LOSS"))
     with pytest.raises(KeyboardInterrupt):
         run_recipe(tiny_recipe, run_dir)
     manifest = json.loads((run_dir / "manifest.json").read_text())
@@ -277,3 +377,133 @@ def test_docs_example_and_shipped_names_resolve(tmp_path):
     assert recipes.find_recipe("quickstart").resolve() == ROOT / "recipes" / "quickstart.toml"
     with pytest.raises(RidgefillError, match="recipe nope does not exist"):
         recipes.find_recipe("nope")
+
+
+# --- the runner knows no step: everything comes from the commands' declarations ------------------------------
+@dataclass
+class WiderLossConfig(LossConfig):
+    window: int = option(3, "An option the pipeline has never heard of.")
+
+    def check(self) -> None:
+        super().check()
+        if self.window < 1:
+            raise RidgefillError(f"--window {self.window} must be at least 1")
+
+
+WIDER_LOSS = Command("loss", WiderLossConfig, lambda config: None, writes=".json", reads="maps")
+
+
+def test_an_option_added_to_a_command_is_a_recipe_key(tmp_path, monkeypatch):
+    path = write(tmp_path, LOSS + "window = 5\n")
+    assert "recipe.toml: [loss].window: unknown option" in error_of(path)
+    monkeypatch.setitem(commands.REGISTRY, "loss", Entry(__name__, "loss, wider", True, "WIDER_LOSS"))
+    assert load_recipe(path).steps["loss"]["window"] == 5
+    assert load_recipe(path, ["loss.window=7"]).steps["loss"]["window"] == 7
+    assert 'recipe.toml: [loss].window: expected an integer, got "x"' in error_of(write(tmp_path, LOSS + 'window = "x"'))
+    assert "recipe.toml: [loss] (tail 256): --window 0 must be at least 1" in error_of(write(tmp_path, LOSS + "window = 0"))
+
+
+@dataclass
+class MakeConfig(ModelConfig):
+    split: str = option(REQUIRED, "Splits, comma-separated.", listed=int, top="splits")
+    size: int = option(2, "How many things.")
+    out: Path = option(REQUIRED, "Things to write.", role="output")
+    resume: bool = option(False, "Continue an interrupted run.", role="resume")
+
+    def check(self) -> None:
+        if self.size < 1:
+            raise RidgefillError(f"--size {self.size} must be at least 1")
+
+
+@dataclass
+class UseConfig(ModelConfig):
+    things: Path | None = option(None, "Things from toy-make.", role="input")
+    split: int | None = option(None, "Split.", top="splits")
+    tail: int = option(8, "Tail.", top="tails")
+    data: str = option(REQUIRED, "Text.", fallback="data")
+    use: str = option("none", "none, or things (needs --things).")
+    words: str | None = option(None, "Words, comma-separated.", listed=str)
+    note: str = option("", "A remark: no part of the result.", keyed=False)
+    store: Path | None = option(None, "Results shared by the tasks of a run.", role="store", keyed=False)
+    out: Path = option(REQUIRED, "Result to write.", role="output")
+
+    def wants_input(self):
+        return ("use", "things", "use none") if self.use == "things" else None
+
+
+def toy_run(name: str, config) -> dict:
+    doc = {"command": name, "config": config.as_dict()}
+    write_json(config.out, doc)
+    return doc
+
+
+TOY_MAKE = Command("toy-make", MakeConfig, lambda c: toy_run("toy-make", c), writes=".json", makes="things")
+TOY_USE = Command("toy-use", UseConfig, lambda c: toy_run("toy-use", c), writes=".json", reads="things")
+TOY_REGISTRY = {"toy-make": Entry(__name__, "Make things.", True, "TOY_MAKE"),
+                "toy-use": Entry(__name__, "Use them.", True, "TOY_USE")}
+TOY = """
+model = "{model}"
+data = "wiki-leads"
+splits = [2, 4]
+tails = [8, 16]
+
+[toy-make]
+size = 3
+
+[toy-use]
+use = "things"
+words = ["a", "b"]
+"""
+
+
+@pytest.fixture
+def toy_registry(monkeypatch):
+    monkeypatch.setattr(commands, "REGISTRY", TOY_REGISTRY)
+
+
+@pytest.mark.parametrize("text,expected", [
+    ('[toy-use]\nuse = "things"\n', "recipe.toml: [toy-use].use: things needs the things that [toy-make] makes: add "
+     "a [toy-make] table, or use none"),
+    ('[toy-make]\n[toy-use]\nthings = "x"\n', "recipe.toml: [toy-use].things: set by the runner (it passes the "
+     "things that [toy-make] makes)"),
+    ('[toy-make]\nout = "x"\n', "recipe.toml: [toy-make].out: set by the runner (artifacts go in the run folder)"),
+    ("[toy-make]\nresume = false\n", "recipe.toml: [toy-make].resume: set by the runner (it always resumes"),
+    ("[toy-use]\nsplit = 3\n", "recipe.toml: [toy-use].split: set by the top-level `splits`"),
+    ("[toy-use]\nwords = \"a,b\"\n", 'recipe.toml: [toy-use].words: expected a list of strings, got "a,b"'),
+    ("[toy-make]\nsize = 0\n", "recipe.toml: [toy-make]: --size 0 must be at least 1"),
+    ("[ruler]\n", "recipe.toml: [ruler]: unknown step; steps are [toy-make], [toy-use]"),
+], ids=lambda v: "" if "\n" in v else v.split(": ", 1)[-1][:40])
+def test_a_throwaway_command_is_validated_from_its_config(toy_registry, tmp_path, text, expected):
+    assert expected in error_of(write(tmp_path, 'model = "smollm2-135m"\ndata = "wiki-leads"\nsplits = 2\n' + text))
+
+
+def test_a_throwaway_command_takes_its_data_from_the_top_level(toy_registry, tmp_path):
+    message = error_of(write(tmp_path, 'model = "smollm2-135m"\nsplits = 2\n[toy-use]\n'))
+    assert message.endswith("recipe.toml: data: missing: [toy-use] needs its data (Text): set the top-level `data` "
+                            "or [toy-use].data")
+    recipe = load_recipe(write(tmp_path, 'model = "smollm2-135m"\nsplits = 2\n[toy-use]\ndata = "shakespeare"\n'))
+    assert recipe.steps["toy-use"] == {"data": "shakespeare"}
+
+
+def test_a_throwaway_pipeline_runs_from_its_declarations(toy_registry, tiny_checkpoint, tmp_path):
+    """Sweep axes, the listed split, input / output / resume / store wiring and the cache key: all read from
+    the toy commands' Configs."""
+    path = write(tmp_path, TOY.format(model=tiny_checkpoint))
+    tasks = plan(load_recipe(path))
+    assert [(t.label, t.needs) for t in tasks] == [("toy-make", None)] + [
+        (f"toy-use-s{s}-t{t}", "toy-make") for s in (2, 4) for t in (8, 16)]
+    assert tasks[0].kwargs == {"model": str(tiny_checkpoint), "dtype": "fp32", "device": "cpu", "chunk": 2048,
+                               "split": "2,4", "size": 3}
+    run_dir = run_recipe(path, tmp_path / "run")
+    made = steps(run_dir)
+    docs = {s["label"]: json.loads((run_dir / s["artifact"]).read_text()) for s in made}
+    use = docs["toy-use-s4-t16"]["config"]
+    assert use["things"] == str(run_dir / made[0]["artifact"]) and (use["split"], use["tail"]) == (4, 16)
+    assert use["store"] == str(run_dir / "artifacts" / "exact") and use["data"] == "wiki-leads"
+    assert use["words"] == "a,b" and docs["toy-make"]["config"]["resume"] is True
+    assert all(s["cached"] for s in steps(run_recipe(path, run_dir, overrides=("toy-use.note=hi",))))  # not keyed
+    changed = steps(run_recipe(path, run_dir, overrides=('toy-use.words=["c"]',)))
+    assert [s["cached"] for s in changed] == [True, False, False, False, False]
+    forced = steps(run_recipe(path, run_dir, force=("toy-make",)))
+    assert [s["cached"] for s in forced] == [False, True, True, True, True]  # same key: its readers stay cached
+    assert json.loads((run_dir / forced[0]["artifact"]).read_text())["config"]["resume"] is False

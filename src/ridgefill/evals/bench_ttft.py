@@ -117,7 +117,7 @@ def run(config: BenchConfig) -> dict:
     for entry in results:
         entry["map_bytes"] = memory["map_bytes"]
     doc = m.write(results, intervals, split=m.split, map_memory=memory,
-                  device=_device_info(m.engine, load_before), versions=versions())
+                  device=_device_info(m.session.engine, load_before), versions=versions())
     _print(doc, c.out)
     return doc
 
@@ -128,7 +128,7 @@ def _check_model(m: Measurement, longest: int) -> None:
     if limit and longest > limit:
         raise RidgefillError(f"--lengths {longest} exceeds the model's context of {limit}: use lengths up to "
                              f"{limit}")
-    if m.config.projection == "triton" and m.engine.projection_backend(m.split) != "triton":
+    if m.config.projection == "triton" and m.session.engine.projection_backend(m.split) != "triton":
         raise RidgefillError("--projection triton does not apply to this model (it needs dense attention layers "
                              "with head_dim a power of two >= 32): use --projection auto")
 
@@ -323,7 +323,8 @@ def _map_memory(m: Measurement) -> dict:
     meta = m.maps_meta or {}
     layers = meta.get("layers", [])
     return {"map_bytes": ridge.filler.nbytes if ridge is not None else 0,
-            "fused_kv_bytes": m.engine.fused_kv_bytes(m.split), "kind": meta.get("kind"), "rank": meta.get("rank"),
+            "fused_kv_bytes": m.session.engine.fused_kv_bytes(m.split), "kind": meta.get("kind"),
+            "rank": meta.get("rank"),
             "heldout_error": {k: mean([layer.get(f"error_{k}") for layer in layers])
                               for k in ("map", "full_rank", "identity")} if layers else None}
 

@@ -80,14 +80,6 @@ class Measurement:
     writer: "ResultWriter"
 
     @property
-    def engine(self):
-        return self.session.engine
-
-    @property
-    def tokenizer(self):
-        return self.session.tokenizer
-
-    @property
     def split(self) -> int | None:
         """The split measured: the maps' when they are given, else --split."""
         return self.maps_meta["split"] if self.maps_meta else self.config.split

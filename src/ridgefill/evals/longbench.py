@@ -284,7 +284,7 @@ def run(c: LongBenchConfig) -> dict:
     questions = load_questions(str(c.data))[:c.limit]
     record = {**c.as_dict(), "variants": names, "questions": len(questions)}
     m = start("longbench", c, names, record)
-    tokenizer = m.tokenizer
+    tokenizer = m.session.tokenizer
     options = option_ids(tokenizer) if c.mode == "loglik" else None
     budget = max(len(o) for o in options) if options else c.max_new_tokens
     max_len = _checked_max_len(c.max_len, budget, m.session.context_length)
@@ -296,7 +296,7 @@ def run(c: LongBenchConfig) -> dict:
     answers = m.answers(prompts, f"LongBench v2 ({c.mode})", "longbench-answer",
                         lambda ids: {"ids": ids, "mode": c.mode, "options": options,
                                      "max_new_tokens": c.max_new_tokens},
-                        lambda ids, plan: answer_question(m.engine, tokenizer, ids, plan, c.mode, options,
+                        lambda ids, plan: answer_question(m.session.engine, tokenizer, ids, plan, c.mode, options,
                                                           c.max_new_tokens))
     record["prompt_tokens"] = {"mean": sum(map(len, prompts)) / len(prompts), "max": max(map(len, prompts))}
     results = {name: summarize(questions, answers[name], answers.get("exact")) for name in m.plans}

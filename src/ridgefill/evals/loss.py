@@ -54,7 +54,7 @@ def run(config: LossConfig) -> dict:
     c = config
     m = start("loss", c, parse_variants(c.variants, c.maps))
     check_context(m.session, c.context)
-    texts = evaluation_passages(m.tokenizer, c.data, c.context, c.samples)
+    texts = evaluation_passages(m.session.tokenizer, c.data, c.context, c.samples)
     scored = min(c.tail, c.context)  # a tail beyond the passage runs every row in full
     sums = {name: {"tail": [], "distant": []} for name in m.plans}
     counts = []
@@ -63,13 +63,13 @@ def run(config: LossConfig) -> dict:
         ids = torch.tensor([passage])
         found = m.store.get("loss-exact-nll", {"ids": passage, "scored": scored, "short": c.short,
                                                "stride": c.stride},
-                            lambda: exact_nlls(m.engine, ids, scored, c.short, c.stride))
+                            lambda: exact_nlls(m.session.engine, ids, scored, c.short, c.stride))
         exact, short_nll = torch.tensor(found["full"]), torch.tensor(found["short"])  # [scored-1] float32
         key = distant_tokens(exact, short_nll, c.alpha, c.beta)
         counts.append(int(key.sum()))
         advance()
         for name, plan in m.plans.items():
-            nll = exact if plan is None else tail_nll(m.engine, ids, scored, plan)[0].float().cpu()
+            nll = exact if plan is None else tail_nll(m.session.engine, ids, scored, plan)[0].float().cpu()
             sums[name]["tail"].append(float(nll.sum()))
             sums[name]["distant"].append(float(nll[key].sum()))
             advance()

@@ -95,21 +95,21 @@ def run(c: SpliceConfig) -> dict:
     m = start("splice", c, ("exact", fill))
     check_context(m.session, c.context)
     plan = m.plans[fill]
-    has_state = set(m.engine.layer_kinds) != {"attention"}
+    has_state = set(m.session.engine.layer_kinds) != {"attention"}
     swaps = parse_swaps(c.swap) if c.swap is not None else \
         parse_swaps(ATTENTION_SWAPS + ("," + STATE_SWAPS if has_state else ""))
     if not has_state and any("state" in s for s in swaps):
         raise RidgefillError("--swap state needs a model with recurrent-state (linear-attention) layers; this "
                              "model has attention layers only: drop state from --swap")
     ranges_asked = None if c.layers is None else parse_layer_ranges(c.layers)
-    ranges = layer_ranges(ranges_asked, c.by_quarter, plan.split, m.engine.n_layers)
+    ranges = layer_ranges(ranges_asked, c.by_quarter, plan.split, m.session.engine.n_layers)
     splices = [(parts, r) for r in ranges for parts in swaps]
     prompts = [] if c.needles == 0 else build_samples(
-        m.tokenizer, c.task, c.context, c.needles, c.seed, region="filled", tail=c.tail, keep_first=c.keep_first,
-        max_new_tokens=c.max_new_tokens)
-    texts = evaluation_passages(m.tokenizer, c.data, c.context, c.samples)
+        m.session.tokenizer, c.task, c.context, c.needles, c.seed, region="filled", tail=c.tail,
+        keep_first=c.keep_first, max_new_tokens=c.max_new_tokens)
+    texts = evaluation_passages(m.session.tokenizer, c.data, c.context, c.samples)
 
-    nll, counts = _passage_nll(m.engine, texts, plan, fill, splices, c.short, c.stride, c.alpha, c.beta)
+    nll, counts = _passage_nll(m.session.engine, texts, plan, fill, splices, c.short, c.stride, c.alpha, c.beta)
     answers = _retrieval(m.session, prompts, plan, splices, fill) if prompts else None
 
     results, intervals = summarise(nll, counts, c.tail - 1, answers, fill, c.seed)

@@ -11,7 +11,7 @@ is read as a TOML value (a bare word is a string) and validated exactly like the
 override. Relative paths are read from the recipe's folder (an override's from the current folder).
 
 Before any work, every task's config is built (with placeholder paths for what the runner wires) and its
-command's own check runs: a recipe that loads runs without an option error.
+command's own check runs, so option errors come out before the first step starts, not hours into a sweep.
 """
 
 from __future__ import annotations
@@ -23,12 +23,11 @@ import tomllib
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ridgefill.commands import Command, Option, command, steps
+from ridgefill.commands import REQUIRED, Command, Option, command, steps
 from ridgefill.errors import RidgefillError
 from ridgefill.pipeline.plan import Task, plan, producer, task_values
 
 # Top-level keys: kind and default (REQUIRED: must be given). "ints": an integer or a list of them.
-REQUIRED = object()
 TOP = {
     "name": (str, None), "description": (str, ""), "model": (str, REQUIRED), "data": (str, None),
     "splits": ("ints", REQUIRED), "tails": ("ints", [256]), "seeds": ("ints", [0]), "lam": ("lam", "auto"),
@@ -37,6 +36,8 @@ TOP = {
 KINDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false", Path: "a path (string)"}
 NOUNS = {"stats": "statistics"}  # an artifact kind (Command.makes) in words, where it is not its own name
 FILE_SUFFIXES = (".txt", ".jsonl", ".json", ".toml", ".gz")
+WIRED = ("input", "output", "resume")  # roles of the options only the runner sets ("store": unless a table does)
+RELATIVE = "relative paths are read from the recipe's folder, an override's from the current one"
 
 
 @dataclass
@@ -164,7 +165,7 @@ def top_settings(source: Source, raw: dict) -> dict:
         if key not in raw:
             if default is REQUIRED:
                 raise RidgefillError(f"{where}: {key}: missing (required)")
-            settings[key] = default
+            settings[key] = list(default) if isinstance(default, list) else default
             continue
         settings[key] = _top_value(source.at(key), raw[key], kind)
     if not re.fullmatch(r"[A-Za-z0-9._-]+", settings["name"] or "x"):
@@ -196,42 +197,57 @@ def _top_value(where: str, value, kind):
 
 # --- step tables ------------------------------------------------------------------------------------------
 def step_values(source: Source, step: str, table: dict, settings: dict) -> dict:
-    """A step table's values by option field, validated against the command's options; options it leaves out
-    that fall back to a top-level key take that key's value."""
+    """A step table's values by option field, validated against the command's options, and the top-level value
+    of each option that falls back to one and that the table leaves out."""
     cmd = command(step)
+    values = {**fallback_values(cmd, settings), **table_values(source, step, cmd, table)}
+    check_required(source, step, cmd, values, settings)
+    return values
+
+
+def table_values(source: Source, step: str, cmd: Command, table: dict) -> dict:
     options = cmd.options
     out = {}
     for flag, value in table.items():
         at = source.at(flag, step)
         option = options.get(flag) or options.get(flag.replace("_", "-"))
-        if option is not None and (option.top or option.role in ("input", "output", "resume")):
+        if option is not None and (option.top or option.role in WIRED):
             raise RidgefillError(f"{at}: set by {_setter(cmd, option)}, not in a step table: remove it")
         if flag not in options:
             hint = f" (write {option.flag})" if option is not None else _did_you_mean(flag, options)
-            raise RidgefillError(f"{at}: unknown option{hint}; [{step}] takes {', '.join(table_options(cmd)) or 'no options'}")
+            raise RidgefillError(f"{at}: unknown option{hint}; [{step}] takes "
+                                 f"{', '.join(table_options(cmd)) or 'no options'}")
         out[option.name] = option_value(at, option, value, source.base(flag, step))
-    for option in options.values():
-        if option.fallback and option.name not in out and settings.get(option.fallback) is not None:
-            out[option.name] = settings[option.fallback]
-    for option in options.values():
-        if option.required and option.name not in out and not (option.role or option.top):
-            also = f"; or set the top-level `{option.fallback}`" if option.fallback else ""
-            raise RidgefillError(f"{source.path}: [{step}].{option.flag}: missing (required): {option.help}{also}")
-        if option.required and option.top and settings.get(option.top) is None:
-            raise RidgefillError(f"{source.path}: {option.top}: missing: [{step}] needs it ({option.help})")
     return out
+
+
+def fallback_values(cmd: Command, settings: dict) -> dict:
+    return {o.name: settings[o.fallback] for o in cmd.options.values()
+            if o.fallback and settings.get(o.fallback) is not None}
+
+
+def check_required(source: Source, step: str, cmd: Command, values: dict, settings: dict) -> None:
+    """Every required option is set: by the table, a fallback, the top level or (for what it wires) the runner."""
+    for o in (o for o in cmd.options.values() if o.required):
+        if o.fallback and o.name not in values:
+            raise RidgefillError(f"{source.path}: {o.fallback}: missing: [{step}] needs its {o.flag} "
+                                 f"({o.help.rstrip('.')}): set the top-level `{o.fallback}` or [{step}].{o.flag}")
+        if o.top and settings.get(o.top) is None:
+            raise RidgefillError(f"{source.path}: {o.top}: missing: [{step}] needs it ({o.help})")
+        if o.name not in values and not (o.role or o.top):
+            raise RidgefillError(f"{source.path}: [{step}].{o.flag}: missing (required): {o.help}")
 
 
 def table_options(cmd: Command) -> list[str]:
     """The options a step table may set: all but those the top level or the runner sets."""
-    return [o.flag for o in cmd.options.values() if not o.top and o.role not in ("input", "output", "resume")]
+    return [o.flag for o in cmd.options.values() if not o.top and o.role not in WIRED]
 
 
 def _setter(cmd: Command, option: Option) -> str:
     if option.top:
         return f"the top-level `{option.top}`"
     if option.role == "input":
-        return f"the runner (it passes the {_noun(cmd.reads)} that [{producer(cmd.reads)}] makes)"
+        return f"the runner (it passes {_made_by(cmd.reads)})"
     if option.role == "output":
         return "the runner (artifacts go in the run folder)"
     return "the runner (it always resumes an interrupted step)"
@@ -252,7 +268,7 @@ def option_value(at: str, option: Option, value, base: Path):
     if option.kind is Path:
         path = _local(_typed(at, value, Path), base)
         if option.role != "store" and not path.exists():
-            raise RidgefillError(f"{at}: {path} does not exist (relative paths are read from the recipe's folder)")
+            raise RidgefillError(f"{at}: {path} does not exist ({RELATIVE})")
         return path
     return _typed(at, value, option.kind)
 
@@ -300,8 +316,8 @@ def data_spec(where: str, value: str, base: Path) -> str:
     if path.exists():
         return str(path)
     if value.endswith(FILE_SUFFIXES) or value.startswith((".", "/", "~")) or value.count("/") != 1:
-        raise RidgefillError(f"{where}: {path} does not exist (relative paths are read from the recipe's folder); "
-                             f"use a file or folder, a Hub dataset id or one of {', '.join(builtin_corpora())}")
+        raise RidgefillError(f"{where}: {path} does not exist ({RELATIVE}); use a file or folder, a Hub dataset id "
+                             f"or one of {', '.join(builtin_corpora())}")
     return value
 
 
@@ -317,8 +333,8 @@ def model_spec(where: str, value: str, base: Path) -> str:
             raise RidgefillError(f"{where}: {path} has no config.json: point it at a Hugging Face model folder")
         return str(path)
     if path.exists() or value.startswith((".", "/", "~")) or value.count("/") != 1:
-        raise RidgefillError(f"{where}: {path} does not exist: use a local Hugging Face folder (relative to the "
-                             f"recipe's folder), a Hub id (org/name) or an alias ({', '.join(ALIASES)})")
+        raise RidgefillError(f"{where}: {path} does not exist: use a local Hugging Face folder ({RELATIVE}), a Hub "
+                             f"id (org/name) or an alias ({', '.join(ALIASES)})")
     return value
 
 
@@ -335,8 +351,7 @@ def check_inputs(recipe: Recipe) -> None:
         needed = [o for o in cmd.options.values() if o.role == "input" and o.required]
         maker = producer(cmd.reads)
         if needed and maker not in recipe.steps:
-            raise RidgefillError(f"{recipe.path}: [{step}]: needs the {_noun(cmd.reads)} that [{maker}] makes: add "
-                                 f"{_to_add(recipe, maker)}")
+            raise RidgefillError(f"{recipe.path}: [{step}]: needs {_made_by(cmd.reads)}: add {_to_add(recipe, maker)}")
 
 
 def preflight(recipe: Recipe, source: Source) -> None:
@@ -368,12 +383,14 @@ def _check_wanted_input(recipe: Recipe, source: Source, task: Task, cmd: Command
     if wanted is None or maker in recipe.steps:
         return
     option, value, instead = wanted
-    raise RidgefillError(f"{source.at(option.replace('_', '-'), task.step)}: {value} needs the {_noun(cmd.reads)} "
-                         f"that [{maker}] makes: add {_to_add(recipe, maker)}, or {instead}")
+    raise RidgefillError(f"{source.at(option.replace('_', '-'), task.step)}: {value} needs {_made_by(cmd.reads)}: "
+                         f"add {_to_add(recipe, maker)}, or {instead}")
 
 
-def _to_add(recipe: Recipe, maker: str) -> str:
+def _to_add(recipe: Recipe, maker: str | None) -> str:
     """The tables to add for `maker`'s artifact: it and, before it, the makers of what it needs in turn."""
+    if maker is None:
+        return "the step that makes it"
     missing = []
     while maker is not None and maker not in recipe.steps and maker not in missing:
         missing.insert(0, maker)
@@ -381,8 +398,11 @@ def _to_add(recipe: Recipe, maker: str) -> str:
     return f"a [{missing[0]}] table" if len(missing) == 1 else " and ".join(f"[{m}]" for m in missing) + " tables"
 
 
-def _noun(kind: str | None) -> str:
-    return NOUNS.get(kind, kind or "artifact")
+def _made_by(kind: str | None) -> str:
+    """e.g. "the maps that [fit] makes"."""
+    maker = producer(kind)
+    noun = NOUNS.get(kind, kind or "artifact")
+    return f"the {noun} that [{maker}] makes" if maker else f"the {noun} that no recipe step makes (a bug: report it)"
 
 
 # --- message helpers --------------------------------------------------------------------------------------

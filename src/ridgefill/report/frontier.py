@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ridgefill.evals.stats import mean
+
 FILLS = ("identity", "ridge")
 
 
@@ -63,16 +65,16 @@ def frontier(ruler: list, loss: list, bench: list, tolerance: float = 5.0) -> Fr
         for v in FILLS:
             if all(v in d["results"] and "exact" in d["results"] for d in docs):
                 p = point(v, split, tail)
-                p.retrieval = _mean([d["results"][v]["score"] for d in docs])
-                p.retrieval_exact = _mean([d["results"]["exact"]["score"] for d in docs])
+                p.retrieval = mean([d["results"][v]["score"] for d in docs])
+                p.retrieval_exact = mean([d["results"]["exact"]["score"] for d in docs])
     for (split, tail), docs in _by_config(loss).items():
         for v in FILLS:
             if all(v in d["results"] and "exact" in d["results"] for d in docs):
                 metric = "distant_nll" if all(d["results"]["exact"]["distant_nll"] is not None for d in docs) \
                     else "tail_nll"
                 p = point(v, split, tail)
-                p.distant_nll = _mean([d["results"][v][metric] for d in docs])
-                p.distant_nll_exact = _mean([d["results"]["exact"][metric] for d in docs])
+                p.distant_nll = mean([d["results"][v][metric] for d in docs])
+                p.distant_nll_exact = mean([d["results"]["exact"][metric] for d in docs])
     for (split, tail), docs in _by_config(bench).items():
         for v in FILLS:
             found = [_speedup(d, v) for d in docs]
@@ -80,8 +82,8 @@ def frontier(ruler: list, loss: list, bench: list, tolerance: float = 5.0) -> Fr
             if found:
                 p = point(v, split, tail)
                 p.length = found[0][0]
-                p.flop_speedup = _mean([f[1] for f in found if f[0] == p.length])
-                p.measured_speedup = _mean([f[2] for f in found if f[0] == p.length])
+                p.flop_speedup = mean([f[1] for f in found if f[0] == p.length])
+                p.measured_speedup = mean([f[2] for f in found if f[0] == p.length])
     ordered = sorted(points.values(), key=lambda p: (p.variant, p.tail, p.split))
     useful = []
     for v in FILLS:
@@ -108,8 +110,3 @@ def _speedup(doc: dict, variant: str) -> tuple[int, float | None, float | None] 
     longest = max(entries, key=lambda e: e["length"])
     fill = longest["fill"][variant]
     return longest["length"], fill.get("limit_speedup"), fill.get("speedup")
-
-
-def _mean(values: list[float]) -> float | None:
-    values = [v for v in values if v is not None]
-    return sum(values) / len(values) if values else None

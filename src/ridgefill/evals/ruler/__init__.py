@@ -94,10 +94,10 @@ def run(c: RulerConfig) -> dict:
     if too_long:
         raise RidgefillError(f"length {too_long[0]} exceeds the model's context of {context} (prompt plus generation "
                              "budget must fit): lower --lengths")
-    items = _samples(c, m.tokenizer, task_names, length_list, context)
+    items = _samples(c, m.session.tokenizer, task_names, length_list, context)
     predictions = m.answers(items, f"answering {len(items)} samples x {len(m.plans)} variants", "ruler-answer",
                             lambda s: {"ids": s.input_ids, "max_new_tokens": s.max_new_tokens},
-                            lambda s, plan: predict(m.engine, m.tokenizer, s, plan))
+                            lambda s, plan: predict(m.session.engine, m.session.tokenizer, s, plan))
     scores = {v: [score_prediction(s.task, p, s.outputs) for s, p in zip(items, predictions[v])] for v in m.plans}
     results, intervals = summarise(items, scores, c.seed)
     records = [_record_of(s, {v: predictions[v][i] for v in m.plans}, {v: scores[v][i] for v in m.plans})

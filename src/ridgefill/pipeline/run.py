@@ -1,0 +1,183 @@
+"""`ridgefill run RECIPE [KEY=VALUE ...]` and `ridgefill demo`: a recipe's tasks as one cached pipeline into one
+run folder (recipe.toml, manifest.json, artifacts/, report.md, plots/).
+
+Cache: an artifact's file name carries a hash of its inputs (model weights hash, options with data by identity,
+the key of the artifact it reads, ridgefill version); a task whose files exist is reused. Commands write
+atomically, so an existing file is a finished one; an interrupted calibration resumes from its checkpoint.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ridgefill import __version__
+from ridgefill.commands import REQUIRED, Command, Config, command, option
+from ridgefill.errors import RidgefillError
+from ridgefill.pipeline.manifest import Manifest
+from ridgefill.pipeline.plan import Task, plan, task_values
+from ridgefill.pipeline.recipe import Recipe, find_recipe, load_recipe
+from ridgefill.runtime.console import note, table
+from ridgefill.runtime.paths import file_hash
+
+EXACT_FOLDER = "exact"  # under artifacts/: exact results by sample, shared by a sweep's tasks (ExactStore)
+
+
+# --- the commands -------------------------------------------------------------------------------------------
+@dataclass
+class RunConfig(Config):
+    recipe: str = option(REQUIRED, "Recipe file (e.g. recipes/quickstart.toml) or a shipped recipe's name.",
+                         positional=True)
+    overrides: list[str] = option([], "KEY=VALUE settings over the recipe's, each a TOML value: a top-level key "
+                                  "(splits=[15,18]) or STEP.OPTION (ruler.samples=20).", positional=True)
+    out_dir: Path | None = option(None, "Run folder (default runs/<recipe name>).")
+    force: list[str] = option([], "Recompute this step even if its artifacts are cached (repeatable).")
+    dry_run: bool = option(False, "Validate the recipe and list its tasks; run nothing.")
+
+
+def run(config: RunConfig) -> Path:
+    return run_recipe(config.recipe, config.out_dir, tuple(config.force), config.dry_run, tuple(config.overrides))
+
+
+@dataclass
+class DemoConfig(Config):
+    out_dir: Path | None = option(None, "Run folder (default runs/quickstart).")
+
+
+def demo(config: DemoConfig) -> Path:
+    return run_recipe("quickstart", config.out_dir)
+
+
+COMMAND = Command("run", RunConfig, run)
+DEMO = Command("demo", DemoConfig, demo)
+
+
+# --- running a recipe ---------------------------------------------------------------------------------------
+def run_recipe(spec: str | Path, out_dir: str | Path | None = None, force=(), dry_run: bool = False,
+               overrides=()) -> Path:
+    """Validate, then run every task not already cached, write manifest.json after each, and the report."""
+    from ridgefill.runtime.session import check_device
+
+    recipe = load_recipe(find_recipe(spec), overrides)
+    tasks = plan(recipe)
+    unknown = [f for f in force if f not in recipe.steps]
+    if unknown:
+        raise RidgefillError(f"--force {unknown[0]}: not a step of {recipe.path} (its steps: "
+                             f"{', '.join(recipe.steps)})")
+    run_dir = Path(out_dir) if out_dir is not None else Path("runs") / recipe.name
+    if dry_run:
+        show_plan(recipe, tasks, run_dir)
+        return run_dir
+    check_device(recipe.settings["device"], recipe.settings["dtype"])
+    model = model_identity(recipe)
+    forget_forced(tasks, run_dir, force)
+    manifest = Manifest(run_dir, recipe, model)
+    (run_dir / "recipe.toml").write_text(recipe.text)
+    run_tasks(tasks, run_dir, model["weights_hash"], force, manifest)
+    table(f"{recipe.name} → {run_dir}", ["task", "cache", "time (s)"],
+          [[e["label"], "hit" if e["cached"] else "computed", e["duration_s"]] for e in manifest.doc["steps"]])
+    from ridgefill.report.write import write_report
+
+    write_report(run_dir)
+    return run_dir
+
+
+def show_plan(recipe: Recipe, tasks: list[Task], run_dir: Path) -> None:
+    table(f"{recipe.path}: {len(tasks)} tasks → {run_dir}", ["task", "step", "split", "tail", "seed", "reads"],
+          [[t.label, t.step] + ["" if v is None else v for v in (t.split, t.tail, t.seed, t.needs)] for t in tasks])
+
+
+def run_tasks(tasks: list[Task], run_dir: Path, weights_hash: str, force, manifest: Manifest) -> None:
+    """Each task in order: cached when its files exist (and its step is not forced), else run; the manifest
+    records each, and the run's status when it stops."""
+    keys, artifacts = {}, {}
+    for i, task in enumerate(tasks, 1):
+        cmd = command(task.step)
+        keys[task.label] = task_key(task, cmd, weights_hash, keys.get(task.needs))
+        artifact = artifacts[task.label] = run_dir / "artifacts" / f"{task.label}-{keys[task.label]}{cmd.writes}"
+        files = [artifact] + ([Path(f"{artifact}.json")] if cmd.summary_json else [])
+        cached = task.step not in force and all(f.is_file() for f in files)
+        note(f"[{i}/{len(tasks)}] {task.label}: " + ("cached" if cached else "running"))
+        started = time.perf_counter()
+        if not cached:
+            try:
+                cmd(**task_values(cmd, task, artifact, artifacts.get(task.needs), exact_store(run_dir),
+                                  fresh=task.step in force))
+            except BaseException as exc:
+                manifest.finish("interrupted" if isinstance(exc, KeyboardInterrupt) else f"failed at {task.label}")
+                raise
+        manifest.add(task, keys[task.label], files, cached, time.perf_counter() - started)
+    manifest.finish("complete")
+
+
+def exact_store(run_dir: Path) -> Path:
+    return run_dir / "artifacts" / EXACT_FOLDER
+
+
+def forget_forced(tasks: list[Task], run_dir: Path, force) -> None:
+    """A forced step recomputes its exact results too: delete what it stored in each store its tasks use."""
+    from ridgefill.evals.exact_store import forget
+
+    for task in (t for t in tasks if t.step in force):
+        cmd = command(task.step)
+        for o in cmd.options.values():
+            if o.role == "store":
+                forget(task.kwargs.get(o.name) or exact_store(run_dir), task.step)
+
+
+# --- cache keys ---------------------------------------------------------------------------------------------
+def task_key(task: Task, cmd: Command, weights_hash: str, upstream: str | None) -> str:
+    """Hash of everything the artifact depends on: step, model weights, the options the recipe sets (those
+    declared keyed; files and folders by content), the key of the artifact it reads, ridgefill version."""
+    unkeyed = {o.name for o in cmd.options.values() if not o.keyed}
+    options = {k: keyed_value(v) for k, v in task.kwargs.items() if k not in unkeyed}
+    payload = {"step": task.step, "ridgefill": __version__, "weights": weights_hash, "options": options,
+               "input": upstream}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def keyed_value(value):
+    """A value as its key sees it: a path (or a string naming an existing absolute path, as a recipe makes a
+    local data spec) by its identity, anything else as it is."""
+    if isinstance(value, Path) or (isinstance(value, str) and os.path.isabs(value) and os.path.exists(value)):
+        return data_id(value)
+    return value
+
+
+def data_id(spec) -> str:
+    """A data spec's identity: its name, plus the content hash of a local file or folder."""
+    path = Path(str(spec))
+    if path.is_file():
+        return f"{path.name}:{file_hash(path)}"
+    if path.is_dir():
+        digest = hashlib.sha256()
+        for f in sorted(p for p in path.rglob("*") if p.is_file()):
+            digest.update(f"{f.relative_to(path)}:{file_hash(f)}".encode())
+        return f"{path.name}/:{digest.hexdigest()[:16]}"
+    return str(spec)
+
+
+def model_identity(recipe: Recipe) -> dict:
+    """Load the model once: its weights hash keys every artifact; its layer count bounds the splits."""
+    from ridgefill.runtime.session import open_session
+
+    s = recipe.settings
+    session = open_session(s["model"], s["dtype"], s["device"], s["chunk"])
+    info = session.loaded.info()
+    n_layers = session.engine.n_layers
+    del session
+    gc.collect()
+    if s["device"] == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
+    bad = [x for x in s["splits"] if not 1 <= x < n_layers]
+    if bad:
+        raise RidgefillError(f"{recipe.path}: splits: {bad[0]} is out of range: use 1..{n_layers - 1} for this "
+                             f"{n_layers}-layer model")
+    return {**info, "n_layers": n_layers}
