@@ -154,3 +154,47 @@ def test_block_attention_paths_equal_the_masked_one(kv_heads):
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=kv_heads != 4)
     assert (prefix_then_block(q, k, v, 12, 0.3) - ref).abs().max() <= TOL
     assert (lower_right_causal(q, k, v, 0.3) - ref).abs().max() <= TOL
+
+
+# --- outlier rows and keep rows ------------------------------------------------------------------------------
+@pytest.mark.parametrize("chunk", [64, 16])
+def test_outlier_rows_run_in_full_like_keep_rows(dense_model, chunk):
+    """A filled row whose split-state norm exceeds factor x the median of its chunk's filled rows runs in full:
+    the prefill equals one that keeps exactly those rows, and the plan's tally counts them."""
+    ids, split, tail = random_ids(48, seed=5), 3, 8
+    engine = engine_for(dense_model, chunk=chunk)
+    x = hf_hidden(dense_model, ids)[split][0]  # [N, H]: the split state (layers 0..S-1 are exact)
+    plan = FillPlan(IdentityFiller(split, engine.n_layers), tail, (0,), outlier_factor=1.1)
+    filled = (~plan.full_rows(ids.shape[1])).nonzero().squeeze(1)
+    expected = []
+    for c0 in range(0, ids.shape[1], chunk):  # the rule works per chunk, on that chunk's filled rows
+        rows = filled[(filled >= c0) & (filled < c0 + chunk)]
+        norms = x[rows].norm(dim=-1)
+        expected += rows[norms > 1.1 * norms.median()].tolist()
+    assert expected  # the factor is low enough that some rows are outliers
+    rows = plan.full_rows(ids.shape[1]).nonzero().squeeze(1).tolist()  # the rows full before the split
+    got = engine.prefill(ids, fill=plan, logits_at=rows)
+    kept = engine.prefill(ids, fill=FillPlan(plan.filler, tail, (0, *expected)), logits_at=rows)
+    assert got.n_outliers == len(expected) and got.n_filled == kept.n_filled
+    assert (got.logits - kept.logits).abs().max() <= TOL
+    assert_caches_equal(got.cache, kept.cache)
+    assert plan.tally.to_dict() == {"filled_rows": got.n_filled, "outlier_rows_run_full": len(expected)}
+
+
+def test_outlier_factor_zero_or_huge_changes_nothing(dense_model):
+    ids, engine = random_ids(40, seed=6), engine_for(dense_model)
+    filler = IdentityFiller(3, engine.n_layers)
+    plain = engine.prefill(ids, fill=FillPlan(filler, 8, (0,)))
+    huge = engine.prefill(ids, fill=FillPlan(filler, 8, (0,), outlier_factor=1e9))
+    assert huge.n_outliers == 0 and plain.n_filled == huge.n_filled
+    assert (plain.logits - huge.logits).abs().max() == 0
+
+
+def test_bad_keep_rows_are_refused_not_dropped(dense_model):
+    engine, filler = engine_for(dense_model), IdentityFiller(3, 6)
+    with pytest.raises(RidgefillError, match="keep row -1 is not a row index"):
+        FillPlan(filler, 8, (-1,))
+    with pytest.raises(RidgefillError, match="outside the 20-token prompt"):
+        engine.prefill(random_ids(20), fill=FillPlan(filler, 8, (0, 25)))
+    with pytest.raises(RidgefillError, match="outlier factor -1"):
+        FillPlan(filler, 8, outlier_factor=-1)

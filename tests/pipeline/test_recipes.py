@@ -3,7 +3,9 @@ cache hits, --force, resume after an interruption) and the manifest; key=value o
 takes every step, option and rule from the command registry (throwaway commands, no pipeline change)."""
 
 import json
+import os
 import shutil
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -280,6 +282,23 @@ def test_two_runs_from_scratch_give_identical_metrics(tiny_recipe, first_run, tm
     assert [s["artifact"] for s in steps(first_run)] == [s["artifact"] for s in steps(second)]  # same keys
     assert not any(s["cached"] for s in steps(second))
     assert (second / "report.md").stat().st_size > 0
+
+
+def test_two_runs_sharing_a_folder_compute_each_artifact_once(tiny_recipe, first_run, tmp_path):
+    """Two runs of one recipe into one folder at the same time: each task is computed by one of them while the
+    other waits on its claim and then finds it cached; the artifacts are the single run's."""
+    shared = tmp_path / "shared"
+    runs = [subprocess.Popen([sys.executable, "-m", "ridgefill", "run", str(tiny_recipe), "--out-dir", str(shared)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ,
+                                                                                             "COLUMNS": "200"})
+            for _ in range(2)]
+    outputs = [r.communicate(timeout=600) for r in runs]
+    assert [r.returncode for r in runs] == [0, 0], outputs[0][1][-2000:] + outputs[1][1][-2000:]
+    computed = [sum(f"│ {label} " in line and "computed" in line for line in out.splitlines())
+                for label in LABELS for out, _ in outputs]
+    assert sum(computed) == len(LABELS)  # each task computed once, by one run or the other
+    assert metrics(shared) == metrics(first_run)
+    assert not [p for p in (shared / "artifacts").iterdir() if p.name.startswith(".") and p.name != ".locks"]
 
 
 def test_rerun_reuses_every_step_and_force_recomputes_one(tiny_recipe, first_run, tmp_path):

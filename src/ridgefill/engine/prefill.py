@@ -39,27 +39,62 @@ Observer = Callable[[int, torch.Tensor, torch.Tensor], None]
 
 
 @dataclass
+class FillTally:
+    """What a plan's prefills did, summed over every prompt they filled."""
+
+    filled: int = 0  # rows filled
+    outliers: int = 0  # rows that would have been filled but ran in full: their split state is an outlier
+
+    def to_dict(self) -> dict:
+        return {"filled_rows": self.filled, "outlier_rows_run_full": self.outliers}
+
+
+@dataclass
 class FillPlan:
-    """How to fill a prompt: which filler (and so which split), how many tail rows, which extra rows run in full."""
+    """How to fill a prompt: which filler (and so which split), how many tail rows, which extra rows run in full.
+
+    outlier_factor: a row that would be filled runs in full when its split-state norm exceeds this many times
+    the median norm of its chunk's filled rows (calibration kept such rows, massive activations, out of the fit,
+    so the map would be applied where it was never fitted); 0 fills them too. `tally` counts what happened."""
 
     filler: Filler
     tail: int
     keep_rows: Sequence[int] = ()
+    outlier_factor: float = 0.0
+    tally: FillTally = field(default_factory=FillTally, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        bad = [r for r in self.keep_rows if not isinstance(r, int) or isinstance(r, bool) or r < 0]
+        if bad:
+            raise RidgefillError(f"keep row {bad[0]!r} is not a row index: keep rows are 0-based prompt positions")
+        if self.outlier_factor < 0:
+            raise RidgefillError(f"outlier factor {self.outlier_factor} must be 0 (off) or positive")
 
     @property
     def split(self) -> int:
         return self.filler.split
 
     def full_rows(self, n: int) -> torch.Tensor:
-        """[n] bool: True for rows that run the full model."""
+        """[n] bool: True for rows that run the full model (before any outlier rows are added at the split)."""
         if self.tail < 1:
             raise RidgefillError("tail must be at least 1: the last prompt token must run the full model")
+        outside = [r for r in self.keep_rows if r >= n]
+        if outside:
+            raise RidgefillError(f"keep row {outside[0]} is outside the {n}-token prompt (rows 0..{n - 1}): keep "
+                                 "rows inside the prompt")
         full = torch.zeros(n, dtype=torch.bool)
         full[max(0, n - self.tail) :] = True
-        keep = [r for r in self.keep_rows if 0 <= r < n]
-        if keep:
-            full[torch.tensor(keep, dtype=torch.long)] = True
+        if self.keep_rows:
+            full[torch.tensor(list(self.keep_rows), dtype=torch.long)] = True
         return full
+
+    def outlier_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, nF, H] split states of a chunk's filled rows -> [nF] bool: the rows to run in full instead."""
+        if self.outlier_factor <= 0 or x.shape[1] == 0:
+            return torch.zeros(x.shape[1], dtype=torch.bool, device=x.device)
+        norms = torch.linalg.vector_norm(x.float(), dim=-1)  # [B, nF]
+        median = norms.median(dim=1, keepdim=True).values  # [B, 1]
+        return (norms > self.outlier_factor * median).any(dim=0)
 
 
 @dataclass
@@ -68,7 +103,8 @@ class PrefillResult:
     logits: torch.Tensor  # [B, m, V] at `rows`
     rows: torch.Tensor  # [m] prompt-relative row indices that have logits
     n_rows: int
-    n_filled: int
+    n_filled: int  # rows filled (outlier rows that ran in full not counted)
+    n_outliers: int = 0  # rows that would have been filled but ran in full (FillPlan.outlier_factor)
 
     @property
     def filled_share(self) -> float:
@@ -176,11 +212,13 @@ class Engine:
         wanted = self._logit_rows(logits_at, full)
         chunk = chunk or self.chunk
         capacity = max(capacity, start + n_rows)
-        hidden, rows = [], []
+        hidden, rows, outliers = [], [], 0
         for c0 in range(0, n_rows, chunk):
             c1 = min(n_rows, c0 + chunk)
             sel = wanted[(wanted >= c0) & (wanted < c1)]
-            h_full, full_idx = self._chunk(ids[:, c0:c1], start + c0, full[c0:c1], fill, cache, observe, capacity)
+            h_full, full_idx, promoted = self._chunk(ids[:, c0:c1], start + c0, full[c0:c1], fill, cache, observe,
+                                                     capacity)
+            outliers += promoted
             if len(sel):
                 where = torch.searchsorted(full_idx, sel - c0)
                 hidden.append(h_full[:, where])
@@ -190,7 +228,11 @@ class Engine:
         else:
             logits = torch.empty(ids.shape[0], 0, 0)
         rows_t = torch.cat(rows) if rows else torch.empty(0, dtype=torch.long)
-        return PrefillResult(cache, logits, rows_t, n_rows, int((~full).sum()))
+        n_filled = int((~full).sum()) - outliers
+        if fill is not None:
+            fill.tally.filled += n_filled
+            fill.tally.outliers += outliers
+        return PrefillResult(cache, logits, rows_t, n_rows, n_filled, outliers)
 
     @torch.inference_mode()
     def decode_step(self, cache: Cache, tokens: torch.Tensor) -> torch.Tensor:
@@ -264,7 +306,7 @@ class Engine:
 
     def _chunk(self, ids, start, full, fill, cache, observe, capacity):
         """One chunk of rows at absolute positions start..start+n. Returns (final hidden of the full rows
-        [B, nU, H], their chunk-relative indices [nU])."""
+        [B, nU, H], their chunk-relative indices [nU], how many filled rows ran in full as outliers)."""
         a = self.adapter
         b, n = ids.shape
         positions = torch.arange(start, start + n, device=ids.device)
@@ -277,7 +319,17 @@ class Engine:
         if len(idx_fill) == 0:
             split = self.n_layers  # nothing to fill in this chunk: every layer runs exactly
         filled = None  # FilledRows: what the filled rows bring to each late layer
+        promoted = 0
         for layer in range(self.n_layers):
+            if layer == split:
+                outlier = fill.outlier_rows(h[:, idx_fill])  # [nF] bool
+                if outlier.any():  # they run every layer, like the tail
+                    promoted = int(outlier.sum())
+                    idx_full = torch.cat([idx_full, idx_fill[outlier]]).sort().values
+                    idx_fill = idx_fill[~outlier]
+                    rows = _Rows(n, idx_full, idx_fill, positions, cos, sin)
+                if len(idx_fill) == 0:
+                    split = self.n_layers  # every filled row was an outlier: the rest of the chunk runs exactly
             if layer == split:
                 filled = self.projection.fill(fill.filler, h[:, idx_fill], positions[idx_fill], rows.cos_fill,
                                               rows.sin_fill)
@@ -289,7 +341,7 @@ class Engine:
             h = self._layer(layer, h, fill_in, rows, cache, capacity)
         if observe is not None:
             observe(self.n_layers, h, rows.positions_full)
-        return h, idx_full.cpu()
+        return h, idx_full.cpu(), promoted
 
     def _layer(self, layer, h, fill_in, rows, cache, capacity):
         """One decoder layer. h holds the rows that run it ([B, n, H] before the split, [B, nU, H] after);

@@ -178,7 +178,7 @@ class PrefixPlan(FillPlan):
     prefix needs no logits, and running its last row in full would make it differ from the one-call prefill.)"""
 
     def __init__(self, plan: FillPlan) -> None:
-        super().__init__(plan.filler, plan.tail, tuple(plan.keep_rows))
+        super().__init__(plan.filler, plan.tail, tuple(plan.keep_rows), plan.outlier_factor, plan.tally)
 
     def full_rows(self, n: int) -> torch.Tensor:
         # rows 0..n-1 of a prompt of n + tail rows: only keep_rows among them run in full

@@ -8,11 +8,13 @@ atomically, so an existing file is a finished one; an interrupted calibration re
 
 from __future__ import annotations
 
+import fcntl
 import gc
 import hashlib
 import json
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,18 +103,39 @@ def run_tasks(tasks: list[Task], run_dir: Path, weights_hash: str, force, manife
         keys[task.label] = task_key(task, cmd, weights_hash, keys.get(task.needs))
         artifact = artifacts[task.label] = run_dir / "artifacts" / f"{task.label}-{keys[task.label]}{cmd.writes}"
         files = [artifact] + ([Path(f"{artifact}.json")] if cmd.summary_json else [])
-        cached = task.step not in force and all(f.is_file() for f in files)
-        note(f"[{i}/{len(tasks)}] {task.label}: " + ("cached" if cached else "running"))
         started = time.perf_counter()
-        if not cached:
-            try:
-                cmd(**task_values(cmd, task, artifact, artifacts.get(task.needs), exact_store(run_dir),
-                                  fresh=task.step in force))
-            except BaseException as exc:
-                manifest.finish("interrupted" if isinstance(exc, KeyboardInterrupt) else f"failed at {task.label}")
-                raise
+        with claim(artifact, f"[{i}/{len(tasks)}] {task.label}"):  # another run sharing the folder waits here
+            cached = task.step not in force and all(f.is_file() for f in files)
+            note(f"[{i}/{len(tasks)}] {task.label}: " + ("cached" if cached else "running"))
+            if not cached:
+                try:
+                    cmd(**task_values(cmd, task, artifact, artifacts.get(task.needs), exact_store(run_dir),
+                                      fresh=task.step in force))
+                except BaseException as exc:
+                    manifest.finish("interrupted" if isinstance(exc, KeyboardInterrupt) else
+                                    f"failed at {task.label}")
+                    raise
         manifest.add(task, keys[task.label], files, cached, time.perf_counter() - started)
     manifest.finish("complete")
+
+
+@contextmanager
+def claim(artifact: Path, label: str):
+    """Hold an exclusive lock on computing `artifact` (artifacts/.locks/<name>.lock), so that two runs sharing a
+    run folder never compute or write one artifact at once: the second waits, then finds it cached. The lock
+    files stay (deleting one while a run waits on it would let a third run take a fresh one)."""
+    path = artifact.parent / ".locks" / f"{artifact.name}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            note(f"{label}: another run is computing it; waiting")
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def exact_store(run_dir: Path) -> Path:
