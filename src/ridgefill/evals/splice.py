@@ -22,7 +22,6 @@ paired bootstrap intervals over passages (NLL) or needle prompts (retrieval).
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +38,7 @@ from ridgefill.evals.ruler import TASKS, build_samples, score_prediction
 from ridgefill.evals.scoring import continuation_nll, distant_tokens, short_context_nll
 from ridgefill.evals.stats import format_interval, gap_closed, interval_dict, select
 from ridgefill.runtime.console import cell, progress_bar, table
+from ridgefill.runtime.ranges import parse_ranges
 
 COMPONENTS = ("keys", "values", "key-scale", "key-direction", "state")
 ATTENTION_SWAPS = "keys,values,key-scale,key-direction,keys+values"
@@ -140,14 +140,7 @@ def parse_swaps(text: str) -> list[frozenset]:
 
 def parse_layer_ranges(text: str) -> list[tuple[int, int]]:
     """'16-29,20-29,25' -> [(16, 29), (20, 29), (25, 25)] (inclusive)."""
-    ranges = []
-    for item in text.split(","):
-        m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", item)
-        if m is None or int(m[2] or m[1]) < int(m[1]):
-            raise RidgefillError(f"--layers '{text}': '{item.strip()}' is not a layer or an increasing range A-B "
-                                 "(e.g. --layers 16-29,20-29)")
-        ranges.append((int(m[1]), int(m[2] or m[1])))
-    return ranges
+    return parse_ranges(text, "--layers", "layer", "16-29,20-29")
 
 
 def layer_ranges(asked: list[tuple[int, int]] | None, by_quarter: bool, split: int,

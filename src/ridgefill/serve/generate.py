@@ -8,7 +8,9 @@ from pathlib import Path
 
 from ridgefill.commands import Command, option
 from ridgefill.errors import RidgefillError
+from ridgefill.evals.ruler.placement import token_span
 from ridgefill.runtime.console import note
+from ridgefill.runtime.ranges import parse_ranges
 from ridgefill.runtime.session import ModelConfig
 
 
@@ -18,6 +20,10 @@ class GenerateConfig(ModelConfig):
     split: int | None = option(None, "Split S (checked against the maps).")
     tail: int = option(256, "Last prompt rows that run the full model.")
     keep_first: int = option(1, "Leading rows run in full (the attention sink).")
+    keep_rows: str | None = option(None, "More prompt rows (0-based token positions) that run in full, e.g. "
+                                   "0-3,120-140.", listed=str)
+    keep_text: str | None = option(None, "Run the tokens of this text's first occurrence in the prompt in full "
+                                   "(e.g. the question).")
     exact: bool = option(False, "Exact prefill (no maps).")
     prompt: str | None = option(None, "Prompt text.")
     prompt_file: Path | None = option(None, "Read the prompt from a file.")
@@ -35,6 +41,10 @@ class GenerateConfig(ModelConfig):
             raise RidgefillError("filled prefill needs --maps (from ridgefill fit), or pass --exact")
         if self.max_new_tokens < 1:
             raise RidgefillError("--max-new-tokens must be at least 1")
+        if self.keep_rows is not None:
+            parse_ranges(self.keep_rows, "--keep-rows", "row", "0-3,120-140")
+        if self.keep_text is not None and not self.keep_text.strip():
+            raise RidgefillError("--keep-text is empty: give the text whose tokens should run in full")
 
 
 def run(c: GenerateConfig) -> dict:
@@ -52,7 +62,7 @@ def run(c: GenerateConfig) -> dict:
                              f"context of {limit}: shorten the prompt")
     plan = None
     if not exact:
-        plan, _ = session.fill_plan(maps, split, tail, range(keep_first))
+        plan, _ = session.fill_plan(maps, split, tail, keep_rows(c, session.tokenizer, prompt, ids.shape[1]))
         if tail >= ids.shape[1]:
             note(f"note: tail {tail} >= prompt length {ids.shape[1]}: every row runs the full model (exact)")
     eos = session.tokenizer.eos_token_id
@@ -73,6 +83,26 @@ def run(c: GenerateConfig) -> dict:
         note(f"ttft {r.ttft_s * 1000:.0f} ms, {r.prefill.filled_share:.0%} of {ids.shape[1]} prompt rows filled")
         sys.stdout.write(texts[name] + "\n")
     return texts
+
+
+def keep_rows(c: GenerateConfig, tokenizer, prompt: str, n: int) -> list[int]:
+    """The rows to run in full besides the tail: the first --keep-first, --keep-rows, and the tokens of
+    --keep-text's first occurrence in the prompt."""
+    rows = set(range(min(c.keep_first, n)))
+    for a, b in parse_ranges(c.keep_rows, "--keep-rows", "row", "0-3,120-140") if c.keep_rows else ():
+        if b >= n:
+            raise RidgefillError(f"--keep-rows {a}-{b} reaches past the {n}-token prompt (rows 0..{n - 1})")
+        rows.update(range(a, b + 1))
+    if c.keep_text is not None:
+        at = prompt.find(c.keep_text)
+        if at < 0:
+            raise RidgefillError(f"--keep-text {c.keep_text[:40]!r} does not occur in the prompt: give a piece of it")
+        if not getattr(tokenizer, "is_fast", False):
+            raise RidgefillError("--keep-text needs a fast tokenizer (with offsets): use --keep-rows")
+        offsets = tokenizer(prompt, add_special_tokens=True, return_offsets_mapping=True)["offset_mapping"]
+        first, last = token_span([tuple(o) for o in offsets], at, at + len(c.keep_text))
+        rows.update(range(first, last))
+    return sorted(rows)
 
 
 COMMAND = Command("generate", GenerateConfig, run)

@@ -1,0 +1,45 @@
+"""`ridgefill generate`: the rows a user keeps in full (--keep-first, --keep-rows, --keep-text)."""
+
+import pytest
+from transformers import AutoTokenizer
+
+from ridgefill.errors import RidgefillError
+from ridgefill.serve.generate import COMMAND, GenerateConfig, keep_rows
+
+PROMPT = "The grass is green. The sky is blue. One of the special magic numbers for king is: 1234567. What is it?"
+
+
+def config(**kw) -> GenerateConfig:
+    return COMMAND.make(prompt=PROMPT, exact=True, **kw)
+
+
+def test_keep_text_keeps_exactly_the_tokens_of_that_text(tiny_checkpoint):
+    tok = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    ids = tok(PROMPT, add_special_tokens=True)["input_ids"]
+    rows = keep_rows(config(keep_first=0, keep_text="magic numbers"), tok, PROMPT, len(ids))
+    assert rows == list(range(rows[0], rows[-1] + 1))  # one span
+    text = tok.decode(ids[rows[0]:rows[-1] + 1])
+    assert "magic numbers" in text and "king" not in text and "sky" not in text
+
+
+def test_keep_rows_and_keep_first_combine(tiny_checkpoint):
+    tok = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    assert keep_rows(config(keep_first=2, keep_rows="5-7,10"), tok, PROMPT, 30) == [0, 1, 5, 6, 7, 10]
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(keep_rows="3-1"), "--keep-rows '3-1': '3-1' is not a row or an increasing range"),
+    (dict(keep_rows="a"), "is not a row"),
+    (dict(keep_text="  "), "--keep-text is empty"),
+])
+def test_bad_keep_options_are_refused_before_loading(options, message):
+    with pytest.raises(RidgefillError, match=message):
+        config(**options).check()
+
+
+def test_keep_rows_past_the_prompt_or_text_not_in_it_are_refused(tiny_checkpoint):
+    tok = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    with pytest.raises(RidgefillError, match="reaches past the 30-token prompt"):
+        keep_rows(config(keep_rows="25-40"), tok, PROMPT, 30)
+    with pytest.raises(RidgefillError, match="does not occur in the prompt"):
+        keep_rows(config(keep_text="queen"), tok, PROMPT, 30)
