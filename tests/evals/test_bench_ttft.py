@@ -69,6 +69,7 @@ def test_options_and_defaults_are_those_of_the_command_line_before_the_registry(
         "model": "smollm2-135m", "maps": None, "split": None, "tail": 256, "lengths": "1024,2048,4096,8192",
         "repeats": 5, "warmup": 1, "device": "cpu", "dtype": "fp32", "out": Path("ttft.json"), "variants": None,
         "data": "wiki-leads", "keep-first": 1, "chunk": 2048, "threads": 0, "projection": "auto", "seed": 0,
+        "outlier-factor": 20.0,  # issue #12: outlier rows run in full by default
     }
     helps = {flag: o.help for flag, o in bench_ttft_command.options.items()}
     assert helps["split"] == "Split S (the maps carry it; identity needs it)."
@@ -82,7 +83,7 @@ def _write_maps(path: Path, checkpoint: Path, split: int, rank: int | None) -> P
     from transformers import AutoModelForCausalLM
 
     from ridgefill.method.maps import save_maps
-    from ridgefill.runtime.models import weights_fingerprint
+    from ridgefill.runtime.models import checkpoint_fingerprint
     from ridgefill.method.ridge import LayerFit
 
     model = AutoModelForCausalLM.from_pretrained(checkpoint)
@@ -93,7 +94,7 @@ def _write_maps(path: Path, checkpoint: Path, split: int, rank: int | None) -> P
         low = (0.1 * torch.randn(h, rank, generator=g), 0.1 * torch.randn(rank, h, generator=g)) if rank else None
         weight = None if rank else torch.eye(h) + 0.05 * torch.randn(h, h, generator=g)
         fits.append(LayerFit(layer, 1e-3, weight, 0.01 * torch.randn(h, generator=g), low, 0.5, 0.25, 0.2))
-    meta = {"model": {"id": str(checkpoint), "weights_hash": weights_fingerprint(model)}, "rank": rank}
+    meta = {"model": {"id": str(checkpoint), "weights_hash": checkpoint_fingerprint(checkpoint)}, "rank": rank}
     save_maps(path, split, n_layers, fits, meta, "ridge")
     return path
 

@@ -155,3 +155,19 @@ def test_exact_cache_reuses_exact_nlls_across_splits(tiny_checkpoint, long_docs,
                                          out=tmp_path / "c.json", exact_cache=store))
     assert other_split["exact_store"] == {"folder": str(store), "hits": 3, "misses": 0}
     assert other_split["results"]["exact"] == plain["results"]["exact"]
+
+
+def test_outlier_rows_are_counted_in_the_result(tiny_checkpoint, long_docs, tmp_path):
+    """--outlier-factor reaches every fill variant's plan, and the result counts the rows it ran in full."""
+    low = loss_command(**options(model=str(tiny_checkpoint), data=str(long_docs), out=tmp_path / "low.json",
+                                 outlier_factor=1.05))
+    off = loss_command(**options(model=str(tiny_checkpoint), data=str(long_docs), out=tmp_path / "off.json",
+                                 outlier_factor=0.0))
+    rows = low["fill_rows"]["identity"]
+    assert rows["outlier_rows_run_full"] > 0
+    assert off["fill_rows"]["identity"] == {"filled_rows": rows["filled_rows"] + rows["outlier_rows_run_full"],
+                                            "outlier_rows_run_full": 0}
+    assert low["results"]["exact"] == off["results"]["exact"]
+    with pytest.raises(RidgefillError, match="--outlier-factor -1 must be 0"):
+        loss_command(**options(model=str(tiny_checkpoint), data=str(long_docs), out=tmp_path / "x.json",
+                               outlier_factor=-1.0))

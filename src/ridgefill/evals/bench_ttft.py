@@ -55,6 +55,7 @@ class BenchConfig(MeasureConfig):
                              "layers (per layer, unfused).")
 
     def check(self) -> None:
+        super().check()
         self.names()
         self.sizes()
         if self.repeats < 1 or self.warmup < 0:
@@ -160,7 +161,10 @@ def _prompts(session: Session, data: str, sizes: list[int], seed: int) -> dict[i
     document, else consecutive evaluation documents; random ids (seeded) if the corpus is too short or
     `data` is 'random'."""
     tok = session.tokenizer
-    docs = [] if data == "random" else documents_for(load_corpus(data), "evaluation")
+    corpus = None if data == "random" else load_corpus(data)
+    if corpus is not None and not corpus.documents:
+        raise RidgefillError(f"--data {data} holds no text: give prompt text, or --data random for random ids")
+    docs = [] if corpus is None else documents_for(corpus, "evaluation")
     vocab = session.shape.vocab
     out = {}
     for length in sizes:

@@ -21,12 +21,17 @@ from ridgefill.commands import REQUIRED, option
 from ridgefill.engine import FillPlan
 from ridgefill.errors import RidgefillError
 from ridgefill.evals.exact_store import ExactStore
-from ridgefill.runtime.console import progress_bar
+from ridgefill.runtime.console import note, progress_bar
 from ridgefill.runtime.paths import file_hash, write_json
 from ridgefill.runtime.session import ModelConfig, Session, variant_plans
 
 
 # --- options ------------------------------------------------------------------------------------------------
+OUTLIER_FACTOR = 20.0  # calibrate's default --outlier-factor: the rows its fit left out
+OUTLIER_HELP = ("A row that would be filled runs in full when its split-state norm exceeds this x the median of "
+                "its chunk's filled rows (calibration leaves such rows out of the fit); 0 fills them too.")
+
+
 @dataclass
 class MeasureConfig(ModelConfig):
     """The options of every command that measures variants of prefill against exact."""
@@ -38,6 +43,12 @@ class MeasureConfig(ModelConfig):
     keep_first: int = option(1, "Leading rows run in full (the attention sink).")
     seed: int = option(0, "Bootstrap seed.", top="seeds")
     out: Path = option(REQUIRED, "Result JSON to write.", role="output")
+    outlier_factor: float = option(OUTLIER_FACTOR, OUTLIER_HELP)
+
+    def check(self) -> None:
+        if self.outlier_factor < 0:
+            raise RidgefillError(f"--outlier-factor {self.outlier_factor:g} must be 0 (fill every row) or "
+                                 "positive")
 
     def wants_input(self):
         variants = getattr(self, "variants", None)
@@ -102,11 +113,22 @@ class Measurement:
                 advance()
         return out
 
+    def fill_rows(self) -> dict:
+        """Per fill variant: rows filled, and rows run in full instead because their split state was an outlier
+        (summed over every prompt); says so on stderr when there were any."""
+        tallies = {name: plan.tally.to_dict() for name, plan in self.plans.items() if plan is not None}
+        outliers = {name: t["outlier_rows_run_full"] for name, t in tallies.items() if t["outlier_rows_run_full"]}
+        if outliers:
+            note("note: rows run in full as split-state outliers (--outlier-factor "
+                 f"{self.config.outlier_factor:g}): " + ", ".join(f"{n} {k}" for n, k in outliers.items()))
+        return tallies
+
     def write(self, results, intervals: dict, variants: list[str] | None = None, **extra) -> dict:
         """The result document, written atomically to --out (with the exact store's hits and misses). variants:
         the names its results hold (default: the plans measured)."""
         if hasattr(self.config, "exact_cache"):  # a command that keeps exact results says how many it reused
             extra = {"exact_store": self.store.summary(), **extra}
+        extra = {"fill_rows": self.fill_rows(), **extra}
         info = maps_info(self.config.maps, self.maps_meta)
         return self.writer.write(self.config.out, self.session.loaded.info(), info,
                                  list(self.plans) if variants is None else variants, results, intervals, **extra)
@@ -118,7 +140,8 @@ def start(command: str, config: MeasureConfig, variants: Sequence[str], record: 
     record: the `config` of the result document (default: every option as given)."""
     writer = ResultWriter(command, config.as_dict() if record is None else record, config.seed)
     session = config.open(projection)
-    plans, meta = variant_plans(session, config.maps, config.split, config.tail, range(config.keep_first), variants)
+    plans, meta = variant_plans(session, config.maps, config.split, config.tail, range(config.keep_first), variants,
+                                config.outlier_factor)
     store = ExactStore(getattr(config, "exact_cache", None), session.loaded.info(), config.dtype, config.device,
                        config.chunk)
     return Measurement(config, session, plans, meta, store, writer)

@@ -10,7 +10,7 @@ after that import:
 
 model_args: pretrained (a --model spec: alias, folder or Hub id), maps, split, tail (256), keep_first (1),
 fill (exact | identity | ridge; default ridge with maps, else exact), dtype (fp32), chunk (2048),
-max_gen_toks (256). Every request's context is prefilled with the plan; the scored continuation and every
+max_gen_toks (256), outlier_factor (20: filled rows whose split state is an outlier run in full). Every request's context is prefilled with the plan; the scored continuation and every
 generated token run the full model. Contexts that share their tokens (a multiple-choice question's options)
 are prefilled once. loglikelihood_rolling is refused: filled rows have no logits to score.
 """
@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from ridgefill.errors import RidgefillError
+from ridgefill.evals.common import OUTLIER_FACTOR
 from ridgefill.evals.scoring import continuation_scores
 from ridgefill.runtime.console import note, progress_bar
 from ridgefill.runtime.session import open_session, variant_plans
@@ -39,11 +40,11 @@ class RidgefillLM(TemplateLM):
     def __init__(self, pretrained: str = "smollm2-135m", maps: str | None = None, split: int | None = None,
                  tail: int = 256, keep_first: int = 1, fill: str | None = None, dtype: str = "fp32",
                  device: str | None = None, chunk: int = 2048, max_gen_toks: int = 256,
-                 batch_size=None, max_batch_size=None, **unknown) -> None:
+                 outlier_factor: float = OUTLIER_FACTOR, batch_size=None, max_batch_size=None, **unknown) -> None:
         super().__init__()
         if unknown:
             raise RidgefillError(f"unknown model_args {sorted(unknown)} for the ridgefill model: use pretrained, "
-                                 "maps, split, tail, keep_first, fill, dtype, chunk, max_gen_toks")
+                                 "maps, split, tail, keep_first, fill, dtype, chunk, max_gen_toks, outlier_factor")
         fill = fill or ("ridge" if maps else "exact")
         if fill not in FILLS:
             raise RidgefillError(f"unknown fill '{fill}': use {', '.join(FILLS)}")
@@ -54,7 +55,8 @@ class RidgefillLM(TemplateLM):
         device = _device(device)
         self.session = open_session(str(pretrained), dtype, device, int(chunk))
         split = None if split is None else int(split)
-        plans, meta = variant_plans(self.session, maps, split, int(tail), range(int(keep_first)), (fill,))
+        plans, meta = variant_plans(self.session, maps, split, int(tail), range(int(keep_first)), (fill,),
+                                    float(outlier_factor))
         self.plan, self.fill, self.maps_meta = plans[fill], fill, meta
         self.engine = self.session.engine
         self.tokenizer = self.session.tokenizer

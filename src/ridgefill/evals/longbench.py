@@ -26,6 +26,7 @@ from ridgefill.evals.common import MeasureConfig, exact_cache_option, start, var
 from ridgefill.evals.scoring import continuation_scores
 from ridgefill.evals.stats import mean_difference
 from ridgefill.runtime.console import note, table
+from ridgefill.runtime.paths import read_text
 from ridgefill.runtime.session import parse_variants
 
 LETTERS = ("A", "B", "C", "D")
@@ -85,10 +86,7 @@ def load_questions(spec: str) -> list[Question]:
 
 def _file_records(path: Path) -> list[tuple[object, str]]:
     """(record, where) pairs; `where` names the file and the line (.jsonl) or record index (.json list)."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise RidgefillError(f"cannot read {path}: {exc}") from None
+    text = read_text(path, "--data")
     if path.suffix == ".jsonl":
         records = []
         for number, line in enumerate(text.splitlines(), 1):
@@ -265,6 +263,7 @@ class LongBenchConfig(MeasureConfig):
     exact_cache: Path | None = exact_cache_option()
 
     def check(self) -> None:
+        super().check()
         if self.mode not in MODES:
             raise RidgefillError(f"unknown --mode '{self.mode}': use loglik or generate")
         if self.limit is not None and self.limit < 1:

@@ -34,6 +34,7 @@ class PassageConfig(MeasureConfig):
     beta: float = option(2.0, "... and full-context log-prob above -beta (LongPPL's key tokens).")
 
     def check(self) -> None:
+        super().check()
         check_lengths(self.context, self.short, self.short_stride, self.tail, self.samples, self.keep_first)
 
     @property

@@ -26,6 +26,7 @@ from pathlib import Path
 from ridgefill.commands import REQUIRED, Command, Option, command, steps
 from ridgefill.errors import RidgefillError
 from ridgefill.pipeline.plan import Task, plan, producer, task_values
+from ridgefill.runtime.paths import read_text
 
 # Top-level keys: kind and default (REQUIRED: must be given). "ints": an integer or a list of them.
 TOP = {
@@ -98,11 +99,9 @@ def load_recipe(path: str | Path, overrides=()) -> Recipe:
 
 
 def read_toml(path: Path) -> tuple[str, dict]:
+    text = read_text(path, "recipe")
     try:
-        text = path.read_text()
         return text, tomllib.loads(text)
-    except OSError as exc:
-        raise RidgefillError(f"cannot read recipe {path}: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
         raise RidgefillError(f"{path}: invalid TOML: {exc}") from None
 

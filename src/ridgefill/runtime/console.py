@@ -29,7 +29,11 @@ def progress_bar(description: str, total: int):
                TextColumn("eta"), TimeRemainingColumn())
     with Progress(*columns, console=console(stderr=True), transient=False) as progress:
         task = progress.add_task(description, total=total)
-        yield lambda n=1: progress.advance(task, n)
+        try:
+            yield lambda n=1: progress.advance(task, n)
+        except BaseException:
+            progress.console.quiet = True  # a failed loop leaves only its error line, not the bar's last state
+            raise
 
 
 def table(title: str, columns: list[str], rows: list[list], stderr: bool = False) -> None:

@@ -53,15 +53,34 @@ def load_model(spec: str, dtype: str = "fp32", device: str = "cpu") -> LoadedMod
     if dtype not in DTYPES:
         raise RidgefillError(f"unknown dtype '{dtype}': use one of {', '.join(DTYPES)}")
     folder = _resolve(spec)
-    config = AutoConfig.from_pretrained(folder)
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError, KeyError) as exc:  # not JSON, not UTF-8, no or an unknown model_type
+        raise RidgefillError(f"cannot read the config.json of model {spec} ({_reason(exc)}): point --model at a "
+                             "Hugging Face model folder with a valid config.json") from None
     if config.model_type not in supported_families():
         raise RidgefillError(
             f"unsupported architecture '{config.model_type}' in {spec}: ridgefill supports "
             f"{', '.join(supported_families())}"
         )
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[dtype]).to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    return LoadedModel(model, tokenizer, adapter_for(model), spec, weights_fingerprint(model))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[dtype])
+    except Exception as exc:  # no weight file, a truncated or foreign one: the checkpoint cannot be used
+        raise RidgefillError(f"cannot load the weights of model {spec} ({_reason(exc)}): check that its folder holds "
+                             "complete weight files (re-save or re-download the checkpoint)") from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except Exception as exc:
+        raise RidgefillError(f"cannot load the tokenizer of model {spec} ({_reason(exc)}): check its tokenizer "
+                             "files (re-save or re-download the checkpoint)") from None
+    model = model.to(device).eval()
+    return LoadedModel(model, tokenizer, adapter_for(model), spec, checkpoint_fingerprint(folder))
+
+
+def _reason(exc: Exception) -> str:
+    """An exception in a few words, on one line: its type and the first line of its message."""
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {first[:200]}" if first else type(exc).__name__
 
 
 def _resolve(spec: str) -> str:
@@ -117,13 +136,29 @@ def _embedded_folder(alias: str, embedded: EmbeddedModel) -> Path:
     return folder
 
 
-def weights_fingerprint(model: torch.nn.Module, samples: int = 4096) -> str:
-    """A short, stable hash of a model's weights: names, shapes and a strided sample of every tensor.
-    Cheap for multi-GB models; any retrained or re-quantized checkpoint changes it."""
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def checkpoint_fingerprint(folder: str | Path, samples: int = 4096, window: int = 4096) -> str:
+    """A short, stable hash of a checkpoint folder's weight files: each file's name and size, a safetensors file's
+    header (tensor names, dtypes, shapes, offsets) and its raw bytes: all of them up to samples x window bytes
+    (16 MiB), else `samples` evenly spaced windows of them. A property of the checkpoint, not of how it is loaded
+    (the same under any --dtype or --device); cheap for multi-GB models; a retrained, re-quantized or re-saved
+    checkpoint changes it."""
     digest = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
-        flat = tensor.detach().reshape(-1)
-        step = max(1, flat.numel() // samples)
-        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
-        digest.update(flat[::step].to(torch.float32).cpu().numpy().tobytes())
+    for path in sorted(p for p in Path(folder).iterdir() if p.is_file() and p.suffix in WEIGHT_SUFFIXES):
+        size = path.stat().st_size
+        digest.update(f"{path.name}:{size}".encode())
+        with open(path, "rb") as f:
+            start = 0
+            if path.suffix == ".safetensors" and size >= 8:
+                start = min(size, 8 + int.from_bytes(f.read(8), "little"))
+                digest.update(f.read(start - 8))  # the header
+            body = size - start
+            if body <= samples * window:
+                digest.update(f.read())
+            else:
+                for i in range(samples):
+                    f.seek(start + i * (body // samples))
+                    digest.update(f.read(window))
     return digest.hexdigest()[:16]

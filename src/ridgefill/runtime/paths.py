@@ -11,6 +11,8 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
+from ridgefill.errors import RidgefillError
+
 
 def cache_dir() -> Path:
     """$RIDGEFILL_CACHE, else ~/.cache/ridgefill."""
@@ -65,3 +67,15 @@ def file_hash(path: str | Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()[:16]
+
+
+def read_text(path, what: str) -> str:
+    """The UTF-8 text of a file a command reads (`what`: the option that names it, e.g. --prompt-file); a file
+    that cannot be read or is not UTF-8 text (binary, another encoding) is a one-line error."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise RidgefillError(f"{what} {path} is not UTF-8 text (byte {exc.start} cannot be decoded): pass a text "
+                             "file, converted to UTF-8") from None
+    except OSError as exc:
+        raise RidgefillError(f"cannot read {what} {path}: {exc.strerror or exc}") from None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -78,9 +79,10 @@ class Session:
         """A second engine over the same loaded model whose fill projection adds its wall time to `timer`."""
         return self.engine.with_timer(timer)
 
-    def fill_plan(self, maps: str, split: int | None, tail: int, keep_rows=()) -> tuple[FillPlan, dict]:
+    def fill_plan(self, maps: str, split: int | None, tail: int, keep_rows=(),
+                  outlier_factor: float = 0.0) -> tuple[FillPlan, dict]:
         filler, meta = load_filler(maps, self.loaded.info(), split, self.engine.dtype, self.engine.device)
-        return FillPlan(filler, tail, tuple(keep_rows)), meta
+        return FillPlan(filler, tail, tuple(keep_rows), outlier_factor), meta
 
 
 def open_session(model: str, dtype: str = "fp32", device: str = "cpu", chunk: int = 2048,
@@ -124,9 +126,11 @@ def parse_variants(text, maps) -> list[str]:
 
 
 def variant_plans(session: Session, maps: str | None, split: int | None, tail: int, keep_rows=(),
-                  variants=VARIANTS) -> tuple[dict[str, FillPlan | None], dict | None]:
-    """The plans measured side by side: exact (None), identity fill and the fitted maps, at one split and tail.
-    Returns (plans, maps metadata). Without --maps only exact and identity (which then needs --split) run."""
+                  variants=VARIANTS, outlier_factor: float = 0.0) -> tuple[dict[str, FillPlan | None], dict | None]:
+    """The plans measured side by side: exact (None), identity fill and the fitted maps, at one split and tail,
+    with the same keep rows and outlier rule (FillPlan.outlier_factor), so every fill fills the same rows.
+    Returns (plans, maps metadata). Given --maps, every variant runs at the maps' split (and --split must match
+    it); without them only exact and identity (which then needs --split) run."""
     from ridgefill.engine import IdentityFiller
 
     unknown = [v for v in variants if v not in VARIANTS]
@@ -134,11 +138,11 @@ def variant_plans(session: Session, maps: str | None, split: int | None, tail: i
         raise RidgefillError(f"unknown variant(s) {unknown}: use {', '.join(VARIANTS)}")
     meta = None
     plans: dict[str, FillPlan | None] = {}
-    if "ridge" in variants:
-        if maps is None:
-            raise RidgefillError("the ridge variant needs --maps (from ridgefill fit)")
-        plans_ridge, meta = session.fill_plan(maps, split, tail, keep_rows)
+    if maps is not None:  # the maps carry their split (--split is checked against it), whichever variants run
+        plans_ridge, meta = session.fill_plan(maps, split, tail, keep_rows, outlier_factor)
         split = meta["split"]
+    elif "ridge" in variants:
+        raise RidgefillError("the ridge variant needs --maps (from ridgefill fit)")
     n_layers = session.engine.n_layers
     if split is None and "identity" in variants:
         raise RidgefillError("pass --split (or --maps, which carries it)")
@@ -148,7 +152,7 @@ def variant_plans(session: Session, maps: str | None, split: int | None, tail: i
         if v == "exact":
             plans[v] = None
         elif v == "identity":
-            plans[v] = FillPlan(IdentityFiller(split, n_layers), tail, tuple(keep_rows))
+            plans[v] = FillPlan(IdentityFiller(split, n_layers), tail, tuple(keep_rows), outlier_factor)
         else:
             plans[v] = plans_ridge
     return plans, meta

@@ -8,8 +8,10 @@ from pathlib import Path
 
 from ridgefill.commands import Command, option
 from ridgefill.errors import RidgefillError
+from ridgefill.evals.common import OUTLIER_FACTOR, OUTLIER_HELP
 from ridgefill.evals.ruler.placement import token_span
 from ridgefill.runtime.console import note
+from ridgefill.runtime.paths import read_text
 from ridgefill.runtime.ranges import parse_ranges
 from ridgefill.runtime.session import ModelConfig
 
@@ -24,6 +26,7 @@ class GenerateConfig(ModelConfig):
                                    "0-3,120-140.", listed=str)
     keep_text: str | None = option(None, "Run the tokens of this text's first occurrence in the prompt in full "
                                    "(e.g. the question).")
+    outlier_factor: float = option(OUTLIER_FACTOR, OUTLIER_HELP)
     exact: bool = option(False, "Exact prefill (no maps).")
     prompt: str | None = option(None, "Prompt text.")
     prompt_file: Path | None = option(None, "Read the prompt from a file.")
@@ -34,13 +37,20 @@ class GenerateConfig(ModelConfig):
         if (self.prompt is None) == (self.prompt_file is None):
             raise RidgefillError("give exactly one of --prompt or --prompt-file")
         if self.prompt_file is not None and not Path(self.prompt_file).is_file():
-            raise RidgefillError(f"--prompt-file {self.prompt_file} does not exist")
+            raise RidgefillError(f"--prompt-file {self.prompt_file} "
+                                 f"{'is not a file' if Path(self.prompt_file).exists() else 'does not exist'}: "
+                                 "pass a text file")
         if self.exact and self.compare:
             raise RidgefillError("--compare already runs exact: drop --exact")
         if not self.exact and self.maps is None:
             raise RidgefillError("filled prefill needs --maps (from ridgefill fit), or pass --exact")
         if self.max_new_tokens < 1:
             raise RidgefillError("--max-new-tokens must be at least 1")
+        if self.tail < 1 or self.keep_first < 0:
+            raise RidgefillError(f"--tail must be at least 1 (the last prompt row gives the first token) and "
+                                 f"--keep-first at least 0, got {self.tail} and {self.keep_first}")
+        if self.outlier_factor < 0:
+            raise RidgefillError(f"--outlier-factor {self.outlier_factor:g} must be 0 (fill every row) or positive")
         if self.keep_rows is not None:
             parse_ranges(self.keep_rows, "--keep-rows", "row", "0-3,120-140")
         if self.keep_text is not None and not self.keep_text.strip():
@@ -51,7 +61,7 @@ def run(c: GenerateConfig) -> dict:
     """The generated text of each run (exact, filled), by name."""
     maps, split, tail, keep_first, exact, max_new_tokens, compare = (c.maps, c.split, c.tail, c.keep_first, c.exact,
                                                                      c.max_new_tokens, c.compare)
-    prompt = c.prompt if c.prompt_file is None else Path(c.prompt_file).read_text()
+    prompt = c.prompt if c.prompt_file is None else read_text(c.prompt_file, "--prompt-file")
     session = c.open()
     ids = session.tokenizer(prompt, return_tensors="pt", add_special_tokens=True)["input_ids"]
     if ids.shape[1] == 0:
@@ -62,7 +72,8 @@ def run(c: GenerateConfig) -> dict:
                              f"context of {limit}: shorten the prompt")
     plan = None
     if not exact:
-        plan, _ = session.fill_plan(maps, split, tail, keep_rows(c, session.tokenizer, prompt, ids.shape[1]))
+        plan, _ = session.fill_plan(maps, split, tail, keep_rows(c, session.tokenizer, prompt, ids.shape[1]),
+                                    c.outlier_factor)
         if tail >= ids.shape[1]:
             note(f"note: tail {tail} >= prompt length {ids.shape[1]}: every row runs the full model (exact)")
     eos = session.tokenizer.eos_token_id
@@ -75,14 +86,20 @@ def run(c: GenerateConfig) -> dict:
     if compare:
         for name, r in runs.items():
             share = r.prefill.filled_share
-            note(f"[{name}] ttft {r.ttft_s * 1000:.0f} ms, {share:.0%} of {ids.shape[1]} prompt rows filled")
+            note(f"[{name}] ttft {r.ttft_s * 1000:.0f} ms, {share:.0%} of {ids.shape[1]} prompt rows filled"
+                 + _outliers(r.prefill))
             print(f"=== {name} ===\n{texts[name]}")
         note("outputs are identical" if texts["exact"] == texts["filled"] else "outputs differ")
     else:
         (name, r), = runs.items()
-        note(f"ttft {r.ttft_s * 1000:.0f} ms, {r.prefill.filled_share:.0%} of {ids.shape[1]} prompt rows filled")
+        note(f"ttft {r.ttft_s * 1000:.0f} ms, {r.prefill.filled_share:.0%} of {ids.shape[1]} prompt rows filled"
+             + _outliers(r.prefill))
         sys.stdout.write(texts[name] + "\n")
     return texts
+
+
+def _outliers(prefill) -> str:
+    return f" ({prefill.n_outliers} outlier rows ran in full)" if prefill.n_outliers else ""
 
 
 def keep_rows(c: GenerateConfig, tokenizer, prompt: str, n: int) -> list[int]:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ridgefill.errors import RidgefillError
 from ridgefill.evals.ruler.placement import Prompter, RulerSample, budget, token_span
+from ridgefill.runtime.paths import read_text
 
 
 JSONL_FIELDS = {"input": str, "outputs": list, "length": int, "answer_prefix": str}
@@ -21,11 +22,12 @@ def read_jsonl(path: str | Path, tokenizer, tail: int, max_new_tokens: int | Non
     Needle spans are the first occurrence of each reference in the input (where found)."""
     path = Path(path)
     if not path.is_file():
-        raise RidgefillError(f"--from-jsonl {path} does not exist")
+        raise RidgefillError(f"--from-jsonl {path} {'is not a file' if path.exists() else 'does not exist'}: pass a "
+                             "RULER jsonl file")
     task = path.stem if path.stem.split("_")[0] in ("niah", "vt", "cwe", "fwe", "qa") else path.parent.name
     prompter = Prompter(tokenizer, chat_template)
     samples = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    for number, line in enumerate(read_text(path, "--from-jsonl").splitlines(), 1):
         if not line.strip():
             continue
         record = _record(path, number, line)

@@ -1,0 +1,566 @@
+"""Bad input to every command, through the real console entry point (`ridgefill.cli.main`): each case must end
+with exit code 2 and exactly one line on stderr, `error: ...` (no traceback), and leave nothing behind: the --out
+folder holds what it held before (no result, no temporary file beside it) and the working folder stays empty.
+
+Cases run in-process (sys.argv patched, SystemExit caught; stderr captured at the file-descriptor level); a few
+run again in a subprocess (`python -m ridgefill`) to prove the same end to end. Inputs are tiny: two tiny
+checkpoints that differ only in their random init (A and B), statistics and maps calibrated and fitted once on
+A (tokens 1024, seq-len 128).
+
+A case's arguments and text files may name the fixtures as {A}, {B}, {stats}, {maps}, {text} (calibration text),
+{docs} (long .jsonl documents), {lb} (LongBench records), {in} (the case's own input folder, holding its files)
+and {out} (the folder its outputs would go to).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import struct
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from ridgefill import cli
+from fixtures.longbench_fixture import build_records, write_jsonl
+from tiny_checkpoint import save_tiny_checkpoint, training_text
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+# --- fixtures -----------------------------------------------------------------------------------------------
+@dataclass
+class Inputs:
+    A: Path  # a tiny checkpoint
+    B: Path  # the same architecture and tokenizer, other weights (another random init)
+    stats: Path  # calibrated on A, splits 2 and 3
+    maps: Path  # fitted on A, split 3
+    text: Path  # calibration text
+    docs: Path  # .jsonl of long documents (evaluation passages of 256 tokens)
+    lb: Path  # LongBench v2 records
+    result: Path  # a loss result document of A
+
+    def names(self) -> dict[str, str]:
+        return {k: str(v) for k, v in vars(self).items()}
+
+
+@pytest.fixture(scope="module")
+def inputs(tiny_checkpoint, tmp_path_factory) -> Inputs:
+    from ridgefill.commands import command
+
+    root = tmp_path_factory.mktemp("bad-input")
+    other = save_tiny_checkpoint(root / "B", seed=1)
+    text = root / "text.txt"
+    lines = training_text(600, seed=3)
+    text.write_text("\n\n\n".join(" ".join(lines[i:i + 12]) for i in range(0, len(lines), 12)))
+    docs = root / "docs.jsonl"
+    lines = training_text(1200, seed=5)
+    documents = [" ".join(lines[i:i + 48]) for i in range(0, len(lines), 48)]
+    docs.write_text("".join(json.dumps({"text": d}) + "\n" for d in documents))
+    lb = write_jsonl(root / "lb.jsonl", build_records(documents, 4, 60))
+    stats, maps = root / "stats.safetensors", root / "maps.safetensors"
+    command("calibrate")(model=str(tiny_checkpoint), data=str(text), split="2,3", tokens=1024, seq_len=128,
+                         holdout=0.25, out=stats)
+    command("fit")(stats=stats, split=3, out=maps)
+    result = root / "loss.json"
+    command("loss")(model=str(tiny_checkpoint), maps=maps, data=str(docs), context=256, short=64, samples=1,
+                    tail=16, out=result)
+    return Inputs(tiny_checkpoint, other, stats, maps, text, docs, lb, result)
+
+
+# --- bad files ----------------------------------------------------------------------------------------------
+EMPTY = b""
+BINARY = bytes(random.Random(0).randrange(256) for _ in range(4096)) + b"\x00" * 64  # not text: NULs, invalid UTF-8
+LATIN1 = ("Café, déjà vu et naïveté. " * 200).encode("latin-1")  # text, but not UTF-8
+LATIN1_JSONL = ('{"text": "' + "Café, déjà vu et naïveté. " * 40 + '"}\n').encode("latin-1")
+NOT_AN_OBJECT = b'["a list", "not an object"]\n'
+NOT_JSON = b'{"text": "an unterminated record"\n'
+
+
+def cut(artifact: str, where: str) -> Callable[[Inputs], bytes]:
+    """The bytes of a fixture artifact (stats or maps) truncated: to 4 bytes, in the middle of its JSON header, in
+    the middle of its tensor data, or just its last byte missing."""
+
+    def truncated(found: Inputs) -> bytes:
+        data = getattr(found, artifact).read_bytes()
+        header = 8 + struct.unpack("<Q", data[:8])[0]
+        end = {"4": 4, "header": header // 2, "data": header + (len(data) - header) // 2, "last": len(data) - 1}
+        return data[:end[where]]
+
+    return truncated
+
+
+def copy_of(artifact: str) -> Callable[[Inputs], bytes]:
+    return lambda found: getattr(found, artifact).read_bytes()
+
+
+def result_with(**changes) -> Callable[[Inputs], bytes]:
+    """The fixture's loss result document with some keys replaced (None: removed)."""
+
+    def changed(found: Inputs) -> bytes:
+        doc = json.loads(found.result.read_text())
+        for key, value in changes.items():
+            if value is None:
+                doc.pop(key, None)
+            else:
+                doc[key] = value
+        return json.dumps(doc).encode()
+
+    return changed
+
+
+def model_folder(**files) -> dict:
+    """A model folder `{in}/model`: a copy of checkpoint A with `files` (config_json: config.json) replaced (None:
+    removed)."""
+    out = {"model": COPY_OF_A}
+    out.update({"model/{}.{}".format(*name.rsplit("_", 1)): content for name, content in files.items()})
+    return out
+
+
+COPY_OF_A = object()  # the content of a folder entry: a copy of checkpoint A
+
+
+RECIPE = """name = "bad"
+model = "{A}"
+data = "{text}"
+splits = 3
+tails = 16
+
+[calibrate]
+tokens = 1024
+seq-len = 128
+
+[fit]
+"""
+
+
+# --- cases --------------------------------------------------------------------------------------------------
+@dataclass
+class Case:
+    id: str
+    args: list[str]
+    files: dict = field(default_factory=dict)  # name under {in} (or out/NAME: under {out}) -> content
+    match: str | None = None  # the error line must contain this (case-insensitive)
+    xfail: str | None = None  # a known failure in a file this suite may not fix: why
+
+    def param(self):
+        marks = [pytest.mark.xfail(reason=self.xfail, strict=True)] if self.xfail else []
+        return pytest.param(self, id=self.id, marks=marks)
+
+
+def cmd(base: list[str], *flags: str, **options) -> list[str]:
+    """`base` with options replaced (`None`: removed) or added, and boolean flags appended."""
+    args = list(base)
+    for key, value in options.items():
+        flag = "--" + key.replace("_", "-")
+        if flag in args:
+            i = args.index(flag)
+            if value is None:
+                del args[i:i + 2]
+            else:
+                args[i + 1] = str(value)
+        elif value is not None:
+            args += [flag, str(value)]
+    return args + list(flags)
+
+
+PROMPT = "The grass is green. The sky is blue. One of the special magic numbers for king is: 1234567. " * 3
+CAL = ["calibrate", "--model", "{A}", "--data", "{text}", "--split", "2", "--tokens", "1024", "--seq-len", "128",
+       "--out", "{out}/stats.safetensors"]
+FIT = ["fit", "--stats", "{stats}", "--split", "3", "--out", "{out}/maps.safetensors"]
+GEN = ["generate", "--model", "{A}", "--maps", "{maps}", "--prompt", PROMPT, "--tail", "8", "--max-new-tokens", "4"]
+RULER = ["ruler", "--model", "{A}", "--maps", "{maps}", "--lengths", "256", "--tasks", "niah_single_1", "--samples",
+         "1", "--tail", "16", "--haystack", "noise", "--max-new-tokens", "4", "--out", "{out}/ruler.json"]
+LOSS = ["loss", "--model", "{A}", "--maps", "{maps}", "--data", "{docs}", "--context", "256", "--short", "64",
+        "--samples", "1", "--tail", "16", "--out", "{out}/loss.json"]
+SPLICE = ["splice", "--model", "{A}", "--maps", "{maps}", "--data", "{docs}", "--context", "256", "--short", "64",
+          "--samples", "1", "--tail", "16", "--swap", "keys", "--out", "{out}/splice.json"]
+LB = ["longbench", "--model", "{A}", "--maps", "{maps}", "--data", "{lb}", "--limit", "1", "--tail", "16",
+      "--max-len", "400", "--out", "{out}/longbench.json"]
+TTFT = ["bench-ttft", "--model", "{A}", "--maps", "{maps}", "--lengths", "32", "--repeats", "1", "--warmup", "0",
+        "--data", "random", "--tail", "8", "--out", "{out}/ttft.json"]
+RUN = ["run", "{in}/recipe.toml", "--out-dir", "{out}/run"]
+REPORT = ["report", "{in}/results"]
+BASES = {"calibrate": CAL, "fit": FIT, "generate": GEN, "ruler": RULER, "loss": LOSS, "splice": SPLICE,
+         "longbench": LB, "bench-ttft": TTFT}
+
+DATA_PY_BINARY = ("runtime/data.py _read_file reads a .txt with errors='replace': binary or non-UTF-8 --data is "
+                  "taken as text instead of refused with 'not UTF-8 text'")
+DATA_PY_JSONL = ("runtime/data.py _read_file: path.read_text() of a non-UTF-8 .jsonl raises UnicodeDecodeError, "
+                 "which it does not catch (it catches OSError, JSONDecodeError): a traceback")
+CALIBRATE_CHECK = ("method/calibrate.py CalibrateConfig.check accepts a negative --skip-first or --outlier-factor "
+                   "and calibrates (exit 0) instead of refusing it")
+def data_cases(name: str, base: list[str]) -> list[Case]:
+    """--data of the text commands (calibrate, loss, splice, bench-ttft): missing, a folder of no text, empty,
+    binary, not UTF-8, a JSONL line that is no object or no JSON."""
+    c = name
+    return [
+        Case(f"{c}-data-missing", cmd(base, data="{in}/missing.txt"), match="unknown data"),
+        Case(f"{c}-data-folder-without-text", cmd(base, data="{in}/folder"), {"folder/notes.md": b"# no text"},
+             match="holds no .txt or .jsonl"),
+        Case(f"{c}-data-empty", cmd(base, data="{in}/empty.txt"), {"empty.txt": EMPTY}),
+        Case(f"{c}-data-binary", cmd(base, data="{in}/binary.txt"), {"binary.txt": BINARY}, match="UTF-8",
+             xfail=DATA_PY_BINARY),
+        Case(f"{c}-data-jsonl-binary", cmd(base, data="{in}/binary.jsonl"), {"binary.jsonl": BINARY}, match="UTF-8",
+             xfail=DATA_PY_JSONL),
+        Case(f"{c}-data-jsonl-not-utf8", cmd(base, data="{in}/latin1.jsonl"), {"latin1.jsonl": LATIN1_JSONL},
+             match="UTF-8", xfail=DATA_PY_JSONL),
+        Case(f"{c}-data-jsonl-line-not-object", cmd(base, data="{in}/list.jsonl"), {"list.jsonl": NOT_AN_OBJECT},
+             match=":1:"),
+        Case(f"{c}-data-jsonl-line-not-json", cmd(base, data="{in}/bad.jsonl"), {"bad.jsonl": NOT_JSON}),
+    ]
+
+
+def maps_cases(name: str, base: list[str]) -> list[Case]:
+    """--maps of the commands that fill: from another model, a stats file, truncated, empty, binary, missing, a
+    folder."""
+    c = name
+    return [
+        Case(f"{c}-maps-other-model", cmd(base, model="{B}"), match="fitted for another model"),
+        Case(f"{c}-maps-is-stats", cmd(base, maps="{stats}"), match="not a ridgefill maps file"),
+        Case(f"{c}-maps-truncated-4-bytes", cmd(base, maps="{in}/m.safetensors"), {"m.safetensors": cut("maps", "4")},
+             match="corrupted or truncated"),
+        Case(f"{c}-maps-truncated-mid-header", cmd(base, maps="{in}/m.safetensors"),
+             {"m.safetensors": cut("maps", "header")}, match="corrupted or truncated"),
+        Case(f"{c}-maps-truncated-mid-data", cmd(base, maps="{in}/m.safetensors"),
+             {"m.safetensors": cut("maps", "data")}, match="corrupted or truncated"),
+        Case(f"{c}-maps-empty", cmd(base, maps="{in}/m.safetensors"), {"m.safetensors": EMPTY}),
+        Case(f"{c}-maps-binary", cmd(base, maps="{in}/m.safetensors"), {"m.safetensors": BINARY}),
+        Case(f"{c}-maps-missing", cmd(base, maps="{in}/missing.safetensors"), match="does not exist"),
+        Case(f"{c}-maps-folder", cmd(base, maps="{in}/folder"), {"folder/x.txt": b"x"}),
+    ]
+
+
+CASES: list[Case] = [
+    # --- calibrate ---
+    *data_cases("calibrate", CAL),
+    Case("calibrate-data-not-utf8-text", cmd(CAL, data="{in}/latin1.txt"), {"latin1.txt": LATIN1}, match="UTF-8",
+         xfail=DATA_PY_BINARY),
+    Case("calibrate-seq-len-past-context", cmd(CAL, seq_len=5000, tokens=5000), match="exceeds the model's context"),
+    Case("calibrate-tokens-zero", cmd(CAL, tokens=0), match="--tokens"),
+    Case("calibrate-tokens-negative", cmd(CAL, tokens=-128), match="--tokens"),
+    Case("calibrate-seq-len-one", cmd(CAL, seq_len=1), match="--seq-len"),
+    Case("calibrate-split-zero", cmd(CAL, split=0), match="out of range"),
+    Case("calibrate-split-last-layer", cmd(CAL, split=6), match="out of range"),
+    Case("calibrate-split-not-a-number", cmd(CAL, split="two"), match="--split"),
+    Case("calibrate-holdout-out-of-range", cmd(CAL, holdout=0.9), match="--holdout"),
+    Case("calibrate-chunk-zero", cmd(CAL, chunk=0), match="--chunk"),
+    Case("calibrate-chunk-negative", cmd(CAL, chunk=-4), match="--chunk"),
+    Case("calibrate-skip-first-negative", cmd(CAL, skip_first=-1), match="--skip-first", xfail=CALIBRATE_CHECK),
+    Case("calibrate-outlier-factor-negative", cmd(CAL, outlier_factor=-1), match="--outlier-factor",
+         xfail=CALIBRATE_CHECK),
+    Case("calibrate-checkpoint-every-negative", cmd(CAL, checkpoint_every=-1), match="--checkpoint-every"),
+    Case("calibrate-unknown-dtype", cmd(CAL, dtype="fp8"), match="dtype"),
+    Case("calibrate-unknown-device", cmd(CAL, device="tpu"), match="device"),
+    Case("calibrate-model-missing", cmd(CAL, model="{in}/no-model"), match="unknown model"),
+    Case("calibrate-model-is-a-file", cmd(CAL, model="{in}/config.json"), {"config.json": b"{}"},
+         match="unknown model"),
+    Case("calibrate-model-config-empty", cmd(CAL, model="{in}/model"), model_folder(config_json=EMPTY),
+         match="config.json"),
+    Case("calibrate-model-config-binary", cmd(CAL, model="{in}/model"), model_folder(config_json=BINARY),
+         match="config.json"),
+    Case("calibrate-model-without-weights", cmd(CAL, model="{in}/model"), model_folder(model_safetensors=None),
+         match="weights"),
+    Case("calibrate-model-weights-truncated", cmd(CAL, model="{in}/model"),
+         model_folder(model_safetensors=lambda found: (found.A / "model.safetensors").read_bytes()[:5000]),
+         match="cannot load the weights"),
+    Case("calibrate-resume-from-other-model", cmd(CAL, "--resume", model="{B}", split="2,3", holdout=0.25),
+         {"out/stats.safetensors.partial": copy_of("stats")}, match="other settings"),
+    Case("calibrate-resume-from-truncated-checkpoint", cmd(CAL, "--resume"),
+         {"out/stats.safetensors.partial": cut("stats", "data")}, match="corrupted or truncated"),
+
+    # --- fit ---
+    Case("fit-stats-missing", cmd(FIT, stats="{in}/missing.safetensors"), match="does not exist"),
+    Case("fit-stats-folder", cmd(FIT, stats="{in}/folder"), {"folder/x.txt": b"x"}),
+    Case("fit-stats-empty", cmd(FIT, stats="{in}/s.safetensors"), {"s.safetensors": EMPTY},
+         match="corrupted or truncated"),
+    Case("fit-stats-binary", cmd(FIT, stats="{in}/s.safetensors"), {"s.safetensors": BINARY},
+         match="corrupted or truncated"),
+    *[Case(f"fit-stats-truncated-{where}", cmd(FIT, stats="{in}/s.safetensors"),
+           {"s.safetensors": cut("stats", where)}, match="corrupted or truncated")
+      for where in ("4", "header", "data", "last")],
+    Case("fit-stats-is-maps", cmd(FIT, stats="{maps}"), match="not a ridgefill stats file"),
+    Case("fit-stats-is-a-model", cmd(FIT, stats="{A}/model.safetensors"), match="not a ridgefill stats file"),
+    Case("fit-split-not-in-stats", cmd(FIT, split=4), match="no statistics for split 4"),
+    Case("fit-rank-zero", cmd(FIT, rank=0), match="--rank"),
+    Case("fit-rank-negative", cmd(FIT, rank=-2), match="--rank"),
+    Case("fit-rank-hidden-size", cmd(FIT, rank=64), match="--rank"),
+    Case("fit-lam-zero", cmd(FIT, lam=0), match="--lam"),
+    Case("fit-lam-negative", cmd(FIT, lam=-1), match="--lam"),
+    Case("fit-lam-not-a-number", cmd(FIT, lam="big"), match="--lam"),
+    Case("fit-unknown-kind", cmd(FIT, kind="lasso"), match="--kind"),
+
+    # --- generate ---
+    *maps_cases("generate", GEN),
+    Case("generate-prompt-file-empty", cmd(GEN, prompt=None, prompt_file="{in}/p.txt"), {"p.txt": EMPTY},
+         match="empty"),
+    Case("generate-prompt-file-binary", cmd(GEN, prompt=None, prompt_file="{in}/p.txt"), {"p.txt": BINARY},
+         match="UTF-8"),
+    Case("generate-prompt-file-not-utf8", cmd(GEN, prompt=None, prompt_file="{in}/p.txt"), {"p.txt": LATIN1},
+         match="UTF-8"),
+    Case("generate-prompt-file-missing", cmd(GEN, prompt=None, prompt_file="{in}/missing.txt"),
+         match="does not exist"),
+    Case("generate-prompt-file-folder", cmd(GEN, prompt=None, prompt_file="{in}/folder"), {"folder/x.txt": b"x"},
+         match="not a file"),
+    Case("generate-prompt-and-prompt-file", cmd(GEN, prompt_file="{in}/p.txt"), {"p.txt": b"hello"},
+         match="exactly one"),
+    Case("generate-prompt-plus-new-tokens-past-context", cmd(GEN, max_new_tokens=4090),
+         match="exceed the model's context"),
+    Case("generate-max-new-tokens-zero", cmd(GEN, max_new_tokens=0), match="--max-new-tokens"),
+    Case("generate-max-new-tokens-negative", cmd(GEN, max_new_tokens=-3), match="--max-new-tokens"),
+    Case("generate-tail-zero", cmd(GEN, tail=0), match="--tail"),
+    Case("generate-tail-negative", cmd(GEN, tail=-1), match="--tail"),
+    Case("generate-keep-first-negative", cmd(GEN, keep_first=-1), match="--keep-first"),
+    Case("generate-split-not-the-maps", cmd(GEN, split=2), match="split 3, not 2"),
+    Case("generate-chunk-zero", cmd(GEN, chunk=0), match="--chunk"),
+
+    # --- ruler ---
+    *maps_cases("ruler", RULER),
+    Case("ruler-from-jsonl-empty", cmd(RULER, from_jsonl="{in}/niah_single_1.jsonl"), {"niah_single_1.jsonl": EMPTY},
+         match="holds no records"),
+    Case("ruler-from-jsonl-binary", cmd(RULER, from_jsonl="{in}/niah_single_1.jsonl"),
+         {"niah_single_1.jsonl": BINARY}, match="UTF-8"),
+    Case("ruler-from-jsonl-not-utf8", cmd(RULER, from_jsonl="{in}/niah_single_1.jsonl"),
+         {"niah_single_1.jsonl": LATIN1_JSONL}, match="UTF-8"),
+    Case("ruler-from-jsonl-line-not-object", cmd(RULER, from_jsonl="{in}/niah_single_1.jsonl"),
+         {"niah_single_1.jsonl": NOT_AN_OBJECT}, match=":1:"),
+    Case("ruler-from-jsonl-line-not-json", cmd(RULER, from_jsonl="{in}/niah_single_1.jsonl"),
+         {"niah_single_1.jsonl": NOT_JSON}, match=":1:"),
+    Case("ruler-from-jsonl-missing", cmd(RULER, from_jsonl="{in}/missing.jsonl"), match="does not exist"),
+    Case("ruler-from-jsonl-folder", cmd(RULER, from_jsonl="{in}/folder"), {"folder/x.jsonl": b"{}"},
+         match="not a file"),
+    Case("ruler-from-jsonl-record-past-context", cmd(RULER, from_jsonl="{in}/niah_single_1.jsonl"),
+         {"niah_single_1.jsonl": json.dumps({"input": "word " * 5000, "outputs": ["1"], "length": 5000,
+                                             "answer_prefix": " Answer:"}).encode()},
+         match="over the model's context"),
+    Case("ruler-lengths-past-context", cmd(RULER, lengths=5000), match="exceeds the model's context"),
+    Case("ruler-lengths-zero", cmd(RULER, lengths=0), match="--lengths"),
+    Case("ruler-lengths-not-numbers", cmd(RULER, lengths="long"), match="--lengths"),
+    Case("ruler-samples-zero", cmd(RULER, samples=0), match="--samples"),
+    Case("ruler-samples-negative", cmd(RULER, samples=-1), match="--samples"),
+    Case("ruler-tail-zero", cmd(RULER, tail=0), match="--tail"),
+    Case("ruler-tail-covers-length", cmd(RULER, tail=256), match="no filled row"),
+    Case("ruler-max-new-tokens-zero", cmd(RULER, max_new_tokens=0), match="--max-new-tokens"),
+    Case("ruler-unknown-task", cmd(RULER, tasks="niah_single_9"), match="niah_single_9"),
+    Case("ruler-unknown-region", cmd(RULER, region="middle"), match="region"),
+    Case("ruler-unknown-variant", cmd(RULER, variants="exact,oracle"), match="oracle"),
+    Case("ruler-identity-without-split-or-maps", cmd(RULER, maps=None, variants="exact,identity"), match="--split"),
+    Case("ruler-split-not-the-maps-without-ridge", cmd(RULER, variants="exact,identity", split=2),
+         match="split 3, not 2"),
+
+    # --- loss ---
+    *data_cases("loss", LOSS),
+    *maps_cases("loss", LOSS),
+    Case("loss-context-past-model", cmd(LOSS, context=5000), match="exceeds the model's context"),
+    Case("loss-context-one", cmd(LOSS, context=1), match="--context"),
+    Case("loss-short-not-below-context", cmd(LOSS, short=256), match="--short"),
+    Case("loss-short-stride-zero", cmd(LOSS, short_stride=0), match="--short-stride"),
+    Case("loss-samples-zero", cmd(LOSS, samples=0), match="--samples"),
+    Case("loss-samples-negative", cmd(LOSS, samples=-2), match="--samples"),
+    Case("loss-tail-one", cmd(LOSS, tail=1), match="--tail"),
+    Case("loss-tail-negative", cmd(LOSS, tail=-16), match="--tail"),
+    Case("loss-keep-first-negative", cmd(LOSS, keep_first=-1), match="--keep-first"),
+    Case("loss-ridge-without-maps", cmd(LOSS, maps=None, variants="exact,ridge"), match="--maps"),
+    Case("loss-split-not-the-maps-without-ridge", cmd(LOSS, variants="exact,identity", split=2),
+         match="split 3, not 2"),
+    Case("loss-chunk-zero", cmd(LOSS, chunk=0), match="--chunk"),
+
+    # --- splice ---
+    *data_cases("splice", SPLICE),
+    Case("splice-maps-other-model", cmd(SPLICE, model="{B}"), match="fitted for another model"),
+    Case("splice-maps-is-stats", cmd(SPLICE, maps="{stats}"), match="not a ridgefill maps file"),
+    Case("splice-maps-truncated-mid-data", cmd(SPLICE, maps="{in}/m.safetensors"),
+         {"m.safetensors": cut("maps", "data")}, match="corrupted or truncated"),
+    Case("splice-context-past-model", cmd(SPLICE, context=5000, tail=16), match="exceeds the model's context"),
+    Case("splice-tail-covers-context", cmd(SPLICE, tail=256), match="--tail"),
+    Case("splice-samples-zero", cmd(SPLICE, samples=0), match="--samples"),
+    Case("splice-needles-negative", cmd(SPLICE, needles=-1), match="--needles"),
+    Case("splice-max-new-tokens-zero", cmd(SPLICE, needles=1, max_new_tokens=0), match="--max-new-tokens"),
+    Case("splice-layers-outside-filled-range", cmd(SPLICE, layers="1-2"), match="outside the filled range"),
+    Case("splice-layers-not-a-range", cmd(SPLICE, layers="5-3"), match="--layers"),
+    Case("splice-unknown-swap", cmd(SPLICE, swap="keys+queries"), match="queries"),
+    Case("splice-state-on-attention-model", cmd(SPLICE, swap="state"), match="state"),
+    Case("splice-unknown-fill", cmd(SPLICE, fill="oracle"), match="--fill"),
+    Case("splice-identity-fill-split-not-the-maps", cmd(SPLICE, fill="identity", split=2), match="split 3, not 2"),
+    Case("splice-identity-fill-without-split", cmd(SPLICE, maps=None), match="--split"),
+
+    # --- longbench ---
+    *maps_cases("longbench", LB),
+    Case("longbench-data-empty-json", cmd(LB, data="{in}/lb.json"), {"lb.json": EMPTY}, match="not valid JSON"),
+    Case("longbench-data-empty-jsonl", cmd(LB, data="{in}/lb.jsonl"), {"lb.jsonl": EMPTY}, match="no questions"),
+    Case("longbench-data-binary", cmd(LB, data="{in}/lb.json"), {"lb.json": BINARY}, match="UTF-8"),
+    Case("longbench-data-not-utf8", cmd(LB, data="{in}/lb.jsonl"), {"lb.jsonl": LATIN1_JSONL}, match="UTF-8"),
+    Case("longbench-data-line-not-object", cmd(LB, data="{in}/lb.jsonl"), {"lb.jsonl": NOT_AN_OBJECT}, match=":1"),
+    Case("longbench-data-line-not-json", cmd(LB, data="{in}/lb.jsonl"), {"lb.jsonl": NOT_JSON}, match=":1"),
+    Case("longbench-data-json-not-a-list", cmd(LB, data="{in}/lb.json"), {"lb.json": b'{"_id": "x"}'},
+         match="not a list"),
+    Case("longbench-data-record-missing-field", cmd(LB, data="{in}/lb.jsonl"), {"lb.jsonl": b'{"_id": "x"}\n'},
+         match="missing field"),
+    Case("longbench-data-missing", cmd(LB, data="{in}/missing.json"), match="neither a file"),
+    Case("longbench-data-folder", cmd(LB, data="{in}/folder"), {"folder/lb.json": b"[]"}, match="neither a file"),
+    Case("longbench-data-wrong-suffix", cmd(LB, data="{in}/lb.txt"), {"lb.txt": b"[]"}, match=".jsonl"),
+    Case("longbench-max-len-past-context", cmd(LB, max_len=5000), match="exceed the model's context"),
+    Case("longbench-max-len-one", cmd(LB, max_len=1), match="--max-len"),
+    Case("longbench-limit-zero", cmd(LB, limit=0), match="--limit"),
+    Case("longbench-limit-negative", cmd(LB, limit=-1), match="--limit"),
+    Case("longbench-max-new-tokens-zero", cmd(LB, "--mode", "generate", max_new_tokens=0), match="--max-new-tokens"),
+    Case("longbench-unknown-mode", cmd(LB, mode="guess"), match="--mode"),
+    Case("longbench-split-not-the-maps-without-ridge", cmd(LB, variants="exact,identity", split=2),
+         match="split 3, not 2"),
+
+    # --- bench-ttft ---
+    *maps_cases("bench-ttft", TTFT),
+    Case("bench-ttft-data-empty", cmd(TTFT, data="{in}/empty.txt"), {"empty.txt": EMPTY}, match="no text"),
+    Case("bench-ttft-data-binary", cmd(TTFT, data="{in}/binary.txt"), {"binary.txt": BINARY}, match="UTF-8",
+         xfail=DATA_PY_BINARY),
+    Case("bench-ttft-data-jsonl-not-utf8", cmd(TTFT, data="{in}/latin1.jsonl"), {"latin1.jsonl": LATIN1_JSONL},
+         match="UTF-8", xfail=DATA_PY_JSONL),
+    Case("bench-ttft-data-missing", cmd(TTFT, data="{in}/missing.txt"), match="unknown data"),
+    Case("bench-ttft-lengths-past-context", cmd(TTFT, lengths="32,5000"), match="exceeds the model's context"),
+    Case("bench-ttft-lengths-one", cmd(TTFT, lengths=1), match="--lengths"),
+    Case("bench-ttft-repeats-zero", cmd(TTFT, repeats=0), match="--repeats"),
+    Case("bench-ttft-repeats-negative", cmd(TTFT, repeats=-1), match="--repeats"),
+    Case("bench-ttft-warmup-negative", cmd(TTFT, warmup=-1), match="--warmup"),
+    Case("bench-ttft-tail-zero", cmd(TTFT, tail=0), match="--tail"),
+    Case("bench-ttft-threads-negative", cmd(TTFT, threads=-1), match="--threads"),
+    Case("bench-ttft-unknown-projection", cmd(TTFT, projection="cuda"), match="--projection"),
+    Case("bench-ttft-exact-only", cmd(TTFT, variants="exact"), match="--variants"),
+    Case("bench-ttft-chunk-zero", cmd(TTFT, chunk=0), match="--chunk"),
+
+    # --- run ---
+    Case("run-recipe-empty", RUN, {"recipe.toml": EMPTY}, match="model"),
+    Case("run-recipe-binary", RUN, {"recipe.toml": BINARY}, match="UTF-8"),
+    Case("run-recipe-not-utf8", RUN, {"recipe.toml": ('name = "café"\n' + RECIPE).encode("latin-1")}, match="UTF-8"),
+    Case("run-recipe-not-toml", RUN, {"recipe.toml": RECIPE + "[fit\n"}, match="invalid TOML"),
+    Case("run-recipe-missing", cmd(RUN[:1] + ["{in}/missing.toml"] + RUN[2:]), match="does not exist"),
+    Case("run-recipe-folder", cmd(RUN[:1] + ["{in}/folder"] + RUN[2:]), {"folder/a.toml": RECIPE},
+         match="does not exist"),
+    Case("run-recipe-splits-wrong-type", RUN, {"recipe.toml": RECIPE.replace("splits = 3", 'splits = "three"')},
+         match="splits"),
+    Case("run-recipe-option-wrong-type", RUN, {"recipe.toml": RECIPE.replace("tokens = 1024", 'tokens = "many"')},
+         match="tokens"),
+    Case("run-recipe-tokens-zero", RUN, {"recipe.toml": RECIPE.replace("tokens = 1024", "tokens = 0")},
+         match="--tokens"),
+    Case("run-recipe-unknown-key", RUN, {"recipe.toml": "modle = 1\n" + RECIPE}, match="modle"),
+    Case("run-recipe-unknown-option", RUN, {"recipe.toml": RECIPE + "lamda = 1\n"}, match="lamda"),
+    Case("run-recipe-unknown-step", RUN, {"recipe.toml": RECIPE + "[perplexity]\n"}, match="perplexity"),
+    Case("run-recipe-step-data-missing", RUN, {"recipe.toml": RECIPE + '[loss]\ndata = "{in}/missing.txt"\n'},
+         match="missing.txt"),
+    Case("run-recipe-split-out-of-range", RUN, {"recipe.toml": RECIPE.replace("splits = 3", "splits = 9")},
+         match="out of range"),
+    Case("run-override-wrong-type", RUN + ["calibrate.tokens=many"], {"recipe.toml": RECIPE},
+         match="calibrate.tokens=many"),
+    Case("run-override-unknown-step", RUN + ["perplexity.samples=2"], {"recipe.toml": RECIPE}, match="perplexity"),
+
+    # --- report ---
+    Case("report-folder-empty", REPORT, {"results/.keep": EMPTY}, match="no ridgefill result"),
+    Case("report-folder-missing", REPORT, match="not a folder"),
+    Case("report-folder-is-a-file", REPORT, {"results": b"{}"}, match="not a folder"),
+    Case("report-results-empty-and-binary", REPORT, {"results/a.json": EMPTY, "results/b.json": BINARY},
+         match="no ridgefill result"),
+    Case("report-result-truncated", REPORT, {"results/loss.json": lambda found: found.result.read_bytes()[:200]},
+         match="no ridgefill result"),
+    Case("report-result-without-results", REPORT, {"results/loss.json": result_with(results=None)},
+         match="loss.json"),
+    Case("report-result-wrong-type", REPORT, {"results/loss.json": result_with(results=[1, 2])}, match="loss.json"),
+    Case("report-manifest-not-an-object", REPORT,
+         {"results/manifest.json": b"[1, 2]", "results/loss.json": copy_of("result")}, match="manifest.json"),
+    Case("report-tolerance-negative", REPORT + ["--tolerance", "-1"], {"results/loss.json": copy_of("result")},
+         match="--tolerance"),
+]
+
+# a few cases again in a subprocess, through `python -m ridgefill`
+END_TO_END = ["fit-stats-truncated-data", "generate-prompt-file-binary", "loss-maps-other-model",
+              "run-recipe-unknown-step", "report-manifest-not-an-object"]
+
+
+# --- running a case -----------------------------------------------------------------------------------------
+def _prepare(case: Case, found: Inputs, tmp: Path) -> tuple[list[str], Path, Path]:
+    """Write the case's files; returns (arguments, its output folder, the working folder)."""
+    folders = {"in": tmp / "in", "out": tmp / "out", "cwd": tmp / "cwd"}
+    for folder in folders.values():
+        folder.mkdir()
+    names = {**found.names(), "in": str(folders["in"]), "out": str(folders["out"])}
+    for name, content in case.files.items():
+        path = folders["out"] / name[4:] if name.startswith("out/") else folders["in"] / name
+        if content is COPY_OF_A:
+            shutil.copytree(found.A, path)
+            continue
+        if content is None:
+            path.unlink()
+            continue
+        if callable(content):
+            content = content(found)
+        if isinstance(content, str):
+            content = content.format(**names).encode()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content)
+    return [a.format(**names) if a.count("{") else a for a in case.args], folders["out"], folders["cwd"]
+
+
+def _listing(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() else b"/"
+            for p in sorted(folder.rglob("*"))} if folder.exists() else {}
+
+
+def _check(case: Case, code: int, stderr: str, out: Path, before: dict, cwd: Path) -> None:
+    assert "Traceback" not in stderr, stderr
+    assert code == 2, f"exit code {code}, stderr:\n{stderr}"
+    assert stderr.endswith("\n") and stderr.count("\n") == 1, f"not exactly one line on stderr:\n{stderr}"
+    assert stderr.startswith("error: "), stderr
+    if case.match:
+        assert case.match.lower() in stderr.lower(), f"the error does not name {case.match!r}: {stderr}"
+    assert _listing(out) == before, f"files left in the output folder: {sorted(set(_listing(out)) - set(before))}"
+    assert not any(cwd.iterdir()), f"files left in the working folder: {list(cwd.iterdir())}"
+
+
+@pytest.mark.parametrize("case", [c.param() for c in CASES])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, inputs, tmp_path, monkeypatch, capfd):
+    args, out, cwd = _prepare(case, inputs, tmp_path)
+    before = _listing(out)
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(sys, "argv", ["ridgefill", *args])
+    capfd.readouterr()
+    try:
+        cli.main()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    _check(case, code, capfd.readouterr().err, out, before, cwd)
+
+
+@pytest.mark.parametrize("case", [c.param() for c in CASES if c.id in END_TO_END])
+def test_bad_input_end_to_end(case, inputs, tmp_path):
+    args, out, cwd = _prepare(case, inputs, tmp_path)
+    before = _listing(out)
+    r = subprocess.run([sys.executable, "-m", "ridgefill", *args], capture_output=True, text=True, cwd=cwd,
+                       timeout=300)
+    _check(case, r.returncode, r.stderr, out, before, cwd)
+
+
+def test_cases_cover_every_command_and_ids_are_unique():
+    assert len({c.id for c in CASES}) == len(CASES)
+    assert set(END_TO_END) <= {c.id for c in CASES}
+    commands = {c.args[0] for c in CASES}
+    assert commands >= {"calibrate", "fit", "generate", "ruler", "loss", "splice", "longbench", "bench-ttft", "run",
+                        "report"}
+
+
+@pytest.mark.parametrize("name", list(BASES))
+def test_the_cases_base_commands_run(name, inputs, tmp_path, monkeypatch, capfd):
+    """Every case changes one thing of a command line that works: the error comes from that change."""
+    case = Case(name, BASES[name])
+    args, out, cwd = _prepare(case, inputs, tmp_path)
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(sys, "argv", ["ridgefill", *args])
+    try:
+        cli.main()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    assert code == 0, capfd.readouterr().err
