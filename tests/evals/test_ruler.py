@@ -257,3 +257,38 @@ def test_exact_answers_are_reused_across_splits(tmp_path, tiny_checkpoint):
     assert exact_answers[0] == exact_answers[1]
     plain = ruler_command(split=2, out=tmp_path / "c.json", **{**common, "exact_cache": None})
     assert plain["results"] == second["results"] and plain["exact_store"]["folder"] is None
+
+
+# --- the printed table: lengths bucketed as RULER does -----------------------------------------------------
+def test_jsonl_lengths_are_bucketed_by_their_nominal_length():
+    from ridgefill.evals.ruler import length_bucket
+
+    assert [length_bucket(n, nominal=False) for n in (1900, 2048, 2049, 1)] == ["≤2048", "≤2048", "≤4096", "≤1"]
+    assert length_bucket(1900) == "1900"  # a generated sample carries its nominal length already
+
+
+def test_table_cells_pool_samples_of_one_bucket():
+    from ridgefill.evals.ruler import RulerSample, length_cells
+
+    def sample(task, length):
+        return RulerSample(task, length, 0.5, "", "", [], 16, [], [], 0)
+
+    items = [sample("niah_single_1", 2018 + i) for i in range(30)] + [sample("vt", 4000), sample("vt", 1000)]
+    scores = {"exact": [100.0] * 30 + [0.0, 100.0], "identity": [100.0] * 20 + [0.0] * 10 + [50.0, 50.0]}
+    cells = length_cells(items, scores, nominal=False)
+    assert list(cells) == [("niah_single_1", "≤2048"), ("vt", "≤1024"), ("vt", "≤4096")]
+    assert cells[("niah_single_1", "≤2048")] == {"exact": 100.0, "identity": pytest.approx(200 / 3)}
+    generated = length_cells(items[30:], {v: s[30:] for v, s in scores.items()})
+    assert list(generated) == [("vt", "1000"), ("vt", "4000")]
+
+
+def test_from_jsonl_prints_one_row_per_bucket_and_keeps_the_lengths_in_the_json(tmp_path, tiny_checkpoint, capsys):
+    path = tmp_path / "niah_single_1.jsonl"
+    path.write_text("".join(json.dumps(ruler_record(v, length=n)) + "\n"
+                            for v, n in (("4271938", 100), ("1111111", 120), ("2222222", 127))))
+    doc = ruler_command(model=str(tiny_checkpoint), split=3, variants="identity", tail=8, from_jsonl=path,
+                        max_new_tokens=2, out=tmp_path / "r.json")
+    rows = [line for line in capsys.readouterr().out.splitlines() if "niah_single_1" in line]
+    assert len(rows) == 1 and "≤128" in rows[0]
+    assert [s["length"] for s in doc["samples"]] == [100, 120, 127]
+    assert set(doc["results"]["exact"]["lengths"]) == {"100", "120", "127"}  # the JSON keeps its fields

@@ -76,3 +76,37 @@ def test_speedups_come_from_the_longest_prompt_bench_ttft_timed():
     p = {v: next(p for p in f.points if (p.variant, p.split, p.tail) == (v, 15, 256)) for v in ("identity", "ridge")}
     assert (p["ridge"].length, p["ridge"].measured_speedup, p["ridge"].flop_speedup) == (8192, 1.7, 2.7)
     assert (p["identity"].measured_speedup, p["identity"].flop_speedup, p["identity"].retrieval) == (1.8, 2.8, 80.0)
+
+
+# --- the FLOP-limit speedup without bench-ttft ------------------------------------------------------------
+SMOLLM2 = dict(layers=30, hidden=576, heads=9, kv_heads=3, head_dim=64, intermediate=1536, vocab=49152)
+
+
+def flop_model(length: int, **extra):
+    from ridgefill.engine import ModelShape
+    from ridgefill.report.frontier import FlopModel
+
+    return FlopModel(ModelShape(**{**SMOLLM2, **extra.pop("shape", {})}), length, **extra)
+
+
+@pytest.mark.parametrize("length,identity,ridge,rank64", [(1024, 1.52, 1.46, 1.50), (4096, 1.78, 1.71, 1.77),
+                                                          (8192, 1.86, 1.80, 1.85)])
+def test_flop_limit_speedup_is_counted_from_the_shapes_without_a_bench(length, identity, ridge, rank64):
+    """The known answers: docs/performance.md's table for SmolLM2-135M at split 15, tail 256, keep-first 1."""
+    f = frontier(SWEEP, [], [], 5.0, flop_model(length))
+    p = {v: next(p for p in f.points if (p.variant, p.split, p.tail) == (v, 15, 256)) for v in ("identity", "ridge")}
+    assert (round(p["identity"].flop_speedup, 2), round(p["ridge"].flop_speedup, 2)) == (identity, ridge)
+    assert p["ridge"].length == length and p["ridge"].measured_speedup is None
+    low_rank = frontier(SWEEP, [], [], 5.0, flop_model(length, ranks={15: 64}))
+    assert round(next(p.flop_speedup for p in low_rank.points if (p.variant, p.split) == ("ridge", 15)), 2) == rank64
+
+
+def test_a_bench_result_keeps_its_own_speedups_and_hybrid_models_get_no_count():
+    doc = {"command": "bench-ttft", "split": 15, "maps": {"split": 15}, "seed": 0, "config": {"tail": 256},
+           "results": [{"length": 8192, "fill": {"ridge": {"speedup": 1.7, "limit_speedup": 2.7}}}]}
+    f = frontier(SWEEP, [], [Result(Path("bench.json"), doc)], 5.0, flop_model(1024))
+    timed = next(p for p in f.points if (p.variant, p.split, p.tail) == ("ridge", 15, 256))
+    counted = next(p for p in f.points if (p.variant, p.split, p.tail) == ("ridge", 20, 256))
+    assert (timed.flop_speedup, timed.length) == (2.7, 8192) and counted.length == 1024 and counted.flop_speedup > 1
+    hybrid = flop_model(1024, shape={"layer_kinds": ("linear", "linear", "attention") * 10})
+    assert all(p.flop_speedup is None and p.length is None for p in frontier(SWEEP, [], [], 5.0, hybrid).points)

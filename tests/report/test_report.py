@@ -171,3 +171,23 @@ def test_report_command_and_empty_folder(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(RidgefillError, match="holds no ridgefill result documents"):
         write_report(tmp_path / "empty")
+
+
+def test_a_sweep_without_bench_ttft_shows_the_flop_limit_speedup(tmp_path):
+    """The shapes come from the documents' `model` and the model folder's config.json (MLP width, vocabulary);
+    the length is the longest measured prompt (here RULER's 4096); known answers from docs/performance.md."""
+    folder = tmp_path / "smollm2"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"intermediate_size": 1536, "vocab_size": 49152}))
+    model = {"id": str(folder), "weights_hash": "abc", "family": "llama", "layers": 30, "hidden_size": 576,
+             "heads": 9, "kv_heads": 3, "head_dim": 64, "layer_kinds": ["attention"] * 30}
+    docs = {}
+    for split in (15, 18):
+        docs[f"ruler-s{split}.json"] = {**ruler_doc(split, 256, {"exact": 90.0, "identity": 88.0, "ridge": 89.0}),
+                                        "model": model}
+        docs[f"loss-s{split}.json"] = {**loss_doc(split, 256), "model": model}
+    report = write_report(write_docs(tmp_path / "run", docs)).read_text()
+    assert "| identity | 256 | 15 | 1.784 | – | 4096 |" in report and "| ridge | 256 | 18 | 1.497 | – | 4096 |" in report
+    assert "- ridge, tail 256: **split 15**, 1.71x FLOP-limit" in report
+    (folder / "config.json").unlink()  # shapes unknown: no count, as before
+    assert "| identity | 256 | 15 | – | – | – |" in write_report(tmp_path / "run").read_text()

@@ -2,7 +2,9 @@
 
 Per variant (identity, ridge) and tail, each split is one point: its quality (filled-region RULER retrieval and
 distant-context NLL, each beside exact's on the same samples) and its speed (FLOP-limit and measured prefill
-speedup over exact, from bench-ttft). Seeds of one (split, tail) are averaged.
+speedup over exact, from bench-ttft). Seeds of one (split, tail) are averaged. Without a bench-ttft result for a
+point, its FLOP-limit speedup is counted from the model's shapes (FlopModel, evals/flops.py) when they are known:
+it needs no timing.
 
 The useful split is the smallest split (the most layers filled, the most speed) whose filled-region retrieval
 stays within `tolerance` points of exact: how much speed the method buys at equal quality.
@@ -11,8 +13,12 @@ stays within `tolerance` points of exact: how much speed the method buys at equa
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ridgefill.evals.stats import mean
+
+if TYPE_CHECKING:
+    from ridgefill.engine import ModelShape
 
 FILLS = ("identity", "ridge")
 
@@ -26,6 +32,7 @@ class Point:
     retrieval_exact: float | None = None
     distant_nll: float | None = None  # mean NLL on distant-context tokens (tail NLL if the run found none)
     distant_nll_exact: float | None = None
+    nll_metric: str | None = None  # "distant" or "tail": what distant_nll holds
     flop_speedup: float | None = None  # exact FLOPs / fill FLOPs at `length`
     measured_speedup: float | None = None  # exact TTFT / fill TTFT at `length`
     length: int | None = None  # prompt length of the speedups
@@ -35,6 +42,49 @@ class Point:
         if self.retrieval is None or self.retrieval_exact is None:
             return None
         return self.retrieval_exact - self.retrieval
+
+    @property
+    def distant_gap(self) -> float | None:
+        """NLL above exact's (nats), on distant-context tokens (tail tokens where the run found none)."""
+        if self.distant_nll is None or self.distant_nll_exact is None:
+            return None
+        return self.distant_nll - self.distant_nll_exact
+
+
+@dataclass(frozen=True)
+class FlopModel:
+    """What a point's FLOP-limit speedup needs besides its variant, split and tail: the model's shapes, the prompt
+    length it is stated at, the leading rows kept in full, and the maps' rank per split (absent: full rank)."""
+
+    shape: "ModelShape"
+    length: int
+    keep_first: int = 1
+    ranks: dict = field(default_factory=dict)  # split -> rank of its maps (None: full rank)
+
+    def speedup(self, variant: str, split: int, tail: int) -> float | None:
+        """FLOPs of exact prefill over those of the filled one (None for a model whose FLOPs are not counted:
+        hybrid layers, or no MLP width)."""
+        import numpy as np
+
+        from ridgefill.evals.flops import prefill_flops
+
+        if not self.shape.dense or self.shape.intermediate is None:
+            return None
+        full = np.zeros(self.length, dtype=bool)
+        full[max(0, self.length - tail):] = True
+        full[:self.keep_first] = True
+        filled = prefill_flops(self.shape, self.length, full, split,
+                               map_flops(self.shape, variant, split, self.ranks.get(split)))
+        return prefill_flops(self.shape, self.length) / filled
+
+
+def map_flops(shape: "ModelShape", variant: str, split: int, rank: int | None = None) -> int:
+    """One filled row's maps (the filler's flops_per_row): none for identity fill, 2·H² per predicted layer
+    S+1..L-1 for full-rank maps, 4·H·r for rank r."""
+    if variant == "identity":
+        return 0
+    h = shape.hidden
+    return (shape.layers - split - 1) * (2 * h * h if rank is None else 4 * h * rank)
 
 
 @dataclass
@@ -53,9 +103,10 @@ def useful_split(points: list[Point], tolerance: float = 5.0) -> Point | None:
     return min(within, key=lambda p: p.split) if within else None
 
 
-def frontier(ruler: list, loss: list, bench: list, tolerance: float = 5.0) -> Frontier:
+def frontier(ruler: list, loss: list, bench: list, tolerance: float = 5.0, flops: FlopModel | None = None) -> Frontier:
     """Points from result documents (report.Result objects: .doc, .split, .tail) of ruler (filled region only),
-    loss and bench-ttft; the useful split per (variant, tail) wherever retrieval was measured."""
+    loss and bench-ttft; the useful split per (variant, tail) wherever retrieval was measured. flops: counts the
+    FLOP-limit speedup of the points bench-ttft did not time (at flops.length)."""
     points: dict[tuple, Point] = {}
 
     def point(variant: str, split, tail) -> Point:
@@ -75,6 +126,7 @@ def frontier(ruler: list, loss: list, bench: list, tolerance: float = 5.0) -> Fr
                 p = point(v, split, tail)
                 p.distant_nll = mean([d["results"][v][metric] for d in docs])
                 p.distant_nll_exact = mean([d["results"]["exact"][metric] for d in docs])
+                p.nll_metric = metric.removesuffix("_nll")
     for (split, tail), docs in _by_config(bench).items():
         for v in FILLS:
             found = [_speedup(d, v) for d in docs]
@@ -84,6 +136,11 @@ def frontier(ruler: list, loss: list, bench: list, tolerance: float = 5.0) -> Fr
                 p.length = found[0][0]
                 p.flop_speedup = mean([f[1] for f in found if f[0] == p.length])
                 p.measured_speedup = mean([f[2] for f in found if f[0] == p.length])
+    if flops is not None:
+        for p in (p for p in points.values() if p.flop_speedup is None):
+            counted = flops.speedup(p.variant, p.split, p.tail)
+            if counted is not None:
+                p.flop_speedup, p.length = counted, flops.length
     ordered = sorted(points.values(), key=lambda p: (p.variant, p.tail, p.split))
     useful = []
     for v in FILLS:

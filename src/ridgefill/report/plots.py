@@ -59,21 +59,30 @@ def fit(fits: list, path: Path) -> None:
 # --- loss -----------------------------------------------------------------------------------------------
 def loss(results: list, path: Path) -> None:
     """Each fill's NLL minus exact's with its interval, per result, for distant-context and all tail tokens."""
+    _save(loss_figure(results), path)
+
+
+def loss_figure(results: list):
+    """The loss figure: one panel per metric. Exact is the dashed zero line, kept clear of the frame (bars start
+    at 0, so without a margin below it the line would sit on the bottom spine and show as nothing); the panels
+    share one y label, on the first, and a constrained layout keeps it off the panel beside it."""
     metrics = [m for m in ("distant", "tail")
                if any(r.doc["results"].get("exact", {}).get(f"{m}_nll") is not None for r in results)]
     fig, axes = _pyplot().subplots(1, len(metrics), figsize=(1.5 + (2.2 + 0.9 * len(results)) * len(metrics), 3.8),
-                                   squeeze=False)
+                                   squeeze=False, layout="constrained")
     for ax, metric in zip(axes[0], metrics):
         for g, r in enumerate(results):
             _loss_bars(ax, g, r, metric)
-        ax.axhline(0, color=COLORS["exact"], lw=1, label="exact")
+        ax.use_sticky_edges = False
+        ax.margins(y=0.08)
+        ax.axhline(0, color=COLORS["exact"], lw=1.2, ls="--", label="exact (Δ = 0)")
         ax.set_xticks(range(len(results)), [r.label.replace(", ", "\n") for r in results], fontsize=7)
-        ax.set(ylabel="Δ mean NLL vs exact (nats)", title=f"{metric}-context tokens" if metric == "distant"
-               else "all tail tokens")
+        ax.set_title(f"{metric}-context tokens" if metric == "distant" else "all tail tokens")
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("Δ mean NLL vs exact (nats)")
     fig.suptitle("NLL of each fill minus exact's, 95% paired bootstrap interval over passages", fontsize=9)
-    _save(fig, path)
+    return fig
 
 
 def _loss_bars(ax, g: int, r, metric: str) -> None:
@@ -87,7 +96,7 @@ def _loss_bars(ax, g: int, r, metric: str) -> None:
         e = diff["estimate"]
         err = [[e - diff["low"]], [diff["high"] - e]] if diff.get("low") is not None else None
         ax.bar(g + (k - (len(names) - 1) / 2) * width, e, width, yerr=err, capsize=3, color=COLORS.get(v, "C9"),
-               label=v if g == 0 else None)
+               label=None if v in ax.get_legend_handles_labels()[1] else v)  # once, where first drawn
 
 
 # --- RULER ----------------------------------------------------------------------------------------------

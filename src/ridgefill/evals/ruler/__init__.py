@@ -68,6 +68,7 @@ class RulerConfig(MeasureConfig):
     exact_cache: Path | None = exact_cache_option()
 
     def check(self) -> None:
+        super().check()
         parse_variants(self.variants, self.maps)
         parse_tasks(self.tasks)
         lengths = parse_lengths(self.lengths)
@@ -103,7 +104,8 @@ def run(c: RulerConfig) -> dict:
     records = [_record_of(s, {v: predictions[v][i] for v in m.plans}, {v: scores[v][i] for v in m.plans})
                for i, s in enumerate(items)]
     doc = m.write(results, intervals, samples=records)
-    _print_tables(results, intervals, c.region if c.from_jsonl is None else "as given", c.tail)
+    _print_tables(results, intervals, c.region if c.from_jsonl is None else "as given", c.tail,
+                  length_cells(items, scores, nominal=c.from_jsonl is None))
     return doc
 
 
@@ -216,12 +218,32 @@ def parse_tasks(text: str | None) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def _print_tables(results: dict, intervals: dict, region: str, tail: int) -> None:
-    
+def length_bucket(length: int, nominal: bool = True) -> str:
+    """The length a sample is shown under in the printed table: a generated sample's nominal length; a RULER
+    jsonl record's `length` is its own token count (prompt + answer budget, at most the file's max_seq_length),
+    so records are grouped as RULER groups them, by the nominal length they were made for: the next power of
+    two (1900 and 2048 tokens -> "≤2048")."""
+    if nominal:
+        return str(length)
+    return f"≤{1 << max(0, length - 1).bit_length()}"
+
+
+def length_cells(items: list[RulerSample], scores: dict[str, list[float]], nominal: bool = True) -> dict:
+    """(task, length bucket) -> variant -> mean score over the samples in that cell; tasks in sample order, each
+    task's buckets from the shortest."""
+    groups: dict = {}
+    for i, s in enumerate(items):
+        groups.setdefault((s.task, length_bucket(s.length, nominal)), []).append(i)
+    tasks = list(dict.fromkeys(s.task for s in items))
+    order = sorted(groups, key=lambda cell: (tasks.index(cell[0]), int(cell[1].lstrip("≤"))))
+    return {cell: {v: float(np.mean([scores[v][i] for i in groups[cell]])) for v in scores} for cell in order}
+
+
+def _print_tables(results: dict, intervals: dict, region: str, tail: int, cells: dict) -> None:
+    """The score per task and length bucket (cells: from length_cells), by needle depth, and vs exact."""
     names = list(results)
     first = results[names[0]]
-    rows = [[t, n] + [results[v]["tasks"][t]["lengths"][n] for v in names]
-            for t in first["tasks"] for n in first["tasks"][t]["lengths"]]
+    rows = [[task, length] + [means[v] for v in names] for (task, length), means in cells.items()]
     rows.append(["score (mean)", ""] + [results[v]["score"] for v in names])
     table(f"RULER score (0-100), needles in {region} rows, tail {tail}", ["task", "length"] + names, rows)
     table("score by needle depth (first needle)", ["depth", "samples"] + names,

@@ -1,0 +1,243 @@
+"""`ridgefill tune`: the search on stubbed quality tables (the chosen split is the lowest within bounds; early stop;
+bisect agrees with a full descent when quality is monotone), the verdict and the choice between variants, bad
+input in one line, and the command on the tiny checkpoint: the serving config's fields, the report's frontier,
+caching on rerun."""
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ridgefill.cli import main
+from ridgefill.errors import RidgefillError
+from ridgefill.pipeline import tune
+from ridgefill.pipeline.tune import COMMAND as tune_command
+from ridgefill.pipeline.tune import PASS, best_choice, bisect, candidate_splits, descend, search, verdict
+from ridgefill.report.frontier import Point
+from tiny_checkpoint import training_text
+
+
+# --- the search on stubbed quality tables -----------------------------------------------------------------
+class Table:
+    """A judge from a table: split -> variant -> passes; records the splits it was asked about."""
+
+    def __init__(self, passes: dict[int, dict[str, bool]]):
+        self.passes, self.asked = passes, []
+
+    def __call__(self, split: int) -> dict[str, bool]:
+        self.asked.append(split)
+        return self.passes[split]
+
+
+def thresholds(splits, **lowest) -> Table:
+    """Monotone quality: a variant passes at and above its lowest passing split (None: nowhere)."""
+    return Table({s: {v: low is not None and s >= low for v, low in lowest.items()} for s in splits})
+
+
+SPLITS = list(range(10, 21))
+
+
+def test_descend_chooses_the_lowest_passing_split_and_stops_when_every_variant_failed():
+    judge = thresholds(SPLITS, identity=16, ridge=13)
+    assert descend(SPLITS, judge, ["identity", "ridge"]) == {"identity": 16, "ridge": 13}
+    assert judge.asked == list(range(20, 11, -1))  # 12 is the first split where both fail: nothing below it runs
+
+
+def test_bisect_finds_the_same_splits_with_fewer_measurements():
+    judge = thresholds(SPLITS, identity=16, ridge=13)
+    assert bisect(SPLITS, judge, ["identity", "ridge"]) == {"identity": 16, "ridge": 13}
+    assert judge.asked[0] == 20 and len(judge.asked) < 9 and len(set(judge.asked)) == len(judge.asked)
+    assert {15, 16, 12, 13} <= set(judge.asked)  # each answer certified: it passed, the split below failed
+
+
+@pytest.mark.parametrize("candidates", [SPLITS, [14, 16, 18], [7]])
+def test_bisect_agrees_with_descend_on_every_monotone_table(candidates):
+    options = [None, *candidates]
+    for identity in options:
+        for ridge in options:
+            expected = descend(candidates, thresholds(candidates, identity=identity, ridge=ridge),
+                               ["identity", "ridge"])
+            found = bisect(candidates, thresholds(candidates, identity=identity, ridge=ridge), ["identity", "ridge"])
+            assert found == expected == {"identity": identity, "ridge": ridge}
+
+
+def test_a_noisy_dip_stops_the_descent_and_all_measures_every_split():
+    passes = {s: {"ridge": s != 18} for s in SPLITS}  # ridge fails at 18 only
+    judge = Table(passes)
+    assert descend(SPLITS, judge, ["ridge"]) == {"ridge": 19} and judge.asked == [20, 19, 18]
+    judge = Table(passes)
+    assert search("all", SPLITS, judge, ["ridge"]) == {"ridge": 19} and judge.asked == SPLITS[::-1]
+
+
+def test_nothing_passes_at_the_top():
+    judge = thresholds(SPLITS, identity=None, ridge=None)
+    assert bisect(SPLITS, judge, ["identity", "ridge"]) == {"identity": None, "ridge": None}
+    assert judge.asked == [20]
+
+
+# --- verdicts and the choice between variants -----------------------------------------------------------
+def point(variant="ridge", split=15, drop=2.0, gap=0.1, speedup=1.5, metric="distant") -> Point:
+    return Point(variant, split, 256, retrieval=90.0 - drop, retrieval_exact=90.0, distant_nll=2.0 + gap,
+                 distant_nll_exact=2.0, nll_metric=metric, flop_speedup=speedup)
+
+
+@pytest.mark.parametrize("p,expected", [
+    (point(), PASS),
+    (point(drop=5.0, gap=0.25), PASS),  # the bounds themselves still count as equal quality
+    (point(drop=5.5), "RULER -5.5 points"),
+    (point(gap=0.3), "distant NLL +0.300 nats"),
+    (point(gap=0.3, metric="tail"), "tail NLL +0.300 nats"),
+    (Point("ridge", 15, 256, retrieval=80.0, retrieval_exact=90.0), "no NLL"),
+    (None, "no RULER score"),
+])
+def test_verdict(p, expected):
+    assert verdict(p, 5.0, 0.25) == expected
+
+
+def test_the_served_variant_is_the_faster_choice():
+    points = [point("identity", 18, speedup=1.4), point("ridge", 15, speedup=1.7), point("ridge", 18, speedup=1.35)]
+    assert best_choice(points, {"identity": 18, "ridge": 15}).variant == "ridge"
+    assert best_choice(points, {"identity": 18, "ridge": None}).split == 18
+    assert best_choice(points, {"identity": None, "ridge": None}) is None
+    tied = [point("identity", 15, speedup=None), point("ridge", 15, speedup=None)]
+    assert best_choice(tied, {"identity": 15, "ridge": 15}).variant == "identity"  # no count: no maps to run
+
+
+def test_candidate_splits():
+    assert candidate_splits(None, 30) == list(range(15, 29)) and candidate_splits("14-16,20", 30) == [14, 15, 16, 20]
+    with pytest.raises(RidgefillError, match=r"^--splits 14-29: split 29 is out of range: use 1..28 for this "
+                                             r"30-layer model"):
+        candidate_splits("14-29", 30)
+
+
+# --- bad input ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("values,expected", [
+    ({"tolerance": -1.0}, "--tolerance -1 and --max-distant-gap 0.25 must be 0 or more"),
+    ({"max_distant_gap": -0.1}, "--max-distant-gap -0.1 must be 0 or more"),
+    ({"search": "binary"}, "unknown --search 'binary': use bisect, descend, all"),
+    ({"variants": "exact"}, "--variants 'exact': tune identity, ridge or both"),
+    ({"splits": "20-14"}, "--splits '20-14': '20-14' is not a split or an increasing range"),
+    ({"splits": "0-3"}, "--splits 0-3: split 0 is out of range"),
+    ({"passages": 0}, "--passages 0 must be at least 1"),
+    ({"lengths": "2k"}, "--lengths '2k' is not a comma-separated list of integers"),
+    ({"short": 4096}, "tune: [loss] (tail 256): --short 4096 must be between 1 and --context - 1"),
+    ({"tail": 2048}, "tune: [ruler] (tail 2048): --tail 2048 plus --keep-first 1 leave no filled row"),
+    ({"tasks": "niah_single_9"}, "unknown RULER task(s) niah_single_9"),
+])
+def test_bad_input_is_one_line_before_any_model_work(tmp_path, values, expected):
+    with pytest.raises(RidgefillError) as info:
+        tune_command(out_dir=tmp_path / "run", **values)  # the embedded model is never loaded
+    assert expected in str(info.value) and "\n" not in str(info.value)
+    assert not (tmp_path / "run").exists()
+
+
+def test_bad_input_on_the_command_line_is_one_line_exit_2(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["ridgefill", "tune", "--tolerance", "-2"])
+    with pytest.raises(SystemExit) as info:
+        main()
+    assert info.value.code == 2
+    assert capsys.readouterr().err.strip().startswith("error: --tolerance -2 and --max-distant-gap 0.25 must be")
+
+
+# --- the command on the tiny checkpoint -------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def texts(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tune-data") / "text.txt"
+    lines = training_text(600, seed=5)
+    path.write_text("\n\n\n".join(" ".join(lines[i:i + 40]) for i in range(0, len(lines), 40)))
+    return path
+
+
+def tiny_options(model: Path, data: Path, out_dir: Path, **extra) -> dict:
+    return dict(model=str(model), data=str(data), eval_data=str(data), tail=32, tokens=1024, seq_len=128,
+                holdout=0.25, lengths="320", tasks="niah_single_1", samples=1, max_new_tokens=4, context=256,
+                short=64, passages=2, max_distant_gap=100.0, out_dir=out_dir, **extra)
+
+
+@pytest.fixture(scope="module")
+def tuned(tiny_checkpoint, texts, tmp_path_factory) -> tuple[dict, Path]:
+    """A finished tune of the 6-layer tiny model (candidates 3 and 4); tests that rerun it work on a copy."""
+    run_dir = tmp_path_factory.mktemp("tune") / "run"
+    return tune_command(**tiny_options(tiny_checkpoint, texts, run_dir)), run_dir
+
+
+def steps(run_dir: Path) -> list[dict]:
+    return json.loads((run_dir / "manifest.json").read_text())["steps"]
+
+
+def test_serving_config_holds_what_a_server_needs(tuned, tiny_checkpoint):
+    doc, run_dir = tuned
+    assert json.loads((run_dir / "serving.json").read_text()) == doc
+    assert doc["kind"] == "ridgefill-serving-config" and doc["version"] == 1
+    assert doc["model"]["id"] == str(tiny_checkpoint) and len(doc["model"]["weights_hash"]) == 16
+    # quality is flat on a random model (RULER 0 everywhere), so both variants keep the lowest candidate; identity
+    # fill then has the higher FLOP-limit speedup (no maps)
+    assert doc["choices"]["identity"]["split"] == doc["choices"]["ridge"]["split"] == 3
+    assert (doc["variant"], doc["split"], doc["tail"], doc["keep_first"], doc["maps"]) == ("identity", 3, 32, 1, None)
+    assert doc["expected_speedup"]["prompt_length"] == 320
+    assert doc["expected_speedup"]["flop_limit"] == doc["choices"]["identity"]["flop_limit_speedup"] > \
+        doc["choices"]["ridge"]["flop_limit_speedup"] > 1
+    ruler, nll = doc["quality"]["ruler"], doc["quality"]["nll"]
+    assert ruler["region"] == "filled" and ruler["difference"]["estimate"] == ruler["score"] - ruler["exact"]
+    assert nll["metric"] in ("distant", "tail") and nll["bound"] == 100.0 and nll["passages"] == 2
+    assert nll["difference"]["low"] <= nll["difference"]["estimate"] <= nll["difference"]["high"]
+    assert doc["tune"]["candidates"] == [3, 4] and doc["tune"]["measured"] == [4, 3]
+    assert {(v["variant"], v["split"], v["verdict"]) for v in doc["tune"]["verdicts"]} == \
+        {(v, s, PASS) for v in ("identity", "ridge") for s in (3, 4)}
+
+
+def test_expected_speedup_is_the_flop_count_of_the_plan(tuned, tiny_checkpoint):
+    from ridgefill.engine import FillPlan, IdentityFiller
+    from ridgefill.evals.flops import prefill_flops
+    from ridgefill.runtime.session import open_session
+
+    doc, _ = tuned
+    engine = open_session(str(tiny_checkpoint)).engine
+    plan = FillPlan(IdentityFiller(3, engine.n_layers), 32, (0,))
+    expected = prefill_flops(engine.shape, 320) / prefill_flops(engine.shape, 320, plan.full_rows(320).numpy(), 3, 0)
+    assert np.isclose(doc["expected_speedup"]["flop_limit"], expected)
+
+
+def test_the_run_folder_is_a_recipe_run_with_a_report(tuned):
+    doc, run_dir = tuned
+    assert [s["label"] for s in steps(run_dir)] == ["calibrate", "fit-s3", "fit-s4", "ruler-s3-t32-seed0",
+                                                    "ruler-s4-t32-seed0", "loss-s3-t32-seed0", "loss-s4-t32-seed0"]
+    from ridgefill.pipeline.recipe import load_recipe
+
+    recipe = load_recipe(run_dir / "recipe.toml")  # the generated recipe is a valid one, every candidate in it
+    assert recipe.settings["splits"] == [3, 4] and recipe.steps["ruler"]["region"] == "filled"
+    report = (run_dir / "report.md").read_text()
+    row = next(line for line in report.splitlines() if line.startswith("| identity | 32 | 3 |"))
+    assert row.split(" | ")[3] == f"{doc['expected_speedup']['flop_limit']:.4g}"  # FLOP-limit speedup, no bench
+
+
+def test_rerun_reuses_every_step(tuned, tiny_checkpoint, texts, tmp_path):
+    doc, run_dir = tuned
+    copy = Path(shutil.copytree(run_dir, tmp_path / "copy"))
+    again = tune_command(**tiny_options(tiny_checkpoint, texts, copy))
+    assert all(s["cached"] for s in steps(copy))
+    assert [s["key"] for s in steps(copy)] == [s["key"] for s in steps(run_dir)]
+    same = ("variant", "split", "quality", "choices", "expected_speedup")
+    assert {k: again[k] for k in same} == {k: doc[k] for k in same}
+
+
+def test_no_split_within_bounds_writes_the_report_and_no_config(tuned, tiny_checkpoint, texts, tmp_path,
+                                                                 monkeypatch):
+    _, run_dir = tuned
+    copy = Path(shutil.copytree(run_dir, tmp_path / "copy"))
+    (copy / "serving.json").unlink()
+    monkeypatch.setattr(tune, "verdict", lambda point, tolerance, gap: "RULER -50.0 points")
+    with pytest.raises(RidgefillError, match=r"^no split of 3..4 keeps filled-region RULER within 5 points") as info:
+        tune_command(**tiny_options(tiny_checkpoint, texts, copy))
+    assert "\n" not in str(info.value) and not (copy / "serving.json").exists()
+    assert [s["label"] for s in steps(copy)][-1] == "loss-s4-t32-seed0"  # only the top split was measured
+    assert (copy / "report.md").is_file()
+
+
+def test_splits_out_of_range_for_the_model(tiny_checkpoint, texts, tmp_path):
+    with pytest.raises(RidgefillError, match=r"^--splits 2-5: split 5 is out of range: use 1..4 for this 6-layer"):
+        tune_command(**tiny_options(tiny_checkpoint, texts, tmp_path / "run", splits="2-5"))
+    assert not (tmp_path / "run").exists()
