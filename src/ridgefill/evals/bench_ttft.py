@@ -18,7 +18,7 @@ import gc
 import importlib.util
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +33,7 @@ from ridgefill.evals.stats import format_interval, mean, ratio_of_medians
 from ridgefill.runtime.console import note, progress_bar, table
 from ridgefill.runtime.data import documents_for, load_corpus, passages, token_sequences
 from ridgefill.runtime.provenance import cpu_name, device_info, load_average, versions
+from ridgefill.runtime.serving import Serving, check_model, load_serving
 from ridgefill.runtime.session import Session, parse_variants
 
 TRANSFORMERS = "transformers"  # the timing entry of transformers' own forward
@@ -53,6 +54,8 @@ class BenchConfig(MeasureConfig):
     threads: int = option(0, "torch CPU threads (0: torch's default).")
     projection: str = option("auto", "Fill projection: auto (Triton on CUDA, else torch), torch, triton, or "
                              "layers (per layer, unfused).")
+    serving_config: Path | None = option(None, "A serving config from `ridgefill tune`: times exact against the "
+                                         "tuned fill (its split, tail, keep-first, maps or identity).")
 
     def check(self) -> None:
         super().check()
@@ -86,7 +89,8 @@ class BenchConfig(MeasureConfig):
                 "tail": self.tail, "lengths": self.sizes(), "repeats": self.repeats, "warmup": self.warmup,
                 "device": self.device, "dtype": self.dtype, "variants": self.names(), "data": self.data,
                 "keep_first": self.keep_first, "chunk": self.chunk, "threads": torch.get_num_threads(),
-                "projection": self.projection, "out": str(self.out)}
+                "projection": self.projection, "out": str(self.out),
+                "serving_config": str(self.serving_config) if self.serving_config else None}
 
 
 def _check_triton(device: str) -> None:
@@ -102,12 +106,26 @@ def _interpreting() -> bool:
 
 
 # --- the command ---------------------------------------------------------------------------------------
+def served(c: BenchConfig) -> tuple[BenchConfig, Serving | None]:
+    """The config with a serving config's fill settings in place of --maps, --split, --tail, --keep-first and
+    --variants (exact and the tuned fill)."""
+    if c.serving_config is None:
+        return c, None
+    if c.maps is not None or c.split is not None or c.variants is not None:
+        raise RidgefillError("--serving-config sets the maps, split and variant: drop --maps, --split and --variants")
+    s = load_serving(c.serving_config)
+    return replace(c, maps=s.maps, split=s.split, tail=s.tail, keep_first=s.keep_first,
+                   variants=f"exact,{s.variant}"), s
+
+
 def run(config: BenchConfig) -> dict:
-    c = config
+    c, serving = served(config)
     if c.threads:
         torch.set_num_threads(c.threads)
     load_before = _load_1m()
     m = start("bench-ttft", c, c.names(), record=c.record(), projection=c.projection)
+    if serving is not None:
+        check_model(serving, m.session.loaded.fingerprint, c.serving_config)
     _check_model(m, c.sizes()[-1])
     prompts = _prompts(m.session, c.data, c.sizes(), c.seed)
     shape = m.session.shape

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ridgefill.commands import Command, option
@@ -13,13 +13,16 @@ from ridgefill.evals.ruler.placement import token_span
 from ridgefill.runtime.console import note
 from ridgefill.runtime.paths import read_text
 from ridgefill.runtime.ranges import parse_ranges
-from ridgefill.runtime.session import ModelConfig
+from ridgefill.runtime.serving import check_model, load_serving
+from ridgefill.runtime.session import ModelConfig, variant_plans
 
 
 @dataclass
 class GenerateConfig(ModelConfig):
-    maps: Path | None = option(None, "Maps file for filled prefill.")
-    split: int | None = option(None, "Split S (checked against the maps).")
+    maps: Path | None = option(None, "Maps file for filled prefill (ridge fill).")
+    split: int | None = option(None, "Split S (checked against the maps; without maps: identity fill).")
+    serving_config: Path | None = option(None, "A serving config from `ridgefill tune`: its split, tail, "
+                                         "keep-first and fill (maps or identity) replace those options.")
     tail: int = option(256, "Last prompt rows that run the full model.")
     keep_first: int = option(1, "Leading rows run in full (the attention sink).")
     keep_rows: str | None = option(None, "More prompt rows (0-based token positions) that run in full, e.g. "
@@ -42,8 +45,11 @@ class GenerateConfig(ModelConfig):
                                  "pass a text file")
         if self.exact and self.compare:
             raise RidgefillError("--compare already runs exact: drop --exact")
-        if not self.exact and self.maps is None:
-            raise RidgefillError("filled prefill needs --maps (from ridgefill fit), or pass --exact")
+        if not self.exact and self.maps is None and self.split is None and self.serving_config is None:
+            raise RidgefillError("filled prefill needs --maps (from ridgefill fit), --split (identity fill) or "
+                                 "--serving-config, or pass --exact")
+        if self.serving_config is not None and (self.maps is not None or self.split is not None):
+            raise RidgefillError("--serving-config sets the maps and split: drop --maps and --split")
         if self.max_new_tokens < 1:
             raise RidgefillError("--max-new-tokens must be at least 1")
         if self.tail < 1 or self.keep_first < 0:
@@ -59,8 +65,10 @@ class GenerateConfig(ModelConfig):
 
 def run(c: GenerateConfig) -> dict:
     """The generated text of each run (exact, filled), by name."""
-    maps, split, tail, keep_first, exact, max_new_tokens, compare = (c.maps, c.split, c.tail, c.keep_first, c.exact,
-                                                                     c.max_new_tokens, c.compare)
+    serving = None if c.serving_config is None else load_serving(c.serving_config)
+    if serving is not None:
+        c = replace(c, maps=serving.maps, split=serving.split, tail=serving.tail, keep_first=serving.keep_first)
+    maps, split, tail, exact, max_new_tokens, compare = c.maps, c.split, c.tail, c.exact, c.max_new_tokens, c.compare
     prompt = c.prompt if c.prompt_file is None else read_text(c.prompt_file, "--prompt-file")
     session = c.open()
     ids = session.tokenizer(prompt, return_tensors="pt", add_special_tokens=True)["input_ids"]
@@ -70,10 +78,14 @@ def run(c: GenerateConfig) -> dict:
     if limit and ids.shape[1] + max_new_tokens > limit:
         raise RidgefillError(f"prompt ({ids.shape[1]} tokens) plus {max_new_tokens} new tokens exceed the model's "
                              f"context of {limit}: shorten the prompt")
+    if serving is not None:
+        check_model(serving, session.loaded.fingerprint, c.serving_config)
     plan = None
     if not exact:
-        plan, _ = session.fill_plan(maps, split, tail, keep_rows(c, session.tokenizer, prompt, ids.shape[1]),
-                                    c.outlier_factor)
+        variant = "ridge" if maps is not None else "identity"
+        plans, _ = variant_plans(session, maps, split, tail, keep_rows(c, session.tokenizer, prompt, ids.shape[1]),
+                                 (variant,), c.outlier_factor)
+        plan = plans[variant]
         if tail >= ids.shape[1]:
             note(f"note: tail {tail} >= prompt length {ids.shape[1]}: every row runs the full model (exact)")
     eos = session.tokenizer.eos_token_id

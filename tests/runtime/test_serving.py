@@ -1,0 +1,56 @@
+"""Serving configs (from `ridgefill tune`): read, checked, and taken by generate and bench-ttft."""
+
+import json
+
+import pytest
+
+from ridgefill.errors import RidgefillError
+from ridgefill.evals.bench_ttft import COMMAND as bench_ttft
+from ridgefill.runtime.models import checkpoint_fingerprint
+from ridgefill.runtime.serving import KIND, load_serving
+from ridgefill.serve.generate import COMMAND as generate
+
+PROMPT = "The grass is green. The sky is blue. One of the special magic numbers for king is: 1234567. " * 3
+
+
+def serving_file(path, **fields):
+    doc = {"kind": KIND, "version": 1, "variant": "identity", "split": 3, "tail": 8, "keep_first": 1, "maps": None,
+           "model": {"id": "tiny", "weights_hash": "x"}, **fields}
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def test_generate_with_a_serving_config_is_generate_with_its_settings(tiny_checkpoint, tmp_path, capsys):
+    config = serving_file(tmp_path / "serving.json", model={"id": "t", "weights_hash":
+                                                             checkpoint_fingerprint(tiny_checkpoint)})
+    served = generate(model=str(tiny_checkpoint), prompt=PROMPT, serving_config=config, max_new_tokens=6)
+    direct = generate(model=str(tiny_checkpoint), prompt=PROMPT, split=3, tail=8, max_new_tokens=6)
+    assert served == direct and served["filled"]
+    doc = bench_ttft(model=str(tiny_checkpoint), serving_config=config, lengths="64", repeats=1, warmup=0,
+                     data="random", out=tmp_path / "ttft.json")
+    assert doc["variants"] == ["exact", "identity"] and doc["split"] == 3 and doc["config"]["tail"] == 8
+
+
+def test_a_serving_config_for_another_model_is_refused(tiny_checkpoint, tmp_path):
+    config = serving_file(tmp_path / "serving.json")
+    with pytest.raises(RidgefillError, match="was tuned for another model"):
+        generate(model=str(tiny_checkpoint), prompt=PROMPT, serving_config=config, max_new_tokens=2)
+
+
+@pytest.mark.parametrize("text,message", [
+    ("{not json", "is not JSON"),
+    ('{"kind": "other"}', "is not a ridgefill serving config"),
+    (json.dumps({"kind": KIND, "variant": "ridge", "split": 3, "tail": 8, "keep_first": 1,
+                 "model": {"weights_hash": "x"}}), "without its maps"),
+    (json.dumps({"kind": KIND, "variant": "identity", "tail": 8, "keep_first": 1, "model": {}}), "lacks a valid"),
+])
+def test_malformed_serving_configs_are_one_line_errors(tmp_path, text, message):
+    path = tmp_path / "serving.json"
+    path.write_text(text)
+    with pytest.raises(RidgefillError, match=message):
+        load_serving(path)
+
+
+def test_serving_config_and_explicit_fill_options_exclude_each_other(tmp_path):
+    with pytest.raises(RidgefillError, match="drop --maps and --split"):
+        generate.make(prompt="x", serving_config=tmp_path / "s.json", split=3).check()
