@@ -72,7 +72,8 @@ def option(default: Any, help: str, *, listed: type | None = None, top: str | No
     listed: a comma-separated list of this type on the command line (a TOML list in a recipe).
     top: the recipe's top-level key that sets it (a step table may not), e.g. "model", "splits".
     role: what the recipe runner passes: "input" (the artifact an earlier step made), "output" (this step's
-      artifact), "resume" (always true: an interrupted step continues), "store" (a folder in the run folder,
+      artifact), "resume" (true: an interrupted step continues), "restart" (true only for a step given to
+      `--force`: it starts over), "store" (a folder in the run folder,
       unless the table names one).
     fallback: the recipe's top-level key used when a step table leaves the option out (e.g. "data").
     keyed: False for options that cannot change the result (not part of a recipe's cache key).

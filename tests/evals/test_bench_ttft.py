@@ -70,6 +70,7 @@ def test_options_and_defaults_are_those_of_the_command_line_before_the_registry(
         "repeats": 5, "warmup": 1, "device": "cpu", "dtype": "fp32", "out": Path("ttft.json"), "variants": None,
         "data": "wiki-leads", "keep-first": 1, "chunk": 2048, "threads": 0, "projection": "auto", "seed": 0,
         "outlier-factor": 20.0,  # issue #12: outlier rows run in full by default
+        "serving-config": None,  # issue #13: the settings `ridgefill tune` chose
     }
     helps = {flag: o.help for flag, o in bench_ttft_command.options.items()}
     assert helps["split"] == "Split S (the maps carry it; identity needs it)."

@@ -1,12 +1,15 @@
-"""Calibration statistics against direct computation, row exclusion, and resume after an interruption."""
+"""Calibration statistics against direct computation, row exclusion (per sequence, also when chunked), held-out
+parts, checkpoints, resume after an interruption (checked by content, never clobbered) and the device the
+statistics live on."""
 
 import pytest
 import torch
 
 from conftest import random_ids, tiny_model
-from ridgefill.runtime.artifacts import load_artifact
-from ridgefill.method.calibrate import run_calibration
-from ridgefill.method.statistics import Calibration, accumulate
+from ridgefill.errors import RidgefillError
+from ridgefill.runtime.artifacts import load_artifact, save_artifact
+from ridgefill.method.calibrate import Checkpoints, part_of, partial_path, run_calibration, start_calibration
+from ridgefill.method.statistics import Calibration, accumulate, check_fittable
 from ridgefill.engine import Engine, adapter_for
 
 
@@ -88,3 +91,146 @@ def test_resume_after_interruption_gives_the_same_statistics(tmp_path):
     assert whole.stats[(3, "val")].count > 0
     _, saved = load_artifact(out, "stats")
     assert saved["sequences_done"] == 6 and saved["splits"] == [3]
+
+
+def count_chunks(engine, monkeypatch) -> list[int]:
+    """Rows of each chunk the engine's prefills run (one entry per chunk: the observer's layer-0 calls)."""
+    chunks, prefill = [], engine.prefill
+
+    def counting(ids, *args, observe=None, **kwargs):
+        def observed(layer, h, positions):
+            if layer == 0:
+                chunks.append(positions.numel())
+            observe(layer, h, positions)
+
+        return prefill(ids, *args, observe=observed if observe else None, **kwargs)
+
+    monkeypatch.setattr(engine, "prefill", counting)
+    return chunks
+
+
+def test_chunked_statistics_take_the_outlier_median_over_the_whole_sequence(monkeypatch):
+    """--chunk is honoured (the prefill runs in several chunks) and the statistics equal the unchunked run's,
+    with the outlier rule on a per-sequence median: rows 1..5 are outliers of the sequence, though they are most
+    of the first chunk (a median per chunk would keep them)."""
+    model = tiny_model("llama")
+    with torch.no_grad():
+        model.model.embed_tokens.weight[5] *= 1000
+    ids = random_ids(30)
+    ids[ids == 5] = 6
+    ids[0, 1:6] = 5
+    whole, chunked = Calibration.empty([2], 6, 64), Calibration.empty([2], 6, 64)
+    accumulate(Engine(adapter_for(model)), whole, ids, "train", skip_first=1, outlier_factor=20)
+    engine = Engine(adapter_for(model), chunk=8)
+    chunks = count_chunks(engine, monkeypatch)
+    accumulate(engine, chunked, ids, "train", skip_first=1, outlier_factor=20)
+    assert chunks == [8, 8, 8, 6] * 2  # a norms-only pass, then the accumulating pass, each in 4 chunks
+    a, b = whole.stats[(2, "train")], chunked.stats[(2, "train")]
+    assert a.skipped_outliers == b.skipped_outliers == 5 and a.count == b.count == 24
+    for name in ("xtx", "xsum", "xty", "ysum", "yy", "xx"):
+        assert torch.allclose(getattr(a, name), getattr(b, name), rtol=1e-6, atol=1e-6), name
+
+
+def test_chunked_without_outlier_rule_runs_once(monkeypatch):
+    engine = Engine(adapter_for(tiny_model("qwen2")), chunk=8)
+    chunks = count_chunks(engine, monkeypatch)
+    accumulate(engine, Calibration.empty([2], 6, 64), random_ids(20), "train", outlier_factor=0)
+    assert chunks == [8, 8, 4]
+
+
+def test_heldout_sequences_alternate_between_validation_and_test():
+    assert [part_of(i, 3) for i in range(12)] == ["train", "train", "val", "train", "train", "test"] * 2
+    assert {part_of(i, 0) for i in range(10)} == {"train"}
+
+
+def test_checkpoints_follow_the_sequence_and_time_rules():
+    now = [0.0]
+    clock = lambda: now[0]  # noqa: E731
+    by_count = Checkpoints(every=4, done=2, clock=clock)
+    assert not by_count.due(5) and by_count.due(6)
+    by_time = Checkpoints(seconds=600, clock=clock)
+    now[0] = 599.0
+    assert not by_time.due(100)
+    now[0] = 600.0
+    assert by_time.due(1)
+    by_time.mark(1)
+    assert not by_time.due(2) and not Checkpoints(clock=clock).due(10**6)  # both rules off: only the final write
+
+
+def test_last_layer_split_is_refused():
+    check_fittable([1, 4], 6)
+    with pytest.raises(RidgefillError, match="split 5 leaves nothing to fit on this 6-layer model"):
+        check_fittable([2, 5], 6)
+
+
+RUN = {"model": {"id": "tiny", "weights_hash": "x"}, "data": "random", "data_hash": "abc", "tokens": 96,
+       "seq_len": 16}
+
+
+def interrupted(engine, seqs, out, stop_after, meta=RUN, **kwargs):
+    """Run a calibration that is interrupted after `stop_after` sequences (its partial file stays)."""
+
+    class Stop(Exception):
+        pass
+
+    done = []
+
+    def advance(n=1):
+        done.append(n)
+        if len(done) == stop_after:
+            raise Stop
+
+    with pytest.raises(Stop):
+        run_calibration(engine, seqs, [3], out, meta, holdout=0.34, checkpoint_every=2, advance=advance, **kwargs)
+    return partial_path(out)
+
+
+def test_a_plain_rerun_does_not_clobber_the_partial_file(tmp_path):
+    engine = Engine(adapter_for(tiny_model("qwen2")))
+    seqs = [random_ids(16, seed=s)[0].tolist() for s in range(6)]
+    whole = run_calibration(engine, seqs, [3], tmp_path / "whole.safetensors", RUN, holdout=0.34)
+    out = tmp_path / "stats.safetensors"
+    partial = interrupted(engine, seqs, out, 5)
+    before = partial.read_bytes()
+    with pytest.raises(RidgefillError, match="pass --resume to continue it or --restart to start over"):
+        run_calibration(engine, seqs, [3], out, RUN, holdout=0.34, checkpoint_every=2)
+    assert partial.read_bytes() == before
+    restarted = run_calibration(engine, seqs, [3], out, RUN, holdout=0.34, checkpoint_every=2, restart=True)
+    assert not partial.exists()
+    for key, st in whole.stats.items():
+        assert torch.equal(st.xty, restarted.stats[key].xty) and st.count == restarted.stats[key].count
+
+
+def test_resume_checks_the_data_by_content_not_by_name(tmp_path):
+    engine = Engine(adapter_for(tiny_model("qwen2")))
+    seqs = [random_ids(16, seed=s)[0].tolist() for s in range(6)]
+    out = tmp_path / "stats.safetensors"
+    interrupted(engine, seqs, out, 5)
+    with pytest.raises(RidgefillError, match=r"other settings \(data_hash 'abc', now 'abd'\): pass --restart"):
+        run_calibration(engine, seqs, [3], out, {**RUN, "data_hash": "abd"}, holdout=0.34, resume=True)
+    renamed = run_calibration(engine, seqs, [3], out, {**RUN, "data": "renamed.txt"}, holdout=0.34, resume=True)
+    assert renamed.sequences_done == 6 and load_artifact(out, "stats")[1]["data"] == "renamed.txt"
+
+
+class MetaEngine:
+    """Just what start_calibration reads of an engine, on the 'meta' device (no data: only placement)."""
+
+    n_layers, device = 6, torch.device("meta")
+
+    class shape:
+        hidden = 64
+
+
+def test_statistics_live_on_the_model_device_also_after_resume(tmp_path):
+    """Accumulated where the model runs (a CUDA model's rows are added to CUDA statistics): checked here with
+    the 'meta' device, for fresh statistics and for a partial file loaded back."""
+    partial = tmp_path / "stats.safetensors.partial"
+    meta = {**RUN, "artifact": "stats", "splits": [3]}
+    fresh = start_calibration(MetaEngine(), [3], partial, meta)
+    assert {t.device.type for t in fresh.tensors().values() if t.is_floating_point()} == {"meta"}
+    saved = Calibration.empty([3], 6, 64)
+    saved.stats[(3, "train")].xsum += 1
+    save_artifact(partial, saved.tensors(), {**meta, "sequences_done": 4, "tokens_done": 64})
+    resumed = start_calibration(MetaEngine(), [3], partial, meta, resume=True)
+    assert resumed.sequences_done == 4
+    assert {t.device.type for t in resumed.tensors().values() if t.is_floating_point()} == {"meta"}

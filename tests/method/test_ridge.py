@@ -91,3 +91,20 @@ def test_auto_without_heldout_is_refused():
     x, ys = make_data(50, 7)
     with pytest.raises(ValueError):
         fit_split(stats_of(x, ys), None, lam="auto")
+
+
+def test_auto_lambda_is_chosen_on_validation_and_reported_on_test():
+    x, ys = make_data(60, 2)
+    xv, yvs = make_data(200, 3)
+    xt, yts = make_data(150, 8)
+    train, val, test = stats_of(x, ys), stats_of(xv, yvs), stats_of(xt, yts)
+    on_val = fit_split(train, val, lam="auto")
+    on_test = fit_split(train, val, lam="auto", test=test)
+    for chosen, reported, y, yt in zip(on_val, on_test, ys, yts):
+        assert reported.lam == chosen.lam  # the test rows choose nothing
+        assert torch.allclose(reported.weight, chosen.weight)
+        assert math.isclose(reported.error_map, rel_err(xt, yt, reported.weight, reported.bias), rel_tol=1e-9)
+        eye, zero = torch.eye(H, dtype=torch.float64), torch.zeros(H, dtype=torch.float64)
+        assert math.isclose(reported.error_identity, rel_err(xt, yt, eye, zero), rel_tol=1e-9)
+        assert math.isclose(reported.error_full_rank, reported.error_map, rel_tol=1e-9)
+        assert not math.isclose(reported.error_map, chosen.error_map, rel_tol=1e-6)

@@ -1,63 +1,248 @@
-"""`ridgefill calibrate`: one pass over calibration text into the statistics of method/statistics.py, with a
-held-out share, checkpoints to `<out>.partial` and `--resume`."""
+"""`ridgefill calibrate`: one streaming pass over calibration text into the statistics of method/statistics.py,
+with a held-out share, checkpoints to `<out>.partial`, `--resume`, and several processes sharing the sequences
+(torchrun, or `--nproc`). docs/calibration.md describes the statistics, checkpoints and distributed use.
+
+Sequence i (counted over the whole stream) is held out or not by i alone, and with W processes the sequences
+from the start s of this run go round robin: i goes to rank (i − s) mod W. Every process keeps its own float64
+sums on its model's device; at each checkpoint and at the end they are summed into rank 0's in place and the
+other ranks start again from zero, so the statistics do not depend on W (up to float summation order) and a
+partial file holds the global sums and the global number of sequences done: any W can resume it.
+"""
 
 from __future__ import annotations
 
+import json
+import os
+import shlex
+import subprocess
+import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
+from itertools import chain, islice
 from pathlib import Path
+from typing import Iterable, Iterator
 
 import torch
+import torch.distributed as dist
 
 from ridgefill import __version__
-from ridgefill.commands import REQUIRED, Command, option
+from ridgefill.commands import REQUIRED, Command, options, option
 from ridgefill.engine import Engine
 from ridgefill.errors import RidgefillError
-from ridgefill.method.statistics import Calibration, accumulate
+from ridgefill.method.statistics import HELD_OUT, Calibration, accumulate, check_fittable
 from ridgefill.runtime.artifacts import load_artifact, save_artifact
-from ridgefill.runtime.console import progress_bar, table
-from ridgefill.runtime.data import documents_for, load_corpus, token_sequences
+from ridgefill.runtime.console import note, progress_bar, table
+from ridgefill.runtime.data import documents_for, documents_hash, iter_sequences, load_corpus, sequence_budget
 from ridgefill.runtime.paths import write_json
-from ridgefill.runtime.session import ModelConfig, parse_splits
+from ridgefill.runtime.session import ModelConfig, check_device, parse_splits
+
+NAMES = ("data",)  # settings a resume checks by content (data_hash), not by name
 
 
-# --- the `calibrate` workflow ------------------------------------------------------------------------
+# --- which sequences go where ---------------------------------------------------------------------------------
 def heldout_every(holdout: float) -> int:
     """Every k-th sequence is held out (k = round(1/holdout)); 0 means none."""
     return round(1 / holdout) if holdout > 0 else 0
 
 
-def run_calibration(engine: Engine, sequences: list[list[int]], splits: list[int], out, meta: dict,
+def part_of(index: int, every: int) -> str:
+    """The part global sequence `index` goes to: every `every`-th is held out, alternately val and test."""
+    if not every or index % every != every - 1:
+        return "train"
+    return HELD_OUT[(index // every) % len(HELD_OUT)]
+
+
+class Checkpoints:
+    """When to checkpoint: `every` sequences or `seconds` of wall time after the last checkpoint (0: that rule
+    off; both 0: only the final write)."""
+
+    def __init__(self, every: int = 0, seconds: float = 0.0, done: int = 0, clock=time.monotonic):
+        self.every, self.seconds, self.clock = every, seconds, clock
+        self.mark(done)
+
+    def mark(self, done: int) -> None:
+        self.last_done, self.last_time = done, self.clock()
+
+    def due(self, done: int) -> bool:
+        by_count = self.every > 0 and done - self.last_done >= self.every
+        return by_count or (self.seconds > 0 and self.clock() - self.last_time >= self.seconds)
+
+
+# --- the processes --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class World:
+    """This process among the calibration processes: rank 0 holds the global statistics, decides, writes and
+    reports; with one process every collective is a no-op."""
+
+    rank: int = 0
+    size: int = 1
+
+    @property
+    def root(self) -> bool:
+        return self.rank == 0
+
+    def from_root(self, value):
+        """Rank 0's `value` (any picklable object) on every process."""
+        if self.size == 1:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def reduce_sum(self, tensor: torch.Tensor) -> None:
+        """Add every process's `tensor` into rank 0's, in place."""
+        dist.reduce(tensor, dst=0, op=dist.ReduceOp.SUM)
+
+
+def join_world(device: str) -> World:
+    """This process's place among torchrun's processes (WORLD_SIZE, RANK, LOCAL_RANK and the rendezvous's
+    MASTER_ADDR / MASTER_PORT), its process group initialised: nccl for --device cuda (one GPU per local rank),
+    gloo on the CPU. Without WORLD_SIZE > 1: the only process."""
+    size = _env_int("WORLD_SIZE", 1)
+    if size <= 1:
+        return World()
+    rank = _env_int("RANK", 0)
+    backend = "nccl" if device == "cuda" else "gloo"
+    try:
+        if device == "cuda":
+            torch.cuda.set_device(_env_int("LOCAL_RANK", rank % max(1, torch.cuda.device_count())))
+        dist.init_process_group(backend, rank=rank, world_size=size)
+    except Exception as exc:  # a missing variable, an unreachable rendezvous, a backend that cannot start
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise RidgefillError(f"cannot initialise torch.distributed ({backend}, rank {rank} of {size}): {reason}; "
+                             "run under torchrun, or set MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK") from None
+    return World(rank, size)
+
+
+def leave_world(world: World) -> None:
+    if world.size > 1 and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name, "")
+    if not value:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise RidgefillError(f"environment variable {name}={value!r} is not an integer: torchrun sets it") from None
+
+
+# --- starting, resuming, checkpointing ------------------------------------------------------------------------
+def partial_path(out: str | Path) -> Path:
+    return Path(str(out) + ".partial")
+
+
+def partial_refusal(partial: Path, resume: bool, restart: bool) -> str | None:
+    """Why a run may not start (None: it may): a plain rerun does not overwrite an interrupted run's checkpoint."""
+    if partial.exists() and not (resume or restart):
+        return f"{partial} holds an interrupted calibration: pass --resume to continue it or --restart to start over"
+    return None
+
+
+def start_calibration(engine: Engine, splits: list[int], partial: Path, run_meta: dict, resume: bool = False,
+                      restart: bool = False, world: World = World()) -> Calibration:
+    """Zero statistics on the model's device, or on rank 0 with --resume the partial file's global sums, loaded
+    onto that device; every process learns the number of sequences already done."""
+    _check_same_settings(world, run_meta)
+    cal, outcome = None, None
+    if world.root:
+        try:
+            cal = _resumed(partial, run_meta, resume, restart, splits, engine.device)
+            outcome = cal.sequences_done if cal is not None else 0
+        except RidgefillError as exc:
+            outcome = str(exc)
+    outcome = world.from_root(outcome)
+    if isinstance(outcome, str):
+        raise RidgefillError(outcome if world.root else f"rank 0 cannot start: {outcome}")
+    cal = cal or Calibration.empty(splits, engine.n_layers, engine.shape.hidden, engine.device)
+    cal.sequences_done = outcome
+    return cal
+
+
+def _resumed(partial: Path, run_meta: dict, resume: bool, restart: bool, splits: list[int],
+             device: torch.device) -> Calibration | None:
+    """The partial file's statistics when this run continues it (None: it starts from zero)."""
+    refused = partial_refusal(partial, resume, restart)
+    if refused:
+        raise RidgefillError(refused)
+    if restart:
+        partial.unlink(missing_ok=True)
+    if restart or not (resume and partial.exists()):
+        return None
+    tensors, saved = load_artifact(partial, "stats")
+    changed = [k for k in run_meta if k not in NAMES and saved.get(k) != run_meta[k]]
+    if changed:
+        k = changed[0]
+        raise RidgefillError(f"{partial} was written with other settings ({k} {saved.get(k)!r}, now {run_meta[k]!r}): "
+                             "pass --restart to start over")
+    return Calibration.from_tensors(splits, tensors, saved, device)
+
+
+def _check_same_settings(world: World, run_meta: dict) -> None:
+    """Every process must calibrate the same model on the same data with the same settings as rank 0."""
+    ours = {k: v for k, v in run_meta.items() if k not in NAMES}
+    theirs = world.from_root(ours)
+    changed = [k for k in ours if theirs.get(k) != ours[k]]
+    if changed:
+        raise RidgefillError(f"rank {world.rank} has another {changed[0]} than rank 0: give every process the same "
+                             "model, data and options")
+
+
+def _checkpoint(cal: Calibration, world: World, done: int, path: Path, meta: dict, final: bool = False) -> None:
+    """Sum every process's statistics into rank 0's and write them there: global sums, `done` global sequences
+    (the final file also records its token count as `tokens`)."""
+    if world.size > 1:
+        cal.reduce(world.reduce_sum, world.root)
+    cal.sequences_done = done
+    if world.root:
+        counts = {"sequences_done": done, "tokens_done": cal.tokens_done}
+        save_artifact(path, cal.tensors(), {**meta, **counts, **({"tokens": cal.tokens_done} if final else {})})
+
+
+def _rounds(sequences: Iterable, size: int) -> Iterator[tuple[list, bool]]:
+    """Blocks of `size` consecutive sequences (the last may be shorter), each with whether it is the last."""
+    stream = iter(sequences)
+    block = list(islice(stream, size))
+    while block:
+        after = list(islice(stream, size))
+        yield block, not after
+        block = after
+
+
+# --- the pass -------------------------------------------------------------------------------------------------
+def run_calibration(engine: Engine, sequences: Iterable[list[int]], splits: list[int], out, meta: dict,
                     holdout: float = 0.1, skip_first: int = 1, outlier_factor: float = 20.0,
-                    checkpoint_every: int = 8, resume: bool = False, advance=lambda n=1: None) -> Calibration:
-    """Accumulate statistics over `sequences`, checkpointing to `<out>.partial` and resuming from it."""
-    n_layers, hidden = engine.n_layers, engine.shape.hidden
-    partial = Path(str(out) + ".partial")
+                    checkpoint_every: int = 0, checkpoint_seconds: float = 0.0, resume: bool = False,
+                    restart: bool = False, advance=lambda n=1: None, chunk: int | None = None,
+                    world: World = World()) -> Calibration:
+    """Accumulate statistics over the stream `sequences` (every process sees the same stream and takes its share),
+    checkpointing to `<out>.partial` and resuming from it. Returns rank 0's global statistics (on other ranks:
+    their zeroed share)."""
+    partial = partial_path(out)
     run_meta = {**meta, "artifact": "stats", "splits": sorted(splits), "holdout": holdout,
-                "skip_first": skip_first, "outlier_factor": outlier_factor, "n_layers": n_layers,
-                "hidden_size": hidden}
-    cal = Calibration.empty(splits, n_layers, hidden)
-    if resume and partial.exists():
-        tensors, saved = load_artifact(partial, "stats")
-        if any(saved.get(k) != v for k, v in run_meta.items()):
-            raise RidgefillError(f"{partial} was written with other settings: rerun without --resume to start over")
-        cal = Calibration.from_tensors(splits, tensors, saved)
-        advance(cal.sequences_done)
+                "skip_first": skip_first, "outlier_factor": outlier_factor, "n_layers": engine.n_layers,
+                "hidden_size": engine.shape.hidden}
+    cal = start_calibration(engine, splits, partial, run_meta, resume, restart, world)
+    done = cal.sequences_done
+    if done:
+        advance(done)
     every = heldout_every(holdout)
-    device = engine.device
-
-    def save(path):
-        save_artifact(path, cal.tensors(), {**run_meta, "sequences_done": cal.sequences_done,
-                                             "tokens_done": cal.tokens_done})
-
-    for i in range(cal.sequences_done, len(sequences)):
-        part = "val" if every and i % every == every - 1 else "train"
-        accumulate(engine, cal, torch.tensor([sequences[i]], device=device), part, skip_first, outlier_factor)
-        advance()
-        if checkpoint_every and (i + 1) % checkpoint_every == 0 and i + 1 < len(sequences):
-            save(partial)
-    save(out)
-    partial.unlink(missing_ok=True)
+    clock = Checkpoints(checkpoint_every, checkpoint_seconds, done)
+    for block, last in _rounds(islice(sequences, done, None), world.size):
+        if world.rank < len(block):
+            ids = torch.tensor([block[world.rank]], device=engine.device)  # [1, T]
+            accumulate(engine, cal, ids, part_of(done + world.rank, every), skip_first, outlier_factor, chunk)
+        done += len(block)
+        advance(len(block))
+        if not last and world.from_root(clock.due(done)):
+            _checkpoint(cal, world, done, partial, run_meta)
+            clock.mark(done)
+    _checkpoint(cal, world, done, Path(out), run_meta, final=True)
+    if world.root:
+        partial.unlink(missing_ok=True)
     cal.meta = run_meta
     return cal
 
@@ -73,49 +258,124 @@ class CalibrateConfig(ModelConfig):
     seq_len: int = option(1024, "Tokens per calibration sequence.")
     out: Path = option(REQUIRED, "Statistics file (.safetensors) to write.", role="output")
     resume: bool = option(False, "Continue from <out>.partial after an interruption.", role="resume")
-    holdout: float = option(0.1, "Share of sequences kept for validation (0..0.5).")
+    restart: bool = option(False, "Discard <out>.partial and start over (a plain rerun refuses to overwrite it).",
+                           role="restart", keyed=False)
+    holdout: float = option(0.1, "Share of sequences held out (0..0.5), alternately validation and test.")
     skip_first: int = option(1, "Leading rows of each sequence kept out (sinks).")
-    outlier_factor: float = option(20.0, "Drop rows whose split-state norm exceeds this x the median; 0 keeps all.")
-    checkpoint_every: int = option(8, "Sequences between checkpoints.", keyed=False)
+    outlier_factor: float = option(20.0, "Drop rows whose split-state norm exceeds this x the sequence median; 0 "
+                                   "keeps all.")
+    checkpoint_seconds: float = option(600.0, "Seconds between checkpoints to <out>.partial (0: no time rule).",
+                                       keyed=False)
+    checkpoint_every: int = option(0, "Also checkpoint every this many sequences (0: off).", keyed=False)
+    nproc: int = option(1, "Processes sharing the sequences: > 1 re-launches this command under "
+                        "torch.distributed.run on this machine (under torchrun, its processes are used).", keyed=False)
 
     def check(self) -> None:
         if self.tokens < 1 or self.seq_len < 2:
             raise RidgefillError("--tokens must be >= 1 and --seq-len >= 2")
         if not 0 <= self.holdout <= 0.5:
             raise RidgefillError(f"--holdout {self.holdout} is out of range: use a share between 0 and 0.5")
+        if self.checkpoint_seconds < 0 or self.checkpoint_every < 0:
+            raise RidgefillError("--checkpoint-seconds and --checkpoint-every must be >= 0 (0: that rule off)")
+        if self.nproc < 1:
+            raise RidgefillError(f"--nproc must be at least 1, got {self.nproc}")
 
 
 def run(c: CalibrateConfig) -> dict:
-    """Calibrate, print the row counts per split and write the statistics with a JSON summary beside them."""
+    """Calibrate (in this process, or in --nproc processes), print the row counts per split and write the
+    statistics with a JSON summary beside them (rank 0 only)."""
+    if c.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        return relaunch(c)
+    check_device(c.device, c.dtype)
+    world = join_world(c.device)
+    try:
+        return _calibrate(c, world)
+    finally:
+        leave_world(world)
+
+
+def _calibrate(c: CalibrateConfig, world: World) -> dict:
+    refused = world.from_root(partial_refusal(partial_path(c.out), c.resume, c.restart) if world.root else None)
+    if refused:  # before the model loads
+        raise RidgefillError(refused if world.root else f"rank 0 cannot start: {refused}")
     session = c.open()
-    splits = parse_splits(c.split, session.engine.n_layers)
+    n_layers = session.engine.n_layers
+    splits = parse_splits(c.split, n_layers)
+    check_fittable(splits, n_layers)
     limit = session.context_length
     if limit and c.seq_len > limit:
         raise RidgefillError(f"--seq-len {c.seq_len} exceeds the model's context of {limit}: lower it")
     corpus = load_corpus(c.data)
-    sequences = token_sequences(session.tokenizer, documents_for(corpus, "calibration"), c.seq_len, c.tokens)
-    if not sequences:
+    documents = documents_for(corpus, "calibration")
+    stream = iter_sequences(session.tokenizer, documents, c.seq_len, c.tokens)
+    first = next(stream, None)
+    if first is None:
         raise RidgefillError(f"data '{c.data}' yields no calibration sequence of {c.seq_len} tokens: give more "
                              "text or a smaller --seq-len")
     meta = {"model": {"id": c.model, "weights_hash": session.loaded.fingerprint}, "data": corpus.name,
-            "tokens": len(sequences) * c.seq_len, "seq_len": c.seq_len}
+            "data_hash": documents_hash(documents), "tokens_requested": c.tokens, "seq_len": c.seq_len,
+            "dtype": c.dtype}
+    budget = sequence_budget(c.tokens, c.seq_len)  # an upper bound: the text may run out first
     started = time.perf_counter()
-    with progress_bar(f"calibrating splits {','.join(map(str, splits))}", len(sequences)) as advance:
-        cal = run_calibration(session.engine, sequences, splits, c.out, meta, c.holdout, c.skip_first,
-                              c.outlier_factor, c.checkpoint_every, c.resume, advance)
+    bar = progress_bar(f"calibrating splits {','.join(map(str, splits))}", budget) if world.root else \
+        nullcontext(lambda n=1: None)
+    with bar as advance:
+        cal = run_calibration(session.engine, chain([first], stream), splits, c.out, meta, c.holdout, c.skip_first,
+                              c.outlier_factor, c.checkpoint_every, c.checkpoint_seconds, c.resume, c.restart,
+                              advance, world=world)
+    if not world.root:
+        return {"command": "calibrate", "rank": world.rank}
+    if cal.sequences_done < budget:
+        note(f"note: the data gave {cal.sequences_done} sequences of {c.seq_len} tokens, fewer than the {budget} "
+             f"that --tokens {c.tokens} asks for")
+    return _report(c, cal, world, time.perf_counter() - started)
+
+
+ROW_NAMES = ["split", "train_rows", "val_rows", "test_rows", "skipped_first", "skipped_outliers"]
+
+
+def _report(c: CalibrateConfig, cal: Calibration, world: World, duration_s: float) -> dict:
+    """The table of row counts per split, and the JSON summary beside the statistics."""
     rows = []
-    for s in splits:
-        tr, va = cal.stats[(s, "train")], cal.stats[(s, "val")]
-        rows.append([s, tr.count, va.count, tr.skipped_first + va.skipped_first,
-                     tr.skipped_outliers + va.skipped_outliers])
-    table(f"calibration statistics → {c.out}", ["split", "train rows", "held-out rows", "sink rows skipped",
+    for s in cal.splits:
+        parts = [cal.stats[(s, p)] for p in ("train", *HELD_OUT)]
+        rows.append([s, *(st.count for st in parts), sum(st.skipped_first for st in parts),
+                     sum(st.skipped_outliers for st in parts)])
+    table(f"calibration statistics → {c.out}", ["split", "train rows", "val rows", "test rows", "sink rows skipped",
                                                  "outlier rows skipped"], rows)
-    summary = {"command": "calibrate", **cal.meta, "ridgefill_version": __version__,
-               "duration_s": time.perf_counter() - started,
-               "rows": [dict(zip(["split", "train_rows", "val_rows", "skipped_first", "skipped_outliers"], r))
-                        for r in rows]}
+    summary = {"command": "calibrate", **cal.meta, "tokens": cal.tokens_done, "sequences": cal.sequences_done,
+               "processes": world.size, "ridgefill_version": __version__, "duration_s": duration_s,
+               "rows": [dict(zip(ROW_NAMES, r)) for r in rows]}
     write_json(Path(str(c.out) + ".json"), summary)
     return summary
+
+
+# --- --nproc: the same command under torch.distributed.run -----------------------------------------------------
+def relaunch_argv(c: CalibrateConfig) -> list[str]:
+    """`python -m torch.distributed.run --standalone --nproc-per-node N -m ridgefill calibrate <the options
+    given, without --nproc>`."""
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(c.nproc),
+            "-m", "ridgefill", "calibrate"]
+    for o in options(type(c)).values():
+        value = getattr(c, o.name)
+        if o.name == "nproc" or value is None or value == o.default:
+            continue
+        if o.kind is bool:
+            argv.append(f"--{o.flag}" if value else f"--no-{o.flag}")
+        else:
+            argv += [f"--{o.flag}", str(value)]
+    return argv
+
+
+def relaunch(c: CalibrateConfig) -> dict:
+    """Run this calibration as --nproc processes on this machine and return rank 0's summary."""
+    argv = relaunch_argv(c)
+    note(f"note: running {c.nproc} processes: {shlex.join(argv)}")
+    code = subprocess.run(argv).returncode
+    if code:
+        raise RidgefillError(f"the {c.nproc} calibration processes failed (exit code {code}): see their messages "
+                             "above; rerun with --resume to continue from the last checkpoint")
+    return json.loads(Path(str(c.out) + ".json").read_text())
 
 
 COMMAND = Command("calibrate", CalibrateConfig, run, writes=".safetensors", summary_json=True, makes="stats")

@@ -10,11 +10,11 @@ from ridgefill import __version__
 from ridgefill.commands import REQUIRED, Command, Config, option
 from ridgefill.errors import RidgefillError
 from ridgefill.evals.stats import mean
-from ridgefill.method.statistics import Calibration
+from ridgefill.method.statistics import PARTS, Calibration, SplitStats, check_fittable
 from ridgefill.method.maps import KINDS, save_maps
 from ridgefill.method.ridge import fit_split
-from ridgefill.runtime.artifacts import load_artifact
-from ridgefill.runtime.console import progress_bar, table
+from ridgefill.runtime.artifacts import load_artifact, read_meta
+from ridgefill.runtime.console import note, progress_bar, table
 from ridgefill.runtime.paths import write_json
 
 
@@ -23,8 +23,8 @@ class FitConfig(Config):
     stats: Path = option(REQUIRED, "Statistics from `ridgefill calibrate`.", role="input")
     out: Path = option(REQUIRED, "Maps file (.safetensors) to write; a JSON summary goes beside it.", role="output")
     split: int | None = option(None, "Which split to fit (needed if the stats hold several).", top="splits")
-    lam: str = option("auto", "'auto' (per layer, by held-out error) or a λ relative to trace(Pxx)/H (Pxx: the "
-                      "centred XᵀX).", top="lam")
+    lam: str = option("auto", "'auto' (per layer, chosen on the validation rows) or a λ relative to "
+                      "trace(Pxx)/H (Pxx: the centred XᵀX).", top="lam")
     kind: str = option("ridge", "ridge (fitted maps) or identity (x itself, no fit).")
     rank: int | None = option(None, "Keep only the top-r directions of each map's residual.")
 
@@ -36,46 +36,72 @@ class FitConfig(Config):
 
 def run(c: FitConfig) -> dict:
     """Fit one split's maps, print their held-out error beside identity fill's, write maps + JSON summary."""
-    stats, out, split, kind, rank = c.stats, c.out, c.split, c.kind, c.rank
+    stats, out, kind, rank = c.stats, c.out, c.kind, c.rank
     lam_value = _parse_lam(c.lam)
-    tensors, meta = load_artifact(stats, "stats")
-    splits = meta["splits"]
-    if split is None:
-        if len(splits) > 1:
-            raise RidgefillError(f"{stats} holds splits {splits}: pass --split with one of them")
-        split = splits[0]
-    if split not in splits:
-        raise RidgefillError(f"{stats} has no statistics for split {split} (it has {splits}): recalibrate "
-                             f"with --split {split}")
-    cal = Calibration.from_tensors(splits, tensors, meta)
-    train, val = cal.stats[(split, "train")], cal.stats[(split, "val")]
+    meta = read_meta(stats, "stats")
+    split = _split_of(stats, meta["splits"], c.split)
+    check_fittable([split], meta["n_layers"])
     hidden = meta["hidden_size"]
     if rank is not None and not 1 <= rank < hidden:
         raise RidgefillError(f"--rank {rank} is out of range: use 1..{hidden - 1}")
+    tensors, _ = load_artifact(stats, "stats", prefix=f"s{split}.")  # only this split's statistics
+    cal = Calibration.from_tensors([split], tensors, meta)
+    train, val, test = (cal.stats.get((split, p)) for p in PARTS)
     if train.count < 2:
-        raise RidgefillError(f"{stats} has only {train.count} training rows for split {split}: calibrate on more tokens")
+        raise RidgefillError(f"{stats} has only {train.count} training rows for split {split}: calibrate on more "
+                             "tokens")
     if kind == "identity":
         lam_value = 1.0  # no map is fitted; the pass only measures identity fill's held-out error
     if lam_value == "auto" and val.count == 0:
         raise RidgefillError("--lam auto needs held-out rows: calibrate with --holdout > 0 or pass --lam 1e-3")
+    errors_on = _errors_on(stats, val, test, lam_value == "auto")
     n_maps = meta["n_layers"] - split - 1
     with progress_bar(f"fitting split {split}", n_maps) as advance:
-        fits = fit_split(train, val if val.count else None, lam_value, rank, advance)
+        fits = fit_split(train, val if val.count else None, lam_value, rank, advance, test)
     if kind == "identity":  # the stored map is x itself: its error is identity fill's
         fits = [replace(f, error_map=f.error_identity, error_full_rank=f.error_identity, lam=math.nan) for f in fits]
     base = {k: meta[k] for k in ("model", "data", "tokens", "seq_len")}
-    save_maps(out, split, meta["n_layers"], fits, {**base, "stats": str(stats), "rank": rank}, kind)
+    save_maps(out, split, meta["n_layers"], fits, {**base, "stats": str(stats), "rank": rank,
+                                                   "errors_on": errors_on}, kind)
     rows = [[f.layer, f.lam, f.error_identity, f.error_map] for f in fits]
     label = "ridge" if kind == "ridge" else "identity (stored)"
-    table(f"held-out relative error ‖Ŷ−Y‖²/‖Y−Ȳ‖², split {split} → {out}",
+    chosen = ", λ chosen on the validation rows" if lam_value == "auto" else ""
+    table(f"{errors_on or 'held-out'} relative error ‖Ŷ−Y‖²/‖Y−Ȳ‖², split {split}{chosen} → {out}",
           ["layer", "λ (relative)", "identity fill", f"{label} map"], rows)
     summary = {"command": "fit", "maps": str(out), "kind": kind, "split": split, "rank": rank,
-               "model": meta["model"], "layers": [dict(zip(["layer", "lam", "error_identity", "error_map"], r))
-                                                  for r in rows],
+               "model": meta["model"], "errors_on": errors_on,
+               "lam_chosen_on": "validation" if lam_value == "auto" else None,
+               "layers": [dict(zip(["layer", "lam", "error_identity", "error_map"], r)) for r in rows],
                "mean_error_identity": mean([f.error_identity for f in fits]),
                "mean_error_map": mean([f.error_map for f in fits]), "ridgefill_version": __version__}
     write_json(Path(str(out) + ".json"), summary)
     return summary
+
+
+def _split_of(stats: Path, splits: list[int], split: int | None) -> int:
+    """The split to fit: the one asked for, or the file's only one."""
+    if split is None:
+        if len(splits) > 1:
+            raise RidgefillError(f"{stats} holds splits {splits}: pass --split with one of them")
+        return splits[0]
+    if split not in splits:
+        raise RidgefillError(f"{stats} has no statistics for split {split} (it has {splits}): recalibrate "
+                             f"with --split {split}")
+    return split
+
+
+def _errors_on(stats: Path, val: SplitStats, test: SplitStats | None, auto: bool) -> str | None:
+    """Which held-out rows the errors are measured on: "test" (rows that chose nothing), else "validation"
+    (with a note: a file from before the test part, or too few held-out sequences), None without held-out rows."""
+    if test is not None and test.count > 0:
+        return "test"
+    if val.count == 0:
+        return None
+    why = "it was written before held-out rows were split into validation and test" if test is None else \
+        "too few held-out sequences"
+    also = ", the rows that also chose λ (optimistic)" if auto else ""
+    note(f"note: {stats} has no test rows ({why}): the errors are measured on the validation rows{also}")
+    return "validation"
 
 
 COMMAND = Command("fit", FitConfig, run, writes=".safetensors", summary_json=True, reads="stats", makes="maps")

@@ -8,7 +8,8 @@ i.e. W = I + W_res, b = ȳ − x̄ W, where W_res regresses the centred residual
 A large λ gives identity fill (plus the mean offset). λ is given relative to the mean eigenvalue of Pxx
 (trace / H), so one value means the same on every model. With Pxx = Q diag(e) Qᵀ computed once per split,
 W_res(λ) = Q diag(1/(e+λ)) QᵀPxd for every λ, and the held-out error of the whole λ grid comes from a few
-precomputed H×H products (no refit per λ; see `_HeldOut`).
+precomputed H×H products (no refit per λ; see `_HeldOut`). `--lam auto` chooses λ on the validation rows
+and the errors are reported on the test rows, which chose nothing (held-out sequences alternate between them).
 """
 
 from __future__ import annotations
@@ -81,27 +82,32 @@ class _HeldOut:
 
 
 def fit_split(train: SplitStats, val: SplitStats | None, lam: float | str = "auto",
-              rank: int | None = None, progress=None) -> list[LayerFit]:
-    """Fit every late layer's map for one split. lam: a relative λ, or 'auto' (pick per layer by held-out
-    error over LAMBDA_GRID). rank: keep the top-r singular directions of W_res."""
+              rank: int | None = None, progress=None, test: SplitStats | None = None) -> list[LayerFit]:
+    """Fit every late layer's map for one split. lam: a relative λ, or 'auto' (pick per layer by the error on
+    `val` over LAMBDA_GRID). rank: keep the top-r singular directions of W_res. The errors reported are measured
+    on `test` when it has rows (rows that chose nothing), else on `val`."""
     has_val = val is not None and val.count > 0
     if lam == "auto" and not has_val:
         raise ValueError("lam='auto' needs held-out statistics")
+    report = test if test is not None and test.count > 0 else (val if has_val else None)
     mx, my, pxx, pxy = _centred(train)
     hidden = pxx.shape[0]
     e, q = torch.linalg.eigh(pxx)
     e = e.clamp_min(0)
     scale = float(e.mean()) or 1.0
-    eye = torch.eye(hidden, dtype=torch.float64)
+    eye = torch.eye(hidden, dtype=pxx.dtype, device=pxx.device)
+    grid = LAMBDA_GRID if lam == "auto" else (float(lam),)
     fits = []
     for index in range(pxy.shape[0]):
         a = q.T @ (pxy[index] - pxx)  # Qᵀ Pxd  [H, H]
-        held = _HeldOut(val, index, mx, my[index], q, a) if has_val else None
-        grid = LAMBDA_GRID if lam == "auto" else (float(lam),)
-        errors = [held.sse(1.0 / (e + g * scale)) for g in grid] if held else [math.nan]
-        best = int(torch.tensor(errors).nan_to_num(math.inf).argmin()) if held else 0
-        chosen = grid[best]
-        w_res = q @ (a / (e + chosen * scale)[:, None])
+        held = _HeldOut(report, index, mx, my[index], q, a) if report is not None else None  # errors reported
+        if lam != "auto" or report is val:  # the rows λ is chosen on (none for a given λ)
+            chooser = held
+        else:
+            chooser = _HeldOut(val, index, mx, my[index], q, a)
+        chosen = grid[_best(chooser, e, scale, grid)] if chooser is not None else grid[0]
+        d = 1.0 / (e + chosen * scale)  # [H]  W_res = Q diag(d) A
+        w_res = q @ (a * d[:, None])
         low = None
         if rank is not None and rank < hidden:
             u_, s_, vh = torch.linalg.svd(w_res)
@@ -110,10 +116,16 @@ def fit_split(train: SplitStats, val: SplitStats | None, lam: float | str = "aut
         w = eye + w_res
         bias = my[index] - mx @ w
         err_map = held.relative(held.sse_of(w)) if held else math.nan
-        err_full = held.relative(errors[best]) if held else math.nan
+        err_full = held.relative(held.sse(d)) if held else math.nan
         err_id = held.relative(held.identity_sse) if held else math.nan
         fits.append(LayerFit(train.split + 1 + index, chosen, None if low else w, bias, low, err_id, err_map,
                              err_full))
         if progress is not None:
             progress()
     return fits
+
+
+def _best(held: _HeldOut, e: torch.Tensor, scale: float, grid) -> int:
+    """Index of the λ in `grid` with the least error on the held-out rows of `held` (NaN counts as worst)."""
+    errors = torch.tensor([held.sse(1.0 / (e + g * scale)) for g in grid])
+    return int(errors.nan_to_num(math.inf).argmin())

@@ -2,27 +2,44 @@
 late layer's input Y_l, for one or several splits at once.
 
 For split S and each late layer l = S+1..L-1 it accumulates XᵀX, XᵀY_l, ΣX, ΣY_l, Σ‖Y_l‖² and the row
-count (layer S needs no map: its input is X itself). Memory does not grow with the token count. A held-out
-share of sequences accumulates the same statistics separately, for validation.
+count (layer S needs no map: its input is X itself). Memory does not grow with the token count. Held-out
+sequences accumulate the same statistics separately, in two parts: `val` (fit chooses λ on it) and `test`
+(fit reports its error on it). The statistics live on the model's device; they go to the CPU only to be saved.
 
 Rows kept out of the regression (and counted): the first `skip_first` rows of each sequence (attention
-sinks) and rows whose split-state norm exceeds `outlier_factor` times the sequence's median norm.
+sinks) and rows whose split-state norm exceeds `outlier_factor` times the SEQUENCE's median norm. When the
+engine runs a sequence in several chunks, that median is only known after the last chunk, so `accumulate`
+then runs the sequence twice: a first pass that records only the split states' norms, and the accumulating
+pass (about twice the time; a sequence that fits one chunk, or `outlier_factor` 0, runs once).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from ridgefill.engine import Engine
+from ridgefill.errors import RidgefillError
 
-PARTS = ("train", "val")
+PARTS = ("train", "val", "test")
+HELD_OUT = ("val", "test")  # held-out sequences alternate between them: val chooses λ, test reports
+SUMS = ("xtx", "xsum", "xty", "ysum", "yy", "xx")  # the float64 tensors of a SplitStats
+COUNTS = ("count", "skipped_first", "skipped_outliers")
+
+
+def check_fittable(splits: list[int], n_layers: int) -> None:
+    """Refuse split L-1: its only late layer is L-1 itself, whose input is x, so no map is left to fit."""
+    last = [s for s in splits if s >= n_layers - 1]
+    if last:
+        raise RidgefillError(f"split {last[0]} leaves nothing to fit on this {n_layers}-layer model: layer {last[0]} "
+                             f"is the last and its input is x itself; use a split in 1..{n_layers - 2}")
 
 
 @dataclass
 class SplitStats:
-    """Sufficient statistics for one split and one part (train or val). Shapes: H hidden, M = L-S-1 maps."""
+    """Sufficient statistics for one split and one part. Shapes: H hidden, M = L-S-1 maps."""
 
     split: int
     xtx: torch.Tensor  # [H, H]
@@ -36,9 +53,9 @@ class SplitStats:
     skipped_outliers: int = 0
 
     @classmethod
-    def empty(cls, split: int, n_layers: int, hidden: int) -> "SplitStats":
+    def empty(cls, split: int, n_layers: int, hidden: int, device: str | torch.device = "cpu") -> "SplitStats":
         m = n_layers - split - 1
-        z = lambda *s: torch.zeros(*s, dtype=torch.float64)  # noqa: E731
+        z = lambda *s: torch.zeros(*s, dtype=torch.float64, device=device)  # noqa: E731
         return cls(split, z(hidden, hidden), z(hidden), z(m, hidden, hidden), z(m, hidden), z(m), z(()))
 
     def add_x(self, x: torch.Tensor) -> None:
@@ -54,22 +71,25 @@ class SplitStats:
         self.ysum[index] += y.sum(0)
         self.yy[index] += (y * y).sum()
 
+    def sums(self) -> list[torch.Tensor]:
+        return [getattr(self, n) for n in SUMS]
+
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
-        names = ("xtx", "xsum", "xty", "ysum", "yy", "xx")
-        out = {f"{prefix}.{n}": getattr(self, n) for n in names}
-        out[f"{prefix}.counts"] = torch.tensor([self.count, self.skipped_first, self.skipped_outliers])
+        out = {f"{prefix}.{n}": getattr(self, n) for n in SUMS}
+        out[f"{prefix}.counts"] = torch.tensor([getattr(self, n) for n in COUNTS])  # [3] int64
         return out
 
     @classmethod
-    def from_tensors(cls, split: int, prefix: str, t: dict[str, torch.Tensor]) -> "SplitStats":
+    def from_tensors(cls, split: int, prefix: str, t: dict[str, torch.Tensor],
+                     device: str | torch.device = "cpu") -> "SplitStats":
         count, first, outliers = (int(v) for v in t[f"{prefix}.counts"])
-        return cls(split, t[f"{prefix}.xtx"], t[f"{prefix}.xsum"], t[f"{prefix}.xty"], t[f"{prefix}.ysum"],
-                   t[f"{prefix}.yy"], t[f"{prefix}.xx"], count, first, outliers)
+        sums = [t[f"{prefix}.{n}"].to(device) for n in SUMS]
+        return cls(split, *sums, count, first, outliers)
 
 
 @dataclass
 class Calibration:
-    """Statistics for every split, train and val, plus how many sequences were consumed."""
+    """Statistics for every split and part, plus how many sequences and tokens were consumed."""
 
     splits: list[int]
     stats: dict[tuple[int, str], SplitStats]
@@ -78,55 +98,127 @@ class Calibration:
     meta: dict = field(default_factory=dict)
 
     @classmethod
-    def empty(cls, splits: list[int], n_layers: int, hidden: int) -> "Calibration":
-        stats = {(s, p): SplitStats.empty(s, n_layers, hidden) for s in splits for p in PARTS}
+    def empty(cls, splits: list[int], n_layers: int, hidden: int,
+              device: str | torch.device = "cpu") -> "Calibration":
+        stats = {(s, p): SplitStats.empty(s, n_layers, hidden, device) for s in splits for p in PARTS}
         return cls(sorted(splits), stats)
 
     def tensors(self) -> dict[str, torch.Tensor]:
+        """Every statistic by name ("s{split}.{part}.{name}"), on the device they live on."""
         out = {}
         for (s, p), st in self.stats.items():
             out.update(st.tensors(f"s{s}.{p}"))
         return out
 
     @classmethod
-    def from_tensors(cls, splits: list[int], tensors: dict, meta: dict) -> "Calibration":
-        stats = {(s, p): SplitStats.from_tensors(s, f"s{s}.{p}", tensors) for s in splits for p in PARTS}
+    def from_tensors(cls, splits: list[int], tensors: dict, meta: dict,
+                     device: str | torch.device = "cpu") -> "Calibration":
+        """The statistics of `splits` in `tensors`, moved to `device`. A part missing from the file (the test
+        part of a file written before held-out rows were split into val and test) is left out of `stats`."""
+        stats = {(s, p): SplitStats.from_tensors(s, f"s{s}.{p}", tensors, device) for s in splits for p in PARTS
+                 if f"s{s}.{p}.counts" in tensors}
         return cls(sorted(splits), stats, meta.get("sequences_done", 0), meta.get("tokens_done", 0), meta)
+
+    def reduce(self, reduce_sum: Callable[[torch.Tensor], None], root: bool) -> None:
+        """Sum every process's statistics into the root's, in place: `reduce_sum(t)` adds every process's `t`
+        into the root's `t` (torch.distributed.reduce). The other processes then start again from zero, so each
+        row is counted once and no second copy of the statistics is held. `sequences_done` is the caller's."""
+        device = self.stats[next(iter(self.stats))].xsum.device
+        keys = list(self.stats)
+        counts = torch.tensor([getattr(self.stats[k], n) for k in keys for n in COUNTS] + [self.tokens_done],
+                              device=device)  # [3 * parts + 1] int64
+        for st in self.stats.values():
+            for t in st.sums():
+                reduce_sum(t)
+        reduce_sum(counts)
+        values = counts.tolist() if root else [0] * len(counts)
+        for i, k in enumerate(keys):
+            for j, n in enumerate(COUNTS):
+                setattr(self.stats[k], n, values[3 * i + j])
+            if not root:
+                for t in self.stats[k].sums():
+                    t.zero_()
+        self.tokens_done = values[-1]
+
+
+def _split_rows(h: torch.Tensor, positions: torch.Tensor, skip_first: int):
+    """The split state's rows as float64 [B*n, H], which of them are past the sinks [B*n] bool, and their
+    norms [B*n] (all on h's device)."""
+    rows = h.reshape(-1, h.shape[-1]).to(torch.float64)
+    keep = positions.to(h.device).repeat(h.shape[0]) >= skip_first
+    return rows, keep, rows.norm(dim=-1)
+
+
+class _SplitNorms:
+    """Engine observer of a first pass: the norms of each split state's rows past the sinks, chunk by chunk."""
+
+    def __init__(self, splits: list[int], skip_first: int):
+        self.skip_first = skip_first
+        self.norms: dict[int, list[torch.Tensor]] = {s: [] for s in splits}
+
+    def __call__(self, layer: int, h: torch.Tensor, positions: torch.Tensor) -> None:
+        if layer in self.norms:
+            _, keep, norms = _split_rows(h, positions, self.skip_first)
+            self.norms[layer].append(norms[keep])
+
+    def medians(self) -> dict[int, torch.Tensor | None]:
+        """Per split: the median norm over the whole sequence (None: no row past the sinks)."""
+        whole = {s: torch.cat(parts) for s, parts in self.norms.items()}
+        return {s: (n.median() if n.numel() else None) for s, n in whole.items()}
 
 
 class _Collector:
-    """Engine observer: buffers each split's kept rows and adds every later layer's inputs for them."""
+    """Engine observer: buffers each split's kept rows and adds every later layer's inputs for them.
+    medians: the per-sequence median split-state norm of each split, when a first pass found it; without it the
+    median is taken over the rows seen at once (the whole sequence, when it runs in one chunk)."""
 
-    def __init__(self, calibration: Calibration, part: str, skip_first: int, outlier_factor: float):
+    def __init__(self, calibration: Calibration, part: str, skip_first: int, outlier_factor: float,
+                 medians: dict[int, torch.Tensor | None] | None = None):
         self.cal, self.part = calibration, part
-        self.skip_first, self.outlier_factor = skip_first, outlier_factor
+        self.skip_first, self.outlier_factor, self.medians = skip_first, outlier_factor, medians
         self.kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # split -> (row mask [n], x [k, H])
 
     def __call__(self, layer: int, h: torch.Tensor, positions: torch.Tensor) -> None:
-        rows = h.reshape(-1, h.shape[-1]).to(torch.float64)  # [B*n, H]
-        positions = positions.repeat(h.shape[0]).cpu()
+        rows = None
         if layer in self.cal.splits:
+            rows, keep, norms = _split_rows(h, positions, self.skip_first)
             st = self.cal.stats[(layer, self.part)]
-            keep = positions >= self.skip_first
             st.skipped_first += int((~keep).sum())
-            norms = rows.norm(dim=-1).cpu()
-            if keep.any() and self.outlier_factor > 0:
-                outlier = keep & (norms > self.outlier_factor * norms[keep].median())
+            median = self._median(layer, keep, norms)
+            if median is not None:
+                outlier = keep & (norms > self.outlier_factor * median)
                 st.skipped_outliers += int(outlier.sum())
                 keep &= ~outlier
-            x = rows[keep.to(rows.device)]
+            x = rows[keep]
             st.add_x(x)
             self.kept[layer] = (keep, x)
         for split, (keep, x) in self.kept.items():
             index = layer - split - 1
             if 0 <= index < self.cal.stats[(split, self.part)].xty.shape[0]:
-                self.cal.stats[(split, self.part)].add_y(index, x, rows[keep.to(rows.device)])
+                rows = rows if rows is not None else h.reshape(-1, h.shape[-1]).to(torch.float64)  # [B*n, H]
+                self.cal.stats[(split, self.part)].add_y(index, x, rows[keep])
+
+    def _median(self, layer: int, keep: torch.Tensor, norms: torch.Tensor) -> torch.Tensor | None:
+        """The median the outlier rule compares with (None: the rule is off, or no row to take it over)."""
+        if self.outlier_factor <= 0:
+            return None
+        if self.medians is not None:
+            return self.medians[layer]
+        return norms[keep].median() if keep.any() else None
 
 
 def accumulate(engine: Engine, calibration: Calibration, ids: torch.Tensor, part: str,
                skip_first: int = 1, outlier_factor: float = 20.0, chunk: int | None = None) -> None:
-    """Run one exact prefill of `ids` [B, T] and add its rows to `calibration` (part 'train' or 'val')."""
-    collector = _Collector(calibration, part, skip_first, outlier_factor)
-    engine.prefill(ids, observe=collector, logits_at=[], chunk=chunk or ids.shape[1])
+    """Run one exact prefill of `ids` [B, T] in chunks of `chunk` rows (default: the engine's) and add its rows
+    to `calibration` (part 'train', 'val' or 'test'). When that takes several chunks and the outlier rule is on,
+    a first pass finds each split state's median norm over the whole sequence (see the module docstring)."""
+    chunk = chunk or engine.chunk
+    medians = None
+    if outlier_factor > 0 and chunk < ids.shape[1]:
+        norms = _SplitNorms(calibration.splits, skip_first)
+        engine.prefill(ids, observe=norms, logits_at=[], chunk=chunk)
+        medians = norms.medians()
+    collector = _Collector(calibration, part, skip_first, outlier_factor, medians)
+    engine.prefill(ids, observe=collector, logits_at=[], chunk=chunk)
     calibration.tokens_done += ids.numel()
     calibration.sequences_done += ids.shape[0]

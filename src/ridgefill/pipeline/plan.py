@@ -99,6 +99,8 @@ def task_values(cmd: Command, task: Task, out: Path, upstream_artifact: Path | N
             values[o.name] = out
         elif o.role == "resume":
             values[o.name] = not fresh
+        elif o.role == "restart":  # a forced step starts over, whatever an earlier run left
+            values[o.name] = fresh
         elif o.role == "store" and values.get(o.name) is None:
             values[o.name] = store
     return values

@@ -37,7 +37,7 @@ TOP = {
 KINDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false", Path: "a path (string)"}
 NOUNS = {"stats": "statistics"}  # an artifact kind (Command.makes) in words, where it is not its own name
 FILE_SUFFIXES = (".txt", ".jsonl", ".json", ".toml", ".gz")
-WIRED = ("input", "output", "resume")  # roles of the options only the runner sets ("store": unless a table does)
+WIRED = ("input", "output", "resume", "restart")  # roles of the options only the runner sets ("store": unless a table does)
 RELATIVE = "relative paths are read from the recipe's folder, an override's from the current one"
 
 
@@ -249,6 +249,8 @@ def _setter(cmd: Command, option: Option) -> str:
         return f"the runner (it passes {_made_by(cmd.reads)})"
     if option.role == "output":
         return "the runner (artifacts go in the run folder)"
+    if option.role == "restart":
+        return "the runner (a step given to --force starts over)"
     return "the runner (it always resumes an interrupted step)"
 
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import math
 import re
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable, Iterator
 
 from ridgefill.errors import RidgefillError
 from ridgefill.runtime.paths import cache_dir
@@ -67,22 +69,50 @@ def _is_evaluation(doc: str) -> bool:
     return int(hashlib.sha256(doc.encode()).hexdigest()[:8], 16) % EVALUATION_SHARE == 0
 
 
-def token_sequences(tokenizer, documents: list[str], seq_len: int, max_tokens: int | None = None) -> list[list[int]]:
-    """Concatenate documents (each followed by the tokenizer's end-of-text separator) and cut sequences
-    of exactly `seq_len` tokens, until `max_tokens` tokens are collected (all if None)."""
+def iter_sequences(tokenizer, documents: Iterable[str], seq_len: int,
+                   max_tokens: int | None = None) -> Iterator[list[int]]:
+    """Concatenate documents (each followed by the tokenizer's end-of-text separator) and yield sequences of
+    exactly `seq_len` tokens, one at a time, until `max_tokens` tokens are yielded (all if None; the last
+    sequence may overshoot it, so ceil(max_tokens / seq_len) sequences at most).
+
+    Memory holds one document's tokens plus less than one sequence of leftovers: the consumed prefix of the
+    buffer is dropped once per document, not once per sequence, so a long document costs O(its tokens)."""
     sep = tokenizer.eos_token_id
-    sequences, buffer = [], []
-    limit = max_tokens if max_tokens is not None else float("inf")
+    limit = max_tokens if max_tokens is not None else math.inf
+    buffer: list[int] = []
+    produced = 0  # tokens yielded
     for doc in documents:
+        if produced >= limit:
+            return
         buffer.extend(tokenizer(doc, add_special_tokens=False)["input_ids"])
         if sep is not None:
             buffer.append(sep)
-        while len(buffer) >= seq_len and len(sequences) * seq_len < limit:
-            sequences.append(buffer[:seq_len])
-            buffer = buffer[seq_len:]
-        if len(sequences) * seq_len >= limit:
-            break
-    return sequences
+        start = 0  # buffer[:start] is already yielded
+        while len(buffer) - start >= seq_len and produced < limit:
+            yield buffer[start : start + seq_len]
+            start += seq_len
+            produced += seq_len
+        del buffer[:start]  # O(leftover < seq_len), and only after `start` tokens were yielded
+
+
+def token_sequences(tokenizer, documents: list[str], seq_len: int, max_tokens: int | None = None) -> list[list[int]]:
+    """Every sequence of `iter_sequences`, as a list (for callers that want them all at once)."""
+    return list(iter_sequences(tokenizer, documents, seq_len, max_tokens))
+
+
+def sequence_budget(max_tokens: int, seq_len: int) -> int:
+    """How many sequences `iter_sequences` yields at most for a token budget (fewer if the text runs out)."""
+    return -(-max_tokens // seq_len)
+
+
+def documents_hash(documents: Iterable[str]) -> str:
+    """A hash of the documents' text, in order (what a resumed calibration checks, not the data's name)."""
+    digest = hashlib.sha256()
+    for doc in documents:
+        data = doc.encode()
+        digest.update(len(data).to_bytes(8, "little"))  # length-prefixed: ["ab", "c"] differs from ["a", "bc"]
+        digest.update(data)
+    return digest.hexdigest()[:16]
 
 
 def passages(tokenizer, documents: list[str], length: int, count: int) -> list[list[int]]:

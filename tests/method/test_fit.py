@@ -1,0 +1,79 @@
+"""`ridgefill fit` on a statistics file: it reads only the split it fits, refuses split L-1 in one line, and
+reports its error on the test rows (on validation rows, with a note, for a file without a test part)."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import random_ids, tiny_model
+from ridgefill.engine import Engine, adapter_for
+from ridgefill.errors import RidgefillError
+from ridgefill.method.calibrate import run_calibration
+from ridgefill.method.fit import COMMAND as FIT
+from ridgefill.method.statistics import Calibration
+from ridgefill.runtime import artifacts
+from ridgefill.runtime.artifacts import load_artifact, save_artifact
+
+META = {"model": {"id": "tiny", "weights_hash": "x"}, "data": "random", "data_hash": "abc", "tokens": 640,
+        "seq_len": 32}
+
+
+@pytest.fixture(scope="module")
+def stats(tmp_path_factory):
+    engine = Engine(adapter_for(tiny_model("llama")))
+    seqs = [random_ids(32, seed=s)[0].tolist() for s in range(20)]
+    path = tmp_path_factory.mktemp("fit") / "stats.safetensors"
+    run_calibration(engine, seqs, [2, 3], path, META, holdout=0.25)
+    return path
+
+
+def test_fit_reads_only_the_split_it_fits(stats, tmp_path, monkeypatch):
+    read, real = [], artifacts.safe_open
+
+    class Recording:
+        def __init__(self, *args, **kwargs):
+            self.file = real(*args, **kwargs)
+
+        def __enter__(self):
+            self.inner = self.file.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.file.__exit__(*exc)
+
+        def get_tensor(self, name):
+            read.append(name)
+            return self.inner.get_tensor(name)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    monkeypatch.setattr(artifacts, "safe_open", Recording)
+    FIT(stats=stats, out=tmp_path / "maps.safetensors", split=3)
+    assert read and all(name.startswith("s3.") for name in read)
+
+
+def test_fit_reports_on_test_rows_and_says_so(stats, tmp_path):
+    summary = FIT(stats=stats, out=tmp_path / "maps.safetensors", split=3)
+    assert summary["errors_on"] == "test" and summary["lam_chosen_on"] == "validation"
+    assert load_artifact(tmp_path / "maps.safetensors", "maps")[1]["errors_on"] == "test"
+    assert json.loads((tmp_path / "maps.safetensors.json").read_text())["errors_on"] == "test"
+
+
+def test_a_file_without_test_part_still_fits_on_validation_with_a_note(stats, tmp_path, capsys):
+    tensors, meta = load_artifact(stats, "stats")
+    older = tmp_path / "older.safetensors"
+    save_artifact(older, {k: v for k, v in tensors.items() if ".test." not in k}, meta)
+    summary = FIT(stats=older, out=tmp_path / "maps.safetensors", split=3)
+    assert summary["errors_on"] == "validation" and summary["mean_error_map"] < summary["mean_error_identity"]
+    assert "no test rows" in capsys.readouterr().err
+
+
+def test_split_at_the_last_layer_is_one_line(tmp_path):
+    path = tmp_path / "last.safetensors"
+    save_artifact(path, Calibration.empty([5], 6, 64).tensors(),
+                  {**META, "artifact": "stats", "splits": [5], "n_layers": 6, "hidden_size": 64})
+    with pytest.raises(RidgefillError, match="split 5 leaves nothing to fit on this 6-layer model"):
+        FIT(stats=path, out=tmp_path / "maps.safetensors")
+    assert not (tmp_path / "maps.safetensors").exists()
