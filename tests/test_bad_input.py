@@ -146,11 +146,9 @@ class Case:
     args: list[str]
     files: dict = field(default_factory=dict)  # name under {in} (or out/NAME: under {out}) -> content
     match: str | None = None  # the error line must contain this (case-insensitive)
-    xfail: str | None = None  # a known failure in a file this suite may not fix: why
 
     def param(self):
-        marks = [pytest.mark.xfail(reason=self.xfail, strict=True)] if self.xfail else []
-        return pytest.param(self, id=self.id, marks=marks)
+        return pytest.param(self, id=self.id)
 
 
 def cmd(base: list[str], *flags: str, **options) -> list[str]:
@@ -189,12 +187,6 @@ REPORT = ["report", "{in}/results"]
 BASES = {"calibrate": CAL, "fit": FIT, "generate": GEN, "ruler": RULER, "loss": LOSS, "splice": SPLICE,
          "longbench": LB, "bench-ttft": TTFT}
 
-DATA_PY_BINARY = ("runtime/data.py _read_file reads a .txt with errors='replace': binary or non-UTF-8 --data is "
-                  "taken as text instead of refused with 'not UTF-8 text'")
-DATA_PY_JSONL = ("runtime/data.py _read_file: path.read_text() of a non-UTF-8 .jsonl raises UnicodeDecodeError, "
-                 "which it does not catch (it catches OSError, JSONDecodeError): a traceback")
-CALIBRATE_CHECK = ("method/calibrate.py CalibrateConfig.check accepts a negative --skip-first or --outlier-factor "
-                   "and calibrates (exit 0) instead of refusing it")
 def data_cases(name: str, base: list[str]) -> list[Case]:
     """--data of the text commands (calibrate, loss, splice, bench-ttft): missing, a folder of no text, empty,
     binary, not UTF-8, a JSONL line that is no object or no JSON."""
@@ -204,12 +196,10 @@ def data_cases(name: str, base: list[str]) -> list[Case]:
         Case(f"{c}-data-folder-without-text", cmd(base, data="{in}/folder"), {"folder/notes.md": b"# no text"},
              match="holds no .txt or .jsonl"),
         Case(f"{c}-data-empty", cmd(base, data="{in}/empty.txt"), {"empty.txt": EMPTY}),
-        Case(f"{c}-data-binary", cmd(base, data="{in}/binary.txt"), {"binary.txt": BINARY}, match="UTF-8",
-             xfail=DATA_PY_BINARY),
-        Case(f"{c}-data-jsonl-binary", cmd(base, data="{in}/binary.jsonl"), {"binary.jsonl": BINARY}, match="UTF-8",
-             xfail=DATA_PY_JSONL),
+        Case(f"{c}-data-binary", cmd(base, data="{in}/binary.txt"), {"binary.txt": BINARY}, match="UTF-8"),
+        Case(f"{c}-data-jsonl-binary", cmd(base, data="{in}/binary.jsonl"), {"binary.jsonl": BINARY}, match="UTF-8"),
         Case(f"{c}-data-jsonl-not-utf8", cmd(base, data="{in}/latin1.jsonl"), {"latin1.jsonl": LATIN1_JSONL},
-             match="UTF-8", xfail=DATA_PY_JSONL),
+             match="UTF-8"),
         Case(f"{c}-data-jsonl-line-not-object", cmd(base, data="{in}/list.jsonl"), {"list.jsonl": NOT_AN_OBJECT},
              match=":1:"),
         Case(f"{c}-data-jsonl-line-not-json", cmd(base, data="{in}/bad.jsonl"), {"bad.jsonl": NOT_JSON}),
@@ -239,8 +229,7 @@ def maps_cases(name: str, base: list[str]) -> list[Case]:
 CASES: list[Case] = [
     # --- calibrate ---
     *data_cases("calibrate", CAL),
-    Case("calibrate-data-not-utf8-text", cmd(CAL, data="{in}/latin1.txt"), {"latin1.txt": LATIN1}, match="UTF-8",
-         xfail=DATA_PY_BINARY),
+    Case("calibrate-data-not-utf8-text", cmd(CAL, data="{in}/latin1.txt"), {"latin1.txt": LATIN1}, match="UTF-8"),
     Case("calibrate-seq-len-past-context", cmd(CAL, seq_len=5000, tokens=5000), match="exceeds the model's context"),
     Case("calibrate-tokens-zero", cmd(CAL, tokens=0), match="--tokens"),
     Case("calibrate-tokens-negative", cmd(CAL, tokens=-128), match="--tokens"),
@@ -251,9 +240,8 @@ CASES: list[Case] = [
     Case("calibrate-holdout-out-of-range", cmd(CAL, holdout=0.9), match="--holdout"),
     Case("calibrate-chunk-zero", cmd(CAL, chunk=0), match="--chunk"),
     Case("calibrate-chunk-negative", cmd(CAL, chunk=-4), match="--chunk"),
-    Case("calibrate-skip-first-negative", cmd(CAL, skip_first=-1), match="--skip-first", xfail=CALIBRATE_CHECK),
-    Case("calibrate-outlier-factor-negative", cmd(CAL, outlier_factor=-1), match="--outlier-factor",
-         xfail=CALIBRATE_CHECK),
+    Case("calibrate-skip-first-negative", cmd(CAL, skip_first=-1), match="--skip-first"),
+    Case("calibrate-outlier-factor-negative", cmd(CAL, outlier_factor=-1), match="--outlier-factor"),
     Case("calibrate-checkpoint-every-negative", cmd(CAL, checkpoint_every=-1), match="--checkpoint-every"),
     Case("calibrate-unknown-dtype", cmd(CAL, dtype="fp8"), match="dtype"),
     Case("calibrate-unknown-device", cmd(CAL, device="tpu"), match="device"),
@@ -416,10 +404,9 @@ CASES: list[Case] = [
     # --- bench-ttft ---
     *maps_cases("bench-ttft", TTFT),
     Case("bench-ttft-data-empty", cmd(TTFT, data="{in}/empty.txt"), {"empty.txt": EMPTY}, match="no text"),
-    Case("bench-ttft-data-binary", cmd(TTFT, data="{in}/binary.txt"), {"binary.txt": BINARY}, match="UTF-8",
-         xfail=DATA_PY_BINARY),
+    Case("bench-ttft-data-binary", cmd(TTFT, data="{in}/binary.txt"), {"binary.txt": BINARY}, match="UTF-8"),
     Case("bench-ttft-data-jsonl-not-utf8", cmd(TTFT, data="{in}/latin1.jsonl"), {"latin1.jsonl": LATIN1_JSONL},
-         match="UTF-8", xfail=DATA_PY_JSONL),
+         match="UTF-8"),
     Case("bench-ttft-data-missing", cmd(TTFT, data="{in}/missing.txt"), match="unknown data"),
     Case("bench-ttft-lengths-past-context", cmd(TTFT, lengths="32,5000"), match="exceeds the model's context"),
     Case("bench-ttft-lengths-one", cmd(TTFT, lengths=1), match="--lengths"),

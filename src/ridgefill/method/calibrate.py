@@ -279,6 +279,9 @@ class CalibrateConfig(ModelConfig):
             raise RidgefillError("--checkpoint-seconds and --checkpoint-every must be >= 0 (0: that rule off)")
         if self.nproc < 1:
             raise RidgefillError(f"--nproc must be at least 1, got {self.nproc}")
+        if self.skip_first < 0 or self.outlier_factor < 0:
+            raise RidgefillError(f"--skip-first ({self.skip_first}) and --outlier-factor ({self.outlier_factor:g}) must "
+                                 "be 0 or more (0: keep every row)")
 
 
 def run(c: CalibrateConfig) -> dict:

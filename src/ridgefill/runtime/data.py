@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from ridgefill.errors import RidgefillError
-from ridgefill.runtime.paths import cache_dir
+from ridgefill.runtime.paths import cache_dir, read_text
 
 ROLES = ("calibration", "evaluation", "all")
 EVALUATION_SHARE = 5  # one document in five (by hash) is evaluation-only
@@ -129,20 +129,22 @@ def passages(tokenizer, documents: list[str], length: int, count: int) -> list[l
 
 # --- sources ----------------------------------------------------------------------------------------
 def _read_file(path: Path) -> list[str]:
-    try:
-        if path.suffix == ".jsonl":
-            docs = []
-            for i, line in enumerate(path.read_text().splitlines(), 1):
-                if not line.strip():
-                    continue
+    text = read_text(path, "--data")
+    if "\x00" in text:
+        raise RidgefillError(f"--data {path} holds NUL bytes, so it is not text: pass a .txt or .jsonl text file")
+    if path.suffix == ".jsonl":
+        docs = []
+        for i, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
                 record = json.loads(line)
-                if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                    raise RidgefillError(f"{path}:{i}: record has no string field 'text'")
-                docs.append(record["text"])
-            return docs
-        text = path.read_text(errors="replace")
-    except (OSError, json.JSONDecodeError) as exc:
-        raise RidgefillError(f"cannot read {path}: {exc}") from None
+            except json.JSONDecodeError as exc:
+                raise RidgefillError(f"{path}:{i}: not valid JSON ({exc.msg}): fix the line or remove it") from None
+            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                raise RidgefillError(f"{path}:{i}: record has no string field 'text'")
+            docs.append(record["text"])
+        return docs
     # a .txt file holds one document, or several separated by two or more blank lines
     return [d.strip() for d in re.split(r"\n\s*\n\s*\n", text) if d.strip()]
 
