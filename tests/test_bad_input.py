@@ -28,7 +28,7 @@ import pytest
 
 from ridgefill import cli
 from fixtures.longbench_fixture import build_records, write_jsonl
-from tiny_checkpoint import save_tiny_checkpoint, training_text
+from tiny_checkpoint import save_tiny_checkpoint, training_text, write_corpus
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -55,9 +55,7 @@ def inputs(tiny_checkpoint, tmp_path_factory) -> Inputs:
 
     root = tmp_path_factory.mktemp("bad-input")
     other = save_tiny_checkpoint(root / "B", seed=1)
-    text = root / "text.txt"
-    lines = training_text(600, seed=3)
-    text.write_text("\n\n\n".join(" ".join(lines[i:i + 12]) for i in range(0, len(lines), 12)))
+    text = write_corpus(root / "text.txt", seed=3, lines_per_document=12)
     docs = root / "docs.jsonl"
     lines = training_text(1200, seed=5)
     documents = [" ".join(lines[i:i + 48]) for i in range(0, len(lines), 48)]

@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from ridgefill.cli import app
-from tiny_checkpoint import training_text
+from tiny_checkpoint import write_corpus
 
 RIDGEFILL = [sys.executable, "-m", "ridgefill"]
 
@@ -20,10 +20,7 @@ def run_cli(*args):
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("data") / "text.txt"
-    lines = training_text(600, seed=3)
-    path.write_text("\n\n\n".join(" ".join(lines[i:i + 12]) for i in range(0, len(lines), 12)))
-    return path
+    return write_corpus(tmp_path_factory.mktemp("data") / "text.txt", seed=3, lines_per_document=12)
 
 
 @pytest.fixture(scope="module")

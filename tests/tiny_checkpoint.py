@@ -22,6 +22,15 @@ def training_text(n: int = 400, seed: int = 0) -> list[str]:
     return lines
 
 
+def write_corpus(path: Path, seed: int, lines_per_document: int, n: int = 600) -> Path:
+    """A .txt corpus of training_text(n, seed) lines, `lines_per_document` to a document (documents are separated
+    by two blank lines, as ridgefill's .txt reader splits them)."""
+    lines = training_text(n, seed=seed)
+    path.write_text("\n\n\n".join(" ".join(lines[i:i + lines_per_document])
+                                  for i in range(0, len(lines), lines_per_document)))
+    return path
+
+
 def save_tiny_checkpoint(path: Path, family: str = "llama", vocab: int = 512, **overrides) -> Path:
     """Write config, weights and tokenizer of a tiny model of `family` into `path`."""
     import torch

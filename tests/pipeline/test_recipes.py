@@ -23,7 +23,7 @@ from ridgefill.pipeline.recipe import load_recipe
 from ridgefill.pipeline.run import run_recipe
 from ridgefill.runtime.paths import write_json
 from ridgefill.runtime.session import ModelConfig
-from tiny_checkpoint import training_text
+from tiny_checkpoint import write_corpus
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -237,8 +237,7 @@ warmup = 0
 @pytest.fixture(scope="module")
 def tiny_recipe(tiny_checkpoint, tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("recipe")
-    lines = training_text(600, seed=5)
-    (folder / "text.txt").write_text("\n\n\n".join(" ".join(lines[i:i + 40]) for i in range(0, len(lines), 40)))
+    write_corpus(folder / "text.txt", seed=5, lines_per_document=40)
     return write(folder, TINY.format(model=tiny_checkpoint))
 
 

@@ -17,7 +17,7 @@ from ridgefill.pipeline import tune
 from ridgefill.pipeline.tune import COMMAND as tune_command
 from ridgefill.pipeline.tune import PASS, best_choice, bisect, candidate_splits, descend, search, verdict
 from ridgefill.report.frontier import Point
-from tiny_checkpoint import training_text
+from tiny_checkpoint import write_corpus
 
 
 # --- the search on stubbed quality tables -----------------------------------------------------------------
@@ -145,10 +145,7 @@ def test_bad_input_on_the_command_line_is_one_line_exit_2(monkeypatch, capsys):
 # --- the command on the tiny checkpoint -------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def texts(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("tune-data") / "text.txt"
-    lines = training_text(600, seed=5)
-    path.write_text("\n\n\n".join(" ".join(lines[i:i + 40]) for i in range(0, len(lines), 40)))
-    return path
+    return write_corpus(tmp_path_factory.mktemp("tune-data") / "text.txt", seed=5, lines_per_document=40)
 
 
 def tiny_options(model: Path, data: Path, out_dir: Path, **extra) -> dict:
