@@ -12,7 +12,7 @@ from ridgefill.errors import RidgefillError
 from ridgefill.evals.stats import mean
 from ridgefill.method.statistics import PARTS, Calibration, SplitStats, check_fittable
 from ridgefill.method.maps import KINDS, save_maps
-from ridgefill.method.ridge import fit_split
+from ridgefill.method.ridge import RANK_BASES, fit_split
 from ridgefill.runtime.artifacts import load_artifact, read_meta
 from ridgefill.runtime.console import note, progress_bar, table
 from ridgefill.runtime.paths import write_json
@@ -26,11 +26,16 @@ class FitConfig(Config):
     lam: str = option("auto", "'auto' (per layer, chosen on the validation rows) or a λ relative to "
                       "trace(Pxx)/H (Pxx: the centred XᵀX).", top="lam")
     kind: str = option("ridge", "ridge (fitted maps) or identity (x itself, no fit).")
-    rank: int | None = option(None, "Keep only the top-r directions of each map's residual.")
+    rank: int | None = option(None, "Keep only r directions of each map's residual (low rank).")
+    rank_basis: str = option("weights", "With --rank: weights (the top singular directions of the residual map) "
+                             "or inputs (reduced-rank ridge: the directions that keep most of the fitted "
+                             "predictions on the calibration inputs).")
 
     def check(self) -> None:
         if self.kind not in KINDS:
             raise RidgefillError(f"unknown --kind '{self.kind}': use {' or '.join(KINDS)}")
+        if self.rank_basis not in RANK_BASES:
+            raise RidgefillError(f"unknown --rank-basis '{self.rank_basis}': use {' or '.join(RANK_BASES)}")
         _parse_lam(self.lam)
 
 
@@ -57,11 +62,12 @@ def run(c: FitConfig) -> dict:
     errors_on = _errors_on(stats, val, test, lam_value == "auto")
     n_maps = meta["n_layers"] - split - 1
     with progress_bar(f"fitting split {split}", n_maps) as advance:
-        fits = fit_split(train, val if val.count else None, lam_value, rank, advance, test)
+        fits = fit_split(train, val if val.count else None, lam_value, rank, advance, test, c.rank_basis)
     if kind == "identity":  # the stored map is x itself: its error is identity fill's
         fits = [replace(f, error_map=f.error_identity, error_full_rank=f.error_identity, lam=math.nan) for f in fits]
     base = {k: meta[k] for k in ("model", "data", "tokens", "seq_len")}
     save_maps(out, split, meta["n_layers"], fits, {**base, "stats": str(stats), "rank": rank,
+                                                   "rank_basis": c.rank_basis if rank else None,
                                                    "errors_on": errors_on}, kind)
     rows = [[f.layer, f.lam, f.error_identity, f.error_map] for f in fits]
     label = "ridge" if kind == "ridge" else "identity (stored)"
@@ -69,6 +75,7 @@ def run(c: FitConfig) -> dict:
     table(f"{errors_on or 'held-out'} relative error ‖Ŷ−Y‖²/‖Y−Ȳ‖², split {split}{chosen} → {out}",
           ["layer", "λ (relative)", "identity fill", f"{label} map"], rows)
     summary = {"command": "fit", "maps": str(out), "kind": kind, "split": split, "rank": rank,
+               "rank_basis": c.rank_basis if rank else None,
                "model": meta["model"], "errors_on": errors_on,
                "lam_chosen_on": "validation" if lam_value == "auto" else None,
                "layers": [dict(zip(["layer", "lam", "error_identity", "error_map"], r)) for r in rows],

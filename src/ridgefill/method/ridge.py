@@ -81,11 +81,15 @@ class _HeldOut:
         return sse / self.denominator if self.denominator > 0 else math.nan
 
 
+RANK_BASES = ("weights", "inputs")
+
+
 def fit_split(train: SplitStats, val: SplitStats | None, lam: float | str = "auto",
-              rank: int | None = None, progress=None, test: SplitStats | None = None) -> list[LayerFit]:
+              rank: int | None = None, progress=None, test: SplitStats | None = None,
+              rank_basis: str = "weights") -> list[LayerFit]:
     """Fit every late layer's map for one split. lam: a relative λ, or 'auto' (pick per layer by the error on
-    `val` over LAMBDA_GRID). rank: keep the top-r singular directions of W_res. The errors reported are measured
-    on `test` when it has rows (rows that chose nothing), else on `val`."""
+    `val` over LAMBDA_GRID). rank: keep r directions of W_res, chosen by `rank_basis` (`low_rank`). The errors
+    reported are measured on `test` when it has rows (rows that chose nothing), else on `val`."""
     has_val = val is not None and val.count > 0
     if lam == "auto" and not has_val:
         raise ValueError("lam='auto' needs held-out statistics")
@@ -110,8 +114,7 @@ def fit_split(train: SplitStats, val: SplitStats | None, lam: float | str = "aut
         w_res = q @ (a * d[:, None])
         low = None
         if rank is not None and rank < hidden:
-            u_, s_, vh = torch.linalg.svd(w_res)
-            low = (u_[:, :rank] * s_[:rank], vh[:rank])
+            low = low_rank(w_res, rank, rank_basis, q, e + chosen * scale)
             w_res = low[0] @ low[1]
         w = eye + w_res
         bias = my[index] - mx @ w
@@ -129,3 +132,22 @@ def _best(held: _HeldOut, e: torch.Tensor, scale: float, grid) -> int:
     """Index of the λ in `grid` with the least error on the held-out rows of `held` (NaN counts as worst)."""
     errors = torch.tensor([held.sse(1.0 / (e + g * scale)) for g in grid])
     return int(errors.nan_to_num(math.inf).argmin())
+
+
+def low_rank(w_res: torch.Tensor, rank: int, basis: str, q: torch.Tensor,
+             e_reg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A rank-r W_res = U V (U [H, r], V [r, H]).
+
+    weights: the top-r singular directions of W_res itself (best in Frobenius norm, whatever inputs it sees).
+    inputs: reduced-rank ridge: the top-r right singular vectors V of (Pxx + λI)^½ W_res, and U = W_res Vᵀ, the
+      rank-r map that loses the least of the fitted predictions on the calibration inputs (the rows the layer
+      sees) under the same ridge penalty; directions the inputs rarely use get no rank. q, e_reg: Pxx = Q diag(e) Qᵀ
+      and e + λ."""
+    if basis == "weights":
+        u, s, vh = torch.linalg.svd(w_res)
+        return u[:, :rank] * s[:rank], vh[:rank]
+    if basis != "inputs":
+        raise ValueError(f"rank basis {basis!r} not in {RANK_BASES}")
+    root = (q * e_reg.sqrt()) @ q.T  # (Pxx + λI)^½  [H, H]
+    v = torch.linalg.svd(root @ w_res)[2][:rank]  # [r, H]
+    return w_res @ v.T, v
