@@ -73,8 +73,7 @@ def option(default: Any, help: str, *, listed: type | None = None, top: str | No
     top: the recipe's top-level key that sets it (a step table may not), e.g. "model", "splits".
     role: what the recipe runner passes: "input" (the artifact an earlier step made), "output" (this step's
       artifact), "resume" (true: an interrupted step continues), "restart" (true only for a step given to
-      `--force`: it starts over), "store" (a folder in the run folder,
-      unless the table names one).
+      `--force`: it starts over), "store" (a folder in the run folder, unless the table names one).
     fallback: the recipe's top-level key used when a step table leaves the option out (e.g. "data").
     keyed: False for options that cannot change the result (not part of a recipe's cache key).
     negatable: a boolean with a --no-<name> form. positional: a command-line argument, not an option.
