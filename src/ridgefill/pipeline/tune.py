@@ -43,6 +43,7 @@ from ridgefill.report.frontier import FlopModel, Point, frontier
 from ridgefill.runtime.console import note, table
 from ridgefill.runtime.paths import atomic_path, write_json
 from ridgefill.runtime.ranges import parse_ranges
+from ridgefill.runtime.serving import KIND as SERVING_KIND
 from ridgefill.runtime.session import ModelConfig
 
 if TYPE_CHECKING:
@@ -52,7 +53,6 @@ if TYPE_CHECKING:
 FILLS = ("identity", "ridge")
 SEARCHES = ("bisect", "descend", "all")
 PASS = "pass"
-CONFIG_KIND = "ridgefill-serving-config"
 
 
 # --- options ------------------------------------------------------------------------------------------------
@@ -401,7 +401,7 @@ def serving_config(c: TuneConfig, sweep: Sweep, best: Point, chosen: dict, candi
     maps = _maps_of(manifest, sweep.run_dir, best.split) if best.variant == "ridge" else None
     info = sweep.facts.info
     return {
-        "kind": CONFIG_KIND, "version": 1,
+        "kind": SERVING_KIND, "version": 1,  # what runtime/serving.py reads
         "model": {"id": info["id"], "weights_hash": info["weights_hash"], "family": info.get("family"),
                   "layers": info["n_layers"]},
         "variant": best.variant, "split": best.split, "tail": c.tail, "keep_first": c.keep_first,
