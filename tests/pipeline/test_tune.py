@@ -238,3 +238,17 @@ def test_splits_out_of_range_for_the_model(tiny_checkpoint, texts, tmp_path):
     with pytest.raises(RidgefillError, match=r"^--splits 2-5: split 5 is out of range: use 1..4 for this 6-layer"):
         tune_command(**tiny_options(tiny_checkpoint, texts, tmp_path / "run", splits="2-5"))
     assert not (tmp_path / "run").exists()
+
+
+def test_generate_takes_the_serving_config_tune_wrote(tuned, tiny_checkpoint):
+    """The file tune writes is the file generate reads: the tuned fill, and the same text as those options."""
+    from ridgefill.runtime.serving import load_serving
+    from ridgefill.serve.generate import COMMAND as generate
+
+    _, run_dir = tuned
+    serving = load_serving(run_dir / "serving.json")
+    assert (serving.variant, serving.split, serving.tail, serving.keep_first) == ("identity", 3, 32, 1)
+    prompt = "The grass is green. The sky is blue. " * 12
+    served = generate(model=str(tiny_checkpoint), prompt=prompt, serving_config=run_dir / "serving.json",
+                      max_new_tokens=4)
+    assert served == generate(model=str(tiny_checkpoint), prompt=prompt, split=3, tail=32, max_new_tokens=4)
