@@ -171,3 +171,14 @@ def test_outlier_rows_are_counted_in_the_result(tiny_checkpoint, long_docs, tmp_
     with pytest.raises(RidgefillError, match="--outlier-factor -1 must be 0"):
         loss_command(**options(model=str(tiny_checkpoint), data=str(long_docs), out=tmp_path / "x.json",
                                outlier_factor=-1.0))
+
+
+def test_ridge_keeps_a_share_of_identity_fills_gap():
+    sums = {"exact": {"tail": [10.0, 12.0, 11.0], "distant": [1.0, 0.0, 2.0]},
+            "identity": {"tail": [14.0, 16.0, 15.0], "distant": [3.0, 0.0, 6.0]},
+            "ridge": {"tail": [11.0, 14.0, 13.0], "distant": [2.0, 0.0, 3.0]}}
+    _, intervals = summarise(sums, [2, 0, 3], 10, seed=0)
+    kept = intervals["ridge"]
+    assert kept["identity_gap_kept_tail"]["estimate"] == pytest.approx(5 / 12)
+    assert kept["identity_gap_kept_distant"]["estimate"] == pytest.approx((1 + 1) / (2 + 4))  # passages 1 and 3
+    assert "identity_gap_kept_tail" not in intervals["identity"]

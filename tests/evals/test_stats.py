@@ -81,3 +81,13 @@ def test_format_interval():
     assert format_interval({"estimate": 0.43, "low": 0.2, "high": 0.61}, percent=True) == "43% [20%, 61%]"
     assert format_interval({"estimate": 0.43, "low": 0.2, "high": 0.61}, bounds=False, percent=True) == "43%"
     assert format_interval(None) == "–" and format_interval({"estimate": None}) == "–"
+
+
+def test_gap_ratio_is_the_share_of_the_reference_gap_kept():
+    from ridgefill.evals.stats import gap_ratio
+
+    iv = gap_ratio([11.0, 14.0, 13.0], [14.0, 16.0, 15.0], [10.0, 12.0, 11.0], seed=0)
+    assert iv.estimate == pytest.approx((1 + 2 + 2) / (4 + 4 + 4))
+    assert iv.low <= iv.estimate <= iv.high
+    with pytest.warns(RuntimeWarning):  # no gap to keep a share of: NaN, every replicate too
+        assert math.isnan(gap_ratio([1.0, 2.0], [1.0, 2.0], [1.0, 2.0]).estimate)

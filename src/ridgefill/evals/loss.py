@@ -31,8 +31,8 @@ from ridgefill.evals.common import exact_cache_option, start, variants_option
 from ridgefill.evals.passages import (PassageConfig, check_context, evaluation_passages, nll_results,
                                       tail_difference)
 from ridgefill.evals.scoring import distant_tokens, short_context_nll, tail_nll
-from ridgefill.evals.stats import (Interval, format_interval, interval_dict, paired_bootstrap, relative_difference,
-                                   select)
+from ridgefill.evals.stats import (Interval, format_interval, gap_ratio, interval_dict, paired_bootstrap,
+                                   relative_difference, select)
 from ridgefill.runtime.console import cell, note, table
 from ridgefill.runtime.session import parse_variants
 
@@ -118,7 +118,20 @@ def summarise(sums: dict, counts: list[int], tail_tokens: int, seed: int) -> tup
             found["distant_nll_nats"] = pooled_difference(mine, theirs, select(counts, keep), seed)
             found["distant_nll_pct"] = percent(relative_difference(mine, theirs, seed=seed))
         intervals[name] = {metric: interval_dict(iv) for metric, iv in found.items()}
+    if "ridge" in sums and "identity" in sums:
+        intervals["ridge"].update(identity_gap_kept(sums["ridge"], sums["identity"], exact, counts, seed))
     return results, intervals
+
+
+def identity_gap_kept(ridge: dict, identity: dict, exact: dict, counts: list[int], seed: int) -> dict:
+    """The share of identity fill's NLL gap to exact that ridge keeps, on the tail and on distant tokens (pooled
+    over the passages that hold them), with paired intervals over passages: 0 = ridge is exact, 1 = no better."""
+    out = {"identity_gap_kept_tail": gap_ratio(ridge["tail"], identity["tail"], exact["tail"], seed=seed)}
+    keep = [c > 0 for c in counts]
+    if any(keep):
+        out["identity_gap_kept_distant"] = gap_ratio(select(ridge["distant"], keep), select(identity["distant"], keep),
+                                                     select(exact["distant"], keep), seed=seed)
+    return {metric: interval_dict(iv) for metric, iv in out.items()}
 
 
 def pooled_difference(sums_a, sums_b, counts, seed: int) -> Interval:
@@ -148,3 +161,9 @@ def print_table(results: dict, intervals: dict, title: str) -> None:
                      format_interval(iv.get("tail_nll_pct"), False)])
     table(title, ["variant", "distant NLL", "distant PPL", "Δ distant [95% CI]", "Δ distant %", "tail NLL",
                   "Δ tail [95% CI]", "Δ tail %"], rows)
+    kept = intervals.get("ridge", {})
+    if "identity_gap_kept_tail" in kept:
+        table("share of identity fill's gap to exact that ridge keeps (0 = exact, 1 = no better than identity)",
+              ["tokens", "share kept [95% CI]"],
+              [["distant", format_interval(kept.get("identity_gap_kept_distant"), percent=True)],
+               ["tail", format_interval(kept["identity_gap_kept_tail"], percent=True)]])

@@ -98,6 +98,17 @@ def gap_closed(fill, swapped, exact, **kw) -> Interval:
     return paired_bootstrap({"fill": fill, "swapped": swapped, "exact": exact}, share, **kw)
 
 
+def gap_ratio(variant, reference, exact, **kw) -> Interval:
+    """The share of the reference's gap to exact that the variant keeps: mean(variant − exact) / mean(reference −
+    exact), paired (e.g. ridge vs identity fill: 0 = ridge is exact, 1 = no better than identity)."""
+    def ratio(m):
+        gap = m["reference"] - m["exact"]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.where(gap != 0, (m["variant"] - m["exact"]) / gap, np.nan)
+
+    return paired_bootstrap({"variant": variant, "reference": reference, "exact": exact}, ratio, **kw)
+
+
 def format_interval(values: dict | None, bounds: bool = True, percent: bool = False, spec: str = "+.3g",
                     suffix: str = "") -> str:
     """An `Interval.to_dict()` for a table: '+0.031 [+0.012, +0.05]' (each number formatted with `spec`, then
