@@ -22,7 +22,7 @@ paired bootstrap intervals over passages (NLL) or needle prompts (retrieval).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -171,7 +171,7 @@ class PrefixPlan(FillPlan):
     prefix needs no logits, and running its last row in full would make it differ from the one-call prefill.)"""
 
     def __init__(self, plan: FillPlan) -> None:
-        super().__init__(plan.filler, plan.tail, tuple(plan.keep_rows), plan.outlier_factor, plan.tally)
+        super().__init__(**{f.name: getattr(plan, f.name) for f in fields(plan)})  # every setting, the tally shared
 
     def full_rows(self, n: int) -> torch.Tensor:
         # rows 0..n-1 of a prompt of n + tail rows: only keep_rows among them run in full
