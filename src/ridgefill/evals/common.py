@@ -21,13 +21,13 @@ from ridgefill.commands import REQUIRED, option
 from ridgefill.engine import FillPlan
 from ridgefill.errors import RidgefillError
 from ridgefill.evals.exact_store import ExactStore
+from ridgefill.method.statistics import OUTLIER_FACTOR  # the rule calibration left rows out by
 from ridgefill.runtime.console import note, progress_bar
 from ridgefill.runtime.paths import file_hash, write_json
 from ridgefill.runtime.session import ModelConfig, Session, variant_plans
 
 
 # --- options ------------------------------------------------------------------------------------------------
-OUTLIER_FACTOR = 20.0  # calibrate's default --outlier-factor: the rows its fit left out
 OUTLIER_HELP = ("A row that would be filled runs in full when its split-state norm exceeds this x the median of "
                 "its chunk's filled rows (calibration leaves such rows out of the fit); 0 fills them too.")
 

@@ -30,7 +30,7 @@ from ridgefill import __version__
 from ridgefill.commands import REQUIRED, Command, options, option
 from ridgefill.engine import Engine
 from ridgefill.errors import RidgefillError
-from ridgefill.method.statistics import HELD_OUT, Calibration, accumulate, check_fittable
+from ridgefill.method.statistics import HELD_OUT, OUTLIER_FACTOR, Calibration, accumulate, check_fittable
 from ridgefill.runtime.artifacts import load_artifact, save_artifact
 from ridgefill.runtime.console import note, progress_bar, table
 from ridgefill.runtime.data import documents_for, documents_hash, iter_sequences, load_corpus, sequence_budget
@@ -214,7 +214,7 @@ def _rounds(sequences: Iterable, size: int) -> Iterator[tuple[list, bool]]:
 
 # --- the pass -------------------------------------------------------------------------------------------------
 def run_calibration(engine: Engine, sequences: Iterable[list[int]], splits: list[int], out, meta: dict,
-                    holdout: float = 0.1, skip_first: int = 1, outlier_factor: float = 20.0,
+                    holdout: float = 0.1, skip_first: int = 1, outlier_factor: float = OUTLIER_FACTOR,
                     checkpoint_every: int = 0, checkpoint_seconds: float = 0.0, resume: bool = False,
                     restart: bool = False, advance=lambda n=1: None, chunk: int | None = None,
                     world: World = World()) -> Calibration:
@@ -262,8 +262,8 @@ class CalibrateConfig(ModelConfig):
                            role="restart", keyed=False)
     holdout: float = option(0.1, "Share of sequences held out (0..0.5), alternately validation and test.")
     skip_first: int = option(1, "Leading rows of each sequence kept out (sinks).")
-    outlier_factor: float = option(20.0, "Drop rows whose split-state norm exceeds this x the sequence median; 0 "
-                                   "keeps all.")
+    outlier_factor: float = option(OUTLIER_FACTOR, "Drop rows whose split-state norm exceeds this x the sequence "
+                                   "median; 0 keeps all.")
     checkpoint_seconds: float = option(600.0, "Seconds between checkpoints to <out>.partial (0: no time rule).",
                                        keyed=False)
     checkpoint_every: int = option(0, "Also checkpoint every this many sequences (0: off).", keyed=False)
@@ -280,8 +280,8 @@ class CalibrateConfig(ModelConfig):
         if self.nproc < 1:
             raise RidgefillError(f"--nproc must be at least 1, got {self.nproc}")
         if self.skip_first < 0 or self.outlier_factor < 0:
-            raise RidgefillError(f"--skip-first ({self.skip_first}) and --outlier-factor ({self.outlier_factor:g}) must "
-                                 "be 0 or more (0: keep every row)")
+            raise RidgefillError(f"--skip-first ({self.skip_first}) and --outlier-factor ({self.outlier_factor:g}) "
+                                 "must be 0 or more (0: keep every row)")
 
 
 def run(c: CalibrateConfig) -> dict:

@@ -24,6 +24,7 @@ from ridgefill.engine import Engine
 from ridgefill.errors import RidgefillError
 
 PARTS = ("train", "val", "test")
+OUTLIER_FACTOR = 20.0  # default: a row whose split-state norm exceeds this x the median is an outlier
 HELD_OUT = ("val", "test")  # held-out sequences alternate between them: val chooses λ, test reports
 SUMS = ("xtx", "xsum", "xty", "ysum", "yy", "xx")  # the float64 tensors of a SplitStats
 COUNTS = ("count", "skipped_first", "skipped_outliers")
@@ -208,7 +209,7 @@ class _Collector:
 
 
 def accumulate(engine: Engine, calibration: Calibration, ids: torch.Tensor, part: str,
-               skip_first: int = 1, outlier_factor: float = 20.0, chunk: int | None = None) -> None:
+               skip_first: int = 1, outlier_factor: float = OUTLIER_FACTOR, chunk: int | None = None) -> None:
     """Run one exact prefill of `ids` [B, T] in chunks of `chunk` rows (default: the engine's) and add its rows
     to `calibration` (part 'train', 'val' or 'test'). When that takes several chunks and the outlier rule is on,
     a first pass finds each split state's median norm over the whole sequence (see the module docstring)."""
