@@ -1,0 +1,176 @@
+"""vLLM's Llama, Qwen2 and Qwen3 models with RidgeFill's filled prefill (imported only inside vLLM processes).
+
+Each class is the stock vLLM class plus `ridgefill` state: the fitted maps and, per late layer, its own K/V
+projection rows copied at weight-loading time (vLLM's CPU linear layers repack and drop `weight` afterwards).
+A step whose batch has no filled token (decode steps, short prompts, the plugin unconfigured) runs the stock
+forward unchanged. A step with filled tokens (the model runner passes a FillBatch, serve/vllm_runner.py):
+
+- layers 0..S-1 run on every token, as stock;
+- x, the residual stream entering layer S, is the split state; filled rows whose norm is an outlier run in full;
+- for each late layer l = S..L-1 the filled rows' K/V come from the predicted input (x for l = S, the map's
+  prediction after) through that layer's own input norm, K/V rows of its (tensor-parallel shard of) qkv_proj,
+  k-norm (Qwen3) and RoPE at the true positions, and are written into the paged cache;
+- the full rows alone run layers S..L-1 (attention over every cached key up to their position, then the MLP);
+- hidden states come back for full rows only (filled rows get zeros: vLLM samples only from a request's last
+  scheduled token, and a chunk that ends on a filled row is not the prompt's last, so its sample is dropped).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from vllm.model_executor.models.llama import LlamaForCausalLM
+from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
+from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
+
+from ridgefill.engine import Filler
+from ridgefill.engine.prefill import FillTally
+from ridgefill.errors import RidgefillError
+from ridgefill.method.maps import load_filler
+from ridgefill.runtime.models import checkpoint_fingerprint
+from ridgefill.serve.vllm_config import VllmFill, check_fill, fill_from_env
+from ridgefill.serve.vllm_rows import outlier_tokens, segments
+
+
+@dataclass
+class LateKV:
+    """One late layer's K/V projection: the K and V rows of its local qkv_proj shard."""
+
+    weight: torch.Tensor  # [2·kv, H]
+    bias: torch.Tensor | None  # [2·kv]
+    kv_size: int  # local K (= V) width: local KV heads x head_dim
+
+
+@dataclass
+class FillState:
+    fill: VllmFill
+    filler: Filler
+    split: int
+    late: list[LateKV]  # layers S..L-1
+    tally: FillTally  # rows filled and outlier rows run in full, summed over every step since loading
+
+
+def check_serving_setup(vllm_config) -> VllmFill | None:
+    """The plugin's configuration for this model, after refusing what it cannot serve."""
+    fill = fill_from_env()
+    if fill is None:
+        return None
+    if vllm_config.cache_config.enable_prefix_caching:
+        raise RidgefillError("prefix caching is on, but a cached block of a filled prompt holds filled K/V in its "
+                             "late layers: pass --no-enable-prefix-caching (`ridgefill serve` does)")
+    if vllm_config.speculative_config is not None:
+        raise RidgefillError("speculative decoding is not supported with RidgeFill: drop --speculative-config")
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        raise RidgefillError("pipeline parallelism is not supported with RidgeFill: use --tensor-parallel-size")
+    if vllm_config.quant_config is not None:
+        raise RidgefillError("quantized checkpoints are not supported with RidgeFill (the fill reads the layers' "
+                             "K/V weights): serve an unquantized checkpoint")
+    check_fill(fill, vllm_config.model_config.model)
+    return fill
+
+
+class RidgeFillMixin:
+    """Adds the filled forward to a stock vLLM causal LM whose decoder layers are (positions, h, residual) ->
+    (h, residual) with `input_layernorm` and `self_attn.{qkv_proj, q_size, kv_size, head_dim, rotary_emb, attn}`."""
+
+    def _ridgefill_setup(self, vllm_config) -> None:
+        self._ridgefill_fill = check_serving_setup(vllm_config)
+        self._ridgefill_folder = vllm_config.model_config.model
+        self.ridgefill: FillState | None = None
+
+    def load_weights(self, weights):
+        loaded = super().load_weights(weights)
+        if self._ridgefill_fill is not None:
+            self.ridgefill = self._load_fill_state(self._ridgefill_fill)
+        return loaded
+
+    def _load_fill_state(self, fill: VllmFill) -> FillState:
+        layers = self.model.layers
+        ref = layers[0].input_layernorm.weight
+        info = {"weights_hash": checkpoint_fingerprint(self._ridgefill_folder)}
+        filler, meta = load_filler(fill.maps, info, dtype=ref.dtype, device=ref.device)
+        if meta["n_layers"] != len(layers):
+            raise RidgefillError(f"{fill.maps} holds maps for {meta['n_layers']} layers, the model has {len(layers)}")
+        late = []
+        for layer in layers[filler.split:]:
+            attn = layer.self_attn
+            qkv = attn.qkv_proj
+            rows = slice(attn.q_size, attn.q_size + 2 * attn.kv_size)
+            bias = None if getattr(qkv, "bias", None) is None else qkv.bias[rows].detach().clone()
+            late.append(LateKV(qkv.weight[rows].detach().clone(), bias, attn.kv_size))
+        return FillState(fill, filler, filler.split, late, FillTally())
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, ridgefill_batch=None):
+        if ridgefill_batch is None or self.ridgefill is None:
+            return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds)
+        return filled_forward(self.model, self.ridgefill, ridgefill_batch, input_ids, positions, inputs_embeds)
+
+
+def filled_forward(model, state: FillState, batch, input_ids, positions, inputs_embeds) -> torch.Tensor:
+    """The decoder stack of one step with filled rows; returns the final-normed hidden states [N, H]."""
+    h = inputs_embeds if inputs_embeds is not None else model.embed_input_ids(input_ids)  # [N, H]
+    residual = None
+    layers, s = model.layers, state.split
+    for layer in layers[:s]:
+        h, residual = layer(positions, h, residual)
+    x = h if residual is None else h + residual  # [N, H] the split state
+    norms = torch.linalg.vector_norm(x.float(), dim=-1).cpu()  # [N]
+    outliers = outlier_tokens(norms, batch.request, batch.full, state.fill.outlier_factor)
+    full = batch.full | outliers
+    state.tally.filled += int((~full).sum())
+    state.tally.outliers += int(outliers.sum())
+    filled = torch.nonzero(~full).flatten().to(x.device)  # [nF]
+    if filled.numel():
+        late = state.filler.late_inputs(x[filled].unsqueeze(0), positions[filled])  # [L-S, nF, H]
+        for j, layer in enumerate(layers[s:]):
+            write_filled_kv(layer, state.late[j], late[j], positions[filled], batch, filled)
+    out = torch.zeros_like(h)  # [N, H]
+    seg = segments(full, batch.request, positions.cpu())
+    if seg.rows.numel() == 0:
+        return out
+    rows = seg.rows.to(x.device)
+    hf, pf = h[rows], positions[rows]
+    rf = None if residual is None else residual[rows]
+    with batch.attend(seg, pf):
+        for layer in layers[s:]:
+            hf, rf = layer(pf, hf, rf)
+    normed = model.norm(hf, rf)
+    out[rows] = normed[0] if isinstance(normed, tuple) else normed
+    return out
+
+
+def write_filled_kv(layer, kv: LateKV, u: torch.Tensor, positions: torch.Tensor, batch, filled: torch.Tensor) -> None:
+    """Write the K/V of the filled rows (predicted layer input u [nF, H] at `positions` [nF]) into `layer`'s cache."""
+    attn = layer.self_attn
+    hn = layer.input_layernorm(u.contiguous())  # [nF, H]
+    k, v = F.linear(hn, kv.weight, kv.bias).split(kv.kv_size, dim=-1)  # [nF, kv] each
+    k, v = k.contiguous(), v.contiguous()
+    heads = kv.kv_size // attn.head_dim
+    if hasattr(attn, "k_norm"):  # Qwen3 (and Qwen2 variants with qk_norm): RMSNorm per head before RoPE
+        k = attn.k_norm(k.view(-1, heads, attn.head_dim)).reshape(k.shape)
+    k, _ = attn.rotary_emb(positions, k, None)  # RoPE rotates the "query" argument: here the keys
+    batch.write_kv(attn.attn, k.view(-1, heads, attn.head_dim), v.view(-1, heads, attn.head_dim), filled)
+
+
+class RidgeFillLlamaForCausalLM(RidgeFillMixin, LlamaForCausalLM):
+    def __init__(self, *, vllm_config, prefix: str = "", **kwargs):
+        super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
+        self._ridgefill_setup(vllm_config)
+
+
+class RidgeFillQwen2ForCausalLM(RidgeFillMixin, Qwen2ForCausalLM):
+    def __init__(self, *, vllm_config, prefix: str = "", **kwargs):
+        super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
+        self._ridgefill_setup(vllm_config)
+
+
+class RidgeFillQwen3ForCausalLM(RidgeFillMixin, Qwen3ForCausalLM):
+    def __init__(self, *, vllm_config, prefix: str = "", **kwargs):
+        super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
+        self._ridgefill_setup(vllm_config)
+
+
+CLASSES = {"LlamaForCausalLM": RidgeFillLlamaForCausalLM, "Qwen2ForCausalLM": RidgeFillQwen2ForCausalLM,
+           "Qwen3ForCausalLM": RidgeFillQwen3ForCausalLM}

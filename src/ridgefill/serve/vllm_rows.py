@@ -1,0 +1,93 @@
+"""Which rows of a vLLM batch are filled, and how the full rows are grouped for attention (no vLLM import).
+
+A vLLM step packs the scheduled tokens of several requests into one flat batch: request r owns tokens
+query_start[r]..query_start[r+1]-1, at absolute positions given per token. RidgeFill's rule per request
+(prompt length P, tail T, keep_first K): a prompt token at position p is filled iff K <= p < P - T; every
+other token (the tail, the first K, generated tokens being decoded or recomputed after preemption) is full.
+The rule depends only on (p, P, T, K), so a prompt split over several steps (chunked prefill) or recomputed
+after preemption fills exactly the same rows as one unchunked prefill.
+
+In layers S..L-1 only full tokens run attention. They are packed into one smaller batch of *segments*: each
+maximal run of consecutive full tokens of one request is a segment whose queries end at position e and
+attend to keys 0..e (seq_len e+1): the bottom-right-aligned causal layout every vLLM attention backend uses.
+Splitting at filled rows keeps a leading kept row (position 0) from seeing keys after it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def token_requests(query_start: torch.Tensor, n_tokens: int) -> torch.Tensor:
+    """query_start [R+1] (cumulative scheduled tokens) -> [n_tokens] the request index of each token;
+    tokens past query_start[-1] (padding) get -1."""
+    counts = (query_start[1:] - query_start[:-1]).long()
+    owner = torch.repeat_interleave(torch.arange(counts.numel()), counts)
+    out = torch.full((n_tokens,), -1, dtype=torch.long)
+    out[: owner.numel()] = owner
+    return out
+
+
+def full_tokens(positions: torch.Tensor, request: torch.Tensor, prompt_len: torch.Tensor, tail: torch.Tensor,
+                keep_first: torch.Tensor) -> torch.Tensor:
+    """[N] bool: True for tokens that run the full model.
+
+    positions [N] absolute positions; request [N] request index (-1: padding, run as full so it stays out of
+    the fill); prompt_len, tail, keep_first [R] per request."""
+    real = request >= 0
+    r = request.clamp(min=0)
+    p = positions.long()
+    filled = real & (p >= keep_first[r]) & (p < prompt_len[r] - tail[r])
+    return ~filled
+
+
+def outlier_tokens(norms: torch.Tensor, request: torch.Tensor, full: torch.Tensor, factor: float) -> torch.Tensor:
+    """[N] bool: filled tokens whose split-state norm exceeds `factor` x the median norm of their request's
+    filled tokens in this step (the engine's FillPlan.outlier_rows, per request instead of per chunk).
+    norms [N]; factor 0: none."""
+    out = torch.zeros_like(full)
+    if factor <= 0:
+        return out
+    filled = ~full
+    for r in torch.unique(request[filled]).tolist():
+        rows = filled & (request == r)
+        median = norms[rows].median()
+        out |= rows & (norms > factor * median)
+    return out
+
+
+@dataclass(frozen=True)
+class Segments:
+    """The full tokens of a batch regrouped for attention: a batch of `n` pseudo-requests."""
+
+    rows: torch.Tensor  # [F] indices into the batch of the full tokens, ascending
+    request: torch.Tensor  # [n] the request each segment belongs to (its block-table row)
+    query_start: torch.Tensor  # [n+1] int32 cumulative queries (over `rows`)
+    seq_lens: torch.Tensor  # [n] int32: last position of the segment + 1
+
+    @property
+    def n(self) -> int:
+        return self.request.numel()
+
+    @property
+    def max_query_len(self) -> int:
+        return int((self.query_start[1:] - self.query_start[:-1]).max()) if self.n else 0
+
+
+def segments(full: torch.Tensor, request: torch.Tensor, positions: torch.Tensor) -> Segments:
+    """Group the full tokens (full [N] bool, request [N], positions [N]) into segments (see the module doc).
+    Padding tokens (request -1) are left out: they never attend."""
+    rows = torch.nonzero(full & (request >= 0)).flatten()
+    req = request[rows]
+    if rows.numel() == 0:
+        empty = torch.zeros(0, dtype=torch.int32)
+        return Segments(rows, req, torch.zeros(1, dtype=torch.int32), empty)
+    start = torch.ones_like(rows, dtype=torch.bool)
+    start[1:] = (rows[1:] != rows[:-1] + 1) | (req[1:] != req[:-1])
+    first = torch.nonzero(start).flatten()  # [n] index (into rows) of each segment's first token
+    last = torch.cat([first[1:] - 1, torch.tensor([rows.numel() - 1])])
+    query_start = torch.cat([first, torch.tensor([rows.numel()])]).to(torch.int32)
+    seq_lens = (positions[rows[last]].long() + 1).to(torch.int32)
+    return Segments(rows, req[first], query_start, seq_lens)
