@@ -30,8 +30,9 @@ def test_every_registered_command_is_one_definition(name):
 def test_help_lists_every_option_of_the_config(name):
     r = CliRunner().invoke(app, [name, "--help"], terminal_width=200)
     assert r.exit_code == 0, r.output
-    for o in command(name).options.values():
-        if not o.positional:
+    cmd = command(name)
+    for o in cmd.options.values():
+        if not o.positional and o.name != cmd.extra_args:  # (the arguments no option takes: not an option)
             assert f"--{o.flag}" in r.output
 
 
@@ -96,6 +97,44 @@ def test_command_checks_its_config_before_running(monkeypatch):
     with pytest.raises(RidgefillError, match="has no option colour"):
         cmd(name="x", colour="red")
     assert cmd(name="x") == {"ok": True} and calls[0].count == 3
+
+
+@dataclass
+class HandOnConfig(Config):
+    tail: int = option(8, "A declared option.")
+    loud: bool = option(False, "A declared flag.")
+    rest: list[str] = option([], "the options of the other program.")
+
+
+def test_extra_args_get_every_argument_the_command_does_not_declare(monkeypatch):
+    monkeypatch.setitem(REGISTRY, "toy", REGISTRY["fit"])
+    calls = []
+    cmd = Command("toy", HandOnConfig, lambda config: calls.append(config) or 0, extra_args="rest")
+    cli = click_command(cmd)
+    args = ["--max-model-len", "256", "--tail", "3", "-tp", "2", "--a_b=x", "--loud", "--flag", "value"]
+    r = click.testing.CliRunner().invoke(cli, args)
+    assert r.exit_code == 0, r.output
+    (config,) = calls
+    assert (config.tail, config.loud) == (3, True)
+    assert config.rest == ["--max-model-len", "256", "-tp", "2", "--a_b=x", "--flag", "value"]  # in order
+    r = click.testing.CliRunner().invoke(cli, ["--help"], terminal_width=200)
+    assert r.exit_code == 0 and "--tail" in r.output and "the options of the other program" in r.output
+    assert "--rest" not in r.output
+    assert cmd(rest=["--x"]) == 0 and calls[-1].rest == ["--x"]  # in-process: the option by name
+
+
+def test_a_run_that_returns_an_int_sets_the_exit_code(monkeypatch):
+    monkeypatch.setitem(REGISTRY, "toy", REGISTRY["fit"])
+    cli = click_command(Command("toy", HandOnConfig, lambda config: config.tail, extra_args="rest"))
+    assert click.testing.CliRunner().invoke(cli, ["--tail", "5"]).exit_code == 5
+    assert click.testing.CliRunner().invoke(cli, ["--tail", "0"]).exit_code == 0
+
+
+def test_extra_args_must_name_a_list_of_strings():
+    with pytest.raises(TypeError, match="not a list\\[str\\] option"):
+        Command("toy", HandOnConfig, lambda config: None, extra_args="tail")
+    with pytest.raises(TypeError, match="not a list\\[str\\] option"):
+        Command("toy", HandOnConfig, lambda config: None, extra_args="nosuch")
 
 
 def test_unknown_command_is_a_one_line_error():

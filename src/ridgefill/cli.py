@@ -60,6 +60,9 @@ def main_options(version: bool = typer.Option(False, "--version", callback=_vers
     """Calibrate once, fit closed-form maps, then fill prefill and measure it against exact."""
 
 
+CONTEXT = "ctx"  # the click context's parameter of a command's callback (no Config field has this name)
+
+
 def click_command(cmd: Command) -> click.Command:
     """The click command of a registered command: one typer parameter per option of its Config."""
     sub = typer.Typer(pretty_exceptions_enable=False, add_completion=False)
@@ -71,15 +74,26 @@ def click_command(cmd: Command) -> click.Command:
                     context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(passthrough)
         return typer.main.get_command(sub)
 
-    opts = list(cmd.options.values())
+    opts = [o for o in cmd.options.values() if o.name != cmd.extra_args]
+    settings, epilog, metavar = {}, None, "[OPTIONS]"
+    if cmd.extra_args is not None:  # undeclared options and their values are collected into that option, in order
+        settings = {"allow_extra_args": True, "ignore_unknown_options": True}
+        epilog = f"Every other argument: {cmd.options[cmd.extra_args.replace('_', '-')].help}"
+        metavar = "[OPTIONS] [OTHER ARGUMENTS]..."
 
-    def callback(**values):
+    def callback(ctx: typer.Context, **values):
         given = {o.name: (o.default if o.many and values[o.name] is None else values[o.name]) for o in opts}
-        cmd(**given)
+        if cmd.extra_args is not None:
+            given[cmd.extra_args] = list(ctx.args)
+        result = cmd(**given)
+        if type(result) is int and result:  # a run's exit code
+            raise typer.Exit(result)
 
-    callback.__signature__ = inspect.Signature([_parameter(o) for o in opts])
-    callback.__annotations__ = {o.name: _annotation(o) for o in opts}
-    sub.command(cmd.name, help=cmd.summary)(callback)
+    context = inspect.Parameter(CONTEXT, inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context)
+    callback.__signature__ = inspect.Signature([context, *(_parameter(o) for o in opts)])
+    callback.__annotations__ = {CONTEXT: typer.Context, **{o.name: _annotation(o) for o in opts}}
+    sub.command(cmd.name, help=cmd.summary, epilog=epilog, context_settings=settings,
+                options_metavar=metavar)(callback)
     return typer.main.get_command(sub)
 
 

@@ -11,6 +11,10 @@ built from these declarations, so a recipe key and a command-line option are the
         ...
     COMMAND = Command("loss", LossConfig, run, writes=".json", reads="maps")
 
+A command that hands options on to another program names, as `extra_args`, the list[str] option that receives
+every command-line argument it does not declare itself (`ridgefill serve --maps M --max-model-len 4096`: --maps
+is serve's, --max-model-len goes to vLLM); `passthrough` hands on every argument, --help included (lm-eval).
+
 Modules are imported only when their command is used (`ridgefill --help` stays instant): REGISTRY names each
 command's module and one-line summary.
 """
@@ -167,6 +171,14 @@ class Command:
     reads: str | None = None  # the option that takes an earlier step's artifact ("stats", "maps")
     makes: str | None = None  # what this step's artifact is to later steps ("stats", "maps")
     passthrough: bool = False  # every argument goes to another program (lm-eval)
+    extra_args: str | None = None  # the list[str] option that gets every argument the command does not declare
+
+    def __post_init__(self) -> None:
+        if self.extra_args is not None:
+            opt = next((o for o in self.options.values() if o.name == self.extra_args), None)
+            if opt is None or not opt.many or opt.kind is not str or opt.positional:
+                raise TypeError(f"{self.name}: extra_args names {self.extra_args!r}, which is not a list[str] option "
+                                f"of {self.config.__name__}")
 
     @property
     def options(self) -> dict[str, Option]:
@@ -189,7 +201,8 @@ class Command:
         return config
 
     def __call__(self, **values):
-        """Check and run with these option values: the one way every caller (CLI, recipes, tests) runs a command."""
+        """Check and run with these option values: the one way every caller (CLI, recipes, tests) runs a command.
+        A run that returns an int (not a bool) returns an exit code: the command line exits with it."""
         config = self.make(**values)
         config.check()
         return self.run(config)
