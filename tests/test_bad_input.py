@@ -178,6 +178,7 @@ SPLICE = ["splice", "--model", "{A}", "--maps", "{maps}", "--data", "{docs}", "-
           "--samples", "1", "--tail", "16", "--swap", "keys", "--out", "{out}/splice.json"]
 LB = ["longbench", "--model", "{A}", "--maps", "{maps}", "--data", "{lb}", "--limit", "1", "--tail", "16",
       "--max-len", "400", "--out", "{out}/longbench.json"]
+SERVE = ["serve", "--model", "{A}", "--maps", "{maps}", "--tail", "16", "--port", "18000", "--max-model-len", "256"]
 TTFT = ["bench-ttft", "--model", "{A}", "--maps", "{maps}", "--lengths", "32", "--repeats", "1", "--warmup", "0",
         "--data", "random", "--tail", "8", "--out", "{out}/ttft.json"]
 RUN = ["run", "{in}/recipe.toml", "--out-dir", "{out}/run"]
@@ -417,6 +418,33 @@ CASES: list[Case] = [
     Case("bench-ttft-exact-only", cmd(TTFT, variants="exact"), match="--variants"),
     Case("bench-ttft-chunk-zero", cmd(TTFT, chunk=0), match="--chunk"),
 
+    # --- serve (every check runs before vLLM would start; the launch itself is replaced by a failure) ---
+    *maps_cases("serve", SERVE),
+    Case("serve-maps-for-another-layer-count", cmd(SERVE, model="{in}/model"),
+         model_folder(config_json=lambda found: json.dumps({**json.loads((found.A / "config.json").read_text()),
+                                                            "num_hidden_layers": 7}).encode()),
+         match="6-layer model"),
+    Case("serve-maps-option-missing", cmd(SERVE, maps=None), match="Missing option '--maps'"),
+    Case("serve-model-unsupported-architecture", cmd(SERVE, model="{in}/model"),
+         model_folder(config_json=b'{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}'),
+         match="GPT2LMHeadModel"),
+    Case("serve-model-config-binary", cmd(SERVE, model="{in}/model"), model_folder(config_json=BINARY),
+         match="config.json"),
+    Case("serve-model-without-config", cmd(SERVE, model="{in}/model"), model_folder(config_json=None),
+         match="has no config.json"),
+    Case("serve-model-missing", cmd(SERVE, model="{in}/no-model"), match="unknown model"),
+    Case("serve-tail-zero", cmd(SERVE, tail=0), match="tail 0"),
+    Case("serve-tail-negative", cmd(SERVE, tail=-4), match="tail -4"),
+    Case("serve-keep-first-negative", cmd(SERVE, keep_first=-1), match="keep_first -1"),
+    Case("serve-outlier-factor-negative", cmd(SERVE, outlier_factor=-1), match="outlier factor -1"),
+    Case("serve-port-zero", cmd(SERVE, port=0), match="--port"),
+    Case("serve-port-too-large", cmd(SERVE, port=70000), match="--port"),
+    Case("serve-port-not-a-number", cmd(SERVE, port="http"), match="--port"),
+    Case("serve-unknown-dtype", cmd(SERVE, dtype="fp8"), match="dtype"),
+    Case("serve-enable-prefix-caching", cmd(SERVE, "--enable-prefix-caching"), match="prefix caching off"),
+    Case("serve-enable-prefix-caching-spelled-vllms-way", cmd(SERVE, "--enable_prefix_caching"),
+         match="prefix caching off"),
+
     # --- run ---
     Case("run-recipe-empty", RUN, {"recipe.toml": EMPTY}, match="model"),
     Case("run-recipe-binary", RUN, {"recipe.toml": BINARY}, match="UTF-8"),
@@ -461,7 +489,7 @@ CASES: list[Case] = [
 
 # a few cases again in a subprocess, through `python -m ridgefill`
 END_TO_END = ["fit-stats-truncated-data", "generate-prompt-file-binary", "loss-maps-other-model",
-              "run-recipe-unknown-step", "report-manifest-not-an-object"]
+              "serve-maps-other-model", "run-recipe-unknown-step", "report-manifest-not-an-object"]
 
 
 # --- running a case -----------------------------------------------------------------------------------------
@@ -510,6 +538,10 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, inputs, tmp_path,
     before = _listing(out)
     monkeypatch.chdir(cwd)
     monkeypatch.setattr(sys, "argv", ["ridgefill", *args])
+    if case.args[0] == "serve":  # a check that let it through must not start a server
+        from ridgefill.serve import serve
+
+        monkeypatch.setattr(serve, "launch", lambda argv, env: pytest.fail(f"serve would start vLLM: {argv}"))
     capfd.readouterr()
     try:
         cli.main()
@@ -532,8 +564,8 @@ def test_cases_cover_every_command_and_ids_are_unique():
     assert len({c.id for c in CASES}) == len(CASES)
     assert set(END_TO_END) <= {c.id for c in CASES}
     commands = {c.args[0] for c in CASES}
-    assert commands >= {"calibrate", "fit", "generate", "ruler", "loss", "splice", "longbench", "bench-ttft", "run",
-                        "report"}
+    assert commands >= {"calibrate", "fit", "generate", "serve", "ruler", "loss", "splice", "longbench", "bench-ttft",
+                        "run", "report"}
 
 
 @pytest.mark.parametrize("name", list(BASES))
@@ -549,3 +581,24 @@ def test_the_cases_base_commands_run(name, inputs, tmp_path, monkeypatch, capfd)
     except SystemExit as exc:
         code = exc.code
     assert code == 0, capfd.readouterr().err
+
+
+def test_the_serve_base_command_passes_every_check(inputs, tmp_path, monkeypatch, capfd):
+    """The serve cases' command line gets as far as starting vLLM (its installation's checks pass here)."""
+    from ridgefill.serve import serve
+    from ridgefill.serve.vllm_config import VLLM_VERSION
+
+    args, _, cwd = _prepare(Case("serve", SERVE), inputs, tmp_path)
+    launched = []
+    monkeypatch.setattr(serve, "installed_vllm_version", lambda: VLLM_VERSION)
+    monkeypatch.setattr(serve, "plugin_installed", lambda: True)
+    monkeypatch.setattr(serve, "launch", lambda argv, env: launched.append(argv) or 0)
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(sys, "argv", ["ridgefill", *args])
+    try:
+        cli.main()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    assert code == 0 and len(launched) == 1, capfd.readouterr().err
