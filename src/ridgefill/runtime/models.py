@@ -52,7 +52,7 @@ def load_model(spec: str, dtype: str = "fp32", device: str = "cpu") -> LoadedMod
 
     if dtype not in DTYPES:
         raise RidgefillError(f"unknown dtype '{dtype}': use one of {', '.join(DTYPES)}")
-    folder = _resolve(spec)
+    folder = model_folder(spec)
     try:
         config = AutoConfig.from_pretrained(folder)
     except (OSError, ValueError, KeyError) as exc:  # not JSON, not UTF-8, no or an unknown model_type
@@ -83,7 +83,8 @@ def _reason(exc: Exception) -> str:
     return f"{type(exc).__name__}: {first[:200]}" if first else type(exc).__name__
 
 
-def _resolve(spec: str) -> str:
+def model_folder(spec: str) -> str:
+    """The local checkpoint folder of `spec` (an alias is converted once into the cache, a Hub id downloaded)."""
     if spec in ALIASES:
         return str(_embedded_folder(spec, ALIASES[spec]))
     path = Path(spec).expanduser()

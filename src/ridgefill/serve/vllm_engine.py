@@ -1,0 +1,202 @@
+"""A vLLM engine in a child process, stock or with RidgeFill: what `generate --engine vllm`, `bench-ttft --engine
+vllm` and the tests drive.
+
+Each VllmWorker is one spawned Python process holding one `vllm.LLM` (its engine core in the same process:
+VLLM_ENABLE_V1_MULTIPROCESSING=0), so a stock engine and a RidgeFill engine can live side by side, each with
+the plugin configured or not from its own environment, and this process never imports vLLM. Requests are
+token ids; replies are token ids, the log-probs of the chosen tokens (and top-k), and the wall time of the
+`generate` call.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+import traceback
+from dataclasses import dataclass, field
+
+from ridgefill.errors import RidgefillError
+from ridgefill.serve.vllm_config import VllmFill
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """How one vLLM engine is built (vLLM's own LLM(...) arguments, plus the fill and the CPU threads)."""
+
+    model: str  # a local checkpoint folder
+    fill: VllmFill | None = None  # None: stock vLLM
+    plugin: bool = True  # False: no vLLM plugin is loaded at all (VLLM_PLUGINS=""), whatever is installed
+    dtype: str = "float32"
+    max_model_len: int | None = None
+    threads: str | None = None  # VLLM_CPU_OMP_THREADS_BIND, e.g. "0-1" (None: vLLM's default)
+    kv_cache_gib: int = 2  # VLLM_CPU_KVCACHE_SPACE
+    engine_args: dict = field(default_factory=dict)  # more LLM(...) keyword arguments
+
+    def environment(self) -> dict[str, str]:
+        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
+               "TOKENIZERS_PARALLELISM": "false"}
+        if self.threads is not None:
+            env.update(VLLM_CPU_OMP_THREADS_BIND=self.threads, VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+        if self.fill is not None:
+            env.update(self.fill.to_env())
+        if not self.plugin:
+            env["VLLM_PLUGINS"] = ""  # an allow-list that names no plugin
+        return env
+
+
+@dataclass
+class Completion:
+    tokens: list[int]
+    logprobs: list[float]  # of each chosen token
+    top: list[dict[int, float]]  # per step: the top-k token ids -> log-prob (empty without logprobs)
+    seconds: float  # wall time of the generate call that produced it (shared by a batch)
+
+
+class VllmWorker:
+    """One vLLM engine in a spawned process. Use as a context manager; every call blocks until the reply."""
+
+    def __init__(self, settings: EngineSettings, start_timeout: float = 600.0) -> None:
+        self.settings = settings
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_serve, args=(child, settings), daemon=True)
+        self._proc.start()
+        child.close()
+        self._reply(start_timeout)  # "ready", or the start-up error
+
+    def generate(self, prompts: list[list[int]], max_tokens: int, logprobs: int | None = None,
+                 tails: list[int | None] | None = None, stop_at_eos: bool = False,
+                 timeout: float = 1800.0) -> list[Completion]:
+        """Greedy completions of `prompts` (token ids), submitted together (vLLM batches them); `tails` sets a
+        per-request tail (None: the served default); without `stop_at_eos` every completion has max_tokens."""
+        self._conn.send(("generate", prompts, max_tokens, logprobs, tails, stop_at_eos))
+        return self._reply(timeout)
+
+    def tally(self) -> dict:
+        """Rows filled and outlier rows run in full since the engine started (zeros for stock vLLM)."""
+        self._conn.send(("tally",))
+        return self._reply(60.0)
+
+    def counters(self) -> dict[str, float]:
+        """vLLM's counter metrics (e.g. vllm:num_preemptions); needs engine_args disable_log_stats=False."""
+        self._conn.send(("counters",))
+        return self._reply(60.0)
+
+    def close(self) -> None:
+        if self._proc.is_alive():
+            try:
+                self._conn.send(("stop",))
+            except (BrokenPipeError, OSError):
+                pass
+            self._proc.join(30)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(5)
+
+    def __enter__(self) -> "VllmWorker":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _reply(self, timeout: float):
+        if not self._conn.poll(timeout):
+            self.close()
+            raise RidgefillError(f"the vLLM engine did not answer within {timeout:.0f} s: see its log above")
+        try:
+            status, value = self._conn.recv()
+        except EOFError:
+            self.close()
+            raise RidgefillError(f"the vLLM engine process ended (exit code {self._proc.exitcode}): see its log "
+                                 "above") from None
+        if status == "error":
+            self.close()
+            raise RidgefillError(value)
+        return value
+
+
+def _serve(conn, settings: EngineSettings) -> None:  # runs in the child process
+    os.environ.update(settings.environment())
+    try:
+        llm = _build(settings)
+    except Exception as exc:  # reported to the parent as one line
+        conn.send(("error", f"vLLM could not start ({type(exc).__name__}: {_first_line(exc)})"))
+        traceback.print_exc()
+        return
+    conn.send(("ok", "ready"))
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:
+            return
+        if message[0] == "stop":
+            return
+        try:
+            if message[0] == "generate":
+                conn.send(("ok", _generate(llm, *message[1:])))
+            elif message[0] == "counters":
+                conn.send(("ok", _counters(llm)))
+            else:
+                conn.send(("ok", _tally(llm)))
+        except Exception as exc:
+            traceback.print_exc()
+            conn.send(("error", f"vLLM failed ({type(exc).__name__}: {_first_line(exc)})"))
+
+
+def _first_line(exc: Exception) -> str:
+    return (str(exc).strip().splitlines() or [""])[0][:300]
+
+
+def _build(settings: EngineSettings):
+    if settings.plugin:
+        from ridgefill.serve.vllm_plugin import register
+
+        register()  # vLLM also loads it from its entry point; registering twice is harmless
+    elif settings.fill is not None:
+        raise ValueError("a fill needs the plugin")
+    from vllm import LLM
+
+    return LLM(model=settings.model, dtype=settings.dtype, max_model_len=settings.max_model_len,
+               enforce_eager=True, enable_prefix_caching=False, seed=0, **settings.engine_args)
+
+
+def _generate(llm, prompts, max_tokens, logprobs, tails, stop_at_eos) -> list[Completion]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from ridgefill.serve.vllm_config import TAIL_ARG
+
+    tails = tails or [None] * len(prompts)
+    params = [SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=logprobs, ignore_eos=not stop_at_eos,
+                             extra_args=None if t is None else {TAIL_ARG: t}) for t in tails]
+    start = time.perf_counter()
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    done = []
+    for out in outputs:
+        c = out.outputs[0]
+        steps = c.logprobs or []
+        chosen = [float(step[t].logprob) for step, t in zip(steps, c.token_ids)]
+        top = [{int(k): float(v.logprob) for k, v in step.items()} for step in steps]
+        done.append(Completion(list(c.token_ids), chosen, top, seconds))
+    return done
+
+
+def _tally(llm) -> dict:
+    def read(model):
+        state = getattr(model, "ridgefill", None)
+        return {"filled_rows": 0, "outlier_rows_run_full": 0} if state is None else state.tally.to_dict()
+
+    tallies = llm.apply_model(read)  # one per worker (tensor-parallel ranks see the same rows)
+    return tallies[0]
+
+
+def _counters(llm) -> dict[str, float]:
+    from vllm.v1.metrics.reader import Counter
+
+    totals: dict[str, float] = {}
+    for m in llm.get_metrics():
+        if isinstance(m, Counter):  # one per label set (e.g. finish reason): summed by name
+            totals[m.name] = totals.get(m.name, 0.0) + float(m.value)
+    return totals

@@ -1,0 +1,65 @@
+"""Fixtures of the vLLM tests: tiny checkpoints of each dense family that vLLM's CPU backend can serve (head size
+32), with maps fitted for them here, and maps for the embedded SmolLM2. Skipped where vLLM is not installed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tiny_checkpoint import save_tiny_checkpoint, write_corpus
+
+DENSE = ("llama", "qwen2", "qwen3")
+SPLIT = 2  # of 6 layers
+# YaRN over the whole 4096-token context (the unit tests' 128 x 4 = 512 ends inside vLLM's 2048-token tests)
+QWEN3_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 32.0, "original_max_position_embeddings": 128}
+
+
+def fit_maps(model: str, data: Path, out: Path, split: int, tokens: int, seq_len: int) -> Path:
+    from ridgefill.method.calibrate import COMMAND as calibrate
+    from ridgefill.method.fit import COMMAND as fit
+
+    calibrate(model=model, data=str(data), split=str(split), tokens=tokens, seq_len=seq_len,
+              out=out / "stats.safetensors", holdout=0.25)
+    fit(stats=out / "stats.safetensors", out=out / "maps.safetensors", split=split)
+    return out / "maps.safetensors"
+
+
+def sharpen(folder: Path, scale: float = 12.0) -> Path:
+    """Scale the final norm of a random-init checkpoint: its next-token distribution is otherwise so flat that
+    greedy decoding hangs on near-ties that any change of summation order flips."""
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    tensors["model.norm.weight"] = tensors["model.norm.weight"] * scale
+    save_file(tensors, path, metadata={"format": "pt"})
+    return folder
+
+
+@pytest.fixture(scope="session")
+def vllm_tiny(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    """family -> (checkpoint folder, maps at split 2)."""
+    pytest.importorskip("vllm")
+    root = tmp_path_factory.mktemp("vllm-tiny")
+    data = write_corpus(root / "corpus.txt", seed=3, lines_per_document=30)
+    out = {}
+    for family in DENSE:
+        extra = {"rope_parameters": QWEN3_ROPE} if family == "qwen3" else {}
+        folder = sharpen(save_tiny_checkpoint(root / family, family, hidden_size=128, intermediate_size=256,
+                                              head_dim=32, **extra))
+        work = root / f"{family}-maps"
+        work.mkdir()
+        out[family] = (folder, fit_maps(str(folder), data, work, SPLIT, tokens=4096, seq_len=256))
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_maps(tmp_path_factory) -> tuple[Path, Path]:
+    """(the embedded SmolLM2 folder, maps at split 15 fitted on 16k tokens of wiki-leads)."""
+    pytest.importorskip("vllm")
+    from ridgefill.runtime.models import model_folder
+
+    folder = Path(model_folder("smollm2-135m"))
+    work = tmp_path_factory.mktemp("smollm2-maps")
+    return folder, fit_maps("smollm2-135m", Path("wiki-leads"), work, 15, tokens=16384, seq_len=512)
