@@ -442,6 +442,7 @@ CASES: list[Case] = [
     Case("serve-port-not-a-number", cmd(SERVE, port="http"), match="--port"),
     Case("serve-unknown-dtype", cmd(SERVE, dtype="fp8"), match="dtype"),
     Case("serve-enable-prefix-caching", cmd(SERVE, "--enable-prefix-caching"), match="prefix caching off"),
+    Case("serve-model-as-positional-argument", ["serve", "{A}", *SERVE[3:]], match="unexpected argument"),
     Case("serve-enable-prefix-caching-spelled-vllms-way", cmd(SERVE, "--enable_prefix_caching"),
          match="prefix caching off"),
 

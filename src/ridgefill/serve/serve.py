@@ -70,6 +70,9 @@ class ServeConfig(Config):
             raise RidgefillError("--host is empty: give an address, e.g. 127.0.0.1 (or 0.0.0.0 for every interface)")
         if self.dtype not in DTYPES:
             raise RidgefillError(f"unknown dtype '{self.dtype}': use one of {', '.join(DTYPES)}")
+        if self.vllm_args and not self.vllm_args[0].startswith("-"):  # no option before it: not an option's value
+            raise RidgefillError(f"unexpected argument {self.vllm_args[0]!r}: serve takes the model as --model and "
+                                 "hands on options only (--name value)")
         for arg in self.vllm_args:
             name = _option_name(arg)
             if len(name) >= len("--enable-prefix") and PREFIX_CACHING.startswith(name):
