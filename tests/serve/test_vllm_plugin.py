@@ -24,9 +24,10 @@ def prompts(n: int, lengths, vocab: int, seed: int = 0) -> list[list[int]]:
     return [torch.randint(3, vocab, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(n)]
 
 
-def worker(folder, fill: VllmFill | None = None, plugin: bool = True, **engine_args) -> VllmWorker:
+def worker(folder, fill: VllmFill | None = None, plugin: bool = True, threads: str | None = None,
+           **engine_args) -> VllmWorker:
     return VllmWorker(EngineSettings(str(folder), fill, plugin=plugin, max_model_len=MAX_LEN, kv_cache_gib=1,
-                                     engine_args=engine_args))
+                                     threads=threads, engine_args=engine_args))
 
 
 def vocab_of(folder) -> int:
@@ -151,10 +152,26 @@ def test_preempted_requests_are_recomputed_with_the_same_fill(vllm_tiny):
     folder, maps = vllm_tiny["qwen2"]
     batch = prompts(6, [600, 520, 640], vocab_of(folder), seed=7)
     with worker(folder, VllmFill(maps, tail=32), num_gpu_blocks_override=20, max_num_seqs=6,
-                max_num_batched_tokens=512, disable_log_stats=False) as filled:
+                max_num_batched_tokens=512) as filled:
         together = filled.generate(batch, 400, logprobs=1)
-        counters = filled.counters()
-        preempted = counters.get("vllm:num_preemptions", 0)
+        counted = filled.counters().get("vllm:num_preemptions", 0)
         alone = [filled.generate([p], 400, logprobs=1)[0] for p in batch]
-    assert preempted > 0, f"the KV budget did not force a preemption: {counters}"
+    preempted = sum(c.preemptions for c in together)
+    assert preempted > 0 and counted == preempted, "the KV budget did not force a preemption"
+    assert sum(c.preemptions for c in alone) == 0
     assert [c.tokens for c in together] == [c.tokens for c in alone]
+
+
+def test_tensor_parallel_two_ranks_match_one(vllm_tiny):
+    """--tensor-parallel-size 2 (two CPU workers, one core each): each rank fills with its own shard of the K/V
+    projection and writes its own heads' cache; the output equals one rank's."""
+    folder, maps = vllm_tiny["llama"]
+    batch = prompts(4, [300, 500], vocab_of(folder), seed=9)
+    fill = VllmFill(maps, tail=32)
+    with worker(folder, fill) as one:
+        want = one.generate(batch, 12, logprobs=1)
+    with worker(folder, fill, threads="0|1", tensor_parallel_size=2, distributed_executor_backend="mp") as two:
+        got = two.generate(batch, 12, logprobs=1)
+        assert two.tally()["filled_rows"] == sum(len(p) - 33 for p in batch)
+    assert [c.tokens for c in got] == [c.tokens for c in want]
+    assert max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g.logprobs, w.logprobs)) < 1e-4

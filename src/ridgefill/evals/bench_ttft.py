@@ -35,6 +35,7 @@ from ridgefill.runtime.data import documents_for, load_corpus, passages, token_s
 from ridgefill.runtime.provenance import cpu_name, device_info, load_average, versions
 from ridgefill.runtime.serving import Serving, check_model, load_serving
 from ridgefill.runtime.session import Session, parse_variants
+from ridgefill.serve.vllm_engine import check_engine, engine_option
 
 TRANSFORMERS = "transformers"  # the timing entry of transformers' own forward
 
@@ -56,6 +57,7 @@ class BenchConfig(MeasureConfig):
                              "layers (per layer, unfused).")
     serving_config: Path | None = option(None, "A serving config from `ridgefill tune`: times exact against the "
                                          "tuned fill (its split, tail, keep-first, maps or identity).")
+    engine: str = engine_option()
 
     def check(self) -> None:
         super().check()
@@ -71,6 +73,9 @@ class BenchConfig(MeasureConfig):
             raise RidgefillError(f"--threads must be >= 0 (0 keeps torch's default), got {self.threads}")
         if self.projection == "triton":
             _check_triton(self.device)
+        check_engine(self.engine)
+        if self.engine == "vllm" and self.projection != "auto":
+            raise RidgefillError("--projection chooses ridgefill's own fill projection: drop it with --engine vllm")
 
     def names(self) -> list[str]:
         """The variants timed, exact first."""
@@ -89,7 +94,7 @@ class BenchConfig(MeasureConfig):
                 "tail": self.tail, "lengths": self.sizes(), "repeats": self.repeats, "warmup": self.warmup,
                 "device": self.device, "dtype": self.dtype, "variants": self.names(), "data": self.data,
                 "keep_first": self.keep_first, "chunk": self.chunk, "threads": torch.get_num_threads(),
-                "projection": self.projection, "out": str(self.out),
+                "projection": self.projection, "out": str(self.out), "engine": self.engine,
                 "serving_config": str(self.serving_config) if self.serving_config else None}
 
 
@@ -131,12 +136,22 @@ def run(config: BenchConfig) -> dict:
     shape = m.session.shape
     if not shape.dense:
         note("note: a hybrid model: the FLOP count covers attention layers only, so no FLOP limit is reported")
-    results, intervals = _bench_lengths(m, prompts, shape if shape.dense else None)
+    flops_shape = shape if shape.dense else None
+    extra = {}
+    if c.engine == "vllm":
+        from ridgefill.evals import bench_ttft_vllm
+
+        with bench_ttft_vllm.scratch_folder() as scratch:
+            results, intervals, extra["vllm_engines"] = bench_ttft_vllm.bench_lengths(
+                m, prompts, lambda entry, plans, names, n: _add_flops(entry, flops_shape, plans, names, n),
+                Path(scratch))
+    else:
+        results, intervals = _bench_lengths(m, prompts, flops_shape)
     memory = _map_memory(m)
     for entry in results:
         entry["map_bytes"] = memory["map_bytes"]
     doc = m.write(results, intervals, split=m.split, map_memory=memory,
-                  device=_device_info(m.session.engine, load_before), versions=versions())
+                  device=_device_info(m.session.engine, load_before), versions=versions(), **extra)
     _print(doc, c.out)
     return doc
 
@@ -375,11 +390,12 @@ def _print(doc: dict, out) -> None:
                                 round(t["tokens_per_s"]), round((t["peak_memory_bytes"] or 0) / 2**20)])
         hf = entry["exact_vs_transformers"]
         for name, f in entry["fill"].items():
+            share = "-" if f["projection_share"] is None else f"{100 * f['projection_share']:.1f}%"
             speed_rows.append([entry["length"], name, _interval(f["speedup_interval"]), f["limit_speedup"] or "-",
-                               f["achieved_over_limit"] or "-", f"{100 * f['projection_share']:.1f}%",
-                               _interval(hf)])
-    title = (f"{doc['model']['id']} {c['dtype']} on {doc['device']['device']} ({doc['device']['threads']} threads), "
-             f"split {doc['split']}, tail {c['tail']}, {c['repeats']} repeats")
+                               f["achieved_over_limit"] or "-", share, "-" if hf is None else _interval(hf)])
+    where = "vLLM" if c.get("engine") == "vllm" else f"{doc['device']['device']} ({doc['device']['threads']} threads)"
+    title = (f"{doc['model']['id']} {c['dtype']} on {where}, split {doc['split']}, tail {c['tail']}, "
+             f"{c['repeats']} repeats")
     table(f"time to first token: {title}", ["length", "run", "median ms", "p90 ms", "min ms", "tok/s", "peak MiB"],
           timing_rows)
     table(f"speedup (median exact / median filled) → {out}", ["length", "fill", "speedup [95% CI]", "FLOP limit",

@@ -15,6 +15,7 @@ from ridgefill.runtime.paths import read_text
 from ridgefill.runtime.ranges import parse_ranges
 from ridgefill.runtime.serving import check_model, load_serving
 from ridgefill.runtime.session import ModelConfig, variant_plans
+from ridgefill.serve.vllm_engine import check_engine, engine_option
 
 
 @dataclass
@@ -35,6 +36,7 @@ class GenerateConfig(ModelConfig):
     prompt_file: Path | None = option(None, "Read the prompt from a file.")
     max_new_tokens: int = option(64, "Tokens to generate (greedy).")
     compare: bool = option(False, "Run exact and filled; print both with their TTFT.")
+    engine: str = engine_option()
 
     def check(self) -> None:
         if (self.prompt is None) == (self.prompt_file is None):
@@ -61,6 +63,10 @@ class GenerateConfig(ModelConfig):
             parse_ranges(self.keep_rows, "--keep-rows", "row", "0-3,120-140")
         if self.keep_text is not None and not self.keep_text.strip():
             raise RidgefillError("--keep-text is empty: give the text whose tokens should run in full")
+        check_engine(self.engine)
+        if self.engine == "vllm" and (self.keep_rows is not None or self.keep_text is not None):
+            raise RidgefillError("--keep-rows and --keep-text are not supported with --engine vllm (the plugin keeps "
+                                 "the first --keep-first rows and the tail): drop them")
 
 
 def run(c: GenerateConfig) -> dict:
@@ -89,29 +95,75 @@ def run(c: GenerateConfig) -> dict:
         if tail >= ids.shape[1]:
             note(f"note: tail {tail} >= prompt length {ids.shape[1]}: every row runs the full model (exact)")
     eos = session.tokenizer.eos_token_id
-    runs = {}
-    if exact or compare:
-        runs["exact"] = session.engine.generate(ids, max_new_tokens, None, eos)
-    if plan is not None:
-        runs["filled"] = session.engine.generate(ids, max_new_tokens, plan, eos)
-    texts = {k: session.tokenizer.decode(r.tokens[0], skip_special_tokens=True) for k, r in runs.items()}
+    if c.engine == "vllm":
+        runs = vllm_runs(c, session, ids[0].tolist(), plan, exact or compare)
+    else:
+        runs = {}
+        if exact or compare:
+            runs["exact"] = Run.of(session.engine.generate(ids, max_new_tokens, None, eos))
+        if plan is not None:
+            runs["filled"] = Run.of(session.engine.generate(ids, max_new_tokens, plan, eos))
+    texts = {k: session.tokenizer.decode(r.tokens, skip_special_tokens=True) for k, r in runs.items()}
+    where = " (vLLM)" if c.engine == "vllm" else ""
     if compare:
         for name, r in runs.items():
-            share = r.prefill.filled_share
-            note(f"[{name}] ttft {r.ttft_s * 1000:.0f} ms, {share:.0%} of {ids.shape[1]} prompt rows filled"
-                 + _outliers(r.prefill))
+            note(f"[{name}]{where} {r.summary(ids.shape[1])}")
             print(f"=== {name} ===\n{texts[name]}")
         note("outputs are identical" if texts["exact"] == texts["filled"] else "outputs differ")
     else:
         (name, r), = runs.items()
-        note(f"ttft {r.ttft_s * 1000:.0f} ms, {r.prefill.filled_share:.0%} of {ids.shape[1]} prompt rows filled"
-             + _outliers(r.prefill))
+        note(f"{where.strip()} {r.summary(ids.shape[1])}".strip())
         sys.stdout.write(texts[name] + "\n")
     return texts
 
 
-def _outliers(prefill) -> str:
-    return f" ({prefill.n_outliers} outlier rows ran in full)" if prefill.n_outliers else ""
+@dataclass
+class Run:
+    """One generation: its tokens, time to first token, and rows filled / run in full as outliers."""
+
+    tokens: list[int]
+    ttft_s: float
+    filled: int
+    outliers: int
+
+    @classmethod
+    def of(cls, result) -> "Run":
+        return cls(result.tokens[0], result.ttft_s, result.prefill.n_filled, result.prefill.n_outliers)
+
+    def summary(self, n: int) -> str:
+        text = f"ttft {self.ttft_s * 1000:.0f} ms, {self.filled / max(1, n):.0%} of {n} prompt rows filled"
+        return text + (f" ({self.outliers} outlier rows ran in full)" if self.outliers else "")
+
+
+def vllm_runs(c: GenerateConfig, session, ids: list[int], plan, exact: bool) -> dict[str, Run]:
+    """The same generations in vLLM: exact on stock vLLM, filled with ridgefill's plugin (identity fill through
+    an identity maps file written for the run). Each stops at the end-of-sequence token."""
+    import tempfile
+
+    from ridgefill.runtime.models import model_folder
+    from ridgefill.serve.vllm_engine import EngineSettings, plugin_fill, vllm_dtype
+
+    folder = model_folder(c.model)
+    base = dict(dtype=vllm_dtype(c.dtype), max_model_len=len(ids) + c.max_new_tokens)
+    runs = {}
+    if exact:
+        runs["exact"] = _vllm_run(EngineSettings(folder, plugin=False, **base), ids, c.max_new_tokens)
+    if plan is not None:
+        with tempfile.TemporaryDirectory(prefix="ridgefill-vllm-") as scratch:
+            fill = plugin_fill(c.maps, plan.split, session.engine.n_layers, session.loaded.info(), c.tail,
+                               c.keep_first, c.outlier_factor, Path(scratch))
+            runs["filled"] = _vllm_run(EngineSettings(folder, fill, **base), ids, c.max_new_tokens)
+    return runs
+
+
+def _vllm_run(settings, ids: list[int], new: int) -> Run:
+    from ridgefill.serve.vllm_engine import VllmWorker
+
+    with VllmWorker(settings) as worker:
+        (done,) = worker.generate([ids], new, stop_at_eos=True)
+        tally = worker.tally()
+    return Run(done.tokens, done.first_token_s or done.seconds, tally["filled_rows"],
+               tally["outlier_rows_run_full"])
 
 
 def keep_rows(c: GenerateConfig, tokenizer, prompt: str, n: int) -> list[int]:

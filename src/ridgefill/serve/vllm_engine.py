@@ -15,9 +15,54 @@ import os
 import time
 import traceback
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ridgefill.errors import RidgefillError
 from ridgefill.serve.vllm_config import VllmFill
+
+
+def vllm_dtype(name: str) -> str:
+    """ridgefill's dtype name (fp32, bf16, fp16) as vLLM's."""
+    from ridgefill.serve.serve import DTYPES
+
+    return DTYPES[name]
+
+
+def engine_option():
+    """--engine, shared by generate and bench-ttft."""
+    from ridgefill.commands import option
+
+    return option("ridgefill", "ridgefill (its own engine) or vllm (vLLM: stock vLLM for exact, ridgefill's "
+                  "vLLM plugin for fills; needs the vllm extra).")
+
+
+def check_engine(name: str) -> None:
+    """--engine: a known engine; vllm needs the plugin's vLLM release installed."""
+    if name not in ENGINES:
+        raise RidgefillError(f"unknown --engine '{name}': use one of {', '.join(ENGINES)}")
+    if name == "vllm":
+        from ridgefill.serve.serve import installed_vllm_version
+        from ridgefill.serve.vllm_config import VLLM_PIN, check_vllm_version
+
+        version = installed_vllm_version()
+        if version is None:
+            raise RidgefillError(f"--engine vllm needs vLLM: {VLLM_PIN}")
+        check_vllm_version(version)
+
+
+ENGINES = ("ridgefill", "vllm")
+
+
+def plugin_fill(maps, split: int, n_layers: int, model_info: dict, tail: int, keep_first: int,
+                outlier_factor: float, scratch: Path) -> VllmFill:
+    """The plugin's configuration for a fill: the maps, or for identity fill (maps None) an identity maps file
+    written into `scratch` for this model."""
+    if maps is None:
+        from ridgefill.method.maps import save_maps
+
+        maps = scratch / "identity.maps.safetensors"
+        save_maps(maps, split, n_layers, [], {"model": model_info}, "identity")
+    return VllmFill(Path(maps), tail, keep_first, outlier_factor)
 
 
 @dataclass(frozen=True)
@@ -51,6 +96,8 @@ class Completion:
     logprobs: list[float]  # of each chosen token
     top: list[dict[int, float]]  # per step: the top-k token ids -> log-prob (empty without logprobs)
     seconds: float  # wall time of the generate call that produced it (shared by a batch)
+    first_token_s: float | None = None  # vLLM's own first-token latency of this request
+    preemptions: int = 0  # times vLLM preempted (and later recomputed) this request
 
 
 class VllmWorker:
@@ -60,7 +107,7 @@ class VllmWorker:
         self.settings = settings
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(child, settings), daemon=True)
+        self._proc = ctx.Process(target=_serve, args=(child, settings))  # not daemonic: TP workers are its children
         self._proc.start()
         child.close()
         self._reply(start_timeout)  # "ready", or the start-up error
@@ -158,7 +205,8 @@ def _build(settings: EngineSettings):
     from vllm import LLM
 
     return LLM(model=settings.model, dtype=settings.dtype, max_model_len=settings.max_model_len,
-               enforce_eager=True, enable_prefix_caching=False, seed=0, **settings.engine_args)
+               enforce_eager=True, enable_prefix_caching=False, seed=0,
+               **{"disable_log_stats": False, **settings.engine_args})
 
 
 def _generate(llm, prompts, max_tokens, logprobs, tails, stop_at_eos) -> list[Completion]:
@@ -179,17 +227,21 @@ def _generate(llm, prompts, max_tokens, logprobs, tails, stop_at_eos) -> list[Co
         steps = c.logprobs or []
         chosen = [float(step[t].logprob) for step, t in zip(steps, c.token_ids)]
         top = [{int(k): float(v.logprob) for k, v in step.items()} for step in steps]
-        done.append(Completion(list(c.token_ids), chosen, top, seconds))
+        stats = getattr(out, "metrics", None)
+        done.append(Completion(list(c.token_ids), chosen, top, seconds,
+                               getattr(stats, "first_token_latency", None) or None,
+                               int(getattr(stats, "num_preemptions", 0) or 0)))
     return done
 
 
 def _tally(llm) -> dict:
-    def read(model):
-        state = getattr(model, "ridgefill", None)
-        return {"filled_rows": 0, "outlier_rows_run_full": 0} if state is None else state.tally.to_dict()
+    return llm.apply_model(model_tally)[0]  # one per worker (tensor-parallel ranks see the same rows)
 
-    tallies = llm.apply_model(read)  # one per worker (tensor-parallel ranks see the same rows)
-    return tallies[0]
+
+def model_tally(model) -> dict:
+    """Rows one model filled (a module-level function: vLLM pickles it to its tensor-parallel workers)."""
+    state = getattr(model, "ridgefill", None)
+    return {"filled_rows": 0, "outlier_rows_run_full": 0} if state is None else state.tally.to_dict()
 
 
 def _counters(llm) -> dict[str, float]:

@@ -1,0 +1,124 @@
+"""`ridgefill bench-ttft --engine vllm`: time to first token inside vLLM, stock vLLM against RidgeFill's plugin.
+
+The same protocol and result document as ridgefill's own engine (evals/bench_ttft.py): per length, every variant
+runs `warmup` untimed times, then `repeats` timed runs interleaved, the order rotating each round; median, p90,
+a paired bootstrap interval of the speedup, and the FLOP-limit ratio. Here:
+- exact is stock vLLM (no plugin loaded); each fill variant is vLLM with the plugin configured (its maps; identity
+  fill gets an identity maps file written for the run). Each variant is one engine in its own process
+  (serve/vllm_engine.py), all alive for the whole run, built with the same arguments;
+- prefix caching is off (a repeated prompt would otherwise hit it), CUDA graphs and torch.compile are off
+  (enforce_eager) for every variant, and on the CPU vLLM's threads are bound to --threads cores (default: all)
+  with none reserved;
+- a timed run is one request of the prompt's token ids for one greedy token: the wall time of vLLM's generate
+  call in the engine's process (scheduling, prefill, sampling; no tokenization, no IPC). vLLM's own first-token
+  latency of the request is kept beside it;
+- transformers' forward is not timed (exact_vs_transformers is null) and the fill projection is not timed apart.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from contextlib import ExitStack
+from pathlib import Path
+
+import numpy as np
+
+from ridgefill.evals.stats import ratio_of_medians
+from ridgefill.runtime.console import progress_bar
+from ridgefill.runtime.models import model_folder
+from ridgefill.serve.vllm_config import VllmFill
+from ridgefill.serve.vllm_engine import EngineSettings, VllmWorker, plugin_fill, vllm_dtype
+
+KV_CACHE_GIB = 2
+
+
+def bench_lengths(m, prompts: dict, add_flops, scratch: Path) -> tuple[list[dict], dict, dict]:
+    """Every length's timings and speedups (FLOPs added by `add_flops(entry, plans, names, length)`), their
+    intervals, and the engines' settings and fill tallies."""
+    c = m.config
+    names = list(m.plans)
+    fills = names[1:]
+    longest = max(len(ids[0]) for ids, _ in prompts.values())
+    threads = c.threads or os.cpu_count() or 1
+    settings = {name: EngineSettings(model_folder(c.model), _fill(m, name, scratch), plugin=name != "exact",
+                                     dtype=vllm_dtype(c.dtype), max_model_len=longest + 8,
+                                     threads=f"0-{threads - 1}", kv_cache_gib=KV_CACHE_GIB,
+                                     engine_args={"max_num_batched_tokens": max(c.chunk, 256),
+                                                  "enable_chunked_prefill": True})
+                for name in names}
+    results, intervals = [], {"speedup": {v: {} for v in fills}, "exact_vs_transformers": {}}
+    runs = len(prompts) * len(names) * (c.warmup + c.repeats)
+    with ExitStack() as stack, progress_bar("timing vLLM prefill to first token", runs) as advance:
+        workers = {name: stack.enter_context(VllmWorker(s)) for name, s in settings.items()}
+        for length, (ids, source) in prompts.items():
+            entry = {"length": length, "prompt": source,
+                     **_bench_length(workers, m.plans, ids[0].tolist(), c.repeats, c.warmup, c.seed, advance)}
+            add_flops(entry, m.plans, fills, length)
+            for v in fills:
+                intervals["speedup"][v][str(length)] = entry["fill"][v]["speedup_interval"]
+            intervals["exact_vs_transformers"][str(length)] = None
+            results.append(entry)
+        tallies = {name: workers[name].tally() for name in fills}
+    for name, tally in tallies.items():  # what vLLM filled, counted where the result document reads it
+        m.plans[name].tally.filled += tally["filled_rows"]
+        m.plans[name].tally.outliers += tally["outlier_rows_run_full"]
+    engines = {name: {"plugin": s.plugin, "fill": s.fill.describe() if s.fill else None, "dtype": s.dtype,
+                      "threads_bind": s.threads, "max_model_len": s.max_model_len, **s.engine_args,
+                      "enforce_eager": True, "enable_prefix_caching": False,
+                      **({"tally": tallies[name]} if name in tallies else {})}
+               for name, s in settings.items()}
+    return results, intervals, engines
+
+
+def _fill(m, name: str, scratch: Path) -> VllmFill | None:
+    """The plugin's configuration of variant `name` (None: stock vLLM)."""
+    if name == "exact":
+        return None
+    c = m.config
+    return plugin_fill(c.maps if name == "ridge" else None, m.split, m.session.engine.n_layers,
+                       m.session.loaded.info(), c.tail, c.keep_first, c.outlier_factor, scratch)
+
+
+def _bench_length(workers: dict, plans: dict, ids: list[int], repeats: int, warmup: int, seed: int,
+                  advance) -> dict:
+    names = list(workers)
+    samples = {name: [] for name in names}
+    latency = {name: [] for name in names}
+    tokens = {}
+    for _ in range(warmup):
+        for name in names:
+            workers[name].generate([ids], 1)
+            advance()
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[: r % len(names)]:  # rotated: no variant always runs first
+            (done,) = workers[name].generate([ids], 1)
+            samples[name].append(done.seconds)
+            latency[name].append(done.first_token_s)
+            tokens[name] = done.tokens[0]
+            advance()
+    n = len(ids)
+    fill = {}
+    for name in names[1:]:
+        iv = ratio_of_medians(samples["exact"], samples[name], seed=seed)
+        fill[name] = {"speedup": iv.estimate, "speedup_interval": iv.to_dict(),
+                      "filled_rows": int((~plans[name].full_rows(n)).sum()),
+                      "projection_s": None, "projection_share": None, "instrumented_run_s": None}
+    head = names[-1]
+    return {"headline_variant": head, "speedup": fill[head]["speedup"],
+            "timings": {name: _summary(samples[name], latency[name], n) for name in names}, "fill": fill,
+            "exact_vs_transformers": None, "first_token": tokens}
+
+
+def _summary(samples: list[float], latency: list[float | None], n: int) -> dict:
+    median = float(np.median(samples))
+    known = [x for x in latency if x is not None]
+    return {"median_s": median, "p90_s": float(np.percentile(samples, 90)), "min_s": float(min(samples)),
+            "tokens_per_s": n / median, "samples_s": list(samples),
+            "vllm_first_token_latency_median_s": float(np.median(known)) if known else None,
+            "peak_memory_bytes": None, "peak_increase_bytes": None}
+
+
+def scratch_folder():
+    """A temporary folder for the run's identity maps file."""
+    return tempfile.TemporaryDirectory(prefix="ridgefill-vllm-")
