@@ -37,17 +37,13 @@ def engine_option():
 
 
 def check_engine(name: str) -> None:
-    """--engine: a known engine; vllm needs the plugin's vLLM release installed."""
+    """--engine: a known engine; vllm needs the plugin's vLLM release, and the plugin, installed."""
     if name not in ENGINES:
         raise RidgefillError(f"unknown --engine '{name}': use one of {', '.join(ENGINES)}")
     if name == "vllm":
-        from ridgefill.serve.serve import installed_vllm_version
-        from ridgefill.serve.vllm_config import VLLM_PIN, check_vllm_version
+        from ridgefill.serve.serve import check_vllm
 
-        version = installed_vllm_version()
-        if version is None:
-            raise RidgefillError(f"--engine vllm needs vLLM: {VLLM_PIN}")
-        check_vllm_version(version)
+        check_vllm()  # installed, the plugin's release, and its entry point (tensor-parallel workers load it)
 
 
 ENGINES = ("ridgefill", "vllm")
