@@ -6,6 +6,7 @@ a paired bootstrap interval of the speedup, and the FLOP-limit ratio. Here:
 - exact is stock vLLM (no plugin loaded); each fill variant is vLLM with the plugin configured (its maps; identity
   fill gets an identity maps file written for the run). Each variant is one engine in its own process
   (serve/vllm_engine.py), all alive for the whole run, built with the same arguments;
+- on a GPU the engines split vLLM's memory budget (gpu_memory_utilization 0.85 / variants); never run on one;
 - prefix caching is off (a repeated prompt would otherwise hit it), CUDA graphs and torch.compile are off
   (enforce_eager) for every variant, and on the CPU vLLM's threads are bound to --threads cores (default: all)
   with none reserved;
@@ -23,6 +24,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from ridgefill.evals.stats import ratio_of_medians
 from ridgefill.runtime.console import progress_bar
@@ -41,11 +43,12 @@ def bench_lengths(m, prompts: dict, add_flops, scratch: Path) -> tuple[list[dict
     fills = names[1:]
     longest = max(len(ids[0]) for ids, _ in prompts.values())
     threads = c.threads or os.cpu_count() or 1
+    args = {"max_num_batched_tokens": max(c.chunk, 256), "enable_chunked_prefill": True}
+    if torch.cuda.is_available():  # the engines share one GPU: split vLLM's memory budget between them
+        args["gpu_memory_utilization"] = round(0.85 / len(names), 3)
     settings = {name: EngineSettings(model_folder(c.model), _fill(m, name, scratch), plugin=name != "exact",
                                      dtype=vllm_dtype(c.dtype), max_model_len=longest + 8,
-                                     threads=f"0-{threads - 1}", kv_cache_gib=KV_CACHE_GIB,
-                                     engine_args={"max_num_batched_tokens": max(c.chunk, 256),
-                                                  "enable_chunked_prefill": True})
+                                     threads=f"0-{threads - 1}", kv_cache_gib=KV_CACHE_GIB, engine_args=args)
                 for name in names}
     results, intervals = [], {"speedup": {v: {} for v in fills}, "exact_vs_transformers": {}}
     runs = len(prompts) * len(names) * (c.warmup + c.repeats)
