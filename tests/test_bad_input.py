@@ -424,7 +424,7 @@ CASES: list[Case] = [
          model_folder(config_json=lambda found: json.dumps({**json.loads((found.A / "config.json").read_text()),
                                                             "num_hidden_layers": 7}).encode()),
          match="6-layer model"),
-    Case("serve-maps-option-missing", cmd(SERVE, maps=None), match="Missing option '--maps'"),
+    Case("serve-maps-option-missing", cmd(SERVE, maps=None), match="give exactly one of --maps"),
     Case("serve-model-unsupported-architecture", cmd(SERVE, model="{in}/model"),
          model_folder(config_json=b'{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}'),
          match="GPT2LMHeadModel"),

@@ -314,6 +314,8 @@ BAD = [  # (id, model, maps, more arguments, the error names)
     ("maps-corrupt", lambda root, t: t["llama"][0], corrupt, [], "corrupted or truncated"),
     ("unsupported-family", unsupported_model, lambda root, t: t["llama"][1], [], "GPT2LMHeadModel"),
     ("tail-zero", lambda root, t: t["llama"][0], lambda root, t: t["llama"][1], ["--tail", "0"], "tail 0"),
+    ("maps-for-another-split", lambda root, t: t["llama"][0], lambda root, t: t["llama"][1], ["--split", "3"],
+     "holds maps for split 2, not 3"),
     ("prefix-caching", lambda root, t: t["llama"][0], lambda root, t: t["llama"][1],
      ["--max-model-len", "512", "--enable-prefix-caching"], "prefix caching off"),
 ]
@@ -330,3 +332,53 @@ def test_a_bad_configuration_is_one_line_and_exit_2_without_starting_vllm(model,
     assert r.returncode == 2, r.stderr
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: ") and match in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and not any(cwd.iterdir())
+
+
+def serving_config(path: Path, tiny: Path, maps: Path | None, split: int, weights: str | None = None) -> Path:
+    from ridgefill.runtime.models import checkpoint_fingerprint
+    from ridgefill.runtime.serving import KIND
+
+    doc = {"kind": KIND, "variant": "ridge" if maps else "identity", "split": split, "tail": 12, "keep_first": 2,
+           "maps": str(maps) if maps else None, "model": {"weights_hash": weights or checkpoint_fingerprint(tiny)}}
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def test_serve_takes_a_serving_config_from_tune(tiny_checkpoint, fitted, vllm_ok, monkeypatch, capfd, tmp_path):
+    """--serving-config sets maps, split, tail and keep-first; an identity config is served through an identity
+    maps file that lives as long as the server."""
+    ridge = serving_config(tmp_path / "ridge.json", tiny_checkpoint, fitted, 3)
+    code, err = main(monkeypatch, capfd, "serve", "--model", tiny_checkpoint, "--serving-config", ridge)
+    assert code == 0, err
+    env = vllm_ok["env"]
+    assert env[ENV["maps"]] == str(fitted.resolve()) and env[ENV["tail"]] == "12" and env[ENV["keep_first"]] == "2"
+
+    seen = {}
+
+    def launch(argv, env):  # the identity maps file must exist while the server runs
+        from ridgefill.runtime.artifacts import read_meta
+
+        seen.update(read_meta(env[ENV["maps"]], "maps"))
+        return 0
+
+    monkeypatch.setattr(serve, "launch", launch)
+    identity = serving_config(tmp_path / "identity.json", tiny_checkpoint, None, 4)
+    code, err = main(monkeypatch, capfd, "serve", "--model", tiny_checkpoint, "--serving-config", identity)
+    assert code == 0, err
+    assert seen["kind"] == "identity" and seen["split"] == 4 and "split 4 of 6 layers" in err
+
+
+@pytest.mark.parametrize("extra, match", [
+    ([], "give exactly one of --maps"),
+    (["--maps", "m.safetensors", "--serving-config", "s.json"], "give exactly one of --maps"),
+])
+def test_serve_needs_maps_or_a_serving_config(extra, match, vllm_ok, monkeypatch, capfd):
+    code, err = main(monkeypatch, capfd, "serve", *extra)
+    assert code == 2 and err.count("\n") == 1 and match in err, err
+
+
+def test_serve_refuses_a_serving_config_of_another_model(tiny_checkpoint, fitted, vllm_ok, monkeypatch, capfd,
+                                                         tmp_path):
+    other = serving_config(tmp_path / "other.json", tiny_checkpoint, fitted, 3, weights="0123456789abcdef")
+    code, err = main(monkeypatch, capfd, "serve", "--model", tiny_checkpoint, "--serving-config", other)
+    assert code == 2 and "tuned for another model" in err and "argv" not in vllm_ok, err

@@ -46,9 +46,14 @@ def bench_lengths(m, prompts: dict, add_flops, scratch: Path) -> tuple[list[dict
     args = {"max_num_batched_tokens": max(c.chunk, 256), "enable_chunked_prefill": True}
     if torch.cuda.is_available():  # the engines share one GPU: split vLLM's memory budget between them
         args["gpu_memory_utilization"] = round(0.85 / len(names), 3)
+    # vLLM wants room for the generated token (prompt + 1 <= max_model_len); a prompt of the model's whole context
+    # computes no position past it, so the longer limit is allowed for the run (VLLM_ALLOW_LONG_MAX_MODEL_LEN)
+    context = m.session.context_length
+    env = {"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"} if context and longest + 1 > context else {}
     settings = {name: EngineSettings(model_folder(c.model), _fill(m, name, scratch), plugin=name != "exact",
                                      dtype=vllm_dtype(c.dtype), max_model_len=longest + 8,
-                                     threads=f"0-{threads - 1}", kv_cache_gib=KV_CACHE_GIB, engine_args=args)
+                                     threads=f"0-{threads - 1}", kv_cache_gib=KV_CACHE_GIB, engine_args=args,
+                                     env=env)
                 for name in names}
     results, intervals = [], {"speedup": {v: {} for v in fills}, "exact_vs_transformers": {}}
     runs = len(prompts) * len(names) * (c.warmup + c.repeats)
@@ -68,7 +73,7 @@ def bench_lengths(m, prompts: dict, add_flops, scratch: Path) -> tuple[list[dict
         m.plans[name].tally.outliers += tally["outlier_rows_run_full"]
     engines = {name: {"plugin": s.plugin, "fill": s.fill.describe() if s.fill else None, "dtype": s.dtype,
                       "threads_bind": s.threads, "max_model_len": s.max_model_len, **s.engine_args,
-                      "enforce_eager": True, "enable_prefix_caching": False,
+                      "enforce_eager": True, "enable_prefix_caching": False, "env": s.env,
                       **({"tally": tallies[name]} if name in tallies else {})}
                for name, s in settings.items()}
     return results, intervals, engines

@@ -16,14 +16,16 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from ridgefill.commands import REQUIRED, Command, Config, option
+from ridgefill.commands import Command, Config, option
 from ridgefill.errors import RidgefillError
 from ridgefill.method.statistics import OUTLIER_FACTOR
 from ridgefill.serve.vllm_config import (DEFAULT_KEEP_FIRST, DEFAULT_TAIL, VLLM_PIN, VllmFill, check_fill,
@@ -45,7 +47,11 @@ FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 class ServeConfig(Config):
     model: str = option("smollm2-135m", "Local HF folder, Hub id, or alias 'smollm2-135m' (the model the maps "
                         "were fitted for).")
-    maps: Path = option(REQUIRED, "Maps file from `ridgefill fit` (it carries the split).")
+    maps: Path | None = option(None, "Maps file from `ridgefill fit` (it carries the split).")
+    serving_config: Path | None = option(None, "A serving config from `ridgefill tune`: its split, tail, "
+                                         "keep-first and fill (maps or identity) replace --maps, --split, --tail "
+                                         "and --keep-first.")
+    split: int | None = option(None, "Split S to serve at: checked against the maps' (they carry it).")
     tail: int = option(DEFAULT_TAIL, "Last prompt tokens of each request that run the full model (a request can "
                        "set its own: vllm_xargs ridgefill_tail).")
     keep_first: int = option(DEFAULT_KEEP_FIRST, "Leading prompt tokens that run in full (the attention sink).")
@@ -63,7 +69,15 @@ class ServeConfig(Config):
         return VllmFill(Path(self.maps), self.tail, self.keep_first, self.outlier_factor)
 
     def check(self) -> None:
-        self.fill()
+        if (self.maps is None) == (self.serving_config is None):
+            raise RidgefillError("give exactly one of --maps (from ridgefill fit) or --serving-config (from "
+                                 "ridgefill tune)")
+        if self.serving_config is not None and self.split is not None:
+            raise RidgefillError("--serving-config sets the split: drop --split")
+        if self.maps is not None:
+            self.fill()
+        elif self.outlier_factor < 0:
+            raise RidgefillError(f"outlier factor {self.outlier_factor:g} must be 0 (fill every row) or positive")
         if not 1 <= self.port <= 65535:
             raise RidgefillError(f"--port {self.port} is out of range: use 1..65535")
         if not self.host.strip():
@@ -135,15 +149,37 @@ def run(c: ServeConfig) -> int:
     """Check everything, then run vLLM's server until it stops; returns its exit code."""
     from ridgefill.runtime.models import model_folder
 
-    fill = c.fill()
     folder = model_folder(c.model)
-    meta = check_fill(fill, folder)
-    check_vllm()
-    argv = vllm_command(c, folder)
-    print(f"ridgefill serve: {c.model} through vLLM at http://{c.host}:{c.port}/v1 with RidgeFill: maps {c.maps} "
-          f"(split {meta.get('split')} of {meta.get('n_layers')} layers), tail {fill.tail}, keep-first "
-          f"{fill.keep_first}, outlier factor {fill.outlier_factor:g}", file=sys.stderr, flush=True)
-    return launch(argv, {**os.environ, **fill.to_env()})
+    with tempfile.TemporaryDirectory(prefix="ridgefill-serve-") as scratch:  # an identity config's maps file
+        fill = served_fill(c, folder, Path(scratch))
+        meta = check_fill(fill, folder)
+        if c.split is not None and c.split != meta.get("split"):
+            raise RidgefillError(f"{c.maps} holds maps for split {meta.get('split')}, not {c.split}: pass --split "
+                                 f"{meta.get('split')} or fit maps for split {c.split}")
+        check_vllm()
+        argv = vllm_command(c, folder)
+        print(f"ridgefill serve: {c.model} through vLLM at http://{c.host}:{c.port}/v1 with RidgeFill: "
+              f"{meta.get('kind')} maps {c.maps or c.serving_config} (split {meta.get('split')} of "
+              f"{meta.get('n_layers')} layers), tail {fill.tail}, keep-first {fill.keep_first}, outlier factor "
+              f"{fill.outlier_factor:g}", file=sys.stderr, flush=True)
+        return launch(argv, {**os.environ, **fill.to_env()})
+
+
+def served_fill(c: ServeConfig, folder: str, scratch: Path) -> VllmFill:
+    """The fill to serve: --maps and the fill options, or a serving config's (checked against the model; an
+    identity fill gets an identity maps file in `scratch`)."""
+    if c.serving_config is None:
+        return c.fill()
+    from ridgefill.runtime.models import checkpoint_fingerprint
+    from ridgefill.runtime.serving import check_model, load_serving
+    from ridgefill.serve.vllm_engine import plugin_fill
+
+    tuned = load_serving(c.serving_config)
+    weights = checkpoint_fingerprint(folder)
+    check_model(tuned, weights, c.serving_config)
+    n_layers = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8")).get("num_hidden_layers")
+    return plugin_fill(tuned.maps, tuned.split, n_layers, {"id": c.model, "weights_hash": weights}, tuned.tail,
+                       tuned.keep_first, c.outlier_factor, scratch)
 
 
 def launch(argv: list[str], env: dict[str, str]) -> int:

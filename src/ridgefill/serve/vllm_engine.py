@@ -73,6 +73,7 @@ class EngineSettings:
     threads: str | None = None  # VLLM_CPU_OMP_THREADS_BIND, e.g. "0-1" (None: vLLM's default)
     kv_cache_gib: int = 2  # VLLM_CPU_KVCACHE_SPACE
     engine_args: dict = field(default_factory=dict)  # more LLM(...) keyword arguments
+    env: dict = field(default_factory=dict)  # more environment variables of the engine's process
 
     def environment(self) -> dict[str, str]:
         env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
@@ -83,7 +84,7 @@ class EngineSettings:
             env.update(self.fill.to_env())
         if not self.plugin:
             env["VLLM_PLUGINS"] = ""  # an allow-list that names no plugin
-        return env
+        return {**env, **self.env}
 
 
 @dataclass
