@@ -13,7 +13,7 @@ from ridgefill.cli import app
 from ridgefill.engine import Engine, adapter_for
 from ridgefill.errors import RidgefillError
 from ridgefill.evals.loss import summarise
-from ridgefill.evals.stats import mean_difference
+from ridgefill.evals.stats import describe_spread, distant_spread, mean_difference
 from ridgefill.evals.loss import COMMAND as loss_command
 from ridgefill.evals.scoring import distant_tokens, short_context_nll, tail_nll
 
@@ -104,7 +104,9 @@ def test_tail_covering_the_context_makes_all_variants_identical(tiny_checkpoint,
     (dict(variants="exact,best"), "unknown variant"),
     (dict(variants="exact,ridge"), "the ridge variant needs --maps"),
     (dict(context=5000), "--context 5000 exceeds the model's context of 4096"),
-    (dict(context=4000), "has no evaluation document of 4000 tokens"),
+    (dict(context=4000), "has no evaluation passage of 4000 tokens"),
+    (dict(skip=-1), "--skip -1 must be 0 or more"),
+    (dict(skip=100000), "has no evaluation passage of 96 tokens after skipping 100000: give longer documents, lower --skip"),
 ])
 def test_bad_options_are_one_line_errors(tiny_checkpoint, long_docs, tmp_path, overrides, message):
     kw = options(model=str(tiny_checkpoint), data=str(long_docs), out=tmp_path / "l.json", **overrides)
@@ -182,3 +184,34 @@ def test_ridge_keeps_a_share_of_identity_fills_gap():
     assert kept["identity_gap_kept_tail"]["estimate"] == pytest.approx(5 / 12)
     assert kept["identity_gap_kept_distant"]["estimate"] == pytest.approx((1 + 1) / (2 + 4))  # passages 1 and 3
     assert "identity_gap_kept_tail" not in intervals["identity"]
+
+
+def test_the_spread_of_distant_tokens_is_in_the_json_and_the_table(tiny_checkpoint, long_docs, tmp_path):
+    out = tmp_path / "loss.json"
+    r = CliRunner().invoke(app, ["loss", "--model", str(tiny_checkpoint), "--split", "3", "--tail", "16",
+                                 "--data", str(long_docs), "--context", "96", "--short", "24", "--samples", "3",
+                                 "--alpha", "0.5", "--beta", "100", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(out.read_text())
+    counts = doc["results"]["exact"]["per_passage"]["distant_tokens"]
+    spread = doc["distant_spread"]
+    assert spread == distant_spread(counts)
+    assert spread["tokens"] == doc["results"]["exact"]["distant_tokens"] == sum(counts)
+    assert spread["passages"] == 3 and spread["passages_with_tokens"] == sum(c > 0 for c in counts)
+    assert spread["per_passage_min"] <= spread["per_passage_median"] <= spread["per_passage_max"] == max(counts)
+    assert describe_spread(spread) in " ".join(r.output.split())  # the table's title (wrapped by the terminal)
+    for key in ("results", "intervals", "scored_tail", "short_stride_used"):  # the older keys stay
+        assert key in doc
+
+
+def test_skip_scores_the_passages_after_the_first(tiny_checkpoint, long_docs, tmp_path):
+    """--skip s with --samples n scores passages s..s+n-1 of the same sequence: a set disjoint from skip 0, n = s."""
+    kw = dict(model=str(tiny_checkpoint), data=str(long_docs))
+    three = loss_command(**options(**kw, samples=3, out=tmp_path / "a.json"))
+    last_two = loss_command(**options(**kw, samples=2, skip=1, out=tmp_path / "b.json"))
+    assert last_two["config"]["skip"] == 1 and last_two["results"]["exact"]["tail_tokens"] == 2 * 15
+    for variant in ("exact", "identity"):
+        a, b = three["results"][variant]["per_passage"], last_two["results"][variant]["per_passage"]
+        for key in ("tail_nll_sum", "distant_nll_sum", "distant_tokens"):
+            assert b[key] == pytest.approx(a[key][1:], abs=1e-4)
+    assert last_two["distant_spread"] == distant_spread(three["results"]["exact"]["per_passage"]["distant_tokens"][1:])

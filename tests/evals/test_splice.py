@@ -15,6 +15,7 @@ from ridgefill.engine import Engine, FillPlan, IdentityFiller, adapter_for
 from ridgefill.errors import RidgefillError
 from ridgefill.evals.scoring import continuation_nll, tail_nll
 from ridgefill.evals.splice import layer_ranges, parse_layer_ranges, parse_swaps, prefix_pair, splice, spliced_keys
+from ridgefill.evals.stats import describe_spread, distant_spread
 
 N, TAIL, SPLIT, KEEP = 40, 10, 2, (0, 7)
 TOL = 1e-4
@@ -144,6 +145,10 @@ def test_splice_command_end_to_end(tiny_checkpoint, long_docs, tmp_path):
     iv = doc["intervals"]["keys@3-5"]
     assert {"tail_nll_nats", "gap_closed_tail", "gap_closed_distant"} <= set(iv)
     assert res["exact"]["distant_tokens"] > 0
+    counts = res["exact"]["per_passage"]["distant_tokens"]
+    assert doc["distant_spread"] == distant_spread(counts) and doc["distant_spread"]["passages"] == 2
+    assert all(res[name]["per_passage"]["distant_tokens"] == counts for name in res)  # marked once, by exact
+    assert describe_spread(doc["distant_spread"]) in " ".join(r.output.split())
 
 
 def test_bad_layers_exit_with_one_line(tiny_checkpoint, long_docs, tmp_path):

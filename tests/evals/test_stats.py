@@ -91,3 +91,16 @@ def test_gap_ratio_is_the_share_of_the_reference_gap_kept():
     assert iv.low <= iv.estimate <= iv.high
     with pytest.warns(RuntimeWarning):  # no gap to keep a share of: NaN, every replicate too
         assert math.isnan(gap_ratio([1.0, 2.0], [1.0, 2.0], [1.0, 2.0]).estimate)
+
+
+def test_distant_spread_counts_tokens_and_passages():
+    from ridgefill.evals.stats import describe_spread, distant_spread
+
+    spread = distant_spread([0, 3, 0, 7, 2])
+    assert spread == {"tokens": 12, "passages": 5, "passages_with_tokens": 3, "per_passage_min": 0,
+                      "per_passage_median": 2.0, "per_passage_max": 7, "largest_share": 7 / 12}
+    assert describe_spread(spread) == "12 distant-context tokens in 3 of 5 passages (per passage min 0, median 2, max 7)"
+    none = distant_spread([0, 0])
+    assert none["tokens"] == 0 and none["passages_with_tokens"] == 0 and none["largest_share"] is None
+    assert distant_spread([4, 5])["per_passage_median"] == 4.5
+    assert distant_spread([])["passages"] == 0

@@ -191,3 +191,21 @@ def test_a_sweep_without_bench_ttft_shows_the_flop_limit_speedup(tmp_path):
     assert "- ridge, tail 256: **split 15**, 1.71x FLOP-limit" in report
     (folder / "config.json").unlink()  # shapes unknown: no count, as before
     assert "| identity | 256 | 15 | – | – | – |" in write_report(tmp_path / "run").read_text()
+
+
+def test_loss_and_splice_sections_show_how_distant_tokens_spread_over_passages(tmp_path):
+    loss = loss_doc(15, 256)
+    loss["distant_spread"] = {"tokens": 40, "passages": 4, "passages_with_tokens": 3, "per_passage_min": 0,
+                              "per_passage_median": 12.5, "per_passage_max": 15, "largest_share": 0.375}
+    old = loss_doc(20, 256)  # a document from before `distant_spread`: the per-passage counts give it
+    for v in VARIANTS:
+        old["results"][v]["per_passage"] = {"distant_tokens": [0, 40], "distant_nll_sum": [0.0, 80.0],
+                                            "tail_nll_sum": [500.0, 500.0]}
+    splice = splice_doc(15, 256)
+    splice["results"]["exact"]["per_passage"] = {"distant_tokens": [5, 0, 7]}
+    report = write_report(write_docs(tmp_path / "run", {"loss-s15.json": loss, "loss-s20.json": old,
+                                                        "splice-s15.json": splice})).read_text()
+    assert "passages with any (min/median/max)" in report
+    assert "| 40 | 3 of 4 (0/12.5/15) |" in report
+    assert "| 40 | 1 of 2 (0/20/40) |" in report
+    assert "12 distant-context tokens in 2 of 3 passages (per passage min 0, median 5, max 7)." in report

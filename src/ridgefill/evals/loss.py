@@ -31,8 +31,8 @@ from ridgefill.evals.common import exact_cache_option, start, variants_option
 from ridgefill.evals.passages import (PassageConfig, check_context, evaluation_passages, nll_results,
                                       tail_difference)
 from ridgefill.evals.scoring import distant_tokens, short_context_nll, tail_nll
-from ridgefill.evals.stats import (Interval, format_interval, gap_ratio, interval_dict, paired_bootstrap,
-                                   relative_difference, select)
+from ridgefill.evals.stats import (Interval, describe_spread, distant_spread, format_interval, gap_ratio,
+                                   interval_dict, paired_bootstrap, relative_difference, select)
 from ridgefill.runtime.console import cell, note, table
 from ridgefill.runtime.session import parse_variants
 
@@ -54,7 +54,7 @@ def run(config: LossConfig) -> dict:
     c = config
     m = start("loss", c, parse_variants(c.variants, c.maps))
     check_context(m.session, c.context)
-    texts = evaluation_passages(m.session.tokenizer, c.data, c.context, c.samples)
+    texts = evaluation_passages(m.session.tokenizer, c.data, c.context, c.samples, c.skip)
     scored = min(c.tail, c.context)  # a tail beyond the passage runs every row in full
     sums = {name: {"tail": [], "distant": []} for name in m.plans}
     counts = []
@@ -80,9 +80,10 @@ def run(config: LossConfig) -> dict:
     elif sum(n > 0 for n in counts) < 2:
         note("the distant-context tokens all come from one passage: their differences have no interval (give "
              "more --samples or a longer --context)")
-    doc = m.write(results, intervals, short_stride_used=c.stride, scored_tail=scored)
+    spread = distant_spread(counts)
+    doc = m.write(results, intervals, short_stride_used=c.stride, scored_tail=scored, distant_spread=spread)
     print_table(results, intervals, f"NLL on {len(texts)} passages of {c.context} tokens, tail {scored} "
-                f"({sum(counts)} distant-context tokens, short window {c.short})")
+                f"({describe_spread(spread)}; short window {c.short})")
     return doc
 
 

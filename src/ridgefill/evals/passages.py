@@ -3,7 +3,9 @@ passages themselves, and the NLL summary both commands report.
 
 A passage of --context tokens runs its last --tail rows in full; those rows predict the tail's tokens N-T+1..N-1
 (the filled rows are never scored). Its distant-context tokens (LongPPL's key tokens) are the tail tokens whose
-exact full-context log-prob beats their short-window log-prob by more than alpha and is above -beta.
+exact full-context log-prob beats their short-window log-prob by more than alpha and is above -beta. Every table
+and result document says how many there are and how they spread over the passages (`distant_spread`): a pooled
+mean over 300 tokens from one passage is one passage's number, not 300 tokens' worth of evidence.
 """
 
 from __future__ import annotations
@@ -32,10 +34,14 @@ class PassageConfig(MeasureConfig):
     alpha: float = option(2.0, "Distant-context token: full-context log-prob gain over the short window above "
                           "alpha ...")
     beta: float = option(2.0, "... and full-context log-prob above -beta (LongPPL's key tokens).")
+    skip: int = option(0, "Passages to skip first: score passages skip..skip+samples-1 (a set disjoint from a "
+                       "run with the same --context and a lower skip + samples).")
 
     def check(self) -> None:
         super().check()
         check_lengths(self.context, self.short, self.short_stride, self.tail, self.samples, self.keep_first)
+        if self.skip < 0:
+            raise RidgefillError(f"--skip {self.skip} must be 0 or more (passages to skip)")
 
     @property
     def stride(self) -> int:
@@ -66,14 +72,17 @@ def check_context(session, context: int) -> None:
         raise RidgefillError(f"--context {context} exceeds the model's context of {limit}: lower it")
 
 
-def evaluation_passages(tokenizer, data: str, context: int, samples: int) -> list[list[int]]:
-    """Up to `samples` passages of `context` tokens from the evaluation documents of `data`."""
-    texts = passages(tokenizer, documents_for(load_corpus(data), "evaluation"), context, samples)
+def evaluation_passages(tokenizer, data: str, context: int, samples: int, skip: int = 0) -> list[list[int]]:
+    """Up to `samples` passages of `context` tokens from the evaluation documents of `data`, after the first `skip`
+    (passages are cut in document order, so skip s takes the passages a run with skip 0 and samples s never saw)."""
+    texts = passages(tokenizer, documents_for(load_corpus(data), "evaluation"), context, skip + samples)[skip:]
     if not texts:
-        raise RidgefillError(f"data '{data}' has no evaluation document of {context} tokens: give longer "
-                             "documents or lower --context")
+        after = f" after skipping {skip}" if skip else ""
+        raise RidgefillError(f"data '{data}' has no evaluation passage of {context} tokens{after}: give longer "
+                             "documents" + (", lower --skip" if skip else "") + " or lower --context")
     if len(texts) < samples:
-        note(f"note: data '{data}' yields {len(texts)} passages of {context} tokens, not {samples}")
+        note(f"note: data '{data}' yields {len(texts)} passages of {context} tokens"
+             + (f" after skipping {skip}" if skip else "") + f", not {samples}")
     return texts
 
 

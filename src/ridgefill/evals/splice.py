@@ -33,10 +33,12 @@ from ridgefill.engine import Cache, Engine, FillPlan
 from ridgefill.errors import RidgefillError
 from ridgefill.evals.common import start
 from ridgefill.evals.decode import greedy_after_cache
-from ridgefill.evals.passages import PassageConfig, check_context, evaluation_passages, nll_results, tail_difference
+from ridgefill.evals.passages import (PassageConfig, check_context, evaluation_passages, nll_results,
+                                      tail_difference)
 from ridgefill.evals.ruler import TASKS, build_samples, score_prediction
 from ridgefill.evals.scoring import continuation_nll, distant_tokens, short_context_nll
-from ridgefill.evals.stats import format_interval, gap_closed, interval_dict, select
+from ridgefill.evals.stats import (describe_spread, distant_spread, format_interval, gap_closed, interval_dict,
+                                   select)
 from ridgefill.runtime.console import cell, progress_bar, table
 from ridgefill.runtime.ranges import parse_ranges
 
@@ -107,16 +109,17 @@ def run(c: SpliceConfig) -> dict:
     prompts = [] if c.needles == 0 else build_samples(
         m.session.tokenizer, c.task, c.context, c.needles, c.seed, region="filled", tail=c.tail,
         keep_first=c.keep_first, max_new_tokens=c.max_new_tokens)
-    texts = evaluation_passages(m.session.tokenizer, c.data, c.context, c.samples)
+    texts = evaluation_passages(m.session.tokenizer, c.data, c.context, c.samples, c.skip)
 
     nll, counts = _passage_nll(m.session.engine, texts, plan, fill, splices, c.short, c.stride, c.alpha, c.beta)
     answers = _retrieval(m.session, prompts, plan, splices, fill) if prompts else None
 
     results, intervals = summarise(nll, counts, c.tail - 1, answers, fill, c.seed)
+    spread = distant_spread(counts)
     doc = m.write(results, intervals, list(results), fill=fill, split=plan.split, layer_ranges=[list(r) for r in ranges],
-                  swaps=[_components(p) for p in swaps], short_stride_used=c.stride)
+                  swaps=[_components(p) for p in swaps], short_stride_used=c.stride, distant_spread=spread)
     print_tables(results, intervals, swaps, ranges, fill, f"{len(texts)} passages of {c.context} tokens, tail "
-                 f"{c.tail}, {sum(counts)} distant-context tokens" + (f", {len(prompts)} needles" if prompts else ""))
+                 f"{c.tail}, {describe_spread(spread)}" + (f", {len(prompts)} needles" if prompts else ""))
     return doc
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ridgefill.commands import REQUIRED, Command, Config, option, steps
 from ridgefill.errors import RidgefillError
-from ridgefill.evals.stats import format_interval
+from ridgefill.evals.stats import describe_spread, distant_spread, format_interval
 from ridgefill.report import plots
 from ridgefill.report.frontier import FlopModel
 from ridgefill.report.frontier import frontier as sweep_frontier
@@ -339,15 +339,26 @@ def _loss(results: list[Result], plots_dir: Path) -> str:
         for v in r.variants:
             x = res[v]
             rows.append([r.label, v, x.get("distant_nll"), format_interval(iv.get(v, {}).get("distant_nll_nats")),
-                         x.get("distant_tokens"), x.get("tail_nll"),
+                         x.get("distant_tokens"), _spread_cell(r.doc, x), x.get("tail_nll"),
                          format_interval(iv.get(v, {}).get("tail_nll_nats"))])
     first = results[0].config
     return (f"## Distant-context NLL (loss)\n\nTeacher-forced NLL on the tail of {first.get('context')}-token "
             f"passages of `{first.get('data')}`; distant-context tokens are those whose exact full-context "
             "log-prob beats a short window's (LongPPL's key tokens). Δ: paired difference to exact, 95% bootstrap "
             "interval over passages.\n\n"
-            + _table(["config", "variant", "distant NLL", "Δ distant", "distant tokens", "tail NLL", "Δ tail"], rows)
+            + _table(["config", "variant", "distant NLL", "Δ distant", "distant tokens",
+                      "passages with any (min/median/max)", "tail NLL", "Δ tail"], rows)
             + f"\n\n{_image(plots_dir, 'loss.png', 'NLL per variant')}")
+
+
+def _spread_cell(doc: dict, result: dict) -> str:
+    """'11 of 12 (0/25/70)': how the distant-context tokens spread over the passages (from the per-passage counts
+    where an older document has no `distant_spread`)."""
+    spread = doc.get("distant_spread") or distant_spread(result.get("per_passage", {}).get("distant_tokens", []))
+    if not spread["passages"]:
+        return "–"
+    return (f"{spread['passages_with_tokens']} of {spread['passages']} ({spread['per_passage_min']}/"
+            f"{spread['per_passage_median']:g}/{spread['per_passage_max']})")
 
 
 # --- RULER ----------------------------------------------------------------------------------------------
@@ -410,7 +421,10 @@ def _splice(results: list[Result], plots_dir: Path) -> str:
         plots.splice(r, splices, metrics, plots_dir / name)
         rows = [[k] + [format_interval(iv.get(k, {}).get(f"gap_closed_{m}"), percent=True) for m in metrics]
                 for k in splices]
-        text.append(f"### {r.label}\n\n" + _table(["swapped@layers"] + [f"gap closed, {m}" for m in metrics], rows)
+        spread = r.doc.get("distant_spread") or distant_spread(
+            res.get("exact", {}).get("per_passage", {}).get("distant_tokens", []))
+        counted = f"{describe_spread(spread)}.\n\n" if spread["passages"] else ""
+        text.append(f"### {r.label}\n\n{counted}" + _table(["swapped@layers"] + [f"gap closed, {m}" for m in metrics], rows)
                     + f"\n\n{_image(plots_dir, name, 'splice attribution')}")
     return "\n\n".join(text) if len(text) > 1 else ""
 
