@@ -111,6 +111,19 @@ def test_shipped_recipes_validate(path):
     assert tasks[0].step == "calibrate" and all(t.needs for t in tasks[1:])
 
 
+def test_distant_tokens_recipe_scores_disjoint_passages_with_skip():
+    """The distant-token recipe's loss task, and its confirmation set: loss.skip moves the passages (and the cache
+    key) and nothing else; every row beyond a short window of the first tail targets is a filled row."""
+    path = ROOT / "recipes" / "distant-tokens.toml"
+    [chosen] = [t for t in plan(load_recipe(path)) if t.step == "loss"]
+    [confirm] = [t for t in plan(load_recipe(path, ["loss.skip=30"])) if t.step == "loss"]
+    kw = chosen.kwargs
+    assert kw.get("skip", 0) == 0 and confirm.kwargs["skip"] == 30 and kw["samples"] == 16  # passages 0-15 vs 30-45
+    assert kw["data"] == "shakespeare" and kw["context"] == 4096 and kw["tail"] == 1024 and kw["short"] == 256
+    assert kw.get("alpha", 2.0) == kw.get("beta", 2.0) == 2.0  # LongPPL's thresholds, unchanged
+    assert {k: v for k, v in confirm.kwargs.items() if k != "skip"} == {k: v for k, v in kw.items() if k != "skip"}
+
+
 def test_sweep_plan_shares_calibration_and_fits_each_split():
     recipe = load_recipe(ROOT / "recipes" / "smollm2-methodology.toml")
     tasks = plan(recipe)
