@@ -94,8 +94,9 @@ def test_filled_prefill_matches_ridgefills_engine(vllm_tiny, family):
     assert tally["filled_rows"] == sum(len(p) - tail - 1 for p in batch) - tally["outlier_rows_run_full"]
     tokens, first = reference(folder, maps, tail, batch, 32)
     gaps = [max_logprob_gap(c, f) for c, f in zip(got, first)]
-    assert max(gaps) < 1e-3, gaps
     same = sum(c.tokens == t for c, t in zip(got, tokens))
+    print(f"{family}: max first-token log-prob gap {max(gaps):.2e}; {same} of 8 continuations agree")
+    assert max(gaps) < 1e-3, gaps
     assert same >= 7, f"{same} of 8 continuations agree"
 
 
