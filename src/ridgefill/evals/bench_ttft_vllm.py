@@ -29,8 +29,8 @@ import torch
 from ridgefill.evals.stats import ratio_of_medians
 from ridgefill.runtime.console import progress_bar
 from ridgefill.runtime.models import model_folder
-from ridgefill.serve.vllm_config import VllmFill
-from ridgefill.serve.vllm_engine import EngineSettings, VllmWorker, plugin_fill, vllm_dtype
+from ridgefill.serve.vllm_config import VllmFill, plugin_fill
+from ridgefill.serve.vllm_engine import EngineSettings, VllmWorker, vllm_dtype
 
 KV_CACHE_GIB = 2
 

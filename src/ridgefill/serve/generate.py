@@ -141,7 +141,8 @@ def vllm_runs(c: GenerateConfig, session, ids: list[int], plan, exact: bool) -> 
     import tempfile
 
     from ridgefill.runtime.models import model_folder
-    from ridgefill.serve.vllm_engine import EngineSettings, plugin_fill, vllm_dtype
+    from ridgefill.serve.vllm_config import plugin_fill
+    from ridgefill.serve.vllm_engine import EngineSettings, vllm_dtype
 
     folder = model_folder(c.model)
     base = dict(dtype=vllm_dtype(c.dtype), max_model_len=len(ids) + c.max_new_tokens)

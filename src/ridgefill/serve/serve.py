@@ -28,11 +28,10 @@ from pathlib import Path
 from ridgefill.commands import Command, Config, option
 from ridgefill.errors import RidgefillError
 from ridgefill.method.statistics import OUTLIER_FACTOR
-from ridgefill.serve.vllm_config import (DEFAULT_KEEP_FIRST, DEFAULT_TAIL, VLLM_PIN, VllmFill, check_fill,
-                                         check_vllm_version)
+from ridgefill.serve.vllm_config import (DEFAULT_KEEP_FIRST, DEFAULT_TAIL, VLLM_DTYPES, VLLM_PIN, VllmFill,
+                                         check_fill, check_vllm_version, plugin_fill)
 
-# ridgefill's dtype names (ModelConfig's) -> vLLM's; "auto": the checkpoint's own
-DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "auto": "auto"}
+DTYPES = VLLM_DTYPES
 PLUGIN = "ridgefill"  # the plugin's name in the vllm.general_plugins entry points (and in VLLM_PLUGINS)
 PLUGIN_TARGET = "ridgefill.serve.vllm_plugin:register"
 PREFIX_CACHING = "--enable-prefix-caching"
@@ -172,7 +171,6 @@ def served_fill(c: ServeConfig, folder: str, scratch: Path) -> VllmFill:
         return c.fill()
     from ridgefill.runtime.models import checkpoint_fingerprint
     from ridgefill.runtime.serving import check_model, load_serving
-    from ridgefill.serve.vllm_engine import plugin_fill
 
     tuned = load_serving(c.serving_config)
     weights = checkpoint_fingerprint(folder)

@@ -35,6 +35,8 @@ TAIL_ARG = "ridgefill_tail"  # per-request tail in SamplingParams.extra_args
 ENV = {"maps": "RIDGEFILL_MAPS", "tail": "RIDGEFILL_TAIL", "keep_first": "RIDGEFILL_KEEP_FIRST",
        "outlier_factor": "RIDGEFILL_OUTLIER_FACTOR"}
 DEFAULT_TAIL = 256
+# ridgefill's dtype names (ModelConfig's) -> vLLM's; "auto": the checkpoint's own
+VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "auto": "auto"}
 DEFAULT_KEEP_FIRST = 1
 
 
@@ -120,3 +122,15 @@ def check_fill(fill: VllmFill, model_folder: str | Path) -> dict:
         raise RidgefillError(f"{fill.maps} holds maps for a {meta.get('n_layers')}-layer model, {folder} has "
                              f"{layers} layers: fit maps for this model")
     return meta
+
+
+def plugin_fill(maps, split: int, n_layers: int, model_info: dict, tail: int, keep_first: int,
+                outlier_factor: float, scratch: Path) -> VllmFill:
+    """The plugin's configuration for a fill: the maps, or for identity fill (maps None) an identity maps file
+    written into `scratch` for this model."""
+    if maps is None:
+        from ridgefill.method.maps import save_maps
+
+        maps = scratch / "identity.maps.safetensors"
+        save_maps(maps, split, n_layers, [], {"model": model_info}, "identity")
+    return VllmFill(Path(maps), tail, keep_first, outlier_factor)

@@ -15,17 +15,14 @@ import os
 import time
 import traceback
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from ridgefill.errors import RidgefillError
-from ridgefill.serve.vllm_config import VllmFill
+from ridgefill.serve.vllm_config import VLLM_DTYPES, VllmFill
 
 
 def vllm_dtype(name: str) -> str:
     """ridgefill's dtype name (fp32, bf16, fp16) as vLLM's."""
-    from ridgefill.serve.serve import DTYPES
-
-    return DTYPES[name]
+    return VLLM_DTYPES[name]
 
 
 def engine_option():
@@ -47,18 +44,6 @@ def check_engine(name: str) -> None:
 
 
 ENGINES = ("ridgefill", "vllm")
-
-
-def plugin_fill(maps, split: int, n_layers: int, model_info: dict, tail: int, keep_first: int,
-                outlier_factor: float, scratch: Path) -> VllmFill:
-    """The plugin's configuration for a fill: the maps, or for identity fill (maps None) an identity maps file
-    written into `scratch` for this model."""
-    if maps is None:
-        from ridgefill.method.maps import save_maps
-
-        maps = scratch / "identity.maps.safetensors"
-        save_maps(maps, split, n_layers, [], {"model": model_info}, "identity")
-    return VllmFill(Path(maps), tail, keep_first, outlier_factor)
 
 
 @dataclass(frozen=True)
