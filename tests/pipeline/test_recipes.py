@@ -118,7 +118,7 @@ def test_distant_tokens_recipe_scores_disjoint_passages_with_skip():
     [chosen] = [t for t in plan(load_recipe(path)) if t.step == "loss"]
     [confirm] = [t for t in plan(load_recipe(path, ["loss.skip=30"])) if t.step == "loss"]
     kw = chosen.kwargs
-    assert kw.get("skip", 0) == 0 and confirm.kwargs["skip"] == 30 and kw["samples"] == 18  # passages 0-17 vs 30-47
+    assert kw.get("skip", 0) == 0 and confirm.kwargs["skip"] == 30 and kw["samples"] == 26  # passages 0-25 vs 30-55
     assert kw["data"] == "shakespeare" and kw["context"] == 4096 and kw["tail"] == 1024 and kw["short"] == 256
     assert kw.get("alpha", 2.0) == kw.get("beta", 2.0) == 2.0  # LongPPL's thresholds, unchanged
     assert {k: v for k, v in confirm.kwargs.items() if k != "skip"} == {k: v for k, v in kw.items() if k != "skip"}
