@@ -1,0 +1,55 @@
+"""A random-init Llama-shape checkpoint (bf16), a small BPE tokenizer, random full-rank maps for split S whose
+weights hash matches it, and a calibration text, for the GPU scripts (timing depends on neither the weights nor
+map quality). Usage: python scripts/random_checkpoint.py WORK SPLIT SHAPE [DEVICE]; prints the folder and maps.
+SHAPE: llama-3b (Llama-3.2-3B: 28 layers, H 3072) or llama-8b (Llama-3.1-8B: 32 layers, H 4096); tiny (a check
+that runs on the CPU)."""
+import sys
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+
+from ridgefill.method.maps import save_maps
+from ridgefill.method.ridge import LayerFit
+from ridgefill.runtime.models import checkpoint_fingerprint
+
+SHAPES = {  # hidden, intermediate, layers, heads, kv heads, rope factor, tied embeddings
+    "llama-3b": (3072, 8192, 28, 24, 8, 32.0, True),
+    "llama-8b": (4096, 14336, 32, 32, 8, 8.0, False),
+    "tiny": (256, 512, 4, 4, 2, 8.0, True),
+}
+
+work, split, shape = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+device = sys.argv[4] if len(sys.argv) > 4 else "cuda"
+h, ffn, n_layers, heads, kv_heads, factor, tied = SHAPES[shape]
+folder, maps = work / f"{shape}-random", work / f"maps-s{split}.safetensors"
+if not (folder / "config.json").exists():
+    config = LlamaConfig(vocab_size=128256, hidden_size=h, intermediate_size=ffn, num_hidden_layers=n_layers,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=h // heads,
+                         max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=tied,
+                         bos_token_id=1, eos_token_id=2,
+                         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": factor,
+                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                          "original_max_position_embeddings": 8192})
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok.train_from_iterator(["the grass is green and the sky is blue"] * 50,
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    model.save_pretrained(folder)
+    fast.save_pretrained(folder)
+    del model
+if not maps.exists():
+    g = torch.Generator().manual_seed(0)
+    fits = [LayerFit(layer, 1e-3, torch.eye(h) + 0.01 * torch.randn(h, h, generator=g), torch.zeros(h), None,
+                     float("nan"), float("nan"), float("nan")) for layer in range(split + 1, n_layers)]
+    save_maps(maps, split, n_layers, fits, {"model": {"id": str(folder), "weights_hash": checkpoint_fingerprint(folder)},
+                                            "rank": None}, "ridge")
+(work / "calibration.txt").write_text("\n\n\n".join(
+    " ".join(f"word{(i * 7919 + j * 104729) % 5000}" for j in range(400)) for i in range(200)))
+print(f"model {folder}, maps {maps}")
