@@ -106,13 +106,17 @@ def fill_batch(runner, positions: torch.Tensor) -> FillBatch | None:
     query_start = torch.from_numpy(runner.query_start_loc.np[: n_reqs + 1].astype("int64"))
     request = token_requests(query_start, positions.shape[0])
     prompt = torch.from_numpy(batch.num_prompt_tokens[:n_reqs].astype("int64"))
+    positions = positions.cpu()
+    real = request >= 0
+    if bool((positions[real] >= prompt[request[real]]).all()):  # only generated tokens (decode): all full
+        return None
     tails, keeps = [], []
     for i, req_id in enumerate(batch.req_ids[:n_reqs]):
         params = getattr(runner.requests.get(req_id), "sampling_params", None)
         tail, keep = request_rule(params, int(prompt[i]), state.fill.tail, state.fill.keep_first)
         tails.append(tail)
         keeps.append(keep)
-    full = full_tokens(positions.cpu(), request, prompt, torch.tensor(tails), torch.tensor(keeps))
+    full = full_tokens(positions, request, prompt, torch.tensor(tails), torch.tensor(keeps))
     if bool(full.all()):
         return None
     return FillBatch(full, request, [g for groups in runner.attn_groups for g in groups])
