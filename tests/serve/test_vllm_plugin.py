@@ -54,6 +54,16 @@ def max_logprob_gap(completion, first: torch.Tensor) -> float:
     return max(abs(lp - float(first[t])) for t, lp in completion.top[0].items())
 
 
+def assert_agrees(label: str, got, tokens, first) -> None:
+    """Test 2's bar for 8 prompts: first-token log-probs within 1e-3 of ridgefill's engine, and at least 7 of 8
+    greedy continuations equal (the counts are printed: the issue asks how many)."""
+    gaps = [max_logprob_gap(c, f) for c, f in zip(got, first)]
+    same = sum(c.tokens == t for c, t in zip(got, tokens))
+    print(f"{label}: max first-token log-prob gap {max(gaps):.2e}; {same} of 8 continuations agree")
+    assert max(gaps) < 1e-3, gaps
+    assert same >= 7, f"{same} of 8 continuations agree"
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tail_covering_the_prompt_is_stock_vllm(vllm_tiny, family):
     """Test 1: with tail >= every prompt (the plugin configured), greedy output is token-identical to stock vLLM
@@ -92,12 +102,7 @@ def test_filled_prefill_matches_ridgefills_engine(vllm_tiny, family):
         got = filled.generate([p for p in batch], 32, logprobs=5)
         tally = filled.tally()
     assert tally["filled_rows"] == sum(len(p) - tail - 1 for p in batch) - tally["outlier_rows_run_full"]
-    tokens, first = reference(folder, maps, tail, batch, 32)
-    gaps = [max_logprob_gap(c, f) for c, f in zip(got, first)]
-    same = sum(c.tokens == t for c, t in zip(got, tokens))
-    print(f"{family}: max first-token log-prob gap {max(gaps):.2e}; {same} of 8 continuations agree")
-    assert max(gaps) < 1e-3, gaps
-    assert same >= 7, f"{same} of 8 continuations agree"
+    assert_agrees(family, got, *reference(folder, maps, tail, batch, 32))
 
 
 def test_filled_prefill_matches_ridgefill_on_smollm2(smollm2_maps):
@@ -107,12 +112,7 @@ def test_filled_prefill_matches_ridgefill_on_smollm2(smollm2_maps):
     batch = prompts(8, [300, 420, 256, 380], 49152, seed=4)
     with worker(folder, VllmFill(maps, tail=64)) as filled:
         got = filled.generate(batch, 32, logprobs=5)
-    tokens, first = reference(folder, maps, 64, batch, 32)
-    gaps = [max_logprob_gap(c, f) for c, f in zip(got, first)]
-    same = sum(c.tokens == t for c, t in zip(got, tokens))
-    print(f"SmolLM2: max first-token log-prob gap {max(gaps):.2e}; {same} of 8 continuations agree")
-    assert max(gaps) < 1e-3, gaps
-    assert same >= 7, f"{same} of 8 continuations agree"
+    assert_agrees("SmolLM2", got, *reference(folder, maps, 64, batch, 32))
 
 
 def test_continuous_batching_equals_one_request_at_a_time(vllm_tiny):
