@@ -517,6 +517,17 @@ def _prepare(case: Case, found: Inputs, tmp: Path) -> tuple[list[str], Path, Pat
     return [a.format(**names) if a.count("{") else a for a in case.args], folders["out"], folders["cwd"]
 
 
+def _main(args: list[str], cwd: Path, monkeypatch) -> int:
+    """`ridgefill ARGS` in `cwd` through the console entry point; its exit code."""
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(sys, "argv", ["ridgefill", *args])
+    try:
+        cli.main()
+        return 0
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 1
+
+
 def _listing(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() else b"/"
             for p in sorted(folder.rglob("*"))} if folder.exists() else {}
@@ -537,18 +548,12 @@ def _check(case: Case, code: int, stderr: str, out: Path, before: dict, cwd: Pat
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, inputs, tmp_path, monkeypatch, capfd):
     args, out, cwd = _prepare(case, inputs, tmp_path)
     before = _listing(out)
-    monkeypatch.chdir(cwd)
-    monkeypatch.setattr(sys, "argv", ["ridgefill", *args])
     if case.args[0] == "serve":  # a check that let it through must not start a server
         from ridgefill.serve import serve
 
         monkeypatch.setattr(serve, "launch", lambda argv, env: pytest.fail(f"serve would start vLLM: {argv}"))
     capfd.readouterr()
-    try:
-        cli.main()
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
+    code = _main(args, cwd, monkeypatch)
     _check(case, code, capfd.readouterr().err, out, before, cwd)
 
 
@@ -574,14 +579,7 @@ def test_the_cases_base_commands_run(name, inputs, tmp_path, monkeypatch, capfd)
     """Every case changes one thing of a command line that works: the error comes from that change."""
     case = Case(name, BASES[name])
     args, out, cwd = _prepare(case, inputs, tmp_path)
-    monkeypatch.chdir(cwd)
-    monkeypatch.setattr(sys, "argv", ["ridgefill", *args])
-    try:
-        cli.main()
-        code = 0
-    except SystemExit as exc:
-        code = exc.code
-    assert code == 0, capfd.readouterr().err
+    assert _main(args, cwd, monkeypatch) == 0, capfd.readouterr().err
 
 
 def test_the_serve_base_command_passes_every_check(inputs, tmp_path, monkeypatch, capfd):
@@ -595,11 +593,4 @@ def test_the_serve_base_command_passes_every_check(inputs, tmp_path, monkeypatch
     monkeypatch.setattr(serve, "plugin_installed", lambda: True)
     monkeypatch.setattr(serve, "launch", lambda argv, env: launched.append(argv) or 0)
     monkeypatch.delenv("VLLM_PLUGINS", raising=False)
-    monkeypatch.chdir(cwd)
-    monkeypatch.setattr(sys, "argv", ["ridgefill", *args])
-    try:
-        cli.main()
-        code = 0
-    except SystemExit as exc:
-        code = exc.code
-    assert code == 0 and len(launched) == 1, capfd.readouterr().err
+    assert _main(args, cwd, monkeypatch) == 0 and len(launched) == 1, capfd.readouterr().err
