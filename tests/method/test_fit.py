@@ -77,3 +77,25 @@ def test_split_at_the_last_layer_is_one_line(tmp_path):
     with pytest.raises(RidgefillError, match="split 5 leaves nothing to fit on this 6-layer model"):
         FIT(stats=path, out=tmp_path / "maps.safetensors")
     assert not (tmp_path / "maps.safetensors").exists()
+
+
+def test_fit_with_normalized_targets(tmp_path):
+    """calibrate --normalized-targets keeps the extra sums through save and load; fit --targets normalized
+    fits to them, records it, and a file without them is refused in one line."""
+    engine = Engine(adapter_for(tiny_model("llama")))
+    seqs = [random_ids(32, seed=s)[0].tolist() for s in range(12)]
+    path = tmp_path / "stats.safetensors"
+    run_calibration(engine, seqs, [3], path, META, holdout=0.25, normalized=True)
+    tensors, meta = load_artifact(path, "stats")
+    assert meta["normalized_targets"] is True and "s3.train.xtyn" in tensors and "s3.test.yyn" in tensors
+    raw = FIT(stats=path, out=tmp_path / "raw.safetensors")
+    norm = FIT(stats=path, out=tmp_path / "norm.safetensors", targets="normalized")
+    assert norm["targets"] == "normalized" and raw["targets"] == "raw"
+    assert load_artifact(tmp_path / "norm.safetensors", "maps")[1]["targets"] == "normalized"
+    a = load_artifact(tmp_path / "raw.safetensors", "maps")[0]["weight"]
+    b = load_artifact(tmp_path / "norm.safetensors", "maps")[0]["weight"]
+    assert a.shape == b.shape and not torch.allclose(a, b)
+    plain = tmp_path / "plain.safetensors"
+    run_calibration(engine, seqs, [3], plain, META, holdout=0.25)
+    with pytest.raises(RidgefillError, match="--normalized-targets"):
+        FIT(stats=plain, out=tmp_path / "x.safetensors", targets="normalized")

@@ -128,3 +128,37 @@ def test_auto_lambda_is_chosen_on_validation_and_reported_on_test():
         assert math.isclose(reported.error_identity, rel_err(xt, yt, eye, zero), rel_tol=1e-9)
         assert math.isclose(reported.error_full_rank, reported.error_map, rel_tol=1e-9)
         assert not math.isclose(reported.error_map, chosen.error_map, rel_tol=1e-6)
+
+
+def normalized_stats_of(x, ys):
+    st = SplitStats.empty(SPLIT, LAYERS, H, normalized=True)
+    st.add_x(x)
+    for i, y in enumerate(ys):
+        st.add_y(i, x, y)
+    return st
+
+
+def test_normalized_targets_do_not_see_a_rows_scale():
+    """The normalised-target sums are those of y / rms(y) per row: rescaling any row of y changes the raw sums
+    and not these; and the normalised fit equals a raw fit on explicitly normalised (and rescaled) targets."""
+    x, ys = make_data(300, 0)
+    c = torch.rand(300, 1, generator=torch.Generator().manual_seed(4), dtype=torch.float64) * 3 + 0.2
+    a, b = normalized_stats_of(x, ys), normalized_stats_of(x, [y * c for y in ys])
+    assert not torch.allclose(a.xty, b.xty)
+    for name in ("xtyn", "ysumn", "yyn"):
+        assert torch.allclose(getattr(a, name), getattr(b, name), rtol=1e-10), name
+    assert torch.allclose(a.yyn, torch.full((2,), 300.0 * H, dtype=torch.float64))  # every row has rms 1
+    scale = torch.tensor([2.0, 3.0], dtype=torch.float64)
+    targets = [y / y.square().mean(-1, keepdim=True).sqrt() * s for y, s in zip(ys, scale)]
+    direct = stats_of(x, targets)
+    fits = fit_split(a.normalized_targets(scale), None, lam=1e-3)
+    for fit, ref in zip(fits, fit_split(direct, None, lam=1e-3)):
+        assert torch.allclose(fit.weight, ref.weight, atol=1e-9) and torch.allclose(fit.bias, ref.bias, atol=1e-9)
+
+
+def test_statistics_without_normalized_targets_stay_as_they_were():
+    st = SplitStats.empty(SPLIT, LAYERS, H)
+    assert not st.has_normalized and len(st.sums()) == 6
+    assert set(st.tensors("p")) == {f"p.{n}" for n in ("xtx", "xsum", "xty", "ysum", "yy", "xx", "counts")}
+    with pytest.raises(ValueError):
+        st.normalized_targets(torch.ones(2, dtype=torch.float64))

@@ -143,7 +143,7 @@ def partial_refusal(partial: Path, resume: bool, restart: bool) -> str | None:
 
 
 def start_calibration(engine: Engine, splits: list[int], partial: Path, run_meta: dict, resume: bool = False,
-                      restart: bool = False, world: World = World()) -> Calibration:
+                      restart: bool = False, world: World = World(), normalized: bool = False) -> Calibration:
     """Zero statistics on the model's device, or on rank 0 with --resume the partial file's global sums, loaded
     onto that device; every process learns the number of sequences already done."""
     _check_same_settings(world, run_meta)
@@ -157,7 +157,7 @@ def start_calibration(engine: Engine, splits: list[int], partial: Path, run_meta
     outcome = world.from_root(outcome)
     if isinstance(outcome, str):
         raise RidgefillError(outcome if world.root else f"rank 0 cannot start: {outcome}")
-    cal = cal or Calibration.empty(splits, engine.n_layers, engine.shape.hidden, engine.device)
+    cal = cal or Calibration.empty(splits, engine.n_layers, engine.shape.hidden, engine.device, normalized)
     cal.sequences_done = outcome
     return cal
 
@@ -217,15 +217,15 @@ def run_calibration(engine: Engine, sequences: Iterable[list[int]], splits: list
                     holdout: float = 0.1, skip_first: int = 1, outlier_factor: float = OUTLIER_FACTOR,
                     checkpoint_every: int = 0, checkpoint_seconds: float = 0.0, resume: bool = False,
                     restart: bool = False, advance=lambda n=1: None, chunk: int | None = None,
-                    world: World = World()) -> Calibration:
+                    world: World = World(), normalized: bool = False) -> Calibration:
     """Accumulate statistics over the stream `sequences` (every process sees the same stream and takes its share),
     checkpointing to `<out>.partial` and resuming from it. Returns rank 0's global statistics (on other ranks:
-    their zeroed share)."""
+    their zeroed share). normalized: also the normalised targets' sums (`SplitStats`)."""
     partial = partial_path(out)
     run_meta = {**meta, "artifact": "stats", "splits": sorted(splits), "holdout": holdout,
                 "skip_first": skip_first, "outlier_factor": outlier_factor, "n_layers": engine.n_layers,
-                "hidden_size": engine.shape.hidden}
-    cal = start_calibration(engine, splits, partial, run_meta, resume, restart, world)
+                "hidden_size": engine.shape.hidden, **({"normalized_targets": True} if normalized else {})}
+    cal = start_calibration(engine, splits, partial, run_meta, resume, restart, world, normalized)
     done = cal.sequences_done
     if done:
         advance(done)
@@ -267,6 +267,8 @@ class CalibrateConfig(ModelConfig):
     checkpoint_seconds: float = option(600.0, "Seconds between checkpoints to <out>.partial (0: no time rule).",
                                        keyed=False)
     checkpoint_every: int = option(0, "Also checkpoint every this many sequences (0: off).", keyed=False)
+    normalized_targets: bool = option(False, "Also accumulate the sums of per-row normalised targets y/rms(y), for "
+                                      "`fit --targets normalized` (twice the XᵀY memory and file size).")
     nproc: int = option(1, "Processes sharing the sequences: > 1 re-launches this command under "
                         "torch.distributed.run on this machine (under torchrun, its processes are used).", keyed=False)
 
@@ -325,7 +327,7 @@ def _calibrate(c: CalibrateConfig, world: World) -> dict:
     with bar as advance:
         cal = run_calibration(session.engine, chain([first], stream), splits, c.out, meta, c.holdout, c.skip_first,
                               c.outlier_factor, c.checkpoint_every, c.checkpoint_seconds, c.resume, c.restart,
-                              advance, world=world)
+                              advance, world=world, normalized=c.normalized_targets)
     if not world.root:
         return {"command": "calibrate", "rank": world.rank}
     if cal.sequences_done < budget:

@@ -30,12 +30,17 @@ class FitConfig(Config):
     rank_basis: str = option("weights", "With --rank: weights (the top singular directions of the residual map) "
                              "or inputs (reduced-rank ridge: the directions that keep most of the fitted "
                              "predictions on the calibration inputs).")
+    targets: str = option("raw", "raw (each late layer's input y) or normalized (y/rms(y) rescaled to the mean "
+                          "norm: every row weighs the same, as the layer's input norm sees it; needs "
+                          "`calibrate --normalized-targets`).")
 
     def check(self) -> None:
         if self.kind not in KINDS:
             raise RidgefillError(f"unknown --kind '{self.kind}': use {' or '.join(KINDS)}")
         if self.rank_basis not in RANK_BASES:
             raise RidgefillError(f"unknown --rank-basis '{self.rank_basis}': use {' or '.join(RANK_BASES)}")
+        if self.targets not in TARGETS:
+            raise RidgefillError(f"unknown --targets '{self.targets}': use {' or '.join(TARGETS)}")
         _parse_lam(self.lam)
 
 
@@ -55,6 +60,8 @@ def run(c: FitConfig) -> dict:
     if train.count < 2:
         raise RidgefillError(f"{stats} has only {train.count} training rows for split {split}: calibrate on more "
                              "tokens")
+    if c.targets == "normalized":
+        train, val, test = _normalized(stats, train, val, test, hidden)
     if kind == "identity":
         lam_value = 1.0  # no map is fitted; the pass only measures identity fill's held-out error
     if lam_value == "auto" and val.count == 0:
@@ -68,14 +75,15 @@ def run(c: FitConfig) -> dict:
     base = {k: meta[k] for k in ("model", "data", "tokens", "seq_len")}
     save_maps(out, split, meta["n_layers"], fits, {**base, "stats": str(stats), "rank": rank,
                                                    "rank_basis": c.rank_basis if rank else None,
-                                                   "errors_on": errors_on}, kind)
+                                                   "targets": c.targets, "errors_on": errors_on}, kind)
     rows = [[f.layer, f.lam, f.error_identity, f.error_map] for f in fits]
     label = "ridge" if kind == "ridge" else "identity (stored)"
     chosen = ", λ chosen on the validation rows" if lam_value == "auto" else ""
-    table(f"{errors_on or 'held-out'} relative error ‖Ŷ−Y‖²/‖Y−Ȳ‖², split {split}{chosen} → {out}",
+    space = ", normalised targets" if c.targets == "normalized" else ""
+    table(f"{errors_on or 'held-out'} relative error ‖Ŷ−Y‖²/‖Y−Ȳ‖²{space}, split {split}{chosen} → {out}",
           ["layer", "λ (relative)", "identity fill", f"{label} map"], rows)
     summary = {"command": "fit", "maps": str(out), "kind": kind, "split": split, "rank": rank,
-               "rank_basis": c.rank_basis if rank else None,
+               "rank_basis": c.rank_basis if rank else None, "targets": c.targets,
                "model": meta["model"], "errors_on": errors_on,
                "lam_chosen_on": "validation" if lam_value == "auto" else None,
                "layers": [dict(zip(["layer", "lam", "error_identity", "error_map"], r)) for r in rows],
@@ -83,6 +91,20 @@ def run(c: FitConfig) -> dict:
                "mean_error_map": mean([f.error_map for f in fits]), "ridgefill_version": __version__}
     write_json(Path(str(out) + ".json"), summary)
     return summary
+
+
+TARGETS = ("raw", "normalized")
+
+
+def _normalized(stats: Path, train: SplitStats, val: SplitStats, test: SplitStats | None, hidden: int):
+    """The three parts with normalised targets as Y: row y becomes y · s_l / rms(y), with s_l the root mean
+    square of layer l's training targets (so the targets keep their overall scale and only the rows' relative
+    weights change). Errors are then measured in that space too."""
+    if not train.has_normalized:
+        raise RidgefillError(f"{stats} has no normalised-target statistics: recalibrate with "
+                             "--normalized-targets, or fit with --targets raw")
+    scale = (train.yy / (train.count * hidden)).sqrt()  # [M]
+    return tuple(p.normalized_targets(scale) if p is not None else None for p in (train, val, test))
 
 
 def _split_of(stats: Path, splits: list[int], split: int | None) -> int:

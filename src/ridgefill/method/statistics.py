@@ -2,7 +2,9 @@
 late layer's input Y_l, for one or several splits at once.
 
 For split S and each late layer l = S+1..L-1 it accumulates XᵀX, XᵀY_l, ΣX, ΣY_l, Σ‖Y_l‖² and the row
-count (layer S needs no map: its input is X itself). Memory does not grow with the token count. Held-out
+count (layer S needs no map: its input is X itself). With `normalized`, also the same sums of the per-row
+normalised targets Y_l / rms(Y_l) (every row rescaled to rms 1: the late layer normalises its input, so only
+the direction of a prediction matters); `fit --targets normalized` fits to them. Memory does not grow with the token count. Held-out
 sequences accumulate the same statistics separately, in two parts: `val` (fit chooses λ on it) and `test`
 (fit reports its error on it). The statistics live on the model's device; they go to the CPU only to be saved.
 
@@ -27,6 +29,7 @@ PARTS = ("train", "val", "test")
 OUTLIER_FACTOR = 20.0  # default: a row whose split-state norm exceeds this x the median is an outlier
 HELD_OUT = ("val", "test")  # held-out sequences alternate between them: val chooses λ, test reports
 SUMS = ("xtx", "xsum", "xty", "ysum", "yy", "xx")  # the float64 tensors of a SplitStats
+NORMALIZED_SUMS = ("xtyn", "ysumn", "yyn")  # the same sums of the normalised targets (optional)
 COUNTS = ("count", "skipped_first", "skipped_outliers")
 
 
@@ -52,12 +55,22 @@ class SplitStats:
     count: int = 0
     skipped_first: int = 0
     skipped_outliers: int = 0
+    xtyn: torch.Tensor | None = None  # [M, H, H]  Xᵀ(Y / rms(Y)), rms per row; None: not collected
+    ysumn: torch.Tensor | None = None  # [M, H]
+    yyn: torch.Tensor | None = None  # [M]  Σ‖y / rms(y)‖² (= H per row)
 
     @classmethod
-    def empty(cls, split: int, n_layers: int, hidden: int, device: str | torch.device = "cpu") -> "SplitStats":
+    def empty(cls, split: int, n_layers: int, hidden: int, device: str | torch.device = "cpu",
+              normalized: bool = False) -> "SplitStats":
         m = n_layers - split - 1
         z = lambda *s: torch.zeros(*s, dtype=torch.float64, device=device)  # noqa: E731
-        return cls(split, z(hidden, hidden), z(hidden), z(m, hidden, hidden), z(m, hidden), z(m), z(()))
+        extra = (z(m, hidden, hidden), z(m, hidden), z(m)) if normalized else (None, None, None)
+        return cls(split, z(hidden, hidden), z(hidden), z(m, hidden, hidden), z(m, hidden), z(m), z(()), 0, 0, 0,
+                   *extra)
+
+    @property
+    def has_normalized(self) -> bool:
+        return self.xtyn is not None
 
     def add_x(self, x: torch.Tensor) -> None:
         """x [n, H] float64 split states of the kept rows."""
@@ -71,12 +84,21 @@ class SplitStats:
         self.xty[index] += x.T @ y
         self.ysum[index] += y.sum(0)
         self.yy[index] += (y * y).sum()
+        if self.xtyn is not None:
+            rms = (y * y).mean(-1, keepdim=True).sqrt().clamp_min(torch.finfo(y.dtype).tiny)  # [n, 1]
+            yn = y / rms
+            self.xtyn[index] += x.T @ yn
+            self.ysumn[index] += yn.sum(0)
+            self.yyn[index] += (yn * yn).sum()
+
+    def _names(self) -> tuple[str, ...]:
+        return SUMS + (NORMALIZED_SUMS if self.has_normalized else ())
 
     def sums(self) -> list[torch.Tensor]:
-        return [getattr(self, n) for n in SUMS]
+        return [getattr(self, n) for n in self._names()]
 
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
-        out = {f"{prefix}.{n}": getattr(self, n) for n in SUMS}
+        out = {f"{prefix}.{n}": getattr(self, n) for n in self._names()}
         out[f"{prefix}.counts"] = torch.tensor([getattr(self, n) for n in COUNTS])  # [3] int64
         return out
 
@@ -85,7 +107,17 @@ class SplitStats:
                      device: str | torch.device = "cpu") -> "SplitStats":
         count, first, outliers = (int(v) for v in t[f"{prefix}.counts"])
         sums = [t[f"{prefix}.{n}"].to(device) for n in SUMS]
-        return cls(split, *sums, count, first, outliers)
+        extra = [t[f"{prefix}.{n}"].to(device) if f"{prefix}.{n}" in t else None for n in NORMALIZED_SUMS]
+        return cls(split, *sums, count, first, outliers, *extra)
+
+    def normalized_targets(self, scale: torch.Tensor) -> "SplitStats":
+        """These statistics with the normalised targets as Y, each map's rescaled by `scale` [M] (so a row's
+        target is y · scale / rms(y): every row the same norm, the one given)."""
+        if not self.has_normalized:
+            raise ValueError("no normalised-target statistics")
+        return SplitStats(self.split, self.xtx, self.xsum, self.xtyn * scale[:, None, None],
+                          self.ysumn * scale[:, None], self.yyn * scale.square(), self.xx, self.count,
+                          self.skipped_first, self.skipped_outliers)
 
 
 @dataclass
@@ -99,9 +131,9 @@ class Calibration:
     meta: dict = field(default_factory=dict)
 
     @classmethod
-    def empty(cls, splits: list[int], n_layers: int, hidden: int,
-              device: str | torch.device = "cpu") -> "Calibration":
-        stats = {(s, p): SplitStats.empty(s, n_layers, hidden, device) for s in splits for p in PARTS}
+    def empty(cls, splits: list[int], n_layers: int, hidden: int, device: str | torch.device = "cpu",
+              normalized: bool = False) -> "Calibration":
+        stats = {(s, p): SplitStats.empty(s, n_layers, hidden, device, normalized) for s in splits for p in PARTS}
         return cls(sorted(splits), stats)
 
     def tensors(self) -> dict[str, torch.Tensor]:
