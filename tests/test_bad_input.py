@@ -181,10 +181,12 @@ LB = ["longbench", "--model", "{A}", "--maps", "{maps}", "--data", "{lb}", "--li
 SERVE = ["serve", "--model", "{A}", "--maps", "{maps}", "--tail", "16", "--port", "18000", "--max-model-len", "256"]
 TTFT = ["bench-ttft", "--model", "{A}", "--maps", "{maps}", "--lengths", "32", "--repeats", "1", "--warmup", "0",
         "--data", "random", "--tail", "8", "--out", "{out}/ttft.json"]
+KS = ["key-scale", "--model", "{A}", "--maps", "{maps}", "--data", "{text}", "--tokens", "256", "--seq-len", "128",
+      "--out", "{out}/maps-ks.safetensors"]
 RUN = ["run", "{in}/recipe.toml", "--out-dir", "{out}/run"]
 REPORT = ["report", "{in}/results"]
 BASES = {"calibrate": CAL, "fit": FIT, "generate": GEN, "ruler": RULER, "loss": LOSS, "splice": SPLICE,
-         "longbench": LB, "bench-ttft": TTFT}
+         "longbench": LB, "bench-ttft": TTFT, "key-scale": KS}
 
 def data_cases(name: str, base: list[str]) -> list[Case]:
     """--data of the text commands (calibrate, loss, splice, bench-ttft): missing, a folder of no text, empty,
@@ -281,6 +283,16 @@ CASES: list[Case] = [
     Case("fit-lam-negative", cmd(FIT, lam=-1), match="--lam"),
     Case("fit-lam-not-a-number", cmd(FIT, lam="big"), match="--lam"),
     Case("fit-unknown-kind", cmd(FIT, kind="lasso"), match="--kind"),
+    Case("fit-unknown-targets", cmd(FIT, targets="unit"), match="--targets"),
+    Case("fit-normalized-without-their-statistics", cmd(FIT, targets="normalized"), match="--normalized-targets"),
+
+    # --- key-scale ---
+    *data_cases("key-scale", KS),
+    *maps_cases("key-scale", KS),
+    Case("key-scale-tokens-zero", cmd(KS, tokens=0), match="--tokens"),
+    Case("key-scale-skip-first-whole-sequence", cmd(KS, skip_first=127), match="--skip-first"),
+    Case("key-scale-skip-first-negative", cmd(KS, skip_first=-1), match="--skip-first"),
+    Case("key-scale-seq-len-past-context", cmd(KS, seq_len=100000), match="context"),
 
     # --- generate ---
     *maps_cases("generate", GEN),
@@ -570,7 +582,8 @@ def test_cases_cover_every_command_and_ids_are_unique():
     assert len({c.id for c in CASES}) == len(CASES)
     assert set(END_TO_END) <= {c.id for c in CASES}
     commands = {c.args[0] for c in CASES}
-    assert commands >= {"calibrate", "fit", "generate", "serve", "ruler", "loss", "splice", "longbench", "bench-ttft",
+    assert commands >= {"calibrate", "fit", "key-scale", "generate", "serve", "ruler", "loss", "splice", "longbench",
+                        "bench-ttft",
                         "run", "report"}
 
 

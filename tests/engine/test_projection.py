@@ -198,3 +198,39 @@ def test_triton_backend_in_the_engine_equals_per_layer():
     for la, lb in zip(a.cache.layers, b.cache.layers):
         assert (la.keys - lb.keys).abs().max() <= TOL
         assert (la.values - lb.values).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("backend", ["torch", "layers"])
+def test_key_scale_multiplies_each_filled_key_head_and_nothing_else(dense_model, backend):
+    """A filler's key scale [L-S, Hkv] multiplies the filled keys of each late layer per KV head (fused and
+    per-layer route alike); values, the full rows' keys and the split layer's keys are untouched."""
+    split, ids = 2, random_ids(30)
+    engine = Engine(adapter_for(dense_model), chunk=16, projection=backend)
+    filler = random_maps(split, engine.n_layers, engine.adapter.hidden_size)
+    heads = engine.shape.kv_heads
+    scale = torch.linspace(0.5, 1.5, (engine.n_layers - split) * heads).view(-1, heads)
+    scale[0] = 1.0  # layer S: its keys are exact
+    scaled = MapFiller(split, engine.n_layers, filler._stacked.view(engine.adapter.hidden_size, -1,
+                                                                     engine.adapter.hidden_size).transpose(0, 1),
+                       filler._biases, key_scale=scale)
+    plain = FillPlan(filler, tail=6, keep_rows=(0,))
+    a = engine.prefill(ids, fill=plain, logits_at=[])
+    b = engine.prefill(ids, fill=FillPlan(scaled, tail=6, keep_rows=(0,)), logits_at=[])
+    rows = ~plain.full_rows(30)
+    for layer in range(engine.n_layers):
+        ka, kb = a.cache[layer].keys, b.cache[layer].keys  # [1, Hkv, T, D]
+        if layer <= split:
+            assert torch.equal(ka, kb)
+            continue
+        want = ka[:, :, rows] * scale[layer - split].view(1, -1, 1, 1)
+        assert (kb[:, :, rows] - want).abs().max() <= TOL, layer
+        assert torch.equal(b.cache[layer].values[:, :, rows], a.cache[layer].values[:, :, rows])
+
+
+def test_key_scale_of_ones_changes_nothing(dense_model):
+    ids = random_ids(30)
+    engine = Engine(adapter_for(dense_model), chunk=16)
+    ones = torch.ones(engine.n_layers - 3, engine.shape.kv_heads)
+    a = engine.prefill(ids, fill=FillPlan(IdentityFiller(3, engine.n_layers), tail=6), logits_at="full")
+    b = engine.prefill(ids, fill=FillPlan(IdentityFiller(3, engine.n_layers, ones), tail=6), logits_at="full")
+    assert torch.equal(a.logits, b.logits)

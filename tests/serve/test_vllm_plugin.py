@@ -176,3 +176,37 @@ def test_tensor_parallel_two_ranks_match_one(vllm_tiny):
         assert two.tally()["filled_rows"] == sum(len(p) - 33 for p in batch)
     assert [c.tokens for c in got] == [c.tokens for c in want]
     assert max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g.logprobs, w.logprobs)) < 1e-4
+
+
+def with_key_scale(folder, maps, out):
+    """The maps with a key-scale correction far from 1 (per layer and KV head, 0.5..1.5), as `ridgefill
+    key-scale` writes it."""
+    import json
+
+    from ridgefill.runtime.artifacts import load_artifact, save_artifact
+
+    tensors, meta = load_artifact(maps, "maps")
+    heads = json.loads((folder / "config.json").read_text())["num_key_value_heads"]
+    layers = meta["n_layers"] - meta["split"]
+    scale = torch.linspace(0.5, 1.5, layers * heads).view(layers, heads)
+    scale[0] = 1.0
+    save_artifact(out, {**tensors, "key_scale": scale}, meta)
+    return out
+
+
+def test_key_scale_maps_match_ridgefills_engine_on_one_and_two_ranks(vllm_tiny, tmp_path):
+    """Maps with a key-scale correction: vLLM scales each rank's own KV heads as ridgefill's engine does (test 2's
+    bar on one rank; two ranks equal one), and the scale changes the output (it is applied at all)."""
+    folder, maps = vllm_tiny["llama"]
+    scaled = with_key_scale(folder, maps, tmp_path / "ks.safetensors")
+    batch = prompts(8, [200, 333, 90, 512], vocab_of(folder), seed=11)
+    with worker(folder, VllmFill(scaled, tail=24)) as one:
+        got = one.generate(batch, 32, logprobs=5)
+    tokens, first = reference(folder, scaled, 24, batch, 32)
+    assert_agrees("llama key scale", got, tokens, first)
+    _, plain = reference(folder, maps, 24, batch[:2], 1)
+    assert max(float((a - b).abs().max()) for a, b in zip(plain, first[:2])) > 1e-3
+    with worker(folder, VllmFill(scaled, tail=24), threads="0|1", tensor_parallel_size=2,
+                distributed_executor_backend="mp") as two:
+        both = two.generate(batch[:4], 12, logprobs=1)
+    assert [c.tokens[:12] for c in both] == [c.tokens[:12] for c in got[:4]]

@@ -4,7 +4,9 @@ A filler for split S maps the split state x (the residual stream entering layer 
 predicted inputs of layers S+1..L-1. Layer S itself always gets x (its map is the identity, so its cache
 is exact). `predict` returns [B, n, L-S-1, H]; `late_inputs` returns the same inputs layer-major with x first,
 [L-S, B·n, H], the layout of the fused fill projection (engine/projection.py), each filler computing it its own
-way (no copy for identity fill, one batched GEMM for maps).
+way (no copy for identity fill, one batched GEMM for maps). A filler may carry a key-scale correction
+(`key_scale` [L-S, Hkv]: each late attention layer's filled keys are multiplied per KV head; 1 where none is
+fitted; method/key_scale.py fits it).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 class Filler(Protocol):
     split: int
     n_layers: int
+    key_scale: torch.Tensor | None  # [L-S, Hkv] per layer S..L-1 and KV head; None: no correction
 
     def predict(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [B, n, H] split state of the filled rows at absolute `positions` [n] -> [B, n, L-S-1, H]."""
@@ -66,8 +69,8 @@ class IdentityFiller:
     nbytes = 0
     rank = None
 
-    def __init__(self, split: int, n_layers: int) -> None:
-        self.split, self.n_layers = split, n_layers
+    def __init__(self, split: int, n_layers: int, key_scale: torch.Tensor | None = None) -> None:
+        self.split, self.n_layers, self.key_scale = split, n_layers, key_scale
 
     def predict(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return x.unsqueeze(2).expand(-1, -1, _n_maps(self), -1)
@@ -90,8 +93,9 @@ class MapFiller:
     name = "ridge"
 
     def __init__(self, split: int, n_layers: int, weights: torch.Tensor | None, biases: torch.Tensor,
-                 low_rank: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        self.split, self.n_layers = split, n_layers
+                 low_rank: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 key_scale: torch.Tensor | None = None) -> None:
+        self.split, self.n_layers, self.key_scale = split, n_layers, key_scale
         hidden = biases.shape[-1]
         self._biases = biases  # [L-S-1, H]
         self._stacked = self._stacked_u = self._v = None
@@ -104,7 +108,7 @@ class MapFiller:
             self._v = v  # [L-S-1, r, H]
 
     def _tensors(self) -> dict[str, torch.Tensor]:
-        names = ("_stacked", "_stacked_u", "_v", "_biases")
+        names = ("_stacked", "_stacked_u", "_v", "_biases", "key_scale")
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
     def to(self, device: torch.device, dtype: torch.dtype) -> "MapFiller":
@@ -161,6 +165,7 @@ class OracleFiller:
 
     name = "oracle"
     rank = None
+    key_scale = None
 
     def __init__(self, split: int, hidden: list[torch.Tensor]) -> None:
         self.split = split

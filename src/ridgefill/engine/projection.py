@@ -56,12 +56,14 @@ def norm_kv_torch(stack: StackedKV, y: torch.Tensor, cos: torch.Tensor, sin: tor
 
 class FilledRows:
     """What one chunk's filled rows bring to each late layer l >= S: `layer(l)` gives an attention layer its
-    (k, v) [B, Hkv, nF, D] and any other layer its predicted input [B, nF, H]."""
+    (k, v) [B, Hkv, nF, D] and any other layer its predicted input [B, nF, H]. key_scale [L-S, Hkv] (None: none)
+    multiplies each attention layer's filled keys per KV head."""
 
     def __init__(self, adapter: Adapter, split: int, inputs: torch.Tensor, shape: tuple[int, int, int],
-                 kv: dict[int, tuple[torch.Tensor, torch.Tensor]], cos: torch.Tensor, sin: torch.Tensor) -> None:
+                 kv: dict[int, tuple[torch.Tensor, torch.Tensor]], cos: torch.Tensor, sin: torch.Tensor,
+                 key_scale: torch.Tensor | None = None) -> None:
         self.adapter, self.split, self.inputs, self.shape = adapter, split, inputs, shape
-        self.kv, self.cos, self.sin = kv, cos, sin
+        self.kv, self.cos, self.sin, self.key_scale = kv, cos, sin, key_scale
 
     def input(self, layer: int) -> torch.Tensor:
         return self.inputs[layer - self.split].reshape(self.shape)
@@ -71,8 +73,12 @@ class FilledRows:
         if a.layer_kind(layer) != "attention":
             return self.input(layer)
         if layer in self.kv:
-            return self.kv[layer]
-        return a.key_value(layer, a.input_norm(layer, self.input(layer)), self.cos, self.sin)  # per-layer route
+            k, v = self.kv[layer]
+        else:  # per-layer route
+            k, v = a.key_value(layer, a.input_norm(layer, self.input(layer)), self.cos, self.sin)
+        if self.key_scale is not None:
+            k = k * self.key_scale[layer - self.split].view(1, -1, 1, 1).to(k.dtype)
+        return k, v
 
 
 class FillProjection:
@@ -120,7 +126,7 @@ class FillProjection:
                 y = inputs if stack.index is None else inputs[stack.index]  # [M, B·nF, H]
                 k, v = self._norm_kv(stack, y, cos, sin, b)  # [M, B, Hkv, nF, D]
                 kv = {layer: (k[j], v[j]) for j, layer in enumerate(stack.layers)}
-        return FilledRows(self.adapter, filler.split, inputs, x.shape, kv, cos, sin)
+        return FilledRows(self.adapter, filler.split, inputs, x.shape, kv, cos, sin, filler.key_scale)
 
     def _norm_kv(self, stack, y, cos, sin, batch):
         if self._use_triton(stack, cos.shape[-1]):

@@ -14,8 +14,10 @@ from ridgefill.method.ridge import LayerFit
 KINDS = ("ridge", "identity")
 
 
-def save_maps(path: str | Path, split: int, n_layers: int, fits: list[LayerFit], meta: dict, kind: str) -> None:
-    tensors = {}
+def save_maps(path: str | Path, split: int, n_layers: int, fits: list[LayerFit], meta: dict, kind: str,
+              key_scale: torch.Tensor | None = None) -> None:
+    """key_scale [L-S, Hkv]: a key-scale correction to store with the maps (method/key_scale.py)."""
+    tensors = {} if key_scale is None else {"key_scale": key_scale.float()}
     if kind == "ridge":
         tensors["bias"] = torch.stack([f.bias for f in fits]).float()
         if fits and fits[0].low_rank is not None:
@@ -43,11 +45,15 @@ def load_filler(path: str | Path, model_info: dict, split: int | None = None,
         raise RidgefillError(f"{path} holds maps for split {meta['split']}, not {split}: pass --split "
                              f"{meta['split']} or fit maps for split {split}")
     n_layers, s = meta["n_layers"], meta["split"]
+    key_scale = tensors.get("key_scale")
+    if key_scale is not None and key_scale.shape[0] != n_layers - s:
+        raise RidgefillError(f"{path} has a key scale for {key_scale.shape[0]} layers, not {n_layers - s}: refit it")
     if meta["kind"] == "identity":
-        return IdentityFiller(s, n_layers), meta
+        scale = None if key_scale is None else key_scale.to(device=torch.device(device), dtype=dtype)
+        return IdentityFiller(s, n_layers, scale), meta
     try:
         low = (tensors["u"], tensors["v"]) if "u" in tensors else None
-        filler = MapFiller(s, n_layers, tensors.get("weight"), tensors["bias"], low)
+        filler = MapFiller(s, n_layers, tensors.get("weight"), tensors["bias"], low, key_scale)
     except (KeyError, RuntimeError) as exc:
         raise RidgefillError(f"{path} is incomplete ({exc}): refit it with ridgefill fit") from None
     return filler.to(torch.device(device), dtype), meta

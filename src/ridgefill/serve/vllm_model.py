@@ -41,6 +41,7 @@ class LateKV:
     weight: torch.Tensor  # [2·kv, H]
     bias: torch.Tensor | None  # [2·kv]
     kv_size: int  # local K (= V) width: local KV heads x head_dim
+    key_scale: torch.Tensor | None = None  # [local KV heads]: the maps' key-scale correction of this shard
 
 
 @dataclass
@@ -94,12 +95,13 @@ class RidgeFillMixin:
         if meta["n_layers"] != len(layers):
             raise RidgefillError(f"{fill.maps} holds maps for {meta['n_layers']} layers, the model has {len(layers)}")
         late = []
-        for layer in layers[filler.split:]:
+        for j, layer in enumerate(layers[filler.split:]):
             attn = layer.self_attn
             qkv = attn.qkv_proj
             rows = slice(attn.q_size, attn.q_size + 2 * attn.kv_size)
             bias = None if getattr(qkv, "bias", None) is None else qkv.bias[rows].detach().clone()
-            late.append(LateKV(qkv.weight[rows].detach().clone(), bias, attn.kv_size))
+            scale = None if filler.key_scale is None else local_heads(filler.key_scale[j], attn)
+            late.append(LateKV(qkv.weight[rows].detach().clone(), bias, attn.kv_size, scale))
         return FillState(fill, filler, filler.split, late, FillTally())
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, ridgefill_batch=None):
@@ -141,6 +143,17 @@ def filled_forward(model, state: FillState, batch, input_ids, positions, inputs_
     return out
 
 
+def local_heads(per_head: torch.Tensor, attn) -> torch.Tensor:
+    """The entries of a per-KV-head tensor [total KV heads] that this tensor-parallel rank holds: heads
+    rank·local.. when the heads are split, head rank // replicas when each is replicated on several ranks."""
+    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+    total, size = attn.total_num_kv_heads, get_tensor_model_parallel_world_size()
+    local = attn.kv_size // attn.head_dim
+    start = (get_tensor_model_parallel_rank() // max(1, size // total)) * local
+    return per_head[start : start + local].contiguous()
+
+
 def write_filled_kv(layer, kv: LateKV, u: torch.Tensor, positions: torch.Tensor, batch, filled: torch.Tensor) -> None:
     """Write the K/V of the filled rows (predicted layer input u [nF, H] at `positions` [nF]) into `layer`'s cache."""
     attn = layer.self_attn
@@ -150,6 +163,8 @@ def write_filled_kv(layer, kv: LateKV, u: torch.Tensor, positions: torch.Tensor,
     heads = kv.kv_size // attn.head_dim
     if hasattr(attn, "k_norm"):  # Qwen3 (and Qwen2 variants with qk_norm): RMSNorm per head before RoPE
         k = attn.k_norm(k.view(-1, heads, attn.head_dim)).reshape(k.shape)
+    if kv.key_scale is not None:  # the maps' key-scale correction, per KV head (a norm: before or after RoPE)
+        k = (k.view(-1, heads, attn.head_dim) * kv.key_scale.view(1, heads, 1)).reshape(k.shape)
     k, _ = attn.rotary_emb(positions, k, None)  # RoPE rotates the "query" argument: here the keys
     batch.write_kv(attn.attn, k.view(-1, heads, attn.head_dim), v.view(-1, heads, attn.head_dim), filled)
 

@@ -1,0 +1,154 @@
+"""`ridgefill key-scale`: a closed-form refinement after `fit`: one scalar per late attention layer and KV head
+that maps the filled keys' norms onto the exact ones.
+
+A late layer's filled key k_f = RoPE(k-norm(W_k · norm(ŷ))) points roughly the right way but can be too short or
+too long: the prediction ŷ misses part of the input, and what it misses changes the key's length. On calibration
+text this pass runs every sequence twice, exactly and filled (every row but the first `skip_first` and the last
+one filled, as in a long prompt), and for each layer l > S and KV head h sums over the filled rows
+
+    s[l, h] = Σ ‖k_e‖ ‖k_f‖ / Σ ‖k_f‖²,
+
+the least-squares scalar from filled key norms to exact ones (RoPE is a rotation, so the norms are the same
+before and after it). Only sums are kept; nothing is trained. The output is the same maps file with a
+`key_scale` tensor [L-S, Hkv] (1 for layer S, whose keys are exact, and for non-attention layers), which the
+engine applies to every filled key (engine/projection.py). It works for identity fill's maps file too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import chain
+from pathlib import Path
+
+import torch
+
+from ridgefill import __version__
+from ridgefill.commands import REQUIRED, Command, option
+from ridgefill.engine import Engine, FillPlan
+from ridgefill.errors import RidgefillError
+from ridgefill.method.maps import load_filler
+from ridgefill.runtime.artifacts import load_artifact, save_artifact
+from ridgefill.runtime.console import progress_bar, table
+from ridgefill.runtime.data import documents_for, iter_sequences, load_corpus, sequence_budget
+from ridgefill.runtime.paths import write_json
+from ridgefill.runtime.session import ModelConfig, check_device
+
+
+@dataclass
+class KeyScaleConfig(ModelConfig):
+    maps: Path = option(REQUIRED, "Maps file from `ridgefill fit` (ridge or identity) to add the key scale to.",
+                        role="input")
+    data: str = option(REQUIRED, "Calibration text (as `calibrate --data`): .txt/.jsonl file or folder, or "
+                       "'wiki-leads' / 'shakespeare'.", fallback="data")
+    tokens: int = option(16384, "Tokens of calibration text to run (each sequence twice: exact and filled).")
+    seq_len: int = option(1024, "Tokens per sequence.")
+    skip_first: int = option(1, "Leading rows of each sequence that run in full and are not counted (sinks).")
+    out: Path = option(REQUIRED, "Maps file (.safetensors) to write: the same maps with the key scale; a JSON "
+                       "summary goes beside it.", role="output")
+
+    def check(self) -> None:
+        if self.tokens < 1 or self.seq_len < 2:
+            raise RidgefillError("--tokens must be >= 1 and --seq-len >= 2")
+        if self.skip_first < 0:
+            raise RidgefillError(f"--skip-first {self.skip_first} must be 0 or more")
+        if self.skip_first >= self.seq_len - 1:
+            raise RidgefillError(f"--skip-first {self.skip_first} leaves no row of a {self.seq_len}-token sequence to "
+                                 "fill: lower it or raise --seq-len")
+
+
+@dataclass
+class KeyNormSums:
+    """Per layer S..L-1 and KV head, over filled rows: Σ‖k_e‖‖k_f‖, Σ‖k_f‖², Σ‖k_e‖² (float64 [L-S, Hkv])."""
+
+    cross: torch.Tensor
+    filled: torch.Tensor
+    exact: torch.Tensor
+    rows: int = 0
+
+    @classmethod
+    def empty(cls, layers: int, heads: int) -> "KeyNormSums":
+        z = lambda: torch.zeros(layers, heads, dtype=torch.float64)  # noqa: E731
+        return cls(z(), z(), z())
+
+    def add(self, index: int, exact: torch.Tensor, filled: torch.Tensor) -> None:
+        """exact, filled: keys [B, Hkv, n, D] of the same filled rows of one layer."""
+        ne = torch.linalg.vector_norm(exact.double(), dim=-1)  # [B, Hkv, n]
+        nf = torch.linalg.vector_norm(filled.double(), dim=-1)
+        self.cross[index] += (ne * nf).sum((0, 2)).cpu()
+        self.filled[index] += (nf * nf).sum((0, 2)).cpu()
+        self.exact[index] += (ne * ne).sum((0, 2)).cpu()
+
+    def scale(self) -> torch.Tensor:
+        """[L-S, Hkv] the least-squares scalars (1 where nothing was summed: layer S, non-attention layers)."""
+        return torch.where(self.filled > 0, self.cross / self.filled.clamp_min(1e-300), torch.ones_like(self.cross))
+
+    def norm_error(self, scale: torch.Tensor) -> torch.Tensor:
+        """[L-S] per layer: Σ(‖k_e‖ − s‖k_f‖)² / Σ‖k_e‖² over heads (NaN where nothing was summed)."""
+        sse = self.exact - 2 * scale * self.cross + scale.square() * self.filled
+        return sse.sum(1) / self.exact.sum(1)
+
+
+def key_norm_sums(engine: Engine, plan: FillPlan, ids: torch.Tensor, sums: KeyNormSums) -> None:
+    """Prefill `ids` [1, T] exactly and with `plan` (outlier rule off, so every row it fills is filled) and add
+    the key norms of the filled rows of every late attention layer to `sums`."""
+    exact = engine.prefill(ids, logits_at=[]).cache
+    filled = engine.prefill(ids, fill=plan, logits_at=[]).cache
+    rows = (~plan.full_rows(ids.shape[1])).to(engine.device)  # [T] bool
+    split, kinds = plan.split, engine.layer_kinds
+    for layer in range(split + 1, engine.n_layers):
+        if kinds[layer] == "attention":
+            sums.add(layer - split, exact[layer].keys[:, :, rows], filled[layer].keys[:, :, rows])
+    sums.rows += int(rows.sum()) * ids.shape[0]
+
+
+def run(c: KeyScaleConfig) -> dict:
+    """Run the pass, print per layer the scale over heads and the key-norm error before and after, write the
+    maps with the key scale and a JSON summary beside them."""
+    check_device(c.device, c.dtype)
+    session = c.open()
+    engine = session.engine
+    filler, meta = load_filler(c.maps, session.loaded.info(), dtype=engine.dtype, device=engine.device)
+    if meta["n_layers"] != engine.n_layers:
+        raise RidgefillError(f"{c.maps} holds maps for {meta['n_layers']} layers, the model has {engine.n_layers}: "
+                             "fit maps for this model")
+    filler.key_scale = None  # the pass measures the maps as fitted, without any earlier correction
+    limit = session.context_length
+    if limit and c.seq_len > limit:
+        raise RidgefillError(f"--seq-len {c.seq_len} exceeds the model's context of {limit}: lower it")
+    documents = documents_for(load_corpus(c.data), "calibration")
+    stream = iter_sequences(session.tokenizer, documents, c.seq_len, c.tokens)
+    first = next(stream, None)
+    if first is None:
+        raise RidgefillError(f"data '{c.data}' yields no sequence of {c.seq_len} tokens: give more text or a smaller "
+                             "--seq-len")
+    budget = sequence_budget(c.tokens, c.seq_len)
+    plan = FillPlan(filler, tail=1, keep_rows=tuple(range(c.skip_first)))
+    split = filler.split
+    sums = KeyNormSums.empty(engine.n_layers - split, engine.shape.kv_heads)
+    done = 0
+    with progress_bar(f"key scale, split {split}", budget) as advance:
+        for seq in chain([first], stream):
+            key_norm_sums(engine, plan, torch.tensor([seq], device=engine.device), sums)
+            done += 1
+            advance()
+    scale = sums.scale()  # [L-S, Hkv]
+    before, after = sums.norm_error(torch.ones_like(scale)), sums.norm_error(scale)
+    tensors, stored = load_artifact(c.maps, "maps")
+    tensors["key_scale"] = scale.float()
+    info = {"data": c.data, "tokens": done * c.seq_len, "sequences": done, "filled_rows": sums.rows,
+            "skip_first": c.skip_first}
+    save_artifact(c.out, tensors, {**stored, "key_scale": info})
+    attention = [i for i in range(1, len(scale)) if engine.layer_kinds[split + i] == "attention"]
+    rows = [[split + i, float(scale[i].min()), float(scale[i].median()), float(scale[i].max()), float(before[i]),
+             float(after[i])] for i in attention]
+    table(f"key scale per layer (over {scale.shape[1]} KV heads), {sums.rows} filled rows → {c.out}",
+          ["layer", "scale min", "median", "max", "key-norm error before", "after"], rows)
+    summary = {"command": "key-scale", "maps": str(c.out), "from": str(c.maps), "split": split, **info,
+               "layers": [dict(zip(["layer", "scale_min", "scale_median", "scale_max", "norm_error_before",
+                                    "norm_error_after"], r)) for r in rows],
+               "scale": scale.tolist(), "ridgefill_version": __version__}
+    write_json(Path(str(c.out) + ".json"), summary)
+    return summary
+
+
+COMMAND = Command("key-scale", KeyScaleConfig, run, summary_json=True)

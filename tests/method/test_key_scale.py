@@ -1,0 +1,70 @@
+"""`ridgefill key-scale`: the least-squares scale of filled key norms, its maps file, and the engine using it."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import random_ids, tiny_model
+from ridgefill.commands import command
+from ridgefill.engine import Engine, FillPlan, IdentityFiller, adapter_for
+from ridgefill.method.key_scale import KeyNormSums, key_norm_sums
+from ridgefill.method.maps import load_filler
+from ridgefill.runtime.artifacts import load_artifact
+from tiny_checkpoint import write_corpus
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_the_scale_is_the_least_squares_scalar_per_head():
+    g = torch.Generator().manual_seed(0)
+    exact = torch.randn(2, 3, 50, 8, generator=g, dtype=torch.float64)  # [B, Hkv, n, D]
+    filled = exact * torch.tensor([0.5, 1.0, 2.0], dtype=torch.float64).view(1, 3, 1, 1)
+    filled = filled + 0.01 * torch.randn(filled.shape, generator=g, dtype=torch.float64)
+    sums = KeyNormSums.empty(3, 3)
+    sums.add(1, exact[:, :, :20], filled[:, :, :20])  # streamed in two parts
+    sums.add(1, exact[:, :, 20:], filled[:, :, 20:])
+    scale = sums.scale()
+    ne, nf = exact.norm(dim=-1), filled.norm(dim=-1)  # [B, Hkv, n]
+    direct = (ne * nf).sum((0, 2)) / (nf * nf).sum((0, 2))
+    assert torch.allclose(scale[1], direct, rtol=1e-12)
+    assert torch.allclose(scale[1], torch.tensor([2.0, 1.0, 0.5], dtype=torch.float64), rtol=0.02)
+    assert torch.equal(scale[0], torch.ones(3, dtype=torch.float64))  # nothing summed: 1
+    error = sums.norm_error(scale)
+    assert error[1] < sums.norm_error(torch.ones_like(scale))[1] and error[1] < 1e-3
+
+
+def test_pass_counts_only_filled_rows_of_late_attention_layers():
+    engine = Engine(adapter_for(tiny_model("llama")), chunk=16)
+    split, ids = 2, random_ids(24)
+    plan = FillPlan(IdentityFiller(split, engine.n_layers), tail=1, keep_rows=(0,))
+    sums = KeyNormSums.empty(engine.n_layers - split, engine.shape.kv_heads)
+    key_norm_sums(engine, plan, ids, sums)
+    assert sums.rows == 22  # 24 rows less the sink and the last
+    assert torch.equal(sums.filled[0], torch.zeros(engine.shape.kv_heads, dtype=torch.float64))  # layer S is exact
+    assert (sums.filled[1:] > 0).all()
+
+
+def test_command_writes_maps_with_a_scale_the_engine_applies(tiny_checkpoint, tmp_path):
+    text = write_corpus(tmp_path / "text.txt", seed=3, lines_per_document=12)
+    stats, maps, out = tmp_path / "stats.safetensors", tmp_path / "maps.safetensors", tmp_path / "ks.safetensors"
+    command("calibrate")(model=str(tiny_checkpoint), data=str(text), split="2", tokens=1024, seq_len=128,
+                         holdout=0.25, out=stats)
+    command("fit")(stats=stats, out=maps)
+    summary = command("key-scale")(model=str(tiny_checkpoint), maps=maps, data=str(text), tokens=512, seq_len=128,
+                                   out=out)
+    tensors, meta = load_artifact(out, "maps")
+    before, _ = load_artifact(maps, "maps")
+    assert set(tensors) == set(before) | {"key_scale"}
+    assert all(torch.equal(tensors[k], before[k]) for k in before)  # the maps themselves are unchanged
+    n_layers = meta["n_layers"]
+    scale = tensors["key_scale"]
+    assert scale.shape[0] == n_layers - 2 and torch.equal(scale[0], torch.ones_like(scale[0]))
+    assert meta["key_scale"]["sequences"] == 4 and meta["key_scale"]["filled_rows"] == 4 * 126
+    layers = summary["layers"]
+    assert [r["layer"] for r in layers] == list(range(3, n_layers))
+    assert all(r["norm_error_after"] <= r["norm_error_before"] + 1e-12 for r in layers)  # least squares
+    assert json.loads((tmp_path / "ks.safetensors.json").read_text())["split"] == 2
+    session_info = {"weights_hash": meta["model"]["weights_hash"]}
+    filler, _ = load_filler(out, session_info)
+    assert torch.allclose(filler.key_scale, scale)
