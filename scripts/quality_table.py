@@ -1,7 +1,8 @@
 """Markdown tables for docs/quality.md from `ruler` and `loss` result documents.
 
     python scripts/quality_table.py splits RUN_DIR
-        one row per split of a run folder (its manifest's ruler and loss tasks): RULER filled-region score of
+        one row per split of a run folder (its artifacts ruler-sS-* and loss-sS-*, the newest of each split; so
+        several recipes may share the folder): RULER filled-region score of
         exact and each fill's difference, distant-token NLL of exact and each fill's gap, the key tokens, the
         share of identity's gap that ridge keeps; intervals as the commands computed them.
 
@@ -32,11 +33,11 @@ def cell(interval: dict | None, spec: str = "+.3g") -> str:
 
 
 def per_split(run_dir: Path) -> str:
-    manifest = load(run_dir / "manifest.json")
     found: dict[int, dict] = {}
-    for step in manifest["steps"]:
-        if step["step"] in ("ruler", "loss") and step.get("artifact"):
-            found.setdefault(step["split"], {})[step["step"]] = load(run_dir / step["artifact"])
+    for step in ("ruler", "loss"):
+        for path in sorted((run_dir / "artifacts").glob(f"{step}-s*-*.json"), key=lambda p: p.stat().st_mtime):
+            split = int(path.name.split("-")[1][1:])
+            found.setdefault(split, {})[step] = load(path)  # the newest last
     head = ("| split | RULER exact | identity − exact | ridge − exact | distant NLL exact | identity − exact | "
             "ridge − exact | key tokens (passages) | ridge keeps of identity's gap | tail NLL: identity − exact | "
             "ridge − exact |")
