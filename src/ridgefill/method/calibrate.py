@@ -307,16 +307,7 @@ def _calibrate(c: CalibrateConfig, world: World) -> dict:
     n_layers = session.engine.n_layers
     splits = parse_splits(c.split, n_layers)
     check_fittable(splits, n_layers)
-    limit = session.context_length
-    if limit and c.seq_len > limit:
-        raise RidgefillError(f"--seq-len {c.seq_len} exceeds the model's context of {limit}: lower it")
-    corpus = load_corpus(c.data)
-    documents = documents_for(corpus, "calibration")
-    stream = iter_sequences(session.tokenizer, documents, c.seq_len, c.tokens)
-    first = next(stream, None)
-    if first is None:
-        raise RidgefillError(f"data '{c.data}' yields no calibration sequence of {c.seq_len} tokens: give more "
-                             "text or a smaller --seq-len")
+    corpus, documents, sequences = calibration_sequences(session, c.data, c.seq_len, c.tokens)
     meta = {"model": {"id": c.model, "weights_hash": session.loaded.fingerprint}, "data": corpus.name,
             "data_hash": documents_hash(documents), "tokens_requested": c.tokens, "seq_len": c.seq_len,
             "dtype": c.dtype}
@@ -325,7 +316,7 @@ def _calibrate(c: CalibrateConfig, world: World) -> dict:
     bar = progress_bar(f"calibrating splits {','.join(map(str, splits))}", budget) if world.root else \
         nullcontext(lambda n=1: None)
     with bar as advance:
-        cal = run_calibration(session.engine, chain([first], stream), splits, c.out, meta, c.holdout, c.skip_first,
+        cal = run_calibration(session.engine, sequences, splits, c.out, meta, c.holdout, c.skip_first,
                               c.outlier_factor, c.checkpoint_every, c.checkpoint_seconds, c.resume, c.restart,
                               advance, world=world, normalized=c.normalized_targets)
     if not world.root:
@@ -334,6 +325,23 @@ def _calibrate(c: CalibrateConfig, world: World) -> dict:
         note(f"note: the data gave {cal.sequences_done} sequences of {c.seq_len} tokens, fewer than the {budget} "
              f"that --tokens {c.tokens} asks for")
     return _report(c, cal, world, time.perf_counter() - started)
+
+
+def calibration_sequences(session, data: str, seq_len: int, tokens: int):
+    """(corpus, its calibration documents, the stream of `seq_len`-token sequences up to `tokens` tokens) for a
+    session's model; refuses a --seq-len past the model's context and text that yields no sequence, before any
+    sequence runs."""
+    limit = session.context_length
+    if limit and seq_len > limit:
+        raise RidgefillError(f"--seq-len {seq_len} exceeds the model's context of {limit}: lower it")
+    corpus = load_corpus(data)
+    documents = documents_for(corpus, "calibration")
+    stream = iter_sequences(session.tokenizer, documents, seq_len, tokens)
+    first = next(stream, None)
+    if first is None:
+        raise RidgefillError(f"data '{data}' yields no calibration sequence of {seq_len} tokens: give more text or "
+                             "a smaller --seq-len")
+    return corpus, documents, chain([first], stream)
 
 
 ROW_NAMES = ["split", "train_rows", "val_rows", "test_rows", "skipped_first", "skipped_outliers"]

@@ -17,7 +17,6 @@ engine applies to every filled key (engine/projection.py). It works for identity
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import chain
 from pathlib import Path
 
 import torch
@@ -26,10 +25,11 @@ from ridgefill import __version__
 from ridgefill.commands import REQUIRED, Command, option
 from ridgefill.engine import Engine, FillPlan
 from ridgefill.errors import RidgefillError
+from ridgefill.method.calibrate import calibration_sequences
 from ridgefill.method.maps import load_filler
 from ridgefill.runtime.artifacts import load_artifact, save_artifact
 from ridgefill.runtime.console import progress_bar, table
-from ridgefill.runtime.data import documents_for, iter_sequences, load_corpus, sequence_budget
+from ridgefill.runtime.data import sequence_budget
 from ridgefill.runtime.paths import write_json
 from ridgefill.runtime.session import ModelConfig, check_device
 
@@ -58,7 +58,8 @@ class KeyScaleConfig(ModelConfig):
 
 @dataclass
 class KeyNormSums:
-    """Per layer S..L-1 and KV head, over filled rows: Σ‖k_e‖‖k_f‖, Σ‖k_f‖², Σ‖k_e‖² (float64 [L-S, Hkv])."""
+    """Per layer S..L-1 and KV head, over filled rows: Σ‖k_e‖‖k_f‖, Σ‖k_f‖², Σ‖k_e‖² (float64 [L-S, Hkv], on the
+    device the keys are on)."""
 
     cross: torch.Tensor
     filled: torch.Tensor
@@ -66,17 +67,17 @@ class KeyNormSums:
     rows: int = 0
 
     @classmethod
-    def empty(cls, layers: int, heads: int) -> "KeyNormSums":
-        z = lambda: torch.zeros(layers, heads, dtype=torch.float64)  # noqa: E731
+    def empty(cls, layers: int, heads: int, device: str | torch.device = "cpu") -> "KeyNormSums":
+        z = lambda: torch.zeros(layers, heads, dtype=torch.float64, device=device)  # noqa: E731
         return cls(z(), z(), z())
 
     def add(self, index: int, exact: torch.Tensor, filled: torch.Tensor) -> None:
         """exact, filled: keys [B, Hkv, n, D] of the same filled rows of one layer."""
         ne = torch.linalg.vector_norm(exact.double(), dim=-1)  # [B, Hkv, n]
         nf = torch.linalg.vector_norm(filled.double(), dim=-1)
-        self.cross[index] += (ne * nf).sum((0, 2)).cpu()
-        self.filled[index] += (nf * nf).sum((0, 2)).cpu()
-        self.exact[index] += (ne * ne).sum((0, 2)).cpu()
+        self.cross[index] += (ne * nf).sum((0, 2))
+        self.filled[index] += (nf * nf).sum((0, 2))
+        self.exact[index] += (ne * ne).sum((0, 2))
 
     def scale(self) -> torch.Tensor:
         """[L-S, Hkv] the least-squares scalars (1 where nothing was summed: layer S, non-attention layers)."""
@@ -112,27 +113,19 @@ def run(c: KeyScaleConfig) -> dict:
         raise RidgefillError(f"{c.maps} holds maps for {meta['n_layers']} layers, the model has {engine.n_layers}: "
                              "fit maps for this model")
     filler.key_scale = None  # the pass measures the maps as fitted, without any earlier correction
-    limit = session.context_length
-    if limit and c.seq_len > limit:
-        raise RidgefillError(f"--seq-len {c.seq_len} exceeds the model's context of {limit}: lower it")
-    documents = documents_for(load_corpus(c.data), "calibration")
-    stream = iter_sequences(session.tokenizer, documents, c.seq_len, c.tokens)
-    first = next(stream, None)
-    if first is None:
-        raise RidgefillError(f"data '{c.data}' yields no sequence of {c.seq_len} tokens: give more text or a smaller "
-                             "--seq-len")
+    _, _, sequences = calibration_sequences(session, c.data, c.seq_len, c.tokens)
     budget = sequence_budget(c.tokens, c.seq_len)
     plan = FillPlan(filler, tail=1, keep_rows=tuple(range(c.skip_first)))
     split = filler.split
-    sums = KeyNormSums.empty(engine.n_layers - split, engine.shape.kv_heads)
+    sums = KeyNormSums.empty(engine.n_layers - split, engine.shape.kv_heads, engine.device)
     done = 0
     with progress_bar(f"key scale, split {split}", budget) as advance:
-        for seq in chain([first], stream):
+        for seq in sequences:
             key_norm_sums(engine, plan, torch.tensor([seq], device=engine.device), sums)
             done += 1
             advance()
-    scale = sums.scale()  # [L-S, Hkv]
-    before, after = sums.norm_error(torch.ones_like(scale)), sums.norm_error(scale)
+    scale = sums.scale().cpu()  # [L-S, Hkv]
+    before, after = sums.norm_error(torch.ones_like(sums.cross)).cpu(), sums.norm_error(sums.scale()).cpu()
     tensors, stored = load_artifact(c.maps, "maps")
     tensors["key_scale"] = scale.float()
     info = {"data": c.data, "tokens": done * c.seq_len, "sequences": done, "filled_rows": sums.rows,
