@@ -97,6 +97,22 @@ def test_verdict(p, expected):
     assert verdict(p, 5.0, 0.25) == expected
 
 
+def loss_result(counts: list[int]):
+    from ridgefill.evals.stats import distant_spread
+    from ridgefill.report.write import Result
+
+    return Result(Path("loss.json"), {"command": "loss", "distant_spread": distant_spread(counts)})
+
+
+def test_too_few_distant_tokens_are_called_a_rough_screen():
+    warning = tune.distant_warning([loss_result([0, 4, 0, 12, 1, 0])])
+    assert warning.startswith("tune: the NLL verdicts rest on 17 distant-context tokens in 3 of 6 passages")
+    assert f"fewer than {tune.MIN_DISTANT_TOKENS} cannot separate fills" in warning and "--passages" in warning
+    assert "judged on the tail NLL" in tune.distant_warning([loss_result([0, 0])])
+    assert tune.distant_warning([loss_result([150, 150])]) is None  # enough to judge
+    assert tune.distant_warning([]) is None  # no loss measured
+
+
 def test_the_served_variant_is_the_faster_choice():
     points = [point("identity", 18, speedup=1.4), point("ridge", 15, speedup=1.7), point("ridge", 18, speedup=1.35)]
     assert best_choice(points, {"identity": 18, "ridge": 15}).variant == "ridge"
@@ -211,10 +227,13 @@ def test_the_run_folder_is_a_recipe_run_with_a_report(tuned):
     assert row.split(" | ")[3] == f"{doc['expected_speedup']['flop_limit']:.4g}"  # FLOP-limit speedup, no bench
 
 
-def test_rerun_reuses_every_step(tuned, tiny_checkpoint, texts, tmp_path):
+def test_rerun_reuses_every_step(tuned, tiny_checkpoint, texts, tmp_path, capsys):
     doc, run_dir = tuned
     copy = Path(shutil.copytree(run_dir, tmp_path / "copy"))
+    capsys.readouterr()
     again = tune_command(**tiny_options(tiny_checkpoint, texts, copy))
+    out = capsys.readouterr()
+    assert "tune: the NLL verdicts rest on" in out.out + out.err or "tune: no distant-context token" in out.out + out.err
     assert all(s["cached"] for s in steps(copy))
     assert [s["key"] for s in steps(copy)] == [s["key"] for s in steps(run_dir)]
     same = ("variant", "split", "quality", "choices", "expected_speedup")

@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 FILLS = ("identity", "ridge")
 SEARCHES = ("bisect", "descend", "all")
 PASS = "pass"
+MIN_DISTANT_TOKENS = 300  # fewer give no interval that separates fills (docs/quality.md, issue #13)
 
 
 # --- options ------------------------------------------------------------------------------------------------
@@ -355,6 +356,9 @@ def run(c: TuneConfig) -> dict:
     chosen = search(c.search, candidates, sweep.judge, c.fill_names)
     points = sweep.frontier().points
     print_frontier(sweep, points, chosen, c.tail)
+    warning = distant_warning(sweep.results()[1])
+    if warning:
+        note(warning)
     write_report(run_dir)
     best = best_choice(points, chosen)
     if best is None:
@@ -391,6 +395,22 @@ def print_frontier(sweep: Sweep, points: list[Point], chosen: dict, tail: int) -
           f"{sweep.tolerance:g} points, NLL within {sweep.max_gap:g} nats of exact)",
           ["split", "variant", "FLOP-limit speedup", "RULER", "exact RULER", "Δ RULER", "Δ NLL (nats)", "verdict",
            "chosen"], rows)
+
+
+def distant_warning(results: list) -> str | None:
+    """A line saying that the NLL verdicts rest on too few distant-context tokens to judge, or None. The tokens
+    are the exact model's, the same at every split, so any loss result counts them."""
+    from ridgefill.evals.stats import describe_spread
+
+    spread = next((r.doc.get("distant_spread") for r in results if r.command == "loss"), None)
+    if not spread or spread["tokens"] >= MIN_DISTANT_TOKENS:
+        return None
+    if not spread["tokens"]:
+        return (f"tune: no distant-context token in {spread['passages']} passages: the NLL bound was judged on the "
+                "tail NLL; more --passages or a longer --context give a distant-context check (docs/tune.md)")
+    return (f"tune: the NLL verdicts rest on {describe_spread(spread)}: fewer than {MIN_DISTANT_TOKENS} cannot "
+            "separate fills within the bound, so treat them as a rough screen; more --passages or a longer "
+            "--context sharpen them (docs/tune.md)")
 
 
 # --- the serving config -------------------------------------------------------------------------------------
