@@ -284,6 +284,7 @@ CASES: list[Case] = [
     Case("fit-lam-not-a-number", cmd(FIT, lam="big"), match="--lam"),
     Case("fit-unknown-kind", cmd(FIT, kind="lasso"), match="--kind"),
     Case("fit-unknown-targets", cmd(FIT, targets="unit"), match="--targets"),
+    Case("fit-unknown-rank-basis", cmd(FIT, rank=4, rank_basis="svd"), match="unknown --rank-basis 'svd': use inputs or weights"),
     Case("fit-normalized-without-their-statistics", cmd(FIT, targets="normalized"), match="--normalized-targets"),
 
     # --- key-scale ---

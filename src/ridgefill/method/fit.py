@@ -27,9 +27,9 @@ class FitConfig(Config):
                       "trace(Pxx)/H (Pxx: the centred XᵀX).", top="lam")
     kind: str = option("ridge", "ridge (fitted maps) or identity (x itself, no fit).")
     rank: int | None = option(None, "Keep only r directions of each map's residual (low rank).")
-    rank_basis: str = option("weights", "With --rank: weights (the top singular directions of the residual map) "
-                             "or inputs (reduced-rank ridge: the directions that keep most of the fitted "
-                             "predictions on the calibration inputs).")
+    rank_basis: str = option(RANK_BASES[0], "With --rank: inputs (reduced-rank ridge: the directions that keep most "
+                             "of the fitted predictions on the calibration inputs) or weights (the top singular "
+                             "directions of the residual map).")
     targets: str = option("raw", "raw (each late layer's input y) or normalized (y/rms(y) rescaled to the mean "
                           "norm: every row weighs the same, as the layer's input norm sees it; needs "
                           "`calibrate --normalized-targets`).")

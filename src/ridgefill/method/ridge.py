@@ -81,12 +81,12 @@ class _HeldOut:
         return sse / self.denominator if self.denominator > 0 else math.nan
 
 
-RANK_BASES = ("weights", "inputs")
+RANK_BASES = ("inputs", "weights")  # the first is the default (docs/quality.md, "Low rank")
 
 
 def fit_split(train: SplitStats, val: SplitStats | None, lam: float | str = "auto",
               rank: int | None = None, progress=None, test: SplitStats | None = None,
-              rank_basis: str = "weights") -> list[LayerFit]:
+              rank_basis: str = RANK_BASES[0]) -> list[LayerFit]:
     """Fit every late layer's map for one split. lam: a relative λ, or 'auto' (pick per layer by the error on
     `val` over LAMBDA_GRID). rank: keep r directions of W_res, chosen by `rank_basis` (`low_rank`). The errors
     reported are measured on `test` when it has rows (rows that chose nothing), else on `val`."""
