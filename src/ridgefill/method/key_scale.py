@@ -124,8 +124,9 @@ def run(c: KeyScaleConfig) -> dict:
             key_norm_sums(engine, plan, torch.tensor([seq], device=engine.device), sums)
             done += 1
             advance()
-    scale = sums.scale().cpu()  # [L-S, Hkv]
-    before, after = sums.norm_error(torch.ones_like(sums.cross)).cpu(), sums.norm_error(sums.scale()).cpu()
+    scale = sums.scale()  # [L-S, Hkv], on the model's device
+    before, after = sums.norm_error(torch.ones_like(scale)).cpu(), sums.norm_error(scale).cpu()
+    scale = scale.cpu()
     tensors, stored = load_artifact(c.maps, "maps")
     tensors["key_scale"] = scale.float()
     info = {"data": c.data, "tokens": done * c.seq_len, "sequences": done, "filled_rows": sums.rows,
