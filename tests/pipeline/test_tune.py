@@ -1,11 +1,14 @@
 """`ridgefill tune`: the search on stubbed quality tables (the chosen split is the lowest within bounds; early stop;
-bisect agrees with a full descent when quality is monotone), the verdict and the choice between variants, bad
-input in one line, and the command on the tiny checkpoint: the serving config's fields, the report's frontier,
-caching on rerun."""
+bisect agrees with a full descent when quality is monotone; the NLL check steps up from the RULER choice), the
+verdict and the choice between variants, bad input in one line, and the command on the tiny checkpoint: the
+serving config's fields, the report's frontier, the check runs (linked calibration), caching on rerun,
+--no-nll-check."""
 
 import json
+import os
 import shutil
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +18,8 @@ from ridgefill.cli import main
 from ridgefill.errors import RidgefillError
 from ridgefill.pipeline import tune
 from ridgefill.pipeline.tune import COMMAND as tune_command
-from ridgefill.pipeline.tune import PASS, best_choice, bisect, candidate_splits, descend, search, verdict
+from ridgefill.pipeline.tune import (PASS, best_choice, bisect, candidate_splits, descend, search, step_up,
+                                     verdict)
 from ridgefill.report.frontier import Point
 from tiny_checkpoint import write_corpus
 
@@ -78,6 +82,26 @@ def test_nothing_passes_at_the_top():
     assert judge.asked == [20]
 
 
+def test_the_check_steps_up_from_the_ruler_choice_until_the_nll_passes():
+    ruler = thresholds(SPLITS, identity=14, ridge=12)
+    checks = {"identity": thresholds(SPLITS, identity=17), "ridge": thresholds(SPLITS, ridge=12)}
+    chosen = step_up(SPLITS, {"identity": 14, "ridge": 12}, ruler, checks)
+    assert chosen == {"identity": 17, "ridge": 12}
+    assert checks["identity"].asked == [14, 15, 16, 17] and checks["ridge"].asked == [12]  # one variant each
+    assert ruler.asked == [14, 15, 16, 17, 12]  # RULER first at every split the check visits
+
+
+def test_the_check_skips_a_split_whose_ruler_fails_and_may_find_none():
+    ruler = Table({s: {"ridge": s != 15} for s in SPLITS})  # a noisy dip the search did not see
+    checks = {"ridge": thresholds(SPLITS, ridge=14)}
+    assert step_up(SPLITS, {"ridge": 14}, ruler, checks) == {"ridge": 14}
+    checks = {"ridge": thresholds(SPLITS, ridge=15)}
+    assert step_up(SPLITS, {"ridge": 14}, ruler, checks) == {"ridge": 16} and checks["ridge"].asked == [14, 16]
+    checks = {"ridge": thresholds(SPLITS, ridge=None)}
+    assert step_up(SPLITS, {"ridge": 19}, ruler, checks) == {"ridge": None} and checks["ridge"].asked == [19, 20]
+    assert step_up(SPLITS, {"ridge": None}, ruler, checks) == {"ridge": None}  # the search chose none
+
+
 # --- verdicts and the choice between variants -----------------------------------------------------------
 def point(variant="ridge", split=15, drop=2.0, gap=0.1, speedup=1.5, metric="distant") -> Point:
     return Point(variant, split, 256, retrieval=90.0 - drop, retrieval_exact=90.0, distant_nll=2.0 + gap,
@@ -90,11 +114,20 @@ def point(variant="ridge", split=15, drop=2.0, gap=0.1, speedup=1.5, metric="dis
     (point(drop=5.5), "RULER -5.5 points"),
     (point(gap=0.3), "distant NLL +0.300 nats"),
     (point(gap=0.3, metric="tail"), "tail NLL +0.300 nats"),
-    (Point("ridge", 15, 256, retrieval=80.0, retrieval_exact=90.0), "no NLL"),
+    (Point("ridge", 15, 256, retrieval=88.0, retrieval_exact=90.0), "no NLL"),
     (None, "no RULER score"),
 ])
 def test_verdict(p, expected):
     assert verdict(p, 5.0, 0.25) == expected
+
+
+def test_each_stage_judges_only_what_it_measures():
+    ruler_only = Point("ridge", 15, 256, retrieval=88.0, retrieval_exact=90.0)
+    assert verdict(ruler_only, 5.0, 0.25, judged=("ruler",)) == PASS
+    nll_only = Point("ridge", 15, 1024, distant_nll=2.5, distant_nll_exact=2.0, nll_metric="distant")
+    assert verdict(nll_only, 5.0, 0.25, judged=("nll",)) == "distant NLL +0.500 nats"
+    assert verdict(replace(nll_only, distant_nll=2.2), 5.0, 0.25, judged=("nll",)) == PASS
+    assert verdict(None, 5.0, 0.25, judged=("nll",)) == "no NLL"
 
 
 def loss_result(counts: list[int]):
@@ -106,8 +139,8 @@ def loss_result(counts: list[int]):
 
 def test_too_few_distant_tokens_are_called_a_rough_screen():
     warning = tune.distant_warning([loss_result([0, 4, 0, 12, 1, 0])])
-    assert warning.startswith("tune: the NLL verdicts rest on 17 distant-context tokens in 3 of 6 passages")
-    assert f"fewer than {tune.MIN_DISTANT_TOKENS} cannot separate fills" in warning and "--passages" in warning
+    assert warning.startswith("tune: the NLL check rests on 17 distant-context tokens in 3 of 6 passages")
+    assert f"fewer than {tune.MIN_DISTANT_TOKENS} cannot separate fills" in warning and "--nll-tail" in warning
     assert "judged on the tail NLL" in tune.distant_warning([loss_result([0, 0])])
     assert tune.distant_warning([loss_result([150, 150])]) is None  # enough to judge
     assert tune.distant_warning([]) is None  # no loss measured
@@ -139,7 +172,9 @@ def test_candidate_splits():
     ({"splits": "0-3"}, "--splits 0-3: split 0 is out of range"),
     ({"passages": 0}, "--passages 0 must be at least 1"),
     ({"lengths": "2k"}, "--lengths '2k' is not a comma-separated list of integers"),
-    ({"short": 4096}, "tune: [loss] (tail 256): --short 4096 must be between 1 and --context - 1"),
+    ({"short": 4096}, "tune: [loss] (tail 1024): --short 4096 must be between 1 and --context - 1"),
+    ({"nll_tail": 0}, "--nll-tail 0 must be at least 1"),
+    ({"short_stride": 0}, "--short-stride 0 must be at least 1"),
     ({"tail": 2048}, "tune: [ruler] (tail 2048): --tail 2048 plus --keep-first 1 leave no filled row"),
     ({"tasks": "niah_single_9"}, "unknown RULER task(s) niah_single_9"),
 ])
@@ -167,7 +202,8 @@ def texts(tmp_path_factory) -> Path:
 def tiny_options(model: Path, data: Path, out_dir: Path, **extra) -> dict:
     return dict(model=str(model), data=str(data), eval_data=str(data), tail=32, tokens=1024, seq_len=128,
                 holdout=0.25, lengths="320", tasks="niah_single_1", samples=1, max_new_tokens=4, context=256,
-                short=64, passages=2, max_distant_gap=100.0, out_dir=out_dir, **extra)
+                short=64, short_stride=8, passages=2, nll_tail=64, max_distant_gap=100.0, out_dir=out_dir,
+                **extra)
 
 
 @pytest.fixture(scope="module")
@@ -179,6 +215,10 @@ def tuned(tiny_checkpoint, texts, tmp_path_factory) -> tuple[dict, Path]:
 
 def steps(run_dir: Path) -> list[dict]:
     return json.loads((run_dir / "manifest.json").read_text())["steps"]
+
+
+def labels(run_dir: Path) -> list[str]:
+    return [s["label"] for s in steps(run_dir)]
 
 
 def test_serving_config_holds_what_a_server_needs(tuned, tiny_checkpoint):
@@ -196,10 +236,13 @@ def test_serving_config_holds_what_a_server_needs(tuned, tiny_checkpoint):
     ruler, nll = doc["quality"]["ruler"], doc["quality"]["nll"]
     assert ruler["region"] == "filled" and ruler["difference"]["estimate"] == ruler["score"] - ruler["exact"]
     assert nll["metric"] in ("distant", "tail") and nll["bound"] == 100.0 and nll["passages"] == 2
+    assert (nll["context"], nll["scored_tail"]) == (256, 64)  # the check's passages and tail, not the serving tail
     assert nll["difference"]["low"] <= nll["difference"]["estimate"] <= nll["difference"]["high"]
     assert doc["tune"]["candidates"] == [3, 4] and doc["tune"]["measured"] == [4, 3]
     assert {(v["variant"], v["split"], v["verdict"]) for v in doc["tune"]["verdicts"]} == \
         {(v, s, PASS) for v in ("identity", "ridge") for s in (3, 4)}
+    assert {(v["variant"], v["split"], v["verdict"]) for v in doc["tune"]["checks"]} == \
+        {("identity", 3, PASS), ("ridge", 3, PASS)}  # each choice checked once, where it passed
 
 
 def test_expected_speedup_is_the_flop_count_of_the_plan(tuned, tiny_checkpoint):
@@ -216,12 +259,15 @@ def test_expected_speedup_is_the_flop_count_of_the_plan(tuned, tiny_checkpoint):
 
 def test_the_run_folder_is_a_recipe_run_with_a_report(tuned):
     doc, run_dir = tuned
-    assert [s["label"] for s in steps(run_dir)] == ["calibrate", "fit-s3", "fit-s4", "ruler-s3-t32-seed0",
-                                                    "ruler-s4-t32-seed0", "loss-s3-t32-seed0", "loss-s4-t32-seed0"]
+    assert labels(run_dir) == ["calibrate", "fit-s3", "fit-s4", "ruler-s3-t32-seed0", "ruler-s4-t32-seed0"]
     from ridgefill.pipeline.recipe import load_recipe
 
     recipe = load_recipe(run_dir / "recipe.toml")  # the generated recipe is a valid one, every candidate in it
     assert recipe.settings["splits"] == [3, 4] and recipe.steps["ruler"]["region"] == "filled"
+    for v in ("identity", "ridge"):
+        check = load_recipe(run_dir / "check" / v / "recipe.toml")
+        assert check.settings["tails"] == [64] and check.steps["loss"]["variants"] == f"exact,{v}"
+        assert (run_dir / "check" / v / "report.md").is_file()
     report = (run_dir / "report.md").read_text()
     row = next(line for line in report.splitlines() if line.startswith("| identity | 32 | 3 |"))
     assert row.split(" | ")[3] == f"{doc['expected_speedup']['flop_limit']:.4g}"  # FLOP-limit speedup, no bench
@@ -233,9 +279,10 @@ def test_rerun_reuses_every_step(tuned, tiny_checkpoint, texts, tmp_path, capsys
     capsys.readouterr()
     again = tune_command(**tiny_options(tiny_checkpoint, texts, copy))
     out = capsys.readouterr()
-    assert "tune: the NLL verdicts rest on" in out.out + out.err or "tune: no distant-context token" in out.out + out.err
-    assert all(s["cached"] for s in steps(copy))
-    assert [s["key"] for s in steps(copy)] == [s["key"] for s in steps(run_dir)]
+    assert "tune: the NLL check rests on" in out.out + out.err or "tune: no distant-context token" in out.out + out.err
+    for folder in ("", "check/identity", "check/ridge"):
+        assert all(s["cached"] for s in steps(copy / folder))
+        assert [s["key"] for s in steps(copy / folder)] == [s["key"] for s in steps(run_dir / folder)]
     same = ("variant", "split", "quality", "choices", "expected_speedup")
     assert {k: again[k] for k in same} == {k: doc[k] for k in same}
 
@@ -245,12 +292,56 @@ def test_no_split_within_bounds_writes_the_report_and_no_config(tuned, tiny_chec
     _, run_dir = tuned
     copy = Path(shutil.copytree(run_dir, tmp_path / "copy"))
     (copy / "serving.json").unlink()
-    monkeypatch.setattr(tune, "verdict", lambda point, tolerance, gap: "RULER -50.0 points")
-    with pytest.raises(RidgefillError, match=r"^no split of 3..4 keeps filled-region RULER within 5 points") as info:
+    monkeypatch.setattr(tune, "verdict", lambda point, tolerance, gap, judged: "RULER -50.0 points")
+    with pytest.raises(RidgefillError, match=r"^no split of 3..4 keeps filled-region RULER within 5 points and the "
+                                             r"distant-context NLL within 100 nats of exact") as info:
         tune_command(**tiny_options(tiny_checkpoint, texts, copy))
     assert "\n" not in str(info.value) and not (copy / "serving.json").exists()
-    assert [s["label"] for s in steps(copy)][-1] == "loss-s4-t32-seed0"  # only the top split was measured
+    assert labels(copy)[-1] == "ruler-s4-t32-seed0"  # only the top split was measured, and nothing checked
     assert (copy / "report.md").is_file()
+
+
+def test_the_check_calibrates_nothing_again(tuned):
+    """The ridge check's calibration and fit are the search's files, linked (same key, same inputs)."""
+    _, run_dir = tuned
+    check = run_dir / "check" / "ridge"
+    assert labels(check) == ["calibrate", "fit-s3", "loss-s3-t64-seed0"]  # only the checked split
+    assert labels(run_dir / "check" / "identity") == ["loss-s3-t64-seed0"]
+    for entry in steps(check)[:2]:
+        mine, search = check / entry["artifact"], run_dir / entry["artifact"]
+        assert entry["cached"] and os.path.samefile(mine, search)
+    assert (run_dir / "check" / "exact").is_dir()  # exact NLLs both checks share
+
+
+def test_a_failing_check_moves_the_choice_up(tuned, tiny_checkpoint, texts, tmp_path, monkeypatch):
+    _, run_dir = tuned
+    copy = Path(shutil.copytree(run_dir, tmp_path / "copy"))
+    judge = tune.verdict
+
+    def strict(point, tolerance, gap, judged):  # the NLL check fails at split 3
+        if "nll" in judged and point is not None and point.split == 3:
+            return "distant NLL +9.000 nats"
+        return judge(point, tolerance, gap, judged)
+
+    monkeypatch.setattr(tune, "verdict", strict)
+    doc = tune_command(**tiny_options(tiny_checkpoint, texts, copy))
+    assert doc["choices"]["identity"]["split"] == doc["choices"]["ridge"]["split"] == 4 and doc["split"] == 4
+    assert [(v["variant"], v["split"], v["verdict"]) for v in doc["tune"]["checks"]] == [
+        ("identity", 3, "distant NLL +9.000 nats"), ("identity", 4, PASS),
+        ("ridge", 3, "distant NLL +9.000 nats"), ("ridge", 4, PASS)]
+    assert labels(copy / "check" / "ridge")[-2:] == ["loss-s3-t64-seed0", "loss-s4-t64-seed0"]
+    assert doc["quality"]["nll"]["difference"] is not None
+
+
+def test_no_nll_check_judges_ruler_alone(tuned, tiny_checkpoint, texts, tmp_path, capsys):
+    _, run_dir = tuned
+    copy = Path(shutil.copytree(run_dir, tmp_path / "copy"))
+    shutil.rmtree(copy / "check")
+    capsys.readouterr()
+    doc = tune_command(**tiny_options(tiny_checkpoint, texts, copy, nll_check=False))
+    assert doc["quality"]["nll"] is None and doc["tune"]["checks"] == [] and not (copy / "check").exists()
+    assert doc["split"] == 3 and all(s["cached"] for s in steps(copy))
+    assert "--no-nll-check: the split was judged on RULER alone" in "".join(capsys.readouterr())
 
 
 def test_splits_out_of_range_for_the_model(tiny_checkpoint, texts, tmp_path):

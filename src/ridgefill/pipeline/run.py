@@ -13,6 +13,7 @@ import gc
 import hashlib
 import json
 import os
+import shutil
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from ridgefill.pipeline.manifest import Manifest
 from ridgefill.pipeline.plan import Task, plan, task_values
 from ridgefill.pipeline.recipe import Recipe, find_recipe, load_recipe
 from ridgefill.runtime.console import note, table
-from ridgefill.runtime.paths import file_hash
+from ridgefill.runtime.paths import atomic_path, file_hash
 
 EXACT_FOLDER = "exact"  # under artifacts/: exact results by sample, shared by a sweep's tasks (ExactStore)
 
@@ -94,9 +95,11 @@ def show_plan(recipe: Recipe, tasks: list[Task], run_dir: Path) -> None:
           [[t.label, t.step] + ["" if v is None else v for v in (t.split, t.tail, t.seed, t.needs)] for t in tasks])
 
 
-def run_tasks(tasks: list[Task], run_dir: Path, weights_hash: str, force, manifest: Manifest) -> None:
+def run_tasks(tasks: list[Task], run_dir: Path, weights_hash: str, force, manifest: Manifest,
+              reuse: Path | None = None) -> None:
     """Each task in order: cached when its files exist (and its step is not forced), else run; the manifest
-    records each, and the run's status when it stops."""
+    records each, and the run's status when it stops. reuse: another run folder whose artifacts of the same
+    name (the same key: the same inputs) are linked into this one instead of computed."""
     keys, artifacts = {}, {}
     for i, task in enumerate(tasks, 1):
         cmd = command(task.step)
@@ -105,7 +108,8 @@ def run_tasks(tasks: list[Task], run_dir: Path, weights_hash: str, force, manife
         files = [artifact] + ([Path(f"{artifact}.json")] if cmd.summary_json else [])
         started = time.perf_counter()
         with claim(artifact, f"[{i}/{len(tasks)}] {task.label}"):  # another run sharing the folder waits here
-            cached = task.step not in force and all(f.is_file() for f in files)
+            cached = task.step not in force and (all(f.is_file() for f in files) or
+                                                 linked(files, run_dir, reuse))
             note(f"[{i}/{len(tasks)}] {task.label}: " + ("cached" if cached else "running"))
             if not cached:
                 try:
@@ -117,6 +121,25 @@ def run_tasks(tasks: list[Task], run_dir: Path, weights_hash: str, force, manife
                     raise
         manifest.add(task, keys[task.label], files, cached, time.perf_counter() - started)
     manifest.finish("complete")
+
+
+def linked(files: list[Path], run_dir: Path, source: Path | None) -> bool:
+    """Hard-link (copy, across file systems) each of `files` from the same place in run folder `source`; True
+    when `source` holds all of them (nothing is linked otherwise)."""
+    if source is None:
+        return False
+    found = [source / f.relative_to(run_dir) for f in files]
+    if not all(f.is_file() for f in found):
+        return False
+    for src, dst in zip(found, files):
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.unlink(missing_ok=True)
+        try:
+            os.link(src, dst)
+        except OSError:
+            with atomic_path(dst) as tmp:
+                shutil.copyfile(src, tmp)
+    return True
 
 
 @contextmanager

@@ -1,17 +1,22 @@
 """`ridgefill tune`: the split to serve with, measured. Calibrate once for a range of candidate splits, then fit
-and measure splits one at a time — filled-region RULER (niah tasks) and distant-context NLL of exact, identity and
-ridge — until, for each fill variant, the split with the fewest exact layers whose quality stays within bounds of
-exact is found; print the frontier (FLOP-limit speedup vs quality per split and variant), write the run's report
-and a serving config JSON.
+and measure splits one at a time on filled-region RULER (niah tasks) until, for each fill variant (identity,
+ridge), the split with the fewest exact layers whose RULER stays within `tolerance` points of exact is found; then
+check that split on distant-context NLL and step up while it fails; print the frontier (FLOP-limit speedup vs
+quality per split and variant), write the reports and a serving config JSON.
 
-A split *passes* for a variant when its filled-region RULER score is at most `tolerance` points below exact's and
-its distant-context NLL at most `max_distant_gap` nats above exact's (tail NLL where the passages held no
-distant-context token), on the same samples.
+Two stages, because the two measures cost very differently. RULER (a few dozen short prompts) decides the search.
+Distant-context NLL needs hundreds of LongPPL key tokens to judge a bound of a few tenths of a nat, and only
+scored tail tokens can be key tokens: at the serving tail (256 tokens) that is ~100 passages per split. So the
+NLL *check* scores its own, longer tail (--nll-tail, 1,024 of each 4,096-token passage: 428 key tokens in 26
+passages on SmolLM2) and runs only where the answer is decided: at each variant's RULER choice, then, while the
+distant-context NLL is more than `max_distant_gap` nats above exact's, at the next candidate up (its RULER
+measured first where the search skipped it). --no-nll-check judges RULER alone.
 
-The work is a recipe (recipe.toml in the run folder, generated from the options, every candidate split in it)
-run through the recipe pipeline's pieces: one calibration for all candidates, then per measured split its fit,
-ruler and loss tasks (pipeline.run.run_tasks), each cached under its key, so a rerun or an interrupted tune
-reuses every finished step and `ridgefill run <run folder>/recipe.toml` would measure every candidate.
+The work is recipes run through the recipe pipeline's pieces (pipeline.run.run_tasks), each task cached under its
+key, so a rerun or an interrupted tune reuses every finished step: the search's recipe.toml in the run folder (one
+calibration for all candidates, then per measured split its fit and ruler tasks; `ridgefill run` on it would
+measure every candidate) and one check recipe per variant in check/<variant>/ (its loss tasks, the ridge check's
+calibration and fits linked from the run folder, exact NLLs shared in check/exact).
 
 Search (quality falls as the split moves down, so each variant's passing splits are, up to noise, the ones above
 a threshold):
@@ -80,12 +85,19 @@ class TuneConfig(ModelConfig):
                         listed=str)
     samples: int = option(10, "RULER samples per task and length.")
     max_new_tokens: int = option(16, "Cap on RULER's answer budget (a niah answer is a 7-digit number).")
-    eval_data: str = option("shakespeare", "Text whose evaluation passages are scored for the distant-context NLL.")
-    context: int = option(2048, "Tokens per scored passage.")
+    nll_check: bool = option(True, "Check each variant's RULER choice on distant-context NLL and step up while it "
+                         "fails --max-distant-gap (--no-nll-check: judge RULER alone).", negatable=True)
+    eval_data: str = option("shakespeare", "Text whose evaluation passages the NLL check scores.")
+    context: int = option(4096, "Tokens per passage of the NLL check.")
+    nll_tail: int = option(1024, "Last tokens of each check passage that run in full and are scored (the check's "
+                           "own tail, not the serving --tail: only scored tokens can be distant-context tokens).")
     short: int = option(256, "Short window (tokens) whose loss marks distant-context tokens.")
-    passages: int = option(6, "Passages scored per split.")
+    short_stride: int = option(64, "Scored tokens per short window of the check's exact pass (1: one window per "
+                               "token, exact but slow).")
+    passages: int = option(26, "Passages the NLL check scores per split (SmolLM2: 428 distant-context tokens in "
+                           "26).")
     length: int | None = option(None, "Prompt length the expected FLOP-limit speedup is stated at (default: the "
-                                "longest measured prompt, a RULER length or --context, as the report does).")
+                                "longest measured prompt: a RULER length, or --context with the check).")
     seed: int = option(0, "Sample and bootstrap seed.")
     out_dir: Path | None = option(None, "Run folder (default runs/tune-<model>); a rerun reuses its finished steps.")
     config_out: Path | None = option(None, "Serving config JSON to write (default <out-dir>/serving.json).")
@@ -101,7 +113,8 @@ class TuneConfig(ModelConfig):
         if self.splits is not None and split_values(self.splits)[0] < 1:
             raise RidgefillError(f"--splits {self.splits}: split 0 is out of range: a split is 1 or more")
         for flag, value in (("--samples", self.samples), ("--passages", self.passages), ("--tokens", self.tokens),
-                            ("--length", self.length)):
+                            ("--length", self.length), ("--nll-tail", self.nll_tail),
+                            ("--short-stride", self.short_stride)):
             if value is not None and value < 1:
                 raise RidgefillError(f"{flag} {value} must be at least 1")
 
@@ -112,6 +125,10 @@ class TuneConfig(ModelConfig):
     @property
     def ruler_lengths(self) -> list[int]:
         return parse_lengths(self.lengths)
+
+    @property
+    def flop_length(self) -> int:
+        return self.length or max(self.ruler_lengths + ([self.context] if self.nll_check else []))
 
     @property
     def run_dir(self) -> Path:
@@ -148,24 +165,41 @@ def _slug(model: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", Path(model.rstrip("/")).name) or "model"
 
 
-# --- the generated recipe -----------------------------------------------------------------------------------
+# --- the generated recipes ----------------------------------------------------------------------------------
+CHECK_FOLDER = "check"  # under the run folder: check/<variant>/ per variant, check/exact the exact NLLs they share
+
+
 def recipe_text(c: TuneConfig, splits: list[int]) -> str:
-    """The recipe of this tune: top-level settings, then [calibrate] and [fit] (for ridge), [ruler], [loss]."""
+    """The search's recipe: top-level settings, then [calibrate] and [fit] (for ridge) and [ruler]."""
     variants = ["exact", *c.fill_names]
-    top = {"name": f"tune-{_slug(c.model)}",
-           "description": f"ridgefill tune: splits {splits[0]}..{splits[-1]}, tail {c.tail}",
-           "model": _local(c.model), "data": _local(c.data), "splits": splits, "tails": [c.tail], "seeds": [c.seed],
-           "lam": "auto", "dtype": c.dtype, "device": c.device, "chunk": c.chunk, "tolerance": c.tolerance}
-    tables: dict[str, dict] = {}
-    if "ridge" in variants:
-        tables["calibrate"] = {"tokens": c.tokens, "seq-len": c.seq_len, "holdout": c.holdout}
-        tables["fit"] = {}
+    tables = _fit_tables(c) if "ridge" in variants else {}
     tables["ruler"] = {"lengths": c.ruler_lengths,
                        "tasks": [t.strip() for t in str(c.tasks).split(",") if t.strip()], "samples": c.samples,
                        "max-new-tokens": c.max_new_tokens, "region": "filled", "keep-first": c.keep_first,
                        "variants": variants}
-    tables["loss"] = {"data": _local(c.eval_data), "context": c.context, "short": c.short, "samples": c.passages,
-                      "keep-first": c.keep_first, "variants": variants}
+    return _recipe_text(c, f"tune-{_slug(c.model)}", f"ridgefill tune: splits {splits[0]}..{splits[-1]}, tail "
+                        f"{c.tail}", splits, c.tail, tables)
+
+
+def check_recipe_text(c: TuneConfig, splits: list[int], variant: str, exact_store: Path) -> str:
+    """A variant's NLL check: for ridge the search's [calibrate] and [fit] (the same tasks, so the same
+    artifacts), then [loss] on the check's passages at the check's own tail."""
+    tables = _fit_tables(c) if variant == "ridge" else {}
+    tables["loss"] = {"data": _local(c.eval_data), "context": c.context, "short": c.short,
+                      "short-stride": c.short_stride, "samples": c.passages, "keep-first": c.keep_first,
+                      "variants": ["exact", variant], "exact-cache": str(exact_store.resolve())}
+    return _recipe_text(c, f"tune-{_slug(c.model)}-check-{variant}", f"ridgefill tune: the NLL check of {variant} "
+                        f"fill, tail {c.nll_tail}", splits, c.nll_tail, tables)
+
+
+def _fit_tables(c: TuneConfig) -> dict:
+    return {"calibrate": {"tokens": c.tokens, "seq-len": c.seq_len, "holdout": c.holdout}, "fit": {}}
+
+
+def _recipe_text(c: TuneConfig, name: str, description: str, splits: list[int], tail: int, tables: dict) -> str:
+    top = {"name": name, "description": description, "model": _local(c.model), "data": _local(c.data),
+           "splits": splits, "tails": [tail], "seeds": [c.seed], "lam": "auto", "dtype": c.dtype,
+           "device": c.device, "chunk": c.chunk, "tolerance": c.tolerance}
     lines = ["# Generated by `ridgefill tune` (every candidate split; tune measures the ones its search needs).",
              *(f"{k} = {_toml(v)}" for k, v in top.items())]
     for step, values in tables.items():
@@ -189,24 +223,36 @@ def _toml(value) -> str:
     return json.dumps(str(value))
 
 
-def checked_recipe(c: TuneConfig, splits: list[int], path: Path):
-    """Write the recipe to `path` and load it: every step's own checks run (no model), errors in one line."""
+def checked_recipe(text: str, path: Path):
+    """Write a recipe to `path` and load it: every step's own checks run (no model), errors in one line."""
     from ridgefill.pipeline.recipe import load_recipe
 
+    path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(path) as tmp:
-        tmp.write_text(recipe_text(c, splits))
+        tmp.write_text(text)
     return load_recipe(path)
+
+
+def recipes(c: TuneConfig, splits: list[int], run_dir: Path) -> tuple["Recipe", dict[str, "Recipe"]]:
+    """The search's recipe (run_dir/recipe.toml) and, with the check, each variant's check recipe
+    (run_dir/check/<variant>/recipe.toml), written and loaded."""
+    search_recipe = checked_recipe(recipe_text(c, splits), run_dir / "recipe.toml")
+    checks = {}
+    if c.nll_check:
+        for v in c.fill_names:
+            checks[v] = checked_recipe(check_recipe_text(c, splits, v, run_dir / CHECK_FOLDER / "exact"),
+                                       run_dir / CHECK_FOLDER / v / "recipe.toml")
+    return search_recipe, checks
 
 
 def preflight(c: TuneConfig) -> None:
     """The steps' checks before the model loads (placeholder split 1 when the candidates need the model)."""
     splits = split_values(c.splits) if c.splits is not None else [1]
     with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder) / "recipe.toml"
         try:
-            checked_recipe(c, splits, path)
+            recipes(c, splits, Path(folder))
         except RidgefillError as exc:
-            raise RidgefillError(str(exc).replace(f"{path}: ", "tune: ")) from None
+            raise RidgefillError(re.sub(rf"{re.escape(folder)}/\S*recipe\.toml: ", "tune: ", str(exc))) from None
 
 
 # --- the model ----------------------------------------------------------------------------------------------
@@ -231,16 +277,19 @@ def model_facts(c: TuneConfig) -> ModelFacts:
 
 
 # --- judging a split ----------------------------------------------------------------------------------------
-def verdict(point: Point | None, tolerance: float, max_gap: float) -> str:
-    """PASS, or why the point fails."""
-    if point is None or point.retrieval_drop is None:
-        return "no RULER score"
-    if point.distant_gap is None:
-        return "no NLL"
-    if point.retrieval_drop > tolerance:
-        return f"RULER {-point.retrieval_drop:+.1f} points"
-    if point.distant_gap > max_gap:
-        return f"{point.nll_metric or 'distant'} NLL {point.distant_gap:+.3f} nats"
+def verdict(point: Point | None, tolerance: float, max_gap: float, judged=("ruler", "nll")) -> str:
+    """PASS, or why the point fails, on what `judged` names: the filled-region RULER score within `tolerance`
+    points of exact's, the distant-context NLL (tail NLL where none was found) within `max_gap` nats."""
+    if "ruler" in judged:
+        if point is None or point.retrieval_drop is None:
+            return "no RULER score"
+        if point.retrieval_drop > tolerance:
+            return f"RULER {-point.retrieval_drop:+.1f} points"
+    if "nll" in judged:
+        if point is None or point.distant_gap is None:
+            return "no NLL"
+        if point.distant_gap > max_gap:
+            return f"{point.nll_metric or 'distant'} NLL {point.distant_gap:+.3f} nats"
     return PASS
 
 
@@ -293,18 +342,37 @@ def search(mode: str, candidates: list[int], judge: Judge, variants: list[str]) 
     return descend(candidates, judge, variants, every=mode == "all")
 
 
+def step_up(candidates: list[int], chosen: dict[str, int | None], ruler: Judge, checks: dict[str, Judge]) -> \
+        dict[str, int | None]:
+    """Per variant, from its RULER choice upward, the first candidate that passes RULER (asked again: measured
+    where the search skipped it) and then its NLL check; None where none does (or the search chose none)."""
+    out: dict[str, int | None] = {}
+    for v, low in chosen.items():
+        out[v] = None
+        for split in ([] if low is None else [s for s in sorted(candidates) if s >= low]):
+            if ruler(split)[v] and checks[v](split)[v]:
+                out[v] = split
+                break
+    return out
+
+
 # --- the sweep ----------------------------------------------------------------------------------------------
 @dataclass
 class Sweep:
-    """The recipe's tasks, run split by split into one run folder: the measured splits' tasks (and the shared
-    calibration) each time, so manifest.json lists everything measured so far and cached tasks cost nothing."""
+    """A recipe's tasks, run split by split into one run folder: the measured splits' tasks (and the shared
+    calibration) each time, so manifest.json lists everything measured so far and cached tasks cost nothing.
+    Each split is judged once, on what `judged` names (verdict()); `reuse`: a run folder whose artifacts of the
+    same name (the same key: the same inputs) are linked instead of computed."""
 
     recipe: "Recipe"
     run_dir: Path
     facts: ModelFacts
     flops: FlopModel
+    variants: list[str]
     tolerance: float
     max_gap: float
+    judged: tuple[str, ...] = ("ruler",)
+    reuse: Path | None = None
     measured: list[int] = field(default_factory=list)
     verdicts: dict = field(default_factory=dict)  # (variant, split) -> PASS or why not
 
@@ -313,21 +381,17 @@ class Sweep:
         from ridgefill.pipeline.plan import plan
         from ridgefill.pipeline.run import run_tasks
 
-        note(f"tune: measuring split {split}")
-        self.measured.append(split)
-        tasks = [t for t in plan(self.recipe) if t.split is None or t.split in self.measured]
-        manifest = Manifest(self.run_dir, self.recipe, self.facts.info)
-        run_tasks(tasks, self.run_dir, self.facts.info["weights_hash"], (), manifest)
-        points = {p.variant: p for p in self.frontier().points if p.split == split}
-        out = {}
-        for v in self.variants:
-            self.verdicts[(v, split)] = verdict(points.get(v), self.tolerance, self.max_gap)
-            out[v] = self.verdicts[(v, split)] == PASS
-        return out
-
-    @property
-    def variants(self) -> list[str]:
-        return [v for v in FILLS if v in self.recipe.steps["ruler"]["variants"].split(",")]
+        if split not in self.measured:
+            note(f"tune: {'checking' if 'ruler' not in self.judged else 'measuring'} split {split}"
+                 f"{'' if 'ruler' in self.judged else ' (' + ', '.join(self.variants) + ' NLL)'}")
+            self.measured.append(split)
+            tasks = [t for t in plan(self.recipe) if t.split is None or t.split in self.measured]
+            manifest = Manifest(self.run_dir, self.recipe, self.facts.info)
+            run_tasks(tasks, self.run_dir, self.facts.info["weights_hash"], (), manifest, reuse=self.reuse)
+            points = {p.variant: p for p in self.frontier().points if p.split == split}
+            for v in self.variants:
+                self.verdicts[(v, split)] = verdict(points.get(v), self.tolerance, self.max_gap, self.judged)
+        return {v: self.verdicts[(v, split)] == PASS for v in self.variants}
 
     def results(self) -> tuple[dict, list]:
         from ridgefill.report.write import collect
@@ -340,33 +404,54 @@ class Sweep:
                         [], self.tolerance, self.flops)
 
 
+def merged_points(sweep: Sweep, checks: dict[str, Sweep]) -> list[Point]:
+    """The search's points (RULER, FLOP-limit speedup at the serving tail) with the NLL of each checked split."""
+    checked = {(p.variant, p.split): p for check in checks.values() for p in check.frontier().points}
+    out = []
+    for p in sweep.frontier().points:
+        nll = checked.get((p.variant, p.split))
+        out.append(p if nll is None else replace(p, distant_nll=nll.distant_nll,
+                                                 distant_nll_exact=nll.distant_nll_exact,
+                                                 nll_metric=nll.nll_metric))
+    return out
+
+
 # --- the command ----------------------------------------------------------------------------------------------
 def run(c: TuneConfig) -> dict:
-    """Search the splits, print the frontier, write the report and the serving config; returns the config. No
-    split within bounds for any variant: the report is written, then a one-line error says what to change."""
+    """Search the splits, check the choices, print the frontier, write the reports and the serving config;
+    returns the config. No split within bounds for any variant: the reports are written, then a one-line error
+    says what to change."""
     from ridgefill.report.write import write_report
 
     preflight(c)
     facts = model_facts(c)
     candidates = candidate_splits(c.splits, facts.info["n_layers"])
     run_dir = c.run_dir
-    recipe = checked_recipe(c, candidates, run_dir / "recipe.toml")
-    flops = FlopModel(facts.shape, c.length or max(c.ruler_lengths + [c.context]), c.keep_first)
-    sweep = Sweep(recipe, run_dir, facts, flops, c.tolerance, c.max_distant_gap)
+    search_recipe, check_recipes = recipes(c, candidates, run_dir)
+    flops = FlopModel(facts.shape, c.flop_length, c.keep_first)
+    sweep = Sweep(search_recipe, run_dir, facts, flops, c.fill_names, c.tolerance, c.max_distant_gap)
     chosen = search(c.search, candidates, sweep.judge, c.fill_names)
-    points = sweep.frontier().points
-    print_frontier(sweep, points, chosen, c.tail)
-    warning = distant_warning(sweep.results()[1])
+    checks = {v: Sweep(r, run_dir / CHECK_FOLDER / v, facts, flops, [v], c.tolerance, c.max_distant_gap,
+                       judged=("nll",), reuse=run_dir) for v, r in check_recipes.items()}
+    if checks:
+        chosen = step_up(candidates, chosen, sweep.judge, {v: check.judge for v, check in checks.items()})
+    points = merged_points(sweep, checks)
+    print_frontier(sweep, checks, points, chosen, c.tail)
+    check_results = [r for check in checks.values() for r in check.results()[1]]
+    warning = distant_warning(check_results) if checks else ("tune: --no-nll-check: the split was judged on RULER "
+                                                             "alone; the distant-context NLL was not measured")
     if warning:
         note(warning)
-    write_report(run_dir)
+    for folder in [run_dir, *(check.run_dir for check in checks.values() if check.measured)]:
+        write_report(folder)
     best = best_choice(points, chosen)
     if best is None:
+        bound = f" and the distant-context NLL within {c.max_distant_gap:g} nats" if checks else ""
         raise RidgefillError(f"no split of {candidates[0]}..{candidates[-1]} keeps filled-region RULER within "
-                             f"{c.tolerance:g} points and the distant-context NLL within {c.max_distant_gap:g} nats "
-                             f"of exact ({', '.join(c.fill_names)}): try higher --splits, a longer --tail or looser "
-                             f"bounds; the measurements are in {run_dir / 'report.md'}")
-    doc = serving_config(c, sweep, best, chosen, candidates)
+                             f"{c.tolerance:g} points{bound} of exact ({', '.join(c.fill_names)}): try higher "
+                             f"--splits, a longer --tail or looser bounds; the measurements are in "
+                             f"{run_dir / 'report.md'}")
+    doc = serving_config(c, sweep, checks, best, chosen, candidates)
     path = c.config_out or run_dir / "serving.json"
     write_json(path, doc)
     print(path)
@@ -385,16 +470,20 @@ def best_choice(points: list[Point], chosen: dict[str, int | None]) -> Point | N
     return max(found, key=lambda p: (p.flop_speedup or 0.0, -p.split, p.variant == "identity"))
 
 
-def print_frontier(sweep: Sweep, points: list[Point], chosen: dict, tail: int) -> None:
-    rows = [[p.split, p.variant, p.flop_speedup, p.retrieval, p.retrieval_exact,
-             None if p.retrieval_drop is None else p.retrieval - p.retrieval_exact, p.distant_gap,
-             sweep.verdicts.get((p.variant, p.split), ""), "yes" if chosen.get(p.variant) == p.split else ""]
-            for p in sorted(points, key=lambda p: (-p.split, p.variant))]
+def print_frontier(sweep: Sweep, checks: dict[str, Sweep], points: list[Point], chosen: dict, tail: int) -> None:
+    rows = []
+    for p in sorted(points, key=lambda p: (-p.split, p.variant)):
+        check = checks[p.variant].verdicts.get((p.variant, p.split), "") if p.variant in checks else ""
+        rows.append([p.split, p.variant, p.flop_speedup, p.retrieval, p.retrieval_exact,
+                     None if p.retrieval_drop is None else p.retrieval - p.retrieval_exact, p.distant_gap,
+                     sweep.verdicts.get((p.variant, p.split), ""), check,
+                     "yes" if chosen.get(p.variant) == p.split else ""])
     length = next((p.length for p in points if p.length), sweep.flops.length)
+    nll = f", NLL within {sweep.max_gap:g} nats" if checks else ""
     table(f"tune: FLOP-limit speedup at {length} tokens vs quality (tail {tail}; RULER within "
-          f"{sweep.tolerance:g} points, NLL within {sweep.max_gap:g} nats of exact)",
-          ["split", "variant", "FLOP-limit speedup", "RULER", "exact RULER", "Δ RULER", "Δ NLL (nats)", "verdict",
-           "chosen"], rows)
+          f"{sweep.tolerance:g} points{nll} of exact)",
+          ["split", "variant", "FLOP-limit speedup", "RULER", "exact RULER", "Δ RULER", "Δ NLL (nats)", "RULER verdict",
+           "NLL check", "chosen"], rows)
 
 
 def distant_warning(results: list) -> str | None:
@@ -405,19 +494,21 @@ def distant_warning(results: list) -> str | None:
     spread = next((r.doc.get("distant_spread") for r in results if r.command == "loss"), None)
     if not spread or spread["tokens"] >= MIN_DISTANT_TOKENS:
         return None
+    more = "more --passages, a longer --context or a longer --nll-tail"
     if not spread["tokens"]:
-        return (f"tune: no distant-context token in {spread['passages']} passages: the NLL bound was judged on the "
-                "tail NLL; more --passages or a longer --context give a distant-context check (docs/tune.md)")
-    return (f"tune: the NLL verdicts rest on {describe_spread(spread)}: fewer than {MIN_DISTANT_TOKENS} cannot "
-            "separate fills within the bound, so treat them as a rough screen; more --passages or a longer "
-            "--context sharpen them (docs/tune.md)")
+        return (f"tune: no distant-context token in {spread['passages']} passages: the NLL check was judged on the "
+                f"tail NLL; {more} give a distant-context check (docs/tune.md)")
+    return (f"tune: the NLL check rests on {describe_spread(spread)}: fewer than {MIN_DISTANT_TOKENS} cannot "
+            f"separate fills within the bound, so treat it as a rough screen; {more} sharpen it (docs/tune.md)")
 
 
 # --- the serving config -------------------------------------------------------------------------------------
-def serving_config(c: TuneConfig, sweep: Sweep, best: Point, chosen: dict, candidates: list[int]) -> dict:
+def serving_config(c: TuneConfig, sweep: Sweep, checks: dict[str, Sweep], best: Point, chosen: dict,
+                   candidates: list[int]) -> dict:
     """What a server needs to fill as tuned (split, tail, keep_first, variant, maps), what it should expect
     (quality with intervals, FLOP-limit speedup at a stated length) and where it came from."""
     manifest, results = sweep.results()
+    check = checks.get(best.variant)
     maps = _maps_of(manifest, sweep.run_dir, best.split) if best.variant == "ridge" else None
     info = sweep.facts.info
     return {
@@ -427,13 +518,16 @@ def serving_config(c: TuneConfig, sweep: Sweep, best: Point, chosen: dict, candi
         "variant": best.variant, "split": best.split, "tail": c.tail, "keep_first": c.keep_first,
         "maps": maps, "dtype": c.dtype,
         "expected_speedup": {"flop_limit": best.flop_speedup, "prompt_length": best.length or sweep.flops.length},
-        "quality": quality(best, results, c),
+        "quality": {"ruler": ruler_quality(best, results, c),
+                    "nll": None if check is None else nll_quality(best, check.results()[1], c)},
         "choices": {v: None if s is None else {"split": s, "flop_limit_speedup": _speedup_at(sweep, v, s)}
                     for v, s in chosen.items()},
         "tune": {"run_dir": str(sweep.run_dir.resolve()), "recipe": str((sweep.run_dir / "recipe.toml").resolve()),
                  "search": c.search, "candidates": candidates, "measured": sweep.measured,
                  "tolerance": c.tolerance, "max_distant_gap": c.max_distant_gap,
-                 "verdicts": [{"variant": v, "split": s, "verdict": x} for (v, s), x in sweep.verdicts.items()]},
+                 "verdicts": [{"variant": v, "split": s, "verdict": x} for (v, s), x in sweep.verdicts.items()],
+                 "checks": [{"variant": v, "split": s, "verdict": x, "recipe": str(k.recipe.path.resolve())}
+                            for k in checks.values() for (v, s), x in k.verdicts.items()]},
         "ridgefill_version": __version__,
         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
@@ -448,20 +542,25 @@ def _maps_of(manifest: dict, run_dir: Path, split: int) -> dict:
     return {"path": str((run_dir / step["artifact"]).resolve()), "hash": step["hashes"][step["artifact"]]}
 
 
-def quality(point: Point, results: list, c: TuneConfig) -> dict:
-    """The chosen point's RULER and NLL beside exact's, with the paired 95% intervals of the differences."""
+def ruler_quality(point: Point, results: list, c: TuneConfig) -> dict:
+    """The chosen point's filled-region RULER score beside exact's, with the paired 95% interval of the
+    difference."""
     ruler = next(r for r in results if r.command == "ruler" and r.split == point.split)
+    interval = ruler.doc.get("intervals", {}).get(point.variant, {})
+    return {"score": point.retrieval, "exact": point.retrieval_exact, "difference": interval.get("score"),
+            "tolerance": c.tolerance, "tasks": ruler.config.get("tasks"), "lengths": ruler.config.get("lengths"),
+            "samples": len(ruler.doc.get("samples") or []), "region": "filled"}
+
+
+def nll_quality(point: Point, results: list, c: TuneConfig) -> dict:
+    """The chosen point's NLL check: distant-context NLL (tail NLL where none was found) beside exact's, the
+    paired 95% intervals over passages, and what was scored."""
     loss = next(r for r in results if r.command == "loss" and r.split == point.split)
-    v, metric = point.variant, point.nll_metric or "distant"
-    ruler_iv, loss_iv = ruler.doc.get("intervals", {}).get(v, {}), loss.doc.get("intervals", {}).get(v, {})
-    exact_loss = loss.doc["results"]["exact"]
-    return {
-        "ruler": {"score": point.retrieval, "exact": point.retrieval_exact, "difference": ruler_iv.get("score"),
-                  "tolerance": c.tolerance, "tasks": ruler.config.get("tasks"), "lengths": ruler.config.get("lengths"),
-                  "samples": len(ruler.doc.get("samples") or []), "region": "filled"},
-        "nll": {"metric": metric, "nll": point.distant_nll, "exact": point.distant_nll_exact,
-                "difference": loss_iv.get(f"{metric}_nll_nats"), "bound": c.max_distant_gap,
-                "tokens": exact_loss.get(f"{metric}_tokens"), "passages": loss.config.get("samples"),
-                "context": loss.config.get("context")},
-        "tail_nll_difference": loss_iv.get("tail_nll_nats"),
-    }
+    metric = point.nll_metric or "distant"
+    interval = loss.doc.get("intervals", {}).get(point.variant, {})
+    exact = loss.doc["results"]["exact"]
+    return {"metric": metric, "nll": point.distant_nll, "exact": point.distant_nll_exact,
+            "difference": interval.get(f"{metric}_nll_nats"), "bound": c.max_distant_gap,
+            "tokens": exact.get(f"{metric}_tokens"), "passages": loss.config.get("samples"),
+            "context": loss.config.get("context"), "scored_tail": loss.config.get("tail"),
+            "tail_nll_difference": interval.get("tail_nll_nats")}
