@@ -82,24 +82,38 @@ def test_nothing_passes_at_the_top():
     assert judge.asked == [20]
 
 
-def test_the_check_steps_up_from_the_ruler_choice_until_the_nll_passes():
+def speed(variant: str, split: int) -> float:
+    """A FLOP-limit speedup that falls with the split; identity fill a little faster than ridge at one split,
+    slower than ridge one split lower."""
+    return 3.0 - 0.1 * split + (0.02 if variant == "identity" else 0.0)
+
+
+def test_the_check_walks_up_fastest_first_and_serves_the_first_pass():
     ruler = thresholds(SPLITS, identity=14, ridge=12)
-    checks = {"identity": thresholds(SPLITS, identity=17), "ridge": thresholds(SPLITS, ridge=12)}
-    chosen = step_up(SPLITS, {"identity": 14, "ridge": 12}, ruler, checks)
-    assert chosen == {"identity": 17, "ridge": 12}
-    assert checks["identity"].asked == [14, 15, 16, 17] and checks["ridge"].asked == [12]  # one variant each
-    assert ruler.asked == [14, 15, 16, 17, 12]  # RULER first at every split the check visits
+    checks = {"identity": thresholds(SPLITS, identity=15), "ridge": thresholds(SPLITS, ridge=16)}
+    chosen = step_up(SPLITS, {"identity": 14, "ridge": 12}, ruler, checks, speed)
+    assert chosen == {"identity": 15, "ridge": None}  # identity 15 is served: nothing slower is checked
+    assert checks["ridge"].asked == [12, 13, 14] and checks["identity"].asked == [14, 15]
+    assert ruler.asked == [12, 13, 14, 14, 15]  # RULER first for every (variant, split) the check visits
+
+
+def test_the_check_order_follows_the_speedup():
+    ruler = thresholds(SPLITS, identity=14, ridge=14)
+    checks = {"identity": thresholds(SPLITS, identity=17), "ridge": thresholds(SPLITS, ridge=16)}
+    assert step_up(SPLITS, {"identity": 14, "ridge": 14}, ruler, checks, speed) == {"identity": None, "ridge": 16}
+    assert checks["identity"].asked == [14, 15, 16] and checks["ridge"].asked == [14, 15, 16]  # id 16 before ridge 16
+    no_count = {"identity": thresholds(SPLITS, identity=14), "ridge": thresholds(SPLITS, ridge=14)}
+    assert step_up(SPLITS, {"identity": 14, "ridge": 14}, ruler, no_count, lambda v, s: None) == \
+        {"identity": 14, "ridge": None}  # no FLOP count (a hybrid model): the lower split, identity first
 
 
 def test_the_check_skips_a_split_whose_ruler_fails_and_may_find_none():
     ruler = Table({s: {"ridge": s != 15} for s in SPLITS})  # a noisy dip the search did not see
-    checks = {"ridge": thresholds(SPLITS, ridge=14)}
-    assert step_up(SPLITS, {"ridge": 14}, ruler, checks) == {"ridge": 14}
     checks = {"ridge": thresholds(SPLITS, ridge=15)}
-    assert step_up(SPLITS, {"ridge": 14}, ruler, checks) == {"ridge": 16} and checks["ridge"].asked == [14, 16]
+    assert step_up(SPLITS, {"ridge": 14}, ruler, checks, speed) == {"ridge": 16} and checks["ridge"].asked == [14, 16]
     checks = {"ridge": thresholds(SPLITS, ridge=None)}
-    assert step_up(SPLITS, {"ridge": 19}, ruler, checks) == {"ridge": None} and checks["ridge"].asked == [19, 20]
-    assert step_up(SPLITS, {"ridge": None}, ruler, checks) == {"ridge": None}  # the search chose none
+    assert step_up(SPLITS, {"ridge": 19}, ruler, checks, speed) == {"ridge": None} and checks["ridge"].asked == [19, 20]
+    assert step_up(SPLITS, {"ridge": None}, ruler, checks, speed) == {"ridge": None}  # the search chose none
 
 
 # --- verdicts and the choice between variants -----------------------------------------------------------
@@ -226,13 +240,14 @@ def test_serving_config_holds_what_a_server_needs(tuned, tiny_checkpoint):
     assert json.loads((run_dir / "serving.json").read_text()) == doc
     assert doc["kind"] == "ridgefill-serving-config" and doc["version"] == 1
     assert doc["model"]["id"] == str(tiny_checkpoint) and len(doc["model"]["weights_hash"]) == 16
-    # quality is flat on a random model (RULER 0 everywhere), so both variants keep the lowest candidate; identity
-    # fill then has the higher FLOP-limit speedup (no maps)
-    assert doc["choices"]["identity"]["split"] == doc["choices"]["ridge"]["split"] == 3
+    # quality is flat on a random model (RULER 0 everywhere), so the search keeps the lowest candidate for both
+    # variants; identity fill there has the higher FLOP-limit speedup (no maps), so it is checked first, passes
+    # and is served: ridge is never checked
+    assert doc["tune"]["ruler_choices"] == {"identity": 3, "ridge": 3}
+    assert doc["choices"]["identity"]["split"] == 3 and doc["choices"]["ridge"] is None
     assert (doc["variant"], doc["split"], doc["tail"], doc["keep_first"], doc["maps"]) == ("identity", 3, 32, 1, None)
     assert doc["expected_speedup"]["prompt_length"] == 320
-    assert doc["expected_speedup"]["flop_limit"] == doc["choices"]["identity"]["flop_limit_speedup"] > \
-        doc["choices"]["ridge"]["flop_limit_speedup"] > 1
+    assert doc["expected_speedup"]["flop_limit"] == doc["choices"]["identity"]["flop_limit_speedup"] > 1
     ruler, nll = doc["quality"]["ruler"], doc["quality"]["nll"]
     assert ruler["region"] == "filled" and ruler["difference"]["estimate"] == ruler["score"] - ruler["exact"]
     assert nll["metric"] in ("distant", "tail") and nll["bound"] == 100.0 and nll["passages"] == 2
@@ -241,8 +256,7 @@ def test_serving_config_holds_what_a_server_needs(tuned, tiny_checkpoint):
     assert doc["tune"]["candidates"] == [3, 4] and doc["tune"]["measured"] == [4, 3]
     assert {(v["variant"], v["split"], v["verdict"]) for v in doc["tune"]["verdicts"]} == \
         {(v, s, PASS) for v in ("identity", "ridge") for s in (3, 4)}
-    assert {(v["variant"], v["split"], v["verdict"]) for v in doc["tune"]["checks"]} == \
-        {("identity", 3, PASS), ("ridge", 3, PASS)}  # each choice checked once, where it passed
+    assert [(v["variant"], v["split"], v["verdict"]) for v in doc["tune"]["checks"]] == [("identity", 3, PASS)]
 
 
 def test_expected_speedup_is_the_flop_count_of_the_plan(tuned, tiny_checkpoint):
@@ -267,7 +281,10 @@ def test_the_run_folder_is_a_recipe_run_with_a_report(tuned):
     for v in ("identity", "ridge"):
         check = load_recipe(run_dir / "check" / v / "recipe.toml")
         assert check.settings["tails"] == [64] and check.steps["loss"]["variants"] == f"exact,{v}"
-        assert (run_dir / "check" / v / "report.md").is_file()
+    assert list(load_recipe(run_dir / "check" / "ridge" / "recipe.toml").steps) == ["calibrate", "fit", "loss"]
+    assert list(load_recipe(run_dir / "check" / "identity" / "recipe.toml").steps) == ["loss"]
+    assert (run_dir / "check" / "identity" / "report.md").is_file()
+    assert not (run_dir / "check" / "ridge" / "manifest.json").exists()  # never checked: identity was served
     report = (run_dir / "report.md").read_text()
     row = next(line for line in report.splitlines() if line.startswith("| identity | 32 | 3 |"))
     assert row.split(" | ")[3] == f"{doc['expected_speedup']['flop_limit']:.4g}"  # FLOP-limit speedup, no bench
@@ -280,7 +297,7 @@ def test_rerun_reuses_every_step(tuned, tiny_checkpoint, texts, tmp_path, capsys
     again = tune_command(**tiny_options(tiny_checkpoint, texts, copy))
     out = capsys.readouterr()
     assert "tune: the NLL check rests on" in out.out + out.err or "tune: no distant-context token" in out.out + out.err
-    for folder in ("", "check/identity", "check/ridge"):
+    for folder in ("", "check/identity"):
         assert all(s["cached"] for s in steps(copy / folder))
         assert [s["key"] for s in steps(copy / folder)] == [s["key"] for s in steps(run_dir / folder)]
     same = ("variant", "split", "quality", "choices", "expected_speedup")
@@ -301,19 +318,8 @@ def test_no_split_within_bounds_writes_the_report_and_no_config(tuned, tiny_chec
     assert (copy / "report.md").is_file()
 
 
-def test_the_check_calibrates_nothing_again(tuned):
-    """The ridge check's calibration and fit are the search's files, linked (same key, same inputs)."""
-    _, run_dir = tuned
-    check = run_dir / "check" / "ridge"
-    assert labels(check) == ["calibrate", "fit-s3", "loss-s3-t64-seed0"]  # only the checked split
-    assert labels(run_dir / "check" / "identity") == ["loss-s3-t64-seed0"]
-    for entry in steps(check)[:2]:
-        mine, search = check / entry["artifact"], run_dir / entry["artifact"]
-        assert entry["cached"] and os.path.samefile(mine, search)
-    assert (run_dir / "check" / "exact").is_dir()  # exact NLLs both checks share
-
-
-def test_a_failing_check_moves_the_choice_up(tuned, tiny_checkpoint, texts, tmp_path, monkeypatch):
+def test_a_failing_check_moves_the_choice_up_without_calibrating_again(tuned, tiny_checkpoint, texts, tmp_path,
+                                                                        monkeypatch):
     _, run_dir = tuned
     copy = Path(shutil.copytree(run_dir, tmp_path / "copy"))
     judge = tune.verdict
@@ -325,12 +331,17 @@ def test_a_failing_check_moves_the_choice_up(tuned, tiny_checkpoint, texts, tmp_
 
     monkeypatch.setattr(tune, "verdict", strict)
     doc = tune_command(**tiny_options(tiny_checkpoint, texts, copy))
-    assert doc["choices"]["identity"]["split"] == doc["choices"]["ridge"]["split"] == 4 and doc["split"] == 4
+    # fastest first: identity 3, ridge 3 (both fail), identity 4 (passes: served; ridge 4 is slower, never checked)
     assert [(v["variant"], v["split"], v["verdict"]) for v in doc["tune"]["checks"]] == [
-        ("identity", 3, "distant NLL +9.000 nats"), ("identity", 4, PASS),
-        ("ridge", 3, "distant NLL +9.000 nats"), ("ridge", 4, PASS)]
-    assert labels(copy / "check" / "ridge")[-2:] == ["loss-s3-t64-seed0", "loss-s4-t64-seed0"]
+        ("identity", 3, "distant NLL +9.000 nats"), ("identity", 4, PASS), ("ridge", 3, "distant NLL +9.000 nats")]
+    assert (doc["variant"], doc["split"]) == ("identity", 4) and doc["choices"]["ridge"] is None
     assert doc["quality"]["nll"]["difference"] is not None
+    assert labels(copy / "check" / "identity") == ["loss-s3-t64-seed0", "loss-s4-t64-seed0"]
+    check = copy / "check" / "ridge"
+    assert labels(check) == ["calibrate", "fit-s3", "loss-s3-t64-seed0"]  # only the checked split
+    for entry in steps(check)[:2]:  # the search's calibration and fit, hard-linked (same key, same inputs)
+        assert entry["cached"] and os.path.samefile(check / entry["artifact"], copy / entry["artifact"])
+    assert (copy / "check" / "exact").is_dir()  # the exact NLLs both checks share
 
 
 def test_no_nll_check_judges_ruler_alone(tuned, tiny_checkpoint, texts, tmp_path, capsys):

@@ -8,9 +8,10 @@ Two stages, because the two measures cost very differently. RULER (a few dozen s
 Distant-context NLL needs hundreds of LongPPL key tokens to judge a bound of a few tenths of a nat, and only
 scored tail tokens can be key tokens: at the serving tail (256 tokens) that is ~100 passages per split. So the
 NLL *check* scores its own, longer tail (--nll-tail, 1,024 of each 4,096-token passage: 428 key tokens in 26
-passages on SmolLM2) and runs only where the answer is decided: at each variant's RULER choice, then, while the
-distant-context NLL is more than `max_distant_gap` nats above exact's, at the next candidate up (its RULER
-measured first where the search skipped it). --no-nll-check judges RULER alone.
+passages on SmolLM2) and runs only where the answer is decided: from the variants' RULER choices upward, fastest
+(variant, split) first, until one keeps the distant-context NLL within `max_distant_gap` nats of exact's (its
+RULER measured first where the search skipped it): that one is served, and nothing slower is checked.
+--no-nll-check judges RULER alone and serves the faster RULER choice.
 
 The work is recipes run through the recipe pipeline's pieces (pipeline.run.run_tasks), each task cached under its
 key, so a rerun or an interrupted tune reuses every finished step: the search's recipe.toml in the run folder (one
@@ -85,8 +86,9 @@ class TuneConfig(ModelConfig):
                         listed=str)
     samples: int = option(10, "RULER samples per task and length.")
     max_new_tokens: int = option(16, "Cap on RULER's answer budget (a niah answer is a 7-digit number).")
-    nll_check: bool = option(True, "Check each variant's RULER choice on distant-context NLL and step up while it "
-                         "fails --max-distant-gap (--no-nll-check: judge RULER alone).", negatable=True)
+    nll_check: bool = option(True, "Check distant-context NLL from the RULER choices up, fastest split first, "
+                             "until one is within --max-distant-gap (--no-nll-check: judge RULER alone).",
+                             negatable=True)
     eval_data: str = option("shakespeare", "Text whose evaluation passages the NLL check scores.")
     context: int = option(4096, "Tokens per passage of the NLL check.")
     nll_tail: int = option(1024, "Last tokens of each check passage that run in full and are scored (the check's "
@@ -342,18 +344,25 @@ def search(mode: str, candidates: list[int], judge: Judge, variants: list[str]) 
     return descend(candidates, judge, variants, every=mode == "all")
 
 
-def step_up(candidates: list[int], chosen: dict[str, int | None], ruler: Judge, checks: dict[str, Judge]) -> \
-        dict[str, int | None]:
-    """Per variant, from its RULER choice upward, the first candidate that passes RULER (asked again: measured
-    where the search skipped it) and then its NLL check; None where none does (or the search chose none)."""
-    out: dict[str, int | None] = {}
-    for v, low in chosen.items():
-        out[v] = None
-        for split in ([] if low is None else [s for s in sorted(candidates) if s >= low]):
-            if ruler(split)[v] and checks[v](split)[v]:
-                out[v] = split
-                break
-    return out
+def step_up(candidates: list[int], chosen: dict[str, int | None], ruler: Judge, checks: dict[str, Judge],
+            speed: Callable[[str, int], float | None]) -> dict[str, int | None]:
+    """The NLL check of the search's choices, fastest first: every (variant, split) at or above the variant's
+    RULER choice, in order of FLOP-limit speedup `speed` (without one: the lower split, identity first), is
+    asked RULER (again: measured where the search skipped it), then its NLL check; the first that passes both
+    is the one served and nothing slower is checked. Returns per variant the split that passed (None for
+    every variant but that one's)."""
+    def rank(pair: tuple[str, int]):
+        v, split = pair
+        return (speed(v, split) or 0.0, -split, v == "identity")
+
+    pairs = sorted(((v, split) for v, low in chosen.items() if low is not None for split in candidates
+                    if split >= low), key=rank, reverse=True)
+    found: dict[str, int | None] = {v: None for v in chosen}
+    for v, split in pairs:
+        if ruler(split)[v] and checks[v](split)[v]:
+            found[v] = split
+            break
+    return found
 
 
 # --- the sweep ----------------------------------------------------------------------------------------------
@@ -430,13 +439,14 @@ def run(c: TuneConfig) -> dict:
     search_recipe, check_recipes = recipes(c, candidates, run_dir)
     flops = FlopModel(facts.shape, c.flop_length, c.keep_first)
     sweep = Sweep(search_recipe, run_dir, facts, flops, c.fill_names, c.tolerance, c.max_distant_gap)
-    chosen = search(c.search, candidates, sweep.judge, c.fill_names)
+    searched = chosen = search(c.search, candidates, sweep.judge, c.fill_names)
     checks = {v: Sweep(r, run_dir / CHECK_FOLDER / v, facts, flops, [v], c.tolerance, c.max_distant_gap,
                        judged=("nll",), reuse=run_dir) for v, r in check_recipes.items()}
     if checks:
-        chosen = step_up(candidates, chosen, sweep.judge, {v: check.judge for v, check in checks.items()})
+        chosen = step_up(candidates, chosen, sweep.judge, {v: check.judge for v, check in checks.items()},
+                         lambda v, split: _speedup_at(sweep, v, split))
     points = merged_points(sweep, checks)
-    print_frontier(sweep, checks, points, chosen, c.tail)
+    print_frontier(sweep, checks, points, chosen, searched, c.tail)
     check_results = [r for check in checks.values() for r in check.results()[1]]
     warning = distant_warning(check_results) if checks else ("tune: --no-nll-check: the split was judged on RULER "
                                                              "alone; the distant-context NLL was not measured")
@@ -451,7 +461,7 @@ def run(c: TuneConfig) -> dict:
                              f"{c.tolerance:g} points{bound} of exact ({', '.join(c.fill_names)}): try higher "
                              f"--splits, a longer --tail or looser bounds; the measurements are in "
                              f"{run_dir / 'report.md'}")
-    doc = serving_config(c, sweep, checks, best, chosen, candidates)
+    doc = serving_config(c, sweep, checks, best, chosen, searched, candidates)
     path = c.config_out or run_dir / "serving.json"
     write_json(path, doc)
     print(path)
@@ -470,14 +480,16 @@ def best_choice(points: list[Point], chosen: dict[str, int | None]) -> Point | N
     return max(found, key=lambda p: (p.flop_speedup or 0.0, -p.split, p.variant == "identity"))
 
 
-def print_frontier(sweep: Sweep, checks: dict[str, Sweep], points: list[Point], chosen: dict, tail: int) -> None:
+def print_frontier(sweep: Sweep, checks: dict[str, Sweep], points: list[Point], chosen: dict, searched: dict,
+                   tail: int) -> None:
     rows = []
     for p in sorted(points, key=lambda p: (-p.split, p.variant)):
         check = checks[p.variant].verdicts.get((p.variant, p.split), "") if p.variant in checks else ""
         rows.append([p.split, p.variant, p.flop_speedup, p.retrieval, p.retrieval_exact,
                      None if p.retrieval_drop is None else p.retrieval - p.retrieval_exact, p.distant_gap,
                      sweep.verdicts.get((p.variant, p.split), ""), check,
-                     "yes" if chosen.get(p.variant) == p.split else ""])
+                     "yes" if chosen.get(p.variant) == p.split else
+                     "RULER's" if searched.get(p.variant) == p.split else ""])
     length = next((p.length for p in points if p.length), sweep.flops.length)
     nll = f", NLL within {sweep.max_gap:g} nats" if checks else ""
     table(f"tune: FLOP-limit speedup at {length} tokens vs quality (tail {tail}; RULER within "
@@ -504,7 +516,7 @@ def distant_warning(results: list) -> str | None:
 
 # --- the serving config -------------------------------------------------------------------------------------
 def serving_config(c: TuneConfig, sweep: Sweep, checks: dict[str, Sweep], best: Point, chosen: dict,
-                   candidates: list[int]) -> dict:
+                   searched: dict, candidates: list[int]) -> dict:
     """What a server needs to fill as tuned (split, tail, keep_first, variant, maps), what it should expect
     (quality with intervals, FLOP-limit speedup at a stated length) and where it came from."""
     manifest, results = sweep.results()
@@ -524,6 +536,7 @@ def serving_config(c: TuneConfig, sweep: Sweep, checks: dict[str, Sweep], best: 
                     for v, s in chosen.items()},
         "tune": {"run_dir": str(sweep.run_dir.resolve()), "recipe": str((sweep.run_dir / "recipe.toml").resolve()),
                  "search": c.search, "candidates": candidates, "measured": sweep.measured,
+                 "ruler_choices": searched,
                  "tolerance": c.tolerance, "max_distant_gap": c.max_distant_gap,
                  "verdicts": [{"variant": v, "split": s, "verdict": x} for (v, s), x in sweep.verdicts.items()],
                  "checks": [{"variant": v, "split": s, "verdict": x, "recipe": str(k.recipe.path.resolve())}
