@@ -188,6 +188,7 @@ def test_candidate_splits():
     ({"lengths": "2k"}, "--lengths '2k' is not a comma-separated list of integers"),
     ({"short": 4096}, "tune: [loss] (tail 1024): --short 4096 must be between 1 and --context - 1"),
     ({"nll_tail": 0}, "--nll-tail 0 must be at least 1"),
+    ({"nll_tail": 4096}, "--nll-tail 4096 plus --keep-first 1 leave no filled row in a --context 4096 passage"),
     ({"short_stride": 0}, "--short-stride 0 must be at least 1"),
     ({"tail": 2048}, "tune: [ruler] (tail 2048): --tail 2048 plus --keep-first 1 leave no filled row"),
     ({"tasks": "niah_single_9"}, "unknown RULER task(s) niah_single_9"),
@@ -353,6 +354,16 @@ def test_no_nll_check_judges_ruler_alone(tuned, tiny_checkpoint, texts, tmp_path
     assert doc["quality"]["nll"] is None and doc["tune"]["checks"] == [] and not (copy / "check").exists()
     assert doc["split"] == 3 and all(s["cached"] for s in steps(copy))
     assert "--no-nll-check: the split was judged on RULER alone" in "".join(capsys.readouterr())
+
+
+def test_prompts_longer_than_the_model_takes_stop_before_any_measurement(tiny_checkpoint, texts, tmp_path):
+    from ridgefill.runtime.session import open_session
+
+    limit = open_session(str(tiny_checkpoint)).context_length
+    for flag, values in (("--context", {"context": limit + 1}), ("--lengths", {"lengths": str(limit + 1)})):
+        with pytest.raises(RidgefillError, match=rf"^{flag} {limit + 1} exceeds the model's context of {limit} tokens"):
+            tune_command(**{**tiny_options(tiny_checkpoint, texts, tmp_path / "run"), **values})
+        assert not (tmp_path / "run").exists()
 
 
 def test_splits_out_of_range_for_the_model(tiny_checkpoint, texts, tmp_path):

@@ -114,6 +114,10 @@ class TuneConfig(ModelConfig):
         parse_lengths(self.lengths)
         if self.splits is not None and split_values(self.splits)[0] < 1:
             raise RidgefillError(f"--splits {self.splits}: split 0 is out of range: a split is 1 or more")
+        if self.nll_check and self.nll_tail + self.keep_first >= self.context:
+            raise RidgefillError(f"--nll-tail {self.nll_tail} plus --keep-first {self.keep_first} leave no filled row "
+                                 f"in a --context {self.context} passage: the NLL check would compare exact with "
+                                 f"exact; use a --nll-tail below {self.context - self.keep_first}")
         for flag, value in (("--samples", self.samples), ("--passages", self.passages), ("--tokens", self.tokens),
                             ("--length", self.length), ("--nll-tail", self.nll_tail),
                             ("--short-stride", self.short_stride)):
@@ -262,13 +266,15 @@ def preflight(c: TuneConfig) -> None:
 class ModelFacts:
     info: dict  # id, weights hash, family, widths, layer kinds, n_layers: what the manifest records
     shape: "ModelShape"
+    context_length: int | None = None  # the longest prompt the model takes (None: not stated)
 
 
 def model_facts(c: TuneConfig) -> ModelFacts:
     """Load the model once for its identity and shapes, then free it (every task loads its own). A local folder
     is opened by its absolute path, the model id the recipe's tasks record."""
     session = replace(c, model=_local(c.model)).open()
-    facts = ModelFacts({**session.loaded.info(), "n_layers": session.engine.n_layers}, session.shape)
+    facts = ModelFacts({**session.loaded.info(), "n_layers": session.engine.n_layers}, session.shape,
+                       session.context_length)
     del session
     gc.collect()
     if c.device == "cuda":
@@ -276,6 +282,13 @@ def model_facts(c: TuneConfig) -> ModelFacts:
 
         torch.cuda.empty_cache()
     return facts
+
+
+def check_fits(c: TuneConfig, limit: int | None) -> None:
+    """Every prompt tune will run fits the model's context (before any measurement)."""
+    for flag, length in [("--lengths", max(c.ruler_lengths))] + ([("--context", c.context)] if c.nll_check else []):
+        if limit and length > limit:
+            raise RidgefillError(f"{flag} {length} exceeds the model's context of {limit} tokens: lower it")
 
 
 # --- judging a split ----------------------------------------------------------------------------------------
@@ -434,6 +447,7 @@ def run(c: TuneConfig) -> dict:
 
     preflight(c)
     facts = model_facts(c)
+    check_fits(c, facts.context_length)
     candidates = candidate_splits(c.splits, facts.info["n_layers"])
     run_dir = c.run_dir
     search_recipe, check_recipes = recipes(c, candidates, run_dir)
