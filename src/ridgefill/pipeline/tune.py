@@ -7,7 +7,7 @@ quality per split and variant), write the reports and a serving config JSON.
 Two stages, because the two measures cost very differently. RULER (a few dozen short prompts) decides the search.
 Distant-context NLL needs hundreds of LongPPL key tokens to judge a bound of a few tenths of a nat, and only
 scored tail tokens can be key tokens: at the serving tail (256 tokens) that is ~100 passages per split. So the
-NLL *check* scores its own, longer tail (--nll-tail, 1,024 of each 4,096-token passage: 428 key tokens in 26
+NLL *check* scores its own, longer tail (--nll-tail, 1,024 of each 4,096-token passage: 333 key tokens in 20
 passages on SmolLM2) and runs only where the answer is decided: from the variants' RULER choices upward, fastest
 (variant, split) first, until one keeps the distant-context NLL within `max_distant_gap` nats of exact's (its
 RULER measured first where the search skipped it): that one is served, and nothing slower is checked.
@@ -96,8 +96,8 @@ class TuneConfig(ModelConfig):
     short: int = option(256, "Short window (tokens) whose loss marks distant-context tokens.")
     short_stride: int = option(64, "Scored tokens per short window of the check's exact pass (1: one window per "
                                "token, exact but slow).")
-    passages: int = option(26, "Passages the NLL check scores per split (SmolLM2: 428 distant-context tokens in "
-                           "26).")
+    passages: int = option(20, "Passages the NLL check scores per split (SmolLM2: 333 distant-context tokens in "
+                           "20).")
     length: int | None = option(None, "Prompt length the expected FLOP-limit speedup is stated at (default: the "
                                 "longest measured prompt: a RULER length, or --context with the check).")
     seed: int = option(0, "Sample and bootstrap seed.")
