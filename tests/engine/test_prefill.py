@@ -178,7 +178,8 @@ def test_outlier_rows_run_in_full_like_keep_rows(dense_model, chunk):
     assert got.n_outliers == len(expected) and got.n_filled == kept.n_filled
     assert (got.logits - kept.logits).abs().max() <= TOL
     assert_caches_equal(got.cache, kept.cache)
-    assert plan.tally.to_dict() == {"filled_rows": got.n_filled, "outlier_rows_run_full": len(expected)}
+    assert plan.tally.to_dict() == {"filled_rows": got.n_filled, "outlier_rows_run_full": len(expected),
+                                    "lookback_rows_run_full": 0}
 
 
 def test_outlier_factor_zero_or_huge_changes_nothing(dense_model):

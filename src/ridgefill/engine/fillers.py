@@ -6,7 +6,9 @@ is exact). `predict` returns [B, n, L-S-1, H]; `late_inputs` returns the same in
 [L-S, B·n, H], the layout of the fused fill projection (engine/projection.py), each filler computing it its own
 way (no copy for identity fill, one batched GEMM for maps). A filler may carry a key-scale correction
 (`key_scale` [L-S, Hkv]: each late attention layer's filled keys are multiplied per KV head; 1 where none is
-fitted; method/key_scale.py fits it).
+fitted; method/key_scale.py fits it). Maps with lookback K (engine/lookback.py) also read the split states of the
+K rows before each filled row: `previous` [B, n, K·H], nearest first; the engine gives it, and runs in full every
+filled row whose window it cannot give.
 """
 
 from __future__ import annotations
@@ -20,12 +22,16 @@ class Filler(Protocol):
     split: int
     n_layers: int
     key_scale: torch.Tensor | None  # [L-S, Hkv] per layer S..L-1 and KV head; None: no correction
+    lookback: int  # K: rows before each filled row whose split states the maps read (0: none)
+    lookback_start: int  # the first position a lookback window may hold (calibration's --skip-first)
 
-    def predict(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [B, n, H] split state of the filled rows at absolute `positions` [n] -> [B, n, L-S-1, H]."""
+    def predict(self, x: torch.Tensor, positions: torch.Tensor, previous: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, n, H] split state of the filled rows at absolute `positions` [n] (previous [B, n, K·H]: their
+        windows' split states, with lookback K > 0) -> [B, n, L-S-1, H]."""
         ...
 
-    def late_inputs(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def late_inputs(self, x: torch.Tensor, positions: torch.Tensor,
+                    previous: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, n, H] -> [L-S, B·n, H]: the input of each late layer S..L-1, layer-major (index 0: x itself)."""
         ...
 
@@ -68,14 +74,16 @@ class IdentityFiller:
     name = "identity"
     nbytes = 0
     rank = None
+    lookback = lookback_start = 0
 
     def __init__(self, split: int, n_layers: int, key_scale: torch.Tensor | None = None) -> None:
         self.split, self.n_layers, self.key_scale = split, n_layers, key_scale
 
-    def predict(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def predict(self, x: torch.Tensor, positions: torch.Tensor, previous: torch.Tensor | None = None) -> torch.Tensor:
         return x.unsqueeze(2).expand(-1, -1, _n_maps(self), -1)
 
-    def late_inputs(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def late_inputs(self, x: torch.Tensor, positions: torch.Tensor,
+                    previous: torch.Tensor | None = None) -> torch.Tensor:
         b, n, h = x.shape
         return x.reshape(b * n, h).expand(_n_maps(self) + 1, b * n, h)  # a stride-0 view: no copy
 
@@ -84,28 +92,36 @@ class IdentityFiller:
 
 
 class MapFiller:
-    """Fitted affine maps x·W_l + b_l for l = S+1..L-1, applied as one GEMM against their concatenation.
+    """Fitted affine maps f·W_l + b_l for l = S+1..L-1, applied as one GEMM against their concatenation.
 
-    weights: [L-S-1, H, H]; biases: [L-S-1, H]. A low-rank map stores W_l = I + U_l V_l; then
-    `low_rank` = (U [L-S-1, H, r], V [L-S-1, r, H]) and `weights` is None.
+    f is the filled row's split state x [H], or with lookback K its window's too: [x_t, x_{t-1}, .., x_{t-K}]
+    [F = (K+1)·H]. weights: [L-S-1, F, H]; biases: [L-S-1, H]. A low-rank map stores W_l = E + U_l V_l (E: the
+    identity on x's block, zero on the window's); then `low_rank` = (U [L-S-1, F, r], V [L-S-1, r, H]) and
+    `weights` is None. lookback_start: the first position a window may hold (engine/lookback.py).
     """
 
     name = "ridge"
 
     def __init__(self, split: int, n_layers: int, weights: torch.Tensor | None, biases: torch.Tensor,
                  low_rank: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 key_scale: torch.Tensor | None = None) -> None:
+                 key_scale: torch.Tensor | None = None, lookback_start: int = 0) -> None:
         self.split, self.n_layers, self.key_scale = split, n_layers, key_scale
         hidden = biases.shape[-1]
         self._biases = biases  # [L-S-1, H]
         self._stacked = self._stacked_u = self._v = None
         if weights is not None:
-            # [H, (L-S-1)*H]: column block j is layer S+1+j's map.
-            self._stacked = weights.permute(1, 0, 2).reshape(hidden, _n_maps(self) * hidden).contiguous()
+            features = weights.shape[1]
+            # [F, (L-S-1)*H]: column block j is layer S+1+j's map.
+            self._stacked = weights.permute(1, 0, 2).reshape(features, _n_maps(self) * hidden).contiguous()
         else:
             u, v = low_rank
-            self._stacked_u = u.permute(1, 0, 2).reshape(hidden, -1).contiguous()  # [H, (L-S-1)*r]
+            features = u.shape[1]
+            self._stacked_u = u.permute(1, 0, 2).reshape(features, -1).contiguous()  # [F, (L-S-1)*r]
             self._v = v  # [L-S-1, r, H]
+        if features % hidden:
+            raise ValueError(f"map inputs of width {features} are not a whole number of {hidden}-wide split states")
+        self.lookback = features // hidden - 1
+        self.lookback_start = lookback_start
 
     def _tensors(self) -> dict[str, torch.Tensor]:
         names = ("_stacked", "_stacked_u", "_v", "_biases", "key_scale")
@@ -126,31 +142,45 @@ class MapFiller:
 
     def flops_per_row(self) -> int:
         h = self._biases.shape[-1]
-        per_map = 2 * h * h if self.rank is None else 4 * h * self.rank  # x·W, or x·U then z·V
+        f = h * (self.lookback + 1)
+        per_map = 2 * f * h if self.rank is None else 2 * self.rank * (f + h)  # f·W, or f·U then z·V
         return _n_maps(self) * per_map
 
-    def predict(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _inputs(self, x: torch.Tensor, previous: torch.Tensor | None) -> torch.Tensor:
+        """x [B, n, H], previous [B, n, K·H] -> the maps' inputs [B·n, F]."""
+        b, n, h = x.shape
+        if not self.lookback:
+            return x.reshape(b * n, h)
+        if previous is None or previous.shape[-1] != self.lookback * h:
+            raise ValueError(f"maps with lookback {self.lookback} need the split states of the {self.lookback} rows "
+                             "before each filled row")
+        return torch.cat([x, previous], dim=-1).reshape(b * n, -1)
+
+    def predict(self, x: torch.Tensor, positions: torch.Tensor, previous: torch.Tensor | None = None) -> torch.Tensor:
         b, n, h = x.shape
         m = _n_maps(self)
+        f = self._inputs(x, previous)  # [B*n, F]
         if self._v is None:
-            out = (x.reshape(b * n, h) @ self._stacked).view(b, n, m, h)
+            out = (f @ self._stacked).view(b, n, m, h)
         else:
             r = self._v.shape[1]
-            z = (x.reshape(b * n, h) @ self._stacked_u).view(b * n, m, r).transpose(0, 1)  # [maps, B*n, r]
+            z = (f @ self._stacked_u).view(b * n, m, r).transpose(0, 1)  # [maps, B*n, r]
             out = x.unsqueeze(2) + torch.bmm(z, self._v).transpose(0, 1).view(b, n, m, h)
         return out + self._biases
 
-    def late_inputs(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def late_inputs(self, x: torch.Tensor, positions: torch.Tensor,
+                    previous: torch.Tensor | None = None) -> torch.Tensor:
         m = _n_maps(self)
         flat, out = _with_split_state(x, m)  # flat [R, H], out [m+1, R, H]
         if m == 0:
             return out
         h = flat.shape[1]
+        f = self._inputs(x, previous)  # [R, F]
         if self._v is None:
-            weights = self._stacked.view(h, m, h).transpose(0, 1)  # [m, H, H], a view: column block j is map j
-            torch.bmm(flat.expand(m, -1, -1), weights, out=out[1:])
-        else:  # W = I + U V: x + (x U) V + b
-            z = (flat @ self._stacked_u).view(flat.shape[0], m, -1).transpose(0, 1)  # [m, R, r]
+            weights = self._stacked.view(f.shape[1], m, h).transpose(0, 1)  # [m, F, H], a view: block j is map j
+            torch.bmm(f.expand(m, -1, -1), weights, out=out[1:])
+        else:  # W = E + U V: x + (f U) V + b
+            z = (f @ self._stacked_u).view(flat.shape[0], m, -1).transpose(0, 1)  # [m, R, r]
             torch.bmm(z, self._v, out=out[1:])
             out[1:] += flat
         out[1:] += self._biases.unsqueeze(1)
@@ -166,6 +196,7 @@ class OracleFiller:
     name = "oracle"
     rank = None
     key_scale = None
+    lookback = lookback_start = 0
 
     def __init__(self, split: int, hidden: list[torch.Tensor]) -> None:
         self.split = split
@@ -181,10 +212,11 @@ class OracleFiller:
     def flops_per_row(self) -> int:
         return 0  # a lookup, no maps
 
-    def predict(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def predict(self, x: torch.Tensor, positions: torch.Tensor, previous: torch.Tensor | None = None) -> torch.Tensor:
         return self.late[:, positions]
 
-    def late_inputs(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def late_inputs(self, x: torch.Tensor, positions: torch.Tensor,
+                    previous: torch.Tensor | None = None) -> torch.Tensor:
         m = _n_maps(self)
         flat, out = _with_split_state(x, m)
         if m:

@@ -28,6 +28,7 @@ from ridgefill.engine.families.base import Adapter
 from ridgefill.engine.attention import FLASH_CPU, lower_right_causal, prefix_then_block
 from ridgefill.engine.cache import AttentionCache, Cache
 from ridgefill.engine.fillers import Filler
+from ridgefill.engine.lookback import lookback_windows, window_states
 from ridgefill.engine.projection import FillProjection
 from ridgefill.engine.shape import ModelShape
 from ridgefill.engine.timing import Stopwatch
@@ -44,9 +45,26 @@ class FillTally:
 
     filled: int = 0  # rows filled
     outliers: int = 0  # rows that would have been filled but ran in full: their split state is an outlier
+    unwindowed: int = 0  # ... ran in full: their maps' lookback window was not whole (engine/lookback.py)
 
     def to_dict(self) -> dict:
-        return {"filled_rows": self.filled, "outlier_rows_run_full": self.outliers}
+        return {"filled_rows": self.filled, "outlier_rows_run_full": self.outliers,
+                "lookback_rows_run_full": self.unwindowed}
+
+
+@dataclass(frozen=True)
+class Promoted:
+    """Rows of a chunk that would have been filled but ran in full, by cause."""
+
+    outliers: int = 0  # their split state is an outlier (FillPlan.outlier_factor)
+    unwindowed: int = 0  # their lookback window was not whole (and they are no outlier)
+
+    def __add__(self, other: "Promoted") -> "Promoted":
+        return Promoted(self.outliers + other.outliers, self.unwindowed + other.unwindowed)
+
+    @property
+    def total(self) -> int:
+        return self.outliers + self.unwindowed
 
 
 @dataclass
@@ -103,8 +121,9 @@ class PrefillResult:
     logits: torch.Tensor  # [B, m, V] at `rows`
     rows: torch.Tensor  # [m] prompt-relative row indices that have logits
     n_rows: int
-    n_filled: int  # rows filled (outlier rows that ran in full not counted)
+    n_filled: int  # rows filled (rows that ran in full instead not counted)
     n_outliers: int = 0  # rows that would have been filled but ran in full (FillPlan.outlier_factor)
+    n_unwindowed: int = 0  # ... ran in full: their lookback window was not whole (engine/lookback.py)
 
     @property
     def filled_share(self) -> float:
@@ -212,13 +231,13 @@ class Engine:
         wanted = self._logit_rows(logits_at, full)
         chunk = chunk or self.chunk
         capacity = max(capacity, start + n_rows)
-        hidden, rows, outliers = [], [], 0
+        hidden, rows, promoted = [], [], Promoted()
         for c0 in range(0, n_rows, chunk):
             c1 = min(n_rows, c0 + chunk)
             sel = wanted[(wanted >= c0) & (wanted < c1)]
-            h_full, full_idx, promoted = self._chunk(ids[:, c0:c1], start + c0, full[c0:c1], fill, cache, observe,
+            h_full, full_idx, ran_full = self._chunk(ids[:, c0:c1], start + c0, full[c0:c1], fill, cache, observe,
                                                      capacity)
-            outliers += promoted
+            promoted += ran_full
             if len(sel):
                 where = torch.searchsorted(full_idx, sel - c0)
                 hidden.append(h_full[:, where])
@@ -228,11 +247,12 @@ class Engine:
         else:
             logits = torch.empty(ids.shape[0], 0, 0)
         rows_t = torch.cat(rows) if rows else torch.empty(0, dtype=torch.long)
-        n_filled = int((~full).sum()) - outliers
+        n_filled = int((~full).sum()) - promoted.total
         if fill is not None:
             fill.tally.filled += n_filled
-            fill.tally.outliers += outliers
-        return PrefillResult(cache, logits, rows_t, n_rows, n_filled, outliers)
+            fill.tally.outliers += promoted.outliers
+            fill.tally.unwindowed += promoted.unwindowed
+        return PrefillResult(cache, logits, rows_t, n_rows, n_filled, promoted.outliers, promoted.unwindowed)
 
     @torch.inference_mode()
     def decode_step(self, cache: Cache, tokens: torch.Tensor) -> torch.Tensor:
@@ -306,7 +326,7 @@ class Engine:
 
     def _chunk(self, ids, start, full, fill, cache, observe, capacity):
         """One chunk of rows at absolute positions start..start+n. Returns (final hidden of the full rows
-        [B, nU, H], their chunk-relative indices [nU], how many filled rows ran in full as outliers)."""
+        [B, nU, H], their chunk-relative indices [nU], the filled rows that ran in full: `Promoted`)."""
         a = self.adapter
         b, n = ids.shape
         positions = torch.arange(start, start + n, device=ids.device)
@@ -319,20 +339,23 @@ class Engine:
         if len(idx_fill) == 0:
             split = self.n_layers  # nothing to fill in this chunk: every layer runs exactly
         filled = None  # FilledRows: what the filled rows bring to each late layer
-        promoted = 0
+        promoted = Promoted()
         for layer in range(self.n_layers):
             if layer == split:
                 outlier = fill.outlier_rows(h[:, idx_fill])  # [nF] bool
-                if outlier.any():  # they run every layer, like the tail
-                    promoted = int(outlier.sum())
-                    idx_full = torch.cat([idx_full, idx_fill[outlier]]).sort().values
-                    idx_fill = idx_fill[~outlier]
+                windows, unwindowed = _windows(fill.filler, positions, idx_fill, outlier)
+                run_full = outlier | unwindowed
+                if run_full.any():  # they run every layer, like the tail
+                    promoted = Promoted(int(outlier.sum()), int((unwindowed & ~outlier).sum()))
+                    idx_full = torch.cat([idx_full, idx_fill[run_full]]).sort().values
+                    idx_fill, windows = idx_fill[~run_full], windows[~run_full]
                     rows = _Rows(n, idx_full, idx_fill, positions, cos, sin)
                 if len(idx_fill) == 0:
-                    split = self.n_layers  # every filled row was an outlier: the rest of the chunk runs exactly
+                    split = self.n_layers  # every filled row ran in full: the rest of the chunk runs exactly
             if layer == split:
+                previous = window_states(h, windows) if fill.filler.lookback else None  # [B, nF, K·H]
                 filled = self.projection.fill(fill.filler, h[:, idx_fill], positions[idx_fill], rows.cos_fill,
-                                              rows.sin_fill)
+                                              rows.sin_fill, previous)
                 h = h[:, idx_full]
                 rows = rows.after_split()
             if observe is not None:
@@ -378,6 +401,18 @@ class Engine:
         if h.shape[1] == 0:
             return h
         return a.mlp_block(layer, h + out)
+
+
+def _windows(filler: Filler, positions: torch.Tensor, idx_fill: torch.Tensor,
+             outlier: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The lookback windows of a chunk's filled rows `idx_fill` [nF] (chunk-relative; `outlier` [nF] those that run
+    in full as outliers, which no window may hold): (index [nF, K] into the chunk's rows, not whole [nF] bool).
+    Maps without lookback (K = 0): an empty index and every window whole."""
+    blocked = torch.zeros(positions.shape[0], dtype=torch.bool, device=positions.device)
+    blocked[idx_fill[outlier]] = True
+    index, whole = lookback_windows(positions, torch.zeros_like(positions), blocked, filler.lookback,
+                                    filler.lookback_start)
+    return index[idx_fill], ~whole[idx_fill]
 
 
 class _Rows:

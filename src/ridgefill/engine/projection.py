@@ -115,11 +115,12 @@ class FillProjection:
         return "triton" if self._use_triton(stack, stack.head_dim) else "torch"
 
     def fill(self, filler: Filler, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-             sin: torch.Tensor) -> FilledRows:
-        """x [B, nF, H] split state of the filled rows at `positions` [nF]; cos/sin [B, nF, Dr] their RoPE."""
+             sin: torch.Tensor, previous: torch.Tensor | None = None) -> FilledRows:
+        """x [B, nF, H] split state of the filled rows at `positions` [nF]; cos/sin [B, nF, Dr] their RoPE;
+        previous [B, nF, K·H]: their lookback windows' split states (maps with lookback K > 0)."""
         with self.timer.span() if self.timer is not None else nullcontext():
             b, n, _ = x.shape
-            inputs = filler.late_inputs(x, positions)  # [L-S, B·nF, H]
+            inputs = filler.late_inputs(x, positions, previous)  # [L-S, B·nF, H]
             kv = {}
             stack = self.stack(filler.split) if n and self.backend != "layers" else None
             if stack is not None:

@@ -53,7 +53,8 @@ def load_filler(path: str | Path, model_info: dict, split: int | None = None,
         return IdentityFiller(s, n_layers, scale), meta
     try:
         low = (tensors["u"], tensors["v"]) if "u" in tensors else None
-        filler = MapFiller(s, n_layers, tensors.get("weight"), tensors["bias"], low, key_scale)
-    except (KeyError, RuntimeError) as exc:
+        filler = MapFiller(s, n_layers, tensors.get("weight"), tensors["bias"], low, key_scale,
+                           meta.get("lookback_start", 0))
+    except (KeyError, RuntimeError, ValueError) as exc:
         raise RidgefillError(f"{path} is incomplete ({exc}): refit it with ridgefill fit") from None
     return filler.to(torch.device(device), dtype), meta
