@@ -242,6 +242,8 @@ CASES: list[Case] = [
     Case("calibrate-chunk-zero", cmd(CAL, chunk=0), match="--chunk"),
     Case("calibrate-chunk-negative", cmd(CAL, chunk=-4), match="--chunk"),
     Case("calibrate-skip-first-negative", cmd(CAL, skip_first=-1), match="--skip-first"),
+    Case("calibrate-lookback-negative", cmd(CAL, lookback=-1), match="--lookback"),
+    Case("calibrate-lookback-whole-sequence", cmd(CAL, lookback=127), match="leave no row"),
     Case("calibrate-outlier-factor-negative", cmd(CAL, outlier_factor=-1), match="--outlier-factor"),
     Case("calibrate-checkpoint-every-negative", cmd(CAL, checkpoint_every=-1), match="--checkpoint-every"),
     Case("calibrate-unknown-dtype", cmd(CAL, dtype="fp8"), match="dtype"),

@@ -45,6 +45,53 @@ def test_statistics_match_hidden_states(family):
     assert cal.stats[(2, "val")].count == 0
 
 
+def direct_lookback_inputs(model, seqs, split, skip_first, k):
+    """[x_t, x_{t-1}, .., x_{t-k}] of every row whose window stays past the sinks, and each later layer's inputs."""
+    fs, ys = [], {}
+    for ids in seqs:
+        with torch.no_grad():
+            hs = model(ids, output_hidden_states=True).hidden_states
+        x, first = hs[split][0].double(), skip_first + k
+        fs.append(torch.cat([x[first - j : x.shape[0] - j] for j in range(k + 1)], -1))
+        for layer in range(split + 1, len(hs) - 1):
+            ys.setdefault(layer, []).append(hs[layer][0, first:].double())
+    return torch.cat(fs), {k: torch.cat(v) for k, v in ys.items()}
+
+
+@pytest.mark.parametrize("chunk", [7, 64])
+def test_lookback_statistics_match_hidden_states(chunk):
+    """With lookback 2 the maps' inputs are x_t and the two rows before it, also across chunks; the two rows
+    after the sink are kept out (their window holds it) and counted with it; Σ‖x‖² stays that of x_t."""
+    model = tiny_model("qwen2")
+    engine = Engine(adapter_for(model), chunk=chunk)
+    seqs = [random_ids(20, seed=s) for s in range(3)]
+    cal = Calibration.empty([2], 6, 64, lookback=2)
+    for ids in seqs:
+        accumulate(engine, cal, ids, "train", skip_first=1, outlier_factor=0)
+    f, ys = direct_lookback_inputs(model, seqs, 2, 1, 2)
+    st = cal.stats[(2, "train")]
+    assert st.lookback == 2 and st.xtx.shape == (192, 192) and st.xty.shape == (3, 192, 64)
+    assert st.count == f.shape[0] == 3 * 17 and st.skipped_first == 3 * 3
+    assert torch.allclose(st.xtx, f.T @ f, rtol=1e-6, atol=1e-6)
+    assert torch.allclose(st.xsum, f.sum(0), atol=1e-6)
+    assert torch.allclose(st.xx, (f[:, :64] ** 2).sum(), rtol=1e-6)
+    for i, layer in enumerate(range(3, 6)):
+        assert torch.allclose(st.xty[i], f.T @ ys[layer], rtol=1e-6, atol=1e-6)
+
+
+def test_rows_whose_window_holds_an_outlier_are_kept_out():
+    model = tiny_model("llama")
+    with torch.no_grad():
+        model.model.embed_tokens.weight[5] *= 1000
+    ids = random_ids(30)
+    ids[ids == 5] = 6
+    ids[0, 10] = 5
+    cal = Calibration.empty([2], 6, 64, lookback=2)
+    accumulate(Engine(adapter_for(model)), cal, ids, "train", skip_first=1, outlier_factor=20)
+    st = cal.stats[(2, "train")]
+    assert st.skipped_first == 3 and st.skipped_outliers == 3 and st.count == 30 - 6  # rows 0-2; 10-12
+
+
 def test_outlier_rows_are_kept_out():
     model = tiny_model("llama")
     with torch.no_grad():  # make token 5's embedding huge: its split state becomes an outlier

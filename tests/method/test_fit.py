@@ -99,3 +99,26 @@ def test_fit_with_normalized_targets(tmp_path):
     run_calibration(engine, seqs, [3], plain, META, holdout=0.25)
     with pytest.raises(RidgefillError, match="--normalized-targets"):
         FIT(stats=plain, out=tmp_path / "x.safetensors", targets="normalized")
+
+
+@pytest.mark.parametrize("rank", [None, 8])
+def test_fit_with_lookback(tmp_path, rank):
+    """calibrate with lookback 1 -> fit writes maps that read x and the row before it (the file says so, and the
+    first position a window may hold: calibration's skip-first), at full or low rank; they load as such a filler,
+    and an identity fit from the same statistics stores no lookback."""
+    from ridgefill.method.maps import load_filler
+
+    engine = Engine(adapter_for(tiny_model("llama")))
+    seqs = [random_ids(32, seed=s)[0].tolist() for s in range(12)]
+    path = tmp_path / "stats.safetensors"
+    run_calibration(engine, seqs, [3], path, META, holdout=0.25, lookback=1)
+    tensors, meta = load_artifact(path, "stats")
+    assert meta["lookback"] == 1 and tensors["s3.train.xtx"].shape == (128, 128)
+    summary = FIT(stats=path, out=tmp_path / "maps.safetensors", rank=rank)
+    assert summary["lookback"] == 1
+    maps, maps_meta = load_artifact(tmp_path / "maps.safetensors", "maps")
+    assert maps_meta["lookback"] == 1 and maps_meta["lookback_start"] == 1
+    assert (maps["weight"].shape == (2, 128, 64)) if rank is None else (maps["u"].shape == (2, 128, 8))
+    filler, _ = load_filler(tmp_path / "maps.safetensors", {"weights_hash": "x"})
+    assert filler.lookback == 1 and filler.lookback_start == 1 and filler.rank == rank
+    assert FIT(stats=path, out=tmp_path / "id.safetensors", kind="identity")["lookback"] == 0

@@ -162,3 +162,49 @@ def test_statistics_without_normalized_targets_stay_as_they_were():
     assert set(st.tensors("p")) == {f"p.{n}" for n in ("xtx", "xsum", "xty", "ysum", "yy", "xx", "counts")}
     with pytest.raises(ValueError):
         st.normalized_targets(torch.ones(2, dtype=torch.float64))
+
+
+def test_lookback_fit_matches_direct_solution_with_the_identity_on_x():
+    """Inputs [x_t, x_{t-1}] ([n, 2H]) and targets that depend on both: the fit equals the direct ridge solution of
+    the residual y − x_t with E = [I; 0], and identity fill's error is the same as with x_t alone."""
+    x, _ = make_data(400, 0)
+    prev = torch.roll(x, 1, 0)
+    f = torch.cat([x, prev], 1)  # [n, 2H]
+    g = torch.Generator().manual_seed(5)
+    mats = [0.5 * torch.randn(H, H, generator=g, dtype=torch.float64) for _ in range(2)]
+    ys = [x + prev @ m + 0.2 for m in mats]
+    xv, _ = make_data(150, 1)
+    fv = torch.cat([xv, torch.roll(xv, 1, 0)], 1)
+    yvs = [xv + torch.roll(xv, 1, 0) @ m + 0.2 for m in mats]
+    lam = 1e-3
+    train, val = SplitStats.empty(SPLIT, LAYERS, H, lookback=1), SplitStats.empty(SPLIT, LAYERS, H, lookback=1)
+    for st, inputs, targets in ((train, f, ys), (val, fv, yvs)):
+        st.add_x(inputs)
+        for i, y in enumerate(targets):
+            st.add_y(i, inputs, y)
+    fits = fit_split(train, val, lam=lam)
+    plain = fit_split(stats_of(x, ys), stats_of(xv, yvs), lam=lam)
+    fc = f - f.mean(0)
+    lam_abs = lam * float(torch.trace(fc.T @ fc)) / (2 * H)
+    eye = torch.eye(2 * H, H, dtype=torch.float64)
+    for fit, y, yv, base in zip(fits, ys, yvs, plain):
+        d = (y - x) - (y - x).mean(0)
+        w = eye + torch.linalg.solve(fc.T @ fc + lam_abs * torch.eye(2 * H, dtype=torch.float64), fc.T @ d)
+        assert fit.weight.shape == (2 * H, H)
+        assert torch.allclose(fit.weight, w, atol=1e-8)
+        assert torch.allclose(fit.bias, y.mean(0) - f.mean(0) @ w, atol=1e-8)
+        assert math.isclose(fit.error_map, rel_err(fv, yv, fit.weight, fit.bias), rel_tol=1e-6)
+        assert math.isclose(fit.error_identity, base.error_identity, rel_tol=1e-9)
+        assert fit.error_map < base.error_map  # the targets read x_{t-1}: only the lookback map can see it
+
+
+def test_lookback_low_rank_keeps_the_input_width():
+    x, ys = make_data(300, 0)
+    f = torch.cat([x, torch.roll(x, 1, 0)], 1)
+    st = SplitStats.empty(SPLIT, LAYERS, H, lookback=1)
+    st.add_x(f)
+    for i, y in enumerate(ys):
+        st.add_y(i, f, y)
+    for basis in ("inputs", "weights"):
+        u, v = fit_split(st, None, lam=1e-3, rank=3, rank_basis=basis)[0].low_rank
+        assert u.shape == (2 * H, 3) and v.shape == (3, H)

@@ -143,7 +143,8 @@ def partial_refusal(partial: Path, resume: bool, restart: bool) -> str | None:
 
 
 def start_calibration(engine: Engine, splits: list[int], partial: Path, run_meta: dict, resume: bool = False,
-                      restart: bool = False, world: World = World(), normalized: bool = False) -> Calibration:
+                      restart: bool = False, world: World = World(), normalized: bool = False,
+                      lookback: int = 0) -> Calibration:
     """Zero statistics on the model's device, or on rank 0 with --resume the partial file's global sums, loaded
     onto that device; every process learns the number of sequences already done."""
     _check_same_settings(world, run_meta)
@@ -157,7 +158,7 @@ def start_calibration(engine: Engine, splits: list[int], partial: Path, run_meta
     outcome = world.from_root(outcome)
     if isinstance(outcome, str):
         raise RidgefillError(outcome if world.root else f"rank 0 cannot start: {outcome}")
-    cal = cal or Calibration.empty(splits, engine.n_layers, engine.shape.hidden, engine.device, normalized)
+    cal = cal or Calibration.empty(splits, engine.n_layers, engine.shape.hidden, engine.device, normalized, lookback)
     cal.sequences_done = outcome
     return cal
 
@@ -217,15 +218,17 @@ def run_calibration(engine: Engine, sequences: Iterable[list[int]], splits: list
                     holdout: float = 0.1, skip_first: int = 1, outlier_factor: float = OUTLIER_FACTOR,
                     checkpoint_every: int = 0, checkpoint_seconds: float = 0.0, resume: bool = False,
                     restart: bool = False, advance=lambda n=1: None, chunk: int | None = None,
-                    world: World = World(), normalized: bool = False) -> Calibration:
+                    world: World = World(), normalized: bool = False, lookback: int = 0) -> Calibration:
     """Accumulate statistics over the stream `sequences` (every process sees the same stream and takes its share),
     checkpointing to `<out>.partial` and resuming from it. Returns rank 0's global statistics (on other ranks:
-    their zeroed share). normalized: also the normalised targets' sums (`SplitStats`)."""
+    their zeroed share). normalized: also the normalised targets' sums (`SplitStats`); lookback: the maps' inputs
+    also hold the split states of the K rows before each row (engine/lookback.py)."""
     partial = partial_path(out)
     run_meta = {**meta, "artifact": "stats", "splits": sorted(splits), "holdout": holdout,
                 "skip_first": skip_first, "outlier_factor": outlier_factor, "n_layers": engine.n_layers,
-                "hidden_size": engine.shape.hidden, **({"normalized_targets": True} if normalized else {})}
-    cal = start_calibration(engine, splits, partial, run_meta, resume, restart, world, normalized)
+                "hidden_size": engine.shape.hidden, **({"normalized_targets": True} if normalized else {}),
+                **({"lookback": lookback} if lookback else {})}
+    cal = start_calibration(engine, splits, partial, run_meta, resume, restart, world, normalized, lookback)
     done = cal.sequences_done
     if done:
         advance(done)
@@ -269,6 +272,8 @@ class CalibrateConfig(ModelConfig):
     checkpoint_every: int = option(0, "Also checkpoint every this many sequences (0: off).", keyed=False)
     normalized_targets: bool = option(False, "Also accumulate the sums of per-row normalised targets y/rms(y), for "
                                       "`fit --targets normalized` (twice the XᵀY memory and file size).")
+    lookback: int = option(0, "Maps also read the split states of the K rows before each row (0: x alone); "
+                           "(K+1)² times the XᵀX and K+1 times the XᵀY memory and file size.")
     nproc: int = option(1, "Processes sharing the sequences: > 1 re-launches this command under "
                         "torch.distributed.run on this machine (under torchrun, its processes are used).", keyed=False)
 
@@ -281,6 +286,11 @@ class CalibrateConfig(ModelConfig):
             raise RidgefillError("--checkpoint-seconds and --checkpoint-every must be >= 0 (0: that rule off)")
         if self.nproc < 1:
             raise RidgefillError(f"--nproc must be at least 1, got {self.nproc}")
+        if self.lookback < 0:
+            raise RidgefillError(f"--lookback must be 0 (x alone) or more, got {self.lookback}")
+        if self.skip_first + self.lookback >= self.seq_len:
+            raise RidgefillError(f"--skip-first {self.skip_first} and --lookback {self.lookback} leave no row of a "
+                                 f"{self.seq_len}-token sequence to fit on: lower them or raise --seq-len")
         if self.skip_first < 0 or self.outlier_factor < 0:
             raise RidgefillError(f"--skip-first ({self.skip_first}) and --outlier-factor ({self.outlier_factor:g}) "
                                  "must be 0 or more (0: keep every row)")
@@ -318,7 +328,7 @@ def _calibrate(c: CalibrateConfig, world: World) -> dict:
     with bar as advance:
         cal = run_calibration(session.engine, sequences, splits, c.out, meta, c.holdout, c.skip_first,
                               c.outlier_factor, c.checkpoint_every, c.checkpoint_seconds, c.resume, c.restart,
-                              advance, world=world, normalized=c.normalized_targets)
+                              advance, world=world, normalized=c.normalized_targets, lookback=c.lookback)
     if not world.root:
         return {"command": "calibrate", "rank": world.rank}
     if cal.sequences_done < budget:

@@ -73,17 +73,20 @@ def run(c: FitConfig) -> dict:
     if kind == "identity":  # the stored map is x itself: its error is identity fill's
         fits = [replace(f, error_map=f.error_identity, error_full_rank=f.error_identity, lam=math.nan) for f in fits]
     base = {k: meta[k] for k in ("model", "data", "tokens", "seq_len")}
+    lookback = train.lookback if kind == "ridge" else 0
+    window = {"lookback": lookback, "lookback_start": meta.get("skip_first", 0)} if lookback else {}
     save_maps(out, split, meta["n_layers"], fits, {**base, "stats": str(stats), "rank": rank,
                                                    "rank_basis": c.rank_basis if rank else None,
-                                                   "targets": c.targets, "errors_on": errors_on}, kind)
+                                                   "targets": c.targets, "errors_on": errors_on, **window}, kind)
     rows = [[f.layer, f.lam, f.error_identity, f.error_map] for f in fits]
     label = "ridge" if kind == "ridge" else "identity (stored)"
     chosen = ", λ chosen on the validation rows" if lam_value == "auto" else ""
     space = ", normalised targets" if c.targets == "normalized" else ""
+    space += f", lookback {lookback}" if lookback else ""
     table(f"{errors_on or 'held-out'} relative error ‖Ŷ−Y‖²/‖Y−Ȳ‖²{space}, split {split}{chosen} → {out}",
           ["layer", "λ (relative)", "identity fill", f"{label} map"], rows)
     summary = {"command": "fit", "maps": str(out), "kind": kind, "split": split, "rank": rank,
-               "rank_basis": c.rank_basis if rank else None, "targets": c.targets,
+               "rank_basis": c.rank_basis if rank else None, "targets": c.targets, "lookback": lookback,
                "model": meta["model"], "errors_on": errors_on,
                "lam_chosen_on": "validation" if lam_value == "auto" else None,
                "layers": [dict(zip(["layer", "lam", "error_identity", "error_map"], r)) for r in rows],

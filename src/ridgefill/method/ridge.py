@@ -5,6 +5,10 @@ i.e. W = I + W_res, b = ȳ − x̄ W, where W_res regresses the centred residual
 
     W_res(λ) = (Pxx + λ I)⁻¹ Pxd,   Pxx = Σ(x−x̄)(x−x̄)ᵀ,  Pxd = Σ(x−x̄)(d−d̄)ᵀ.
 
+With lookback K (method/statistics.py) x is the row's map input [x_t, x_{t-1}, .., x_{t-K}] of width F = (K+1)·H
+and the identity is E = [I; 0] [F, H] (x_t's block): Ŷ = x_t + (X − x̄) W_res + (ȳ − x̄_t), the residual
+D = Y − x_t, and Pxd = Pxy − Pxx E. Everything below holds with E in place of I.
+
 A large λ gives identity fill (plus the mean offset). λ is given relative to the mean eigenvalue of Pxx
 (trace / H), so one value means the same on every model. With Pxx = Q diag(e) Qᵀ computed once per split,
 W_res(λ) = Q diag(1/(e+λ)) QᵀPxd for every λ, and the held-out error of the whole λ grid comes from a few
@@ -63,12 +67,13 @@ class _HeldOut:
         self.t = float(val.yy[index] - 2 * my @ sy + n * my @ my)
         self.denominator = float(val.yy[index] - sy @ sy / n)
         self.p, self.r = p, r
-        self.tr_r, self.tr_p = float(torch.trace(r)), float(torch.trace(p))
+        hidden = r.shape[1]
+        self.tr_r, self.tr_p = float(torch.trace(r)), float(torch.trace(p[:hidden, :hidden]))  # tr(EᵀR), tr(EᵀPE)
         self.u = ((q.T @ r) * a).sum(1)  # diag(QᵀR Aᵀ)
-        self.w = ((a @ p) * q.T).sum(1)  # diag(A P Q)
+        self.w = ((a @ p[:hidden]) * q.T).sum(1)  # diag(A EᵀP Q)
         self.mg = (q.T @ p @ q) * (a @ a.T)
-        # identity fill (W = I, b = 0), from the raw validation sums
-        self.identity_sse = float(val.yy[index] - 2 * torch.trace(val.xty[index]) + val.xx)
+        # identity fill (W = E, b = 0), from the raw validation sums
+        self.identity_sse = float(val.yy[index] - 2 * torch.trace(val.xty[index]) + val.xx)  # tr: x_t's block
 
     def sse(self, d: torch.Tensor) -> float:
         return float(self.t - 2 * (self.tr_r + d @ self.u) + self.tr_p + 2 * d @ self.w + d @ self.mg @ d)
@@ -95,15 +100,15 @@ def fit_split(train: SplitStats, val: SplitStats | None, lam: float | str = "aut
         raise ValueError("lam='auto' needs held-out statistics")
     report = test if test is not None and test.count > 0 else (val if has_val else None)
     mx, my, pxx, pxy = _centred(train)
-    hidden = pxx.shape[0]
+    features, hidden = pxy.shape[1:]  # F = (K+1)·H map inputs, H outputs
     e, q = torch.linalg.eigh(pxx)
     e = e.clamp_min(0)
     scale = float(e.mean()) or 1.0
-    eye = torch.eye(hidden, dtype=pxx.dtype, device=pxx.device)
+    eye = torch.eye(features, hidden, dtype=pxx.dtype, device=pxx.device)  # E: x_t's block
     grid = LAMBDA_GRID if lam == "auto" else (float(lam),)
     fits = []
     for index in range(pxy.shape[0]):
-        a = q.T @ (pxy[index] - pxx)  # Qᵀ Pxd  [H, H]
+        a = q.T @ (pxy[index] - pxx[:, :hidden])  # Qᵀ Pxd  [F, H]
         held = _HeldOut(report, index, mx, my[index], q, a) if report is not None else None  # errors reported
         if lam != "auto" or report is val:  # the rows λ is chosen on (none for a given λ)
             chooser = held
@@ -113,7 +118,7 @@ def fit_split(train: SplitStats, val: SplitStats | None, lam: float | str = "aut
         d = 1.0 / (e + chosen * scale)  # [H]  W_res = Q diag(d) A
         w_res = q @ (a * d[:, None])
         low = None
-        if rank is not None and rank < hidden:
+        if rank is not None and rank < min(features, hidden):
             low = low_rank(w_res, rank, rank_basis, q, e + chosen * scale)
             w_res = low[0] @ low[1]
         w = eye + w_res
@@ -136,7 +141,7 @@ def _best(held: _HeldOut, e: torch.Tensor, scale: float, grid) -> int:
 
 def low_rank(w_res: torch.Tensor, rank: int, basis: str, q: torch.Tensor,
              e_reg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A rank-r W_res = U V (U [H, r], V [r, H]).
+    """A rank-r W_res [F, H] = U V (U [F, r], V [r, H]; F = H without lookback).
 
     weights: the top-r singular directions of W_res itself (best in Frobenius norm, whatever inputs it sees).
     inputs: reduced-rank ridge: the top-r right singular vectors V of (Pxx + λI)^½ W_res, and U = W_res Vᵀ, the
@@ -144,10 +149,10 @@ def low_rank(w_res: torch.Tensor, rank: int, basis: str, q: torch.Tensor,
       sees) under the same ridge penalty; directions the inputs rarely use get no rank. q, e_reg: Pxx = Q diag(e) Qᵀ
       and e + λ."""
     if basis == "weights":
-        u, s, vh = torch.linalg.svd(w_res)
+        u, s, vh = torch.linalg.svd(w_res, full_matrices=False)
         return u[:, :rank] * s[:rank], vh[:rank]
     if basis != "inputs":
         raise ValueError(f"rank basis {basis!r} not in {RANK_BASES}")
-    root = (q * e_reg.sqrt()) @ q.T  # (Pxx + λI)^½  [H, H]
-    v = torch.linalg.svd(root @ w_res)[2][:rank]  # [r, H]
+    root = (q * e_reg.sqrt()) @ q.T  # (Pxx + λI)^½  [F, F]
+    v = torch.linalg.svd(root @ w_res, full_matrices=False)[2][:rank]  # [r, H]
     return w_res @ v.T, v

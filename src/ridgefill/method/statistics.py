@@ -8,8 +8,13 @@ the direction of a prediction matters); `fit --targets normalized` fits to them.
 sequences accumulate the same statistics separately, in two parts: `val` (fit chooses λ on it) and `test`
 (fit reports its error on it). The statistics live on the model's device; they go to the CPU only to be saved.
 
+With `lookback` K the map's input is not x_t alone but x_t and the split states of the K rows before it
+(engine/lookback.py): X is then [x_t, x_{t-1}, .., x_{t-K}] ((K+1)·H wide) in XᵀX, XᵀY_l and ΣX (Σ‖x‖² stays
+that of x_t: identity fill's error needs it), and a row whose window holds a row kept out is kept out too.
+
 Rows kept out of the regression (and counted): the first `skip_first` rows of each sequence (attention
-sinks) and rows whose split-state norm exceeds `outlier_factor` times the SEQUENCE's median norm. When the
+sinks; with lookback K, the K rows after them too) and rows whose split-state norm exceeds `outlier_factor`
+times the SEQUENCE's median norm (with lookback K, also the K rows after each such row). When the
 engine runs a sequence in several chunks, that median is only known after the last chunk, so `accumulate`
 then runs the sequence twice: a first pass that records only the split states' norms, and the accumulating
 pass (about twice the time; a sequence that fits one chunk, or `outlier_factor` 0, runs once).
@@ -23,6 +28,7 @@ from typing import Callable
 import torch
 
 from ridgefill.engine import Engine
+from ridgefill.engine.lookback import lookback_windows, window_states
 from ridgefill.errors import RidgefillError
 
 PARTS = ("train", "val", "test")
@@ -43,44 +49,50 @@ def check_fittable(splits: list[int], n_layers: int) -> None:
 
 @dataclass
 class SplitStats:
-    """Sufficient statistics for one split and one part. Shapes: H hidden, M = L-S-1 maps."""
+    """Sufficient statistics for one split and one part. Shapes: H hidden, M = L-S-1 maps, F = (K+1)·H the maps'
+    input width (F = H without lookback)."""
 
     split: int
-    xtx: torch.Tensor  # [H, H]
-    xsum: torch.Tensor  # [H]
-    xty: torch.Tensor  # [M, H, H]
+    xtx: torch.Tensor  # [F, F]
+    xsum: torch.Tensor  # [F]
+    xty: torch.Tensor  # [M, F, H]
     ysum: torch.Tensor  # [M, H]
     yy: torch.Tensor  # [M]  Σ‖y‖²
-    xx: torch.Tensor  # []   Σ‖x‖²  (for the identity baseline's error)
+    xx: torch.Tensor  # []   Σ‖x_t‖²  (for the identity baseline's error)
     count: int = 0
     skipped_first: int = 0
     skipped_outliers: int = 0
-    xtyn: torch.Tensor | None = None  # [M, H, H]  Xᵀ(Y / rms(Y)), rms per row; None: not collected
+    xtyn: torch.Tensor | None = None  # [M, F, H]  Xᵀ(Y / rms(Y)), rms per row; None: not collected
     ysumn: torch.Tensor | None = None  # [M, H]
     yyn: torch.Tensor | None = None  # [M]  Σ‖y / rms(y)‖² (= H per row)
 
     @classmethod
     def empty(cls, split: int, n_layers: int, hidden: int, device: str | torch.device = "cpu",
-              normalized: bool = False) -> "SplitStats":
-        m = n_layers - split - 1
+              normalized: bool = False, lookback: int = 0) -> "SplitStats":
+        m, f = n_layers - split - 1, hidden * (lookback + 1)
         z = lambda *s: torch.zeros(*s, dtype=torch.float64, device=device)  # noqa: E731
-        extra = (z(m, hidden, hidden), z(m, hidden), z(m)) if normalized else (None, None, None)
-        return cls(split, z(hidden, hidden), z(hidden), z(m, hidden, hidden), z(m, hidden), z(m), z(()), 0, 0, 0,
-                   *extra)
+        extra = (z(m, f, hidden), z(m, hidden), z(m)) if normalized else (None, None, None)
+        return cls(split, z(f, f), z(f), z(m, f, hidden), z(m, hidden), z(m), z(()), 0, 0, 0, *extra)
 
     @property
     def has_normalized(self) -> bool:
         return self.xtyn is not None
 
+    @property
+    def lookback(self) -> int:
+        """K: the rows before each row whose split states are among the maps' inputs."""
+        return self.xsum.shape[0] // self.ysum.shape[-1] - 1
+
     def add_x(self, x: torch.Tensor) -> None:
-        """x [n, H] float64 split states of the kept rows."""
+        """x [n, F] float64 map inputs of the kept rows (their split states first)."""
+        own = x[:, : self.ysum.shape[-1]]
         self.xtx += x.T @ x
         self.xsum += x.sum(0)
-        self.xx += (x * x).sum()
+        self.xx += (own * own).sum()
         self.count += x.shape[0]
 
     def add_y(self, index: int, x: torch.Tensor, y: torch.Tensor) -> None:
-        """Map `index` (layer S+1+index): x, y [n, H] float64 for the same kept rows."""
+        """Map `index` (layer S+1+index): x [n, F], y [n, H] float64 for the same kept rows."""
         self.xty[index] += x.T @ y
         self.ysum[index] += y.sum(0)
         self.yy[index] += (y * y).sum()
@@ -132,9 +144,14 @@ class Calibration:
 
     @classmethod
     def empty(cls, splits: list[int], n_layers: int, hidden: int, device: str | torch.device = "cpu",
-              normalized: bool = False) -> "Calibration":
-        stats = {(s, p): SplitStats.empty(s, n_layers, hidden, device, normalized) for s in splits for p in PARTS}
+              normalized: bool = False, lookback: int = 0) -> "Calibration":
+        stats = {(s, p): SplitStats.empty(s, n_layers, hidden, device, normalized, lookback) for s in splits
+                 for p in PARTS}
         return cls(sorted(splits), stats)
+
+    @property
+    def lookback(self) -> int:
+        return next(iter(self.stats.values())).lookback if self.stats else 0
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every statistic by name ("s{split}.{part}.{name}"), on the device they live on."""
@@ -209,7 +226,10 @@ class _Collector:
                  medians: dict[int, torch.Tensor | None] | None = None):
         self.cal, self.part = calibration, part
         self.skip_first, self.outlier_factor, self.medians = skip_first, outlier_factor, medians
-        self.kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # split -> (row mask [n], x [k, H])
+        self.kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # split -> (row mask [n], x [k, F])
+        self.lookback = calibration.lookback
+        # split -> the sequence's last K rows seen: (split states [B, K', H], positions [K'], kept out [B, K'])
+        self.carry: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def __call__(self, layer: int, h: torch.Tensor, positions: torch.Tensor) -> None:
         rows = None
@@ -222,7 +242,8 @@ class _Collector:
                 outlier = keep & (norms > self.outlier_factor * median)
                 st.skipped_outliers += int(outlier.sum())
                 keep &= ~outlier
-            x = rows[keep]
+            inputs = self._with_windows(layer, rows.view(h.shape), positions, keep, st) if self.lookback else rows
+            x = inputs[keep]
             st.add_x(x)
             self.kept[layer] = (keep, x)
         for split, (keep, x) in self.kept.items():
@@ -230,6 +251,30 @@ class _Collector:
             if 0 <= index < self.cal.stats[(split, self.part)].xty.shape[0]:
                 rows = rows if rows is not None else h.reshape(-1, h.shape[-1]).to(torch.float64)  # [B*n, H]
                 self.cal.stats[(split, self.part)].add_y(index, x, rows[keep])
+
+    def _with_windows(self, split: int, x: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
+                      st: SplitStats) -> torch.Tensor:
+        """x [B, n, H] float64 split states of a chunk's rows -> the maps' inputs [B·n, F] (x_t and its lookback
+        window, engine/lookback.py). Clears `keep` [B·n] (in place) for rows whose window is not whole: it reaches
+        a sink row (counted as skipped_first) or an outlier (counted as skipped_outliers). The window may reach
+        into the sequence's previous chunk."""
+        b, n, h = x.shape
+        positions = positions.to(x.device)
+        out = ~keep.view(b, n)  # [B, n] rows kept out: no window may hold them
+        if split in self.carry:
+            before, before_pos, before_out = self.carry[split]
+            x, positions, out = torch.cat([before, x], 1), torch.cat([before_pos, positions]), torch.cat([before_out, out], 1)
+        self.carry[split] = (x[:, -self.lookback :], positions[-self.lookback :], out[:, -self.lookback :])
+        index, whole = lookback_windows(positions, torch.zeros_like(positions), torch.zeros_like(positions, dtype=torch.bool),
+                                        self.lookback, self.skip_first)
+        index, whole = index[-n:], whole[-n:]  # the chunk's own rows
+        reaches_out = out[:, index].any(-1)  # [B, n]
+        lost_first = keep.view(b, n) & ~whole
+        lost_outlier = keep.view(b, n) & whole & reaches_out
+        st.skipped_first += int(lost_first.sum())
+        st.skipped_outliers += int(lost_outlier.sum())
+        keep &= (whole & ~reaches_out).reshape(-1)
+        return torch.cat([x[:, -n:], window_states(x, index)], -1).reshape(b * n, -1)
 
     def _median(self, layer: int, keep: torch.Tensor, norms: torch.Tensor) -> torch.Tensor | None:
         """The median the outlier rule compares with (None: the rule is off, or no row to take it over)."""
