@@ -168,7 +168,7 @@ def test_outlier_rows_are_counted_in_the_result(tiny_checkpoint, long_docs, tmp_
     rows = low["fill_rows"]["identity"]
     assert rows["outlier_rows_run_full"] > 0
     assert off["fill_rows"]["identity"] == {"filled_rows": rows["filled_rows"] + rows["outlier_rows_run_full"],
-                                            "outlier_rows_run_full": 0}
+                                            "outlier_rows_run_full": 0, "lookback_rows_run_full": 0}
     assert low["results"]["exact"] == off["results"]["exact"]
     with pytest.raises(RidgefillError, match="--outlier-factor -1 must be 0"):
         loss_command(**options(model=str(tiny_checkpoint), data=str(long_docs), out=tmp_path / "x.json",

@@ -11,7 +11,7 @@ from ridgefill.method.statistics import OUTLIER_FACTOR
 from ridgefill.runtime.session import open_session, variant_plans
 from ridgefill.serve.vllm_config import VllmFill
 from ridgefill.serve.vllm_engine import EngineSettings, VllmWorker
-from vllm_fixtures import smollm2_maps, vllm_tiny  # noqa: F401  (fixtures)
+from vllm_fixtures import smollm2_maps, vllm_lookback, vllm_tiny  # noqa: F401  (fixtures)
 
 pytest.importorskip("vllm")
 
@@ -36,9 +36,9 @@ def vocab_of(folder) -> int:
     return json.loads((folder / "config.json").read_text())["vocab_size"]
 
 
-def reference(folder, maps, tail: int, batch: list[list[int]], new: int, keep_first: int = 1):
+def reference(folder, maps, tail: int, batch: list[list[int]], new: int, keep_first: int = 1, chunk: int = 2048):
     """ridgefill's own engine (what `ridgefill generate` runs): greedy tokens and first-token log-probs [V]."""
-    session = open_session(str(folder))
+    session = open_session(str(folder), chunk=chunk)
     plans, _ = variant_plans(session, str(maps), None, tail, list(range(keep_first)), ("ridge",), OUTLIER_FACTOR)
     plan = plans["ridge"]
     tokens, first = [], []
@@ -210,3 +210,25 @@ def test_key_scale_maps_match_ridgefills_engine_on_one_and_two_ranks(vllm_tiny, 
                 distributed_executor_backend="mp") as two:
         both = two.generate(batch[:4], 12, logprobs=1)
     assert [c.tokens[:12] for c in both] == [c.tokens[:12] for c in got[:4]]
+
+
+def test_lookback_maps_match_ridgefills_engine_also_when_chunked(vllm_lookback):
+    """Maps with lookback 1: each filled token's maps read the split state of the token before it, in the same
+    step; a token whose predecessor is not in the step (the first of a prefill chunk) or is the sink runs in full.
+    Unchunked: test 2's bar against ridgefill's engine. Over 128-token steps: the same tokens and log-probs as
+    ridgefill's engine in 128-row chunks, whose chunks start where vLLM's steps do."""
+    folder, maps = vllm_lookback
+    batch = prompts(8, [200, 333, 90, 512], vocab_of(folder), seed=12)
+    tail = 24
+    with worker(folder, VllmFill(maps, tail=tail)) as filled:
+        got = filled.generate(batch, 32, logprobs=5)
+        tally = filled.tally()
+    assert tally["lookback_rows_run_full"] == len(batch)  # position 1: its window holds the sink
+    assert tally["filled_rows"] == sum(len(p) - tail - 2 for p in batch) - tally["outlier_rows_run_full"]
+    assert_agrees("llama lookback", got, *reference(folder, maps, tail, batch, 32))
+    long = prompts(1, [700], vocab_of(folder), seed=13)
+    with worker(folder, VllmFill(maps, tail=40), max_num_batched_tokens=128, enable_chunked_prefill=True) as chunked:
+        got = chunked.generate(long, 16, logprobs=5)
+        assert chunked.tally()["lookback_rows_run_full"] == 1 + 5  # position 1, and 128, 256, .., 640
+    tokens, first = reference(folder, maps, 40, long, 16, chunk=128)
+    assert got[0].tokens == tokens[0] and max_logprob_gap(got[0], first[0]) < 1e-3

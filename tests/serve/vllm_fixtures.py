@@ -15,12 +15,12 @@ SPLIT = 2  # of 6 layers
 QWEN3_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 32.0, "original_max_position_embeddings": 128}
 
 
-def fit_maps(model: str, data: Path, out: Path, split: int, tokens: int, seq_len: int) -> Path:
+def fit_maps(model: str, data: Path, out: Path, split: int, tokens: int, seq_len: int, lookback: int = 0) -> Path:
     from ridgefill.method.calibrate import COMMAND as calibrate
     from ridgefill.method.fit import COMMAND as fit
 
     calibrate(model=model, data=str(data), split=str(split), tokens=tokens, seq_len=seq_len,
-              out=out / "stats.safetensors", holdout=0.25)
+              out=out / "stats.safetensors", holdout=0.25, lookback=lookback)
     fit(stats=out / "stats.safetensors", out=out / "maps.safetensors", split=split)
     return out / "maps.safetensors"
 
@@ -52,6 +52,15 @@ def vllm_tiny(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
         work.mkdir()
         out[family] = (folder, fit_maps(str(folder), data, work, SPLIT, tokens=4096, seq_len=256))
     return out
+
+
+@pytest.fixture(scope="session")
+def vllm_lookback(vllm_tiny, tmp_path_factory) -> tuple[Path, Path]:
+    """(the tiny llama checkpoint, maps at split 2 with lookback 1, fitted on the same text)."""
+    folder, _ = vllm_tiny["llama"]
+    work = tmp_path_factory.mktemp("vllm-lookback")
+    data = write_corpus(work / "corpus.txt", seed=3, lines_per_document=30)
+    return folder, fit_maps(str(folder), data, work, SPLIT, tokens=4096, seq_len=256, lookback=1)
 
 
 @pytest.fixture(scope="session")

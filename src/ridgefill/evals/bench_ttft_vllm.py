@@ -71,6 +71,7 @@ def bench_lengths(m, prompts: dict, add_flops, scratch: Path) -> tuple[list[dict
     for name, tally in tallies.items():  # what vLLM filled, counted where the result document reads it
         m.plans[name].tally.filled += tally["filled_rows"]
         m.plans[name].tally.outliers += tally["outlier_rows_run_full"]
+        m.plans[name].tally.unwindowed += tally["lookback_rows_run_full"]
     engines = {name: {"plugin": s.plugin, "fill": s.fill.describe() if s.fill else None, "dtype": s.dtype,
                       "threads_bind": s.threads, "max_model_len": s.max_model_len, **s.engine_args,
                       "enforce_eager": True, "enable_prefix_caching": False, "env": s.env,

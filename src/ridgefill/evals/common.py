@@ -115,12 +115,15 @@ class Measurement:
 
     def fill_rows(self) -> dict:
         """Per fill variant: rows filled, and rows run in full instead because their split state was an outlier
-        (summed over every prompt); says so on stderr when there were any."""
+        or their maps' lookback window was not whole (summed over every prompt); says so on stderr when there were
+        any."""
         tallies = {name: plan.tally.to_dict() for name, plan in self.plans.items() if plan is not None}
-        outliers = {name: t["outlier_rows_run_full"] for name, t in tallies.items() if t["outlier_rows_run_full"]}
-        if outliers:
-            note("note: rows run in full as split-state outliers (--outlier-factor "
-                 f"{self.config.outlier_factor:g}): " + ", ".join(f"{n} {k}" for n, k in outliers.items()))
+        why = {"outlier_rows_run_full": f"as split-state outliers (--outlier-factor {self.config.outlier_factor:g})",
+               "lookback_rows_run_full": "without a whole lookback window (the first rows of a chunk)"}
+        for field, reason in why.items():
+            counts = {name: t[field] for name, t in tallies.items() if t[field]}
+            if counts:
+                note(f"note: rows run in full {reason}: " + ", ".join(f"{n} {k}" for n, k in counts.items()))
         return tallies
 
     def write(self, results, intervals: dict, variants: list[str] | None = None, **extra) -> dict:

@@ -119,20 +119,24 @@ def run(c: GenerateConfig) -> dict:
 
 @dataclass
 class Run:
-    """One generation: its tokens, time to first token, and rows filled / run in full as outliers."""
+    """One generation: its tokens, time to first token, and rows filled / run in full as outliers / run in full
+    without a whole lookback window."""
 
     tokens: list[int]
     ttft_s: float
     filled: int
     outliers: int
+    unwindowed: int = 0
 
     @classmethod
     def of(cls, result) -> "Run":
-        return cls(result.tokens[0], result.ttft_s, result.prefill.n_filled, result.prefill.n_outliers)
+        pre = result.prefill
+        return cls(result.tokens[0], result.ttft_s, pre.n_filled, pre.n_outliers, pre.n_unwindowed)
 
     def summary(self, n: int) -> str:
         text = f"ttft {self.ttft_s * 1000:.0f} ms, {self.filled / max(1, n):.0%} of {n} prompt rows filled"
-        return text + (f" ({self.outliers} outlier rows ran in full)" if self.outliers else "")
+        text += f" ({self.outliers} outlier rows ran in full)" if self.outliers else ""
+        return text + (f" ({self.unwindowed} rows without a lookback window ran in full)" if self.unwindowed else "")
 
 
 def vllm_runs(c: GenerateConfig, session, ids: list[int], plan, exact: bool) -> dict[str, Run]:
@@ -164,7 +168,7 @@ def _vllm_run(settings, ids: list[int], new: int) -> Run:
         (done,) = worker.generate([ids], new, stop_at_eos=True)
         tally = worker.tally()
     return Run(done.tokens, done.first_token_s or done.seconds, tally["filled_rows"],
-               tally["outlier_rows_run_full"])
+               tally["outlier_rows_run_full"], tally["lookback_rows_run_full"])
 
 
 def keep_rows(c: GenerateConfig, tokenizer, prompt: str, n: int) -> list[int]:

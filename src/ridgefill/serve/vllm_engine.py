@@ -16,6 +16,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
+from ridgefill.engine.prefill import FillTally
 from ridgefill.errors import RidgefillError
 from ridgefill.serve.vllm_config import VLLM_DTYPES, VllmFill
 
@@ -223,7 +224,7 @@ def _tally(llm) -> dict:
 def model_tally(model) -> dict:
     """Rows one model filled (a module-level function: vLLM pickles it to its tensor-parallel workers)."""
     state = getattr(model, "ridgefill", None)
-    return {"filled_rows": 0, "outlier_rows_run_full": 0} if state is None else state.tally.to_dict()
+    return (FillTally() if state is None else state.tally).to_dict()
 
 
 def _counters(llm) -> dict[str, float]:

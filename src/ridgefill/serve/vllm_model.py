@@ -6,7 +6,9 @@ A step whose batch has no filled token (decode steps, short prompts, the plugin 
 forward unchanged. A step with filled tokens (the model runner passes a FillBatch, serve/vllm_runner.py):
 
 - layers 0..S-1 run on every token, as stock;
-- x, the residual stream entering layer S, is the split state; filled rows whose norm is an outlier run in full;
+- x, the residual stream entering layer S, is the split state; filled rows whose norm is an outlier run in full,
+  and so do, with maps of lookback K, filled rows whose window (the K tokens before them, engine/lookback.py) is
+  not among this step's tokens of their request (the first K of a prefill chunk) or holds an outlier;
 - for each late layer l = S..L-1 the filled rows' K/V come from the predicted input (x for l = S, the map's
   prediction after) through that layer's own input norm, K/V rows of its (tensor-parallel shard of) qkv_proj,
   k-norm (Qwen3) and RoPE at the true positions, and are written into the paged cache;
@@ -26,6 +28,7 @@ from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 
 from ridgefill.engine import Filler
+from ridgefill.engine.lookback import lookback_windows, window_states
 from ridgefill.engine.prefill import FillTally
 from ridgefill.errors import RidgefillError
 from ridgefill.method.maps import load_filler
@@ -120,12 +123,20 @@ def filled_forward(model, state: FillState, batch, input_ids, positions, inputs_
     x = h if residual is None else h + residual  # [N, H] the split state
     norms = torch.linalg.vector_norm(x.float(), dim=-1).cpu()  # [N]
     outliers = outlier_tokens(norms, batch.request, batch.full, state.fill.outlier_factor)
-    full = batch.full | outliers
+    windows, whole = lookback_windows(positions.cpu(), batch.request, outliers, state.filler.lookback,
+                                      state.filler.lookback_start)  # [N, K], [N]
+    unwindowed = ~(batch.full | outliers | whole)  # filled rows whose window is not in this step: run in full
+    full = batch.full | outliers | unwindowed
     state.tally.filled += int((~full).sum())
     state.tally.outliers += int(outliers.sum())
-    filled = torch.nonzero(~full).flatten().to(x.device)  # [nF]
+    state.tally.unwindowed += int(unwindowed.sum())
+    filled_cpu = torch.nonzero(~full).flatten()
+    filled = filled_cpu.to(x.device)  # [nF]
     if filled.numel():
-        late = state.filler.late_inputs(x[filled].unsqueeze(0), positions[filled])  # [L-S, nF, H]
+        previous = None
+        if state.filler.lookback:  # [1, nF, K·H] the split states of each filled row's window
+            previous = window_states(x.unsqueeze(0), windows[filled_cpu].to(x.device))
+        late = state.filler.late_inputs(x[filled].unsqueeze(0), positions[filled], previous)  # [L-S, nF, H]
         for j, layer in enumerate(layers[s:]):
             write_filled_kv(layer, state.late[j], late[j], positions[filled], batch, filled)
     out = torch.zeros_like(h)  # [N, H]
