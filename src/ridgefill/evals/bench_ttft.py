@@ -34,7 +34,7 @@ from ridgefill.runtime.console import note, progress_bar, table
 from ridgefill.runtime.data import documents_for, load_corpus, passages, token_sequences
 from ridgefill.runtime.provenance import cpu_name, device_info, load_average, versions
 from ridgefill.runtime.serving import Serving, check_model, load_serving
-from ridgefill.runtime.session import Session, parse_variants
+from ridgefill.runtime.session import Session, check_length, parse_variants
 from ridgefill.serve.vllm_engine import check_engine, engine_option
 
 TRANSFORMERS = "transformers"  # the timing entry of transformers' own forward
@@ -159,9 +159,7 @@ def run(config: BenchConfig) -> dict:
 def _check_model(m: Measurement, longest: int) -> None:
     """What needs the model: the longest prompt fits its context; --projection triton applies to it."""
     limit = m.session.context_length
-    if limit and longest > limit:
-        raise RidgefillError(f"--lengths {longest} exceeds the model's context of {limit}: use lengths up to "
-                             f"{limit}")
+    check_length("--lengths", longest, limit, f"use lengths up to {limit}")
     if m.config.projection == "triton" and m.session.engine.projection_backend(m.split) != "triton":
         raise RidgefillError("--projection triton does not apply to this model (it needs dense attention layers "
                              "with head_dim a power of two >= 32): use --projection auto")

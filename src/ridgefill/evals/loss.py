@@ -28,13 +28,13 @@ import torch
 
 from ridgefill.commands import Command, option
 from ridgefill.evals.common import exact_cache_option, start, variants_option
-from ridgefill.evals.passages import (PassageConfig, check_context, evaluation_passages, nll_results,
+from ridgefill.evals.passages import (PassageConfig, evaluation_passages, nll_results,
                                       tail_difference)
 from ridgefill.evals.scoring import distant_tokens, short_context_nll, tail_nll
 from ridgefill.evals.stats import (Interval, describe_spread, distant_spread, format_interval, gap_ratio,
                                    interval_dict, paired_bootstrap, relative_difference, select)
 from ridgefill.runtime.console import cell, note, table
-from ridgefill.runtime.session import parse_variants
+from ridgefill.runtime.session import check_length, parse_variants
 
 
 @dataclass
@@ -53,7 +53,7 @@ def run(config: LossConfig) -> dict:
     (by passage), so a sweep's other splits reuse them."""
     c = config
     m = start("loss", c, parse_variants(c.variants, c.maps))
-    check_context(m.session, c.context)
+    check_length("--context", c.context, m.session.context_length)
     texts = evaluation_passages(m.session.tokenizer, c.data, c.context, c.samples, c.skip)
     scored = min(c.tail, c.context)  # a tail beyond the passage runs every row in full
     sums = {name: {"tail": [], "distant": []} for name in m.plans}

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from ridgefill.commands import REQUIRED, option
 from ridgefill.errors import RidgefillError
 from ridgefill.evals.common import MeasureConfig
-from ridgefill.evals.stats import interval_dict, mean_difference
+from ridgefill.evals.stats import mean_difference
 from ridgefill.runtime.console import note
 from ridgefill.runtime.data import documents_for, load_corpus, passages
 
@@ -64,12 +64,6 @@ def check_lengths(context: int, short: int, short_stride: int | None, tail: int,
         raise RidgefillError(f"--samples {samples} must be at least 1")
     if keep_first < 0:
         raise RidgefillError(f"--keep-first {keep_first} must be 0 or more")
-
-
-def check_context(session, context: int) -> None:
-    limit = session.context_length
-    if limit and context > limit:
-        raise RidgefillError(f"--context {context} exceeds the model's context of {limit}: lower it")
 
 
 def evaluation_passages(tokenizer, data: str, context: int, samples: int, skip: int = 0) -> list[list[int]]:

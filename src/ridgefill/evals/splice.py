@@ -33,7 +33,7 @@ from ridgefill.engine import Cache, Engine, FillPlan
 from ridgefill.errors import RidgefillError
 from ridgefill.evals.common import start
 from ridgefill.evals.decode import greedy_after_cache
-from ridgefill.evals.passages import (PassageConfig, check_context, evaluation_passages, nll_results,
+from ridgefill.evals.passages import (PassageConfig, evaluation_passages, nll_results,
                                       tail_difference)
 from ridgefill.evals.ruler import TASKS, build_samples, score_prediction
 from ridgefill.evals.scoring import continuation_nll, distant_tokens, short_context_nll
@@ -41,6 +41,7 @@ from ridgefill.evals.stats import (describe_spread, distant_spread, format_inter
                                    select)
 from ridgefill.runtime.console import cell, progress_bar, table
 from ridgefill.runtime.ranges import parse_ranges
+from ridgefill.runtime.session import check_length
 
 COMPONENTS = ("keys", "values", "key-scale", "key-direction", "state")
 ATTENTION_SWAPS = "keys,values,key-scale,key-direction,keys+values"
@@ -95,7 +96,7 @@ def run(c: SpliceConfig) -> dict:
     """Prefill each passage's prefix exactly and filled, score the tail on the filled cache and on each splice."""
     fill = c.fill_used
     m = start("splice", c, ("exact", fill))
-    check_context(m.session, c.context)
+    check_length("--context", c.context, m.session.context_length)
     plan = m.plans[fill]
     has_state = set(m.session.engine.layer_kinds) != {"attention"}
     swaps = parse_swaps(c.swap) if c.swap is not None else \

@@ -35,7 +35,7 @@ from ridgefill.runtime.artifacts import load_artifact, save_artifact
 from ridgefill.runtime.console import note, progress_bar, table
 from ridgefill.runtime.data import documents_for, documents_hash, iter_sequences, load_corpus, sequence_budget
 from ridgefill.runtime.paths import write_json
-from ridgefill.runtime.session import ModelConfig, check_device, parse_splits
+from ridgefill.runtime.session import ModelConfig, check_device, check_length, parse_splits
 
 NAMES = ("data",)  # settings a resume checks by content (data_hash), not by name
 
@@ -341,9 +341,7 @@ def calibration_sequences(session, data: str, seq_len: int, tokens: int):
     """(corpus, its calibration documents, the stream of `seq_len`-token sequences up to `tokens` tokens) for a
     session's model; refuses a --seq-len past the model's context and text that yields no sequence, before any
     sequence runs."""
-    limit = session.context_length
-    if limit and seq_len > limit:
-        raise RidgefillError(f"--seq-len {seq_len} exceeds the model's context of {limit}: lower it")
+    check_length("--seq-len", seq_len, session.context_length)
     corpus = load_corpus(data)
     documents = documents_for(corpus, "calibration")
     stream = iter_sequences(session.tokenizer, documents, seq_len, tokens)

@@ -50,7 +50,7 @@ from ridgefill.runtime.console import note, table
 from ridgefill.runtime.paths import atomic_path, write_json
 from ridgefill.runtime.ranges import parse_ranges
 from ridgefill.runtime.serving import KIND as SERVING_KIND
-from ridgefill.runtime.session import ModelConfig
+from ridgefill.runtime.session import ModelConfig, check_length
 
 if TYPE_CHECKING:
     from ridgefill.engine import ModelShape
@@ -287,8 +287,7 @@ def model_facts(c: TuneConfig) -> ModelFacts:
 def check_fits(c: TuneConfig, limit: int | None) -> None:
     """Every prompt tune will run fits the model's context (before any measurement)."""
     for flag, length in [("--lengths", max(c.ruler_lengths))] + ([("--context", c.context)] if c.nll_check else []):
-        if limit and length > limit:
-            raise RidgefillError(f"{flag} {length} exceeds the model's context of {limit} tokens: lower it")
+        check_length(flag, length, limit)
 
 
 # --- judging a split ----------------------------------------------------------------------------------------

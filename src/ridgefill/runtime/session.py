@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -93,6 +92,13 @@ def open_session(model: str, dtype: str = "fp32", device: str = "cpu", chunk: in
         raise RidgefillError(f"--chunk must be at least 1, got {chunk}")
     loaded = load_model(model, dtype, device)
     return Session(loaded, Engine(loaded.adapter, chunk=chunk, projection=projection))
+
+
+def check_length(flag: str, length: int, limit: int | None, fix: str = "lower it") -> None:
+    """Refuse a prompt or sequence length, named by its option, that exceeds the model's context `limit` (None:
+    the model states none), before any work."""
+    if limit and length > limit:
+        raise RidgefillError(f"{flag} {length} exceeds the model's context of {limit}: {fix}")
 
 
 def parse_splits(text: str, n_layers: int) -> list[int]:
