@@ -110,3 +110,20 @@ def test_a_bench_result_keeps_its_own_speedups_and_hybrid_models_get_no_count():
     assert (timed.flop_speedup, timed.length) == (2.7, 8192) and counted.length == 1024 and counted.flop_speedup > 1
     hybrid = flop_model(1024, shape={"layer_kinds": ("linear", "linear", "attention") * 10})
     assert all(p.flop_speedup is None and p.length is None for p in frontier(SWEEP, [], [], 5.0, hybrid).points)
+
+
+def test_lookback_maps_cost_their_window_in_the_flop_count():
+    """A fit with lookback K reads (K+1)·H inputs per map: the frontier's FLOP count charges it, and equals the
+    filler's own count."""
+    import torch
+
+    from ridgefill.engine import MapFiller, ModelShape
+    from ridgefill.report.frontier import map_flops
+
+    shape = ModelShape(**SMOLLM2)
+    maps = shape.layers - 15 - 1
+    filler = MapFiller(15, shape.layers, torch.zeros(maps, 2 * shape.hidden, shape.hidden),
+                       torch.zeros(maps, shape.hidden))
+    assert map_flops(shape, "ridge", 15, None, 1) == filler.flops_per_row() == 2 * map_flops(shape, "ridge", 15)
+    plain = flop_model(4096).speedup("ridge", 15, 256)
+    assert flop_model(4096, lookbacks={15: 1}).speedup("ridge", 15, 256) < plain

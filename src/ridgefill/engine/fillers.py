@@ -50,6 +50,13 @@ class Filler(Protocol):
         ...
 
 
+def maps_flops(hidden: int, maps: int, rank: int | None = None, lookback: int = 0) -> int:
+    """FLOPs (multiply-adds × 2) of one filled row through `maps` affine maps from (K+1)·H inputs (lookback K) to H
+    outputs: f·W at full rank, f·U then z·V at rank r."""
+    f = hidden * (lookback + 1)
+    return maps * (2 * f * hidden if rank is None else 2 * rank * (f + hidden))
+
+
 def _n_maps(filler) -> int:
     """Predicted layers S+1..L-1."""
     return filler.n_layers - filler.split - 1
@@ -141,10 +148,7 @@ class MapFiller:
         return None if self._v is None else self._v.shape[1]
 
     def flops_per_row(self) -> int:
-        h = self._biases.shape[-1]
-        f = h * (self.lookback + 1)
-        per_map = 2 * f * h if self.rank is None else 2 * self.rank * (f + h)  # f·W, or f·U then z·V
-        return _n_maps(self) * per_map
+        return maps_flops(self._biases.shape[-1], _n_maps(self), self.rank, self.lookback)
 
     def _inputs(self, x: torch.Tensor, previous: torch.Tensor | None) -> torch.Tensor:
         """x [B, n, H], previous [B, n, K·H] -> the maps' inputs [B·n, F]."""

@@ -4,8 +4,8 @@ FLOPs are multiply-adds × 2, from the model's shapes (engine.ModelShape); norms
 elementwise work are not counted. Per row and layer: Q, K, V, O projections and the MLP (gate, up, down);
 attention 4·Hq·D·(p+1) for a row at position p (QKᵀ and AV over its p+1 causal keys); the LM head of the last
 row. A filled row skips attention, MLP and the Q and O projections in layers S..L-1 but keeps their K and V
-projections, and adds its maps (the filler's `flops_per_row`: 2·H² per late layer S+1..L-1 for full-rank maps,
-4·H·r for rank r, none for identity fill). The count covers attention layers only (a hybrid model's linear
+projections, and adds its maps (the filler's `flops_per_row`, engine.maps_flops: 2·F·H per late layer S+1..L-1
+for full-rank maps of F = (K+1)·H inputs (lookback K; F = H without), 2·r·(F+H) for rank r, none for identity fill). The count covers attention layers only (a hybrid model's linear
 layers have no count here).
 """
 

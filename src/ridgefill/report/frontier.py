@@ -54,12 +54,14 @@ class Point:
 @dataclass(frozen=True)
 class FlopModel:
     """What a point's FLOP-limit speedup needs besides its variant, split and tail: the model's shapes, the prompt
-    length it is stated at, the leading rows kept in full, and the maps' rank per split (absent: full rank)."""
+    length it is stated at, the leading rows kept in full, and the maps' rank and lookback per split (absent:
+    full rank, no lookback)."""
 
     shape: "ModelShape"
     length: int
     keep_first: int = 1
     ranks: dict = field(default_factory=dict)  # split -> rank of its maps (None: full rank)
+    lookbacks: dict = field(default_factory=dict)  # split -> lookback K of its maps (0: x alone)
 
     def speedup(self, variant: str, split: int, tail: int) -> float | None:
         """FLOPs of exact prefill over those of the filled one (None for a model whose FLOPs are not counted:
@@ -74,17 +76,19 @@ class FlopModel:
         full[max(0, self.length - tail):] = True
         full[:self.keep_first] = True
         filled = prefill_flops(self.shape, self.length, full, split,
-                               map_flops(self.shape, variant, split, self.ranks.get(split)))
+                               map_flops(self.shape, variant, split, self.ranks.get(split),
+                                         self.lookbacks.get(split, 0)))
         return prefill_flops(self.shape, self.length) / filled
 
 
-def map_flops(shape: "ModelShape", variant: str, split: int, rank: int | None = None) -> int:
-    """One filled row's maps (the filler's flops_per_row): none for identity fill, 2·H² per predicted layer
-    S+1..L-1 for full-rank maps, 4·H·r for rank r."""
+def map_flops(shape: "ModelShape", variant: str, split: int, rank: int | None = None, lookback: int = 0) -> int:
+    """One filled row's maps (the filler's flops_per_row): none for identity fill, else engine.maps_flops over
+    the predicted layers S+1..L-1."""
+    from ridgefill.engine.fillers import maps_flops
+
     if variant == "identity":
         return 0
-    h = shape.hidden
-    return (shape.layers - split - 1) * (2 * h * h if rank is None else 4 * h * rank)
+    return maps_flops(shape.hidden, shape.layers - split - 1, rank, lookback)
 
 
 @dataclass

@@ -170,8 +170,10 @@ def flop_model(manifest: dict | None, results: list[Result]) -> FlopModel | None
     if shape is None or not lengths:
         return None
     keep_first = next((r.config["keep_first"] for r in measured if r.config.get("keep_first") is not None), 1)
-    ranks = {r.doc["split"]: r.doc.get("rank") for r in _of(results, "fit")}
-    return FlopModel(shape, max(lengths), keep_first, ranks)
+    fits = _of(results, "fit")
+    ranks = {r.doc["split"]: r.doc.get("rank") for r in fits}
+    lookbacks = {r.doc["split"]: r.doc.get("lookback", 0) for r in fits}
+    return FlopModel(shape, max(lengths), keep_first, ranks, lookbacks)
 
 
 def model_shape(model: dict):
