@@ -98,7 +98,7 @@ def check_length(flag: str, length: int, limit: int | None, fix: str = "lower it
     """Refuse a prompt or sequence length, named by its option, that exceeds the model's context `limit` (None:
     the model states none), before any work."""
     if limit and length > limit:
-        raise RidgefillError(f"{flag} {length} exceeds the model's context of {limit}: {fix}")
+        raise RidgefillError(f"{flag} {length} exceeds the model's context of {limit} tokens: {fix}")
 
 
 def parse_splits(text: str, n_layers: int) -> list[int]:
