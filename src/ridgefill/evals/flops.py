@@ -5,8 +5,8 @@ elementwise work are not counted. Per row and layer: Q, K, V, O projections and 
 attention 4·Hq·D·(p+1) for a row at position p (QKᵀ and AV over its p+1 causal keys); the LM head of the last
 row. A filled row skips attention, MLP and the Q and O projections in layers S..L-1 but keeps their K and V
 projections, and adds its maps (the filler's `flops_per_row`, engine.maps_flops: 2·F·H per late layer S+1..L-1
-for full-rank maps of F = (K+1)·H inputs (lookback K; F = H without), 2·r·(F+H) for rank r, none for identity fill). The count covers attention layers only (a hybrid model's linear
-layers have no count here).
+for full-rank maps of F = (K+1)·H inputs (lookback K; F = H without), 2·r·(F+H) for rank r, none for identity
+fill). The count covers attention layers only (a hybrid model's linear layers have no count here).
 """
 
 from __future__ import annotations
