@@ -566,7 +566,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, inputs, tmp_path,
     if case.args[0] == "serve":  # a check that let it through must not start a server
         from ridgefill.serve import serve
 
-        monkeypatch.setattr(serve, "launch", lambda argv, env: pytest.fail(f"serve would start vLLM: {argv}"))
+        monkeypatch.setattr(serve, "launch", lambda plan: pytest.fail(f"serve would start vLLM: {plan.argv}"))
     capfd.readouterr()
     code = _main(args, cwd, monkeypatch)
     _check(case, code, capfd.readouterr().err, out, before, cwd)
@@ -607,6 +607,6 @@ def test_the_serve_base_command_passes_every_check(inputs, tmp_path, monkeypatch
     launched = []
     monkeypatch.setattr(serve, "installed_vllm_version", lambda: VLLM_VERSION)
     monkeypatch.setattr(serve, "plugin_installed", lambda: True)
-    monkeypatch.setattr(serve, "launch", lambda argv, env: launched.append(argv) or 0)
+    monkeypatch.setattr(serve, "launch", lambda plan: launched.append(plan.argv) or 0)
     monkeypatch.delenv("VLLM_PLUGINS", raising=False)
     assert _main(args, cwd, monkeypatch) == 0 and len(launched) == 1, capfd.readouterr().err

@@ -6,6 +6,7 @@ command line handed to vLLM replace the lookups and the launch in-process, so th
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -18,15 +19,17 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from ridgefill import cli
+from ridgefill.errors import RidgefillError
 from ridgefill.serve import serve
 from ridgefill.serve.vllm_config import ENV, VLLM_VERSION
 from tiny_checkpoint import write_corpus
-from vllm_fixtures import vllm_tiny  # noqa: F401  (fixture: tiny checkpoints vLLM can serve, with maps)
+from vllm_fixtures import prompts, reference, smollm2_maps, vllm_tiny  # noqa: F401  (fixtures)
 
 RIDGEFILL = [sys.executable, "-m", "ridgefill"]
 START_TIMEOUT = 300.0  # seconds for vLLM to load a tiny model on a busy 2-core machine (~40 s when quiet)
@@ -48,11 +51,11 @@ def fitted(tiny_checkpoint, tmp_path_factory) -> Path:
 
 @pytest.fixture
 def vllm_ok(monkeypatch):
-    """The installation checks pass; launch records (argv, env) and returns `launched["code"]`."""
+    """The installation checks pass; launch records the plan (argv, env, banner) and returns `launched["code"]`."""
     launched = {"code": 0}
 
-    def launch(argv, env):
-        launched.update(argv=argv, env=env)
+    def launch(plan):
+        launched.update(argv=plan.argv, env=plan.env, banner=plan.banner, health=plan.health)
         return launched["code"]
 
     monkeypatch.setattr(serve, "installed_vllm_version", lambda: VLLM_VERSION)
@@ -76,21 +79,28 @@ def main(monkeypatch, capfd, *args) -> tuple[int, str]:
 
 def test_serve_runs_the_vllm_server_with_the_fill_and_hands_on_undeclared_options(
         tiny_checkpoint, fitted, vllm_ok, monkeypatch, capfd):
+    monkeypatch.setattr(serve, "on_cpu", lambda: True)
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     code, err = main(monkeypatch, capfd, "serve", "--model", tiny_checkpoint, "--maps", fitted, "--tail", 16,
                      "--max-model-len", 256, "-tp", 1, "--max_num_seqs=4", "--port", 8123, "--seed", 3,
-                     "--no-enable-log-requests")
-    assert code == 0, err
+                     "--no-enable-log-requests", "--concurrency", 3)
+    assert code == 0 and err == "", err  # serve's line comes once the server answers (launch prints it)
     folder = str(tiny_checkpoint)
+    kv = 3 * 256 * 2 * 6 * 2 * 16 * 4  # 3 requests of 256 tokens, K and V of 6 layers x 2 KV heads x 16, fp32
     assert vllm_ok["argv"] == [
         sys.executable, "-m", serve.VLLM_SERVER, "--model", folder, "--served-model-name", folder,
         "--host", "127.0.0.1", "--port", "8123", "--dtype", "float32", "--no-enable-prefix-caching",
-        "--enforce-eager", "--max-model-len", "256", "-tp", "1", "--max_num_seqs=4", "--seed", "3",
-        "--no-enable-log-requests"]
+        "--enforce-eager", "--middleware", serve.MIDDLEWARE, "--kv-cache-memory-bytes", str(kv),
+        "--max-model-len", "256", "-tp", "1", "--max_num_seqs=4", "--seed", "3", "--no-enable-log-requests"]
     env = vllm_ok["env"]
     assert env[ENV["maps"]] == str(fitted.resolve()) and env[ENV["tail"]] == "16"
     assert env[ENV["keep_first"]] == "1" and float(env[ENV["outlier_factor"]]) == 20.0
+    assert env[ENV["maps_sha256"]] == hashlib.sha256(fitted.read_bytes()).hexdigest()
+    assert env["VLLM_USE_V2_MODEL_RUNNER"] == "0" and env["PROMETHEUS_MULTIPROC_DIR"]
     assert env["PATH"] == os.environ["PATH"]  # the rest of the environment is inherited
-    assert err.count("\n") == 1 and err.startswith("ridgefill serve: ") and "split 3 of 6 layers" in err
+    assert vllm_ok["banner"].startswith("ridgefill serve: ") and "split 3 of 6 layers" in vllm_ok["banner"]
+    assert "KV cache 0.00 GiB: 3 requests of 256 tokens" in vllm_ok["banner"]
+    assert vllm_ok["health"] == "http://127.0.0.1:8123/health"
 
 
 def test_serve_exits_with_the_servers_exit_code_and_a_served_name_given_is_kept(
@@ -149,15 +159,23 @@ def test_launch_forwards_signals_to_the_child_and_returns_its_exit_code(tmp_path
             time.sleep(0.05)
         os.kill(os.getpid(), signum)  # to this process: launch forwards it
 
+    def plan(code: str) -> serve.Launch:  # a child that never answers its health URL
+        return serve.Launch([sys.executable, "-c", code], dict(os.environ), f"http://127.0.0.1:{free_port()}/health",
+                            "up", tmp_path / "child.log")
+
     handler = signal.getsignal(signal.SIGTERM)
     thread = threading.Thread(target=signal_when_ready, args=(signal.SIGTERM,))
     thread.start()
-    code = serve.launch([sys.executable, "-c", child], dict(os.environ))
+    code = serve.launch(plan(child))
     thread.join()
     assert code == 7
     assert int(ready.read_text()) != os.getpgid(0)  # its own process group: a Ctrl-C reaches it once, forwarded
     assert signal.getsignal(signal.SIGTERM) is handler  # this process's own handler is back
-    assert serve.launch([sys.executable, "-c", "import os; os.kill(os.getpid(), 9)"], dict(os.environ)) == 137
+    # a child that ends by itself before it is up: its reason, one line (no signal was forwarded)
+    with pytest.raises(RidgefillError, match=r"vLLM could not start \(ValueError: no room\): see the log"):
+        serve.launch(plan("raise ValueError('no room')"))
+    with pytest.raises(RidgefillError, match="exited with code 137 before it answered"):
+        serve.launch(plan("import os; os.kill(os.getpid(), 9)"))
 
 
 # --- the server, end to end -------------------------------------------------------------------------------------
@@ -235,48 +253,176 @@ def test_the_plugin_entry_point_serve_checks_for_is_the_one_pyproject_declares()
     assert project["entry-points"]["vllm.general_plugins"] == {serve.PLUGIN: serve.PLUGIN_TARGET}
 
 
-def test_serve_answers_completions_and_a_request_can_set_its_tail(vllm_tiny, tmp_path):
+# --- one server with serve's defaults (SmolLM2, split 15, tail 64), used by the tests below, in order ---------
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    base: str  # http://127.0.0.1:PORT
+    log: Path  # serve's stdout and stderr
+    maps: Path  # the maps file it serves (a copy: the tests change it while it serves)
+    folder: Path  # the checkpoint folder
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_maps, tmp_path_factory):
+    """`ridgefill serve --model smollm2-135m --maps M --tail 64 --port P`: nothing else, no KV cache setting in the
+    environment either (serve's defaults must start on this machine)."""
     if not serve.plugin_installed():
         pytest.skip("ridgefill's vllm.general_plugins entry point is not installed here (an install older than "
                     "the plugin): reinstall ridgefill")
-    folder, maps = vllm_tiny["llama"]
-    port, log = free_port(), tmp_path / "serve.log"
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    folder, maps = smollm2_maps
+    root = tmp_path_factory.mktemp("server")
+    served = root / "maps.safetensors"
+    shutil.copy(maps, served)
+    port, log = free_port(), root / "serve.log"
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_PLUGINS")}
     with open(log, "wb") as out:
-        proc = subprocess.Popen([*RIDGEFILL, "serve", "--model", str(folder), "--maps", str(maps), "--tail", "16",
-                                 "--port", str(port), "--max-model-len", "512", "--max-num-seqs", "4"],
-                                stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
+        proc = subprocess.Popen([*RIDGEFILL, "serve", "--model", "smollm2-135m", "--maps", str(served), "--tail", "64",
+                                 "--port", str(port), "--log-file", str(root / "vllm.log")],
+                                stdout=out, stderr=subprocess.STDOUT, env={**env, "TOKENIZERS_PARALLELISM": "false"},
+                                cwd=root)
+    base = f"http://127.0.0.1:{port}"
     try:
-        base = f"http://127.0.0.1:{port}"
         wait_until_up(proc, f"{base}/health", log)
-        assert tail(log, 10**6).splitlines()[0].startswith("ridgefill serve: ")
-        with urllib.request.urlopen(f"{base}/v1/models", timeout=30) as r:
-            assert [m["id"] for m in json.loads(r.read())["data"]] == [str(folder)]
-        prompt = [random.Random(0).randrange(3, 500) for _ in range(120)]  # 120 tokens: 103 filled at tail 16
-        request = {"model": str(folder), "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
-                   "logprobs": 1, "return_token_ids": True}
-        answers = {}
-        for name, extra in [("filled", {}), ("exact", {"vllm_xargs": {"ridgefill_tail": 10000}})]:
-            status, body = post(f"{base}/v1/completions", {**request, **extra})
-            assert status == 200, body
-            (choice,) = body["choices"]
-            assert len(choice["token_ids"]) == 4 and body["usage"]["prompt_tokens"] == len(prompt)
-            answers[name] = (choice["token_ids"], choice["logprobs"]["token_logprobs"])
-        status, body = post(f"{base}/v1/completions", {"model": str(folder), "prompt": "The grass is green.",
-                                                       "max_tokens": 4, "temperature": 0})
-        assert status == 200 and body["usage"]["completion_tokens"] >= 1, body
+        deadline = time.monotonic() + 30  # serve prints its line just after vLLM answers
+        while "ridgefill serve: " not in log.read_text(errors="replace") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        yield Server(proc, base, log, served, folder)
     finally:
         stop(proc)
-    # a tail covering the prompt is exact prefill: transformers' own forward gives the same log-probs, and every
-    # chosen token is its greedy choice
-    tokens, logprobs = answers["exact"]
-    expected, best = exact_logprobs(folder, prompt, tokens)
-    assert logprobs == pytest.approx(expected, abs=1e-3)
-    assert expected == pytest.approx(best, abs=1e-3)
-    # at the served tail of 16 most rows are filled from the maps: RidgeFill ran, so the log-probs differ
-    filled_tokens, filled_logprobs = answers["filled"]
-    assert filled_tokens != tokens or filled_logprobs != pytest.approx(logprobs, abs=1e-4)
-    assert proc.returncode == 0, tail(log)  # vLLM shut down on the forwarded SIGTERM
+
+
+def complete(server: Server, prompt, **options) -> tuple[int, dict]:
+    body = {"model": "smollm2-135m", "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, **options}
+    return post(f"{server.base}/v1/completions", body)
+
+
+def answer(server: Server, prompt, **options) -> tuple[list[int], list[float]]:
+    status, body = complete(server, prompt, logprobs=1, **options)
+    assert status == 200, body
+    (choice,) = body["choices"]
+    return choice["token_ids"], choice["logprobs"]["token_logprobs"]
+
+
+def metrics(server: Server) -> dict[str, float]:
+    """The ridgefill_* counters on the server's /metrics."""
+    with urllib.request.urlopen(f"{server.base}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+            if line.startswith("ridgefill_") and " " in line}
+
+
+def test_serve_starts_with_its_defaults_and_says_what_it_serves(server):
+    first = server.log.read_text(errors="replace").splitlines()[0]
+    assert first.startswith("ridgefill serve: smollm2-135m through vLLM at http://127.0.0.1:"), first
+    assert "split 15 of 30 layers" in first and "tail 64" in first and "KV cache" in first, first
+    assert "Traceback" not in server.log.read_text(errors="replace")
+    with urllib.request.urlopen(f"{server.base}/v1/models", timeout=30) as r:
+        assert [m["id"] for m in json.loads(r.read())["data"]] == ["smollm2-135m"]
+
+
+def test_filled_requests_match_ridgefills_engine(server):
+    """Test 2 on the embedded SmolLM2 (split 15 of 30, tail 64) through the server: first-token top-5 log-probs
+    within 1e-3 of ridgefill's own filled prefill, at least 7 of 8 greedy 32-token continuations equal; the
+    server's counters count each filled row."""
+    batch = prompts(8, [300, 420, 256, 380], 49152, seed=4)
+    before = metrics(server)
+    got = []
+    for p in batch:
+        status, body = complete(server, p, max_tokens=32, logprobs=5, return_tokens_as_token_ids=True)
+        assert status == 200, body
+        (choice,) = body["choices"]
+        top = {int(k.split(":")[1]): v for k, v in choice["logprobs"]["top_logprobs"][0].items()}
+        got.append((choice["token_ids"], top))
+    after = metrics(server)
+    tokens, first = reference(server.folder, server.maps, 64, batch, 32)
+    gaps = [max(abs(lp - float(f[t])) for t, lp in top.items()) for (_, top), f in zip(got, first)]
+    same = sum(g[0] == t for g, t in zip(got, tokens))
+    print(f"SmolLM2 through serve: max first-token log-prob gap {max(gaps):.2e}; {same} of 8 continuations agree")
+    assert max(gaps) < 1e-3 and same >= 7, (gaps, same)
+    delta = {k: after[k] - before.get(k, 0.0) for k in after}
+    outliers = delta["ridgefill_outlier_tokens_total"]
+    assert delta["ridgefill_filled_tokens_total"] == sum(len(p) - 65 for p in batch) - outliers
+    assert delta["ridgefill_full_tokens_total"] == 65 * len(batch) + outliers
+    assert delta["ridgefill_stock_steps_total"] == 0
+
+
+def test_a_request_sets_its_tail_and_a_tail_over_the_prompt_is_exact(server):
+    prompt = prompts(1, [120], 49152, seed=9)[0]
+    filled = answer(server, prompt)
+    exact = answer(server, prompt, vllm_xargs={"ridgefill_tail": 10000})
+    tokens, logprobs = exact
+    expected, best = exact_logprobs(server.folder, prompt, tokens)
+    assert logprobs == pytest.approx(expected, abs=1e-3)  # transformers' own forward
+    assert expected == pytest.approx(best, abs=1e-3)  # and its greedy choices
+    assert filled[0] != tokens or filled[1] != pytest.approx(logprobs, abs=1e-4)  # RidgeFill ran
+
+
+def malformed(rng: random.Random) -> dict:
+    """A request whose RidgeFill options are bad in one of many ways (vLLM's request model or RidgeFill's checks
+    must refuse it)."""
+    key = rng.choice(["ridgefill_tail", "ridgefill_keep_first", "ridgefill_tial", "ridgefill_", "ridgefill_split",
+                      "ridgefill_tail_", "ridgefill_keepfirst"])
+    huge = rng.choice([2**31, 2**32, 2**53 + 1, 2**63 - 1, 2**63, 2**64 - 1, 2**64, 2**100, 10**30])
+    value = rng.choice([
+        huge, -huge, -1, -(2**31), rng.randint(-10**6, -1), 0.5, 1.0, 64.0, -3.5, 1e300, "64", "", "ten", "1e3",
+        True, False, None, [64], [1, 2, 3], {"tail": 64}, {"a": {"b": [1, {"c": 2}]}}, [[1]], "∞",
+    ])
+    if key == "ridgefill_keep_first" and value in (0, 1, 64) and type(value) is int:  # noqa: E721  (valid)
+        value = -1
+    if key == "ridgefill_tail" and type(value) is int and 1 <= value < 2**31:  # noqa: E721  (valid)
+        value = 0
+    xargs = {key: value}
+    if rng.random() < 0.3:  # beside a valid option, before or after it
+        valid = ("ridgefill_keep_first", 2) if key == "ridgefill_tail" else ("ridgefill_tail", 32)
+        xargs = {**xargs, valid[0]: valid[1]} if rng.random() < 0.5 else {valid[0]: valid[1], **xargs}
+    return {"vllm_xargs": xargs} if rng.random() < 0.9 else {"vllm_xargs": rng.choice(
+        [[key, value] if isinstance(value, (int, float, str)) else [key], "ridgefill_tail=5", 17, True])}
+
+
+def test_malformed_requests_are_400_and_the_server_serves_on(server):
+    """A bounded fuzz: 240 requests with malformed RidgeFill options (unknown ridgefill_* keys, huge and negative
+    integers, floats, strings, booleans, nulls, nested objects, a vllm_xargs that is no object) are each answered
+    400; the server stays up, and a well-formed request gives the same output before and after."""
+    prompt = prompts(1, [200], 49152, seed=10)[0]
+    before = answer(server, prompt, max_tokens=8)
+    rng = random.Random(23)
+    answers = []
+    deadline = time.monotonic() + 600
+    for i in range(240):
+        extra = malformed(rng)
+        status, body = complete(server, prompt[: 20 + i % 50], max_tokens=1, **extra)
+        answers.append((status, extra, body))
+        assert time.monotonic() < deadline, "the fuzz took over 10 minutes"
+    bad = [(status, extra, body) for status, extra, body in answers if status != 400]
+    assert not bad, bad[:5]
+    messages = [body["error"]["message"] for _, _, body in answers]
+    ours = [m for m in messages if m.startswith(("ridgefill_", "unknown RidgeFill request option"))]
+    assert len(ours) > 150 and all("\n" not in m for m in ours), ours  # most are RidgeFill's own, one line each
+    with urllib.request.urlopen(f"{server.base}/health", timeout=30) as r:
+        assert r.status == 200
+    assert answer(server, prompt, max_tokens=8) == before
+
+
+def test_changing_the_maps_file_while_serving_changes_nothing(server):
+    """The maps were read into private memory when the server started: overwriting the file in place, then
+    truncating it, leaves every answer as it was (no SIGBUS, no other maps)."""
+    prompt = prompts(1, [300], 49152, seed=11)[0]
+    before = answer(server, prompt, max_tokens=8)
+    size = server.maps.stat().st_size
+    with open(server.maps, "r+b") as f:  # the same file, its bytes replaced (the tensors' part zeroed)
+        f.seek(size // 2)
+        f.write(bytes(size - size // 2))
+    assert answer(server, prompt, max_tokens=8) == before
+    with open(server.maps, "r+b") as f:
+        f.truncate(100)
+    assert answer(server, prompt, max_tokens=8) == before
+
+
+def test_sigterm_stops_the_server_with_exit_code_0(server):
+    stop(server.proc)
+    assert server.proc.returncode == 0, tail(server.log)
 
 
 # --- bad configurations, end to end ---------------------------------------------------------------------------
@@ -334,6 +480,21 @@ def test_a_bad_configuration_is_one_line_and_exit_2_without_starting_vllm(model,
     assert "Traceback" not in r.stderr and not any(cwd.iterdir())
 
 
+def test_a_setting_vllm_reads_from_a_config_file_that_breaks_the_fill_ends_serve_with_one_line(vllm_tiny, tmp_path):
+    """LoRA turned on in a vLLM --config file (no option serve could refuse): the plugin refuses vLLM's resolved
+    configuration in the API server before any engine starts; serve prints that reason as its one line and exits 2."""
+    folder, maps = vllm_tiny["llama"]
+    config = tmp_path / "vllm.yaml"
+    config.write_text("enable-lora: true\n")
+    log = tmp_path / "vllm.log"
+    r = subprocess.run([*RIDGEFILL, "serve", "--model", str(folder), "--maps", str(maps), "--port", str(free_port()),
+                        "--log-file", str(log), "--config", str(config)],
+                       capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: LoRA is not supported with RidgeFill"), r.stderr
+    assert f"(vLLM's log: {log})" in r.stderr and "Traceback" in log.read_text()  # the whole story is in the log
+
+
 def serving_config(path: Path, tiny: Path, maps: Path | None, split: int, weights: str | None = None) -> Path:
     from ridgefill.runtime.models import checkpoint_fingerprint
     from ridgefill.runtime.serving import KIND
@@ -355,17 +516,17 @@ def test_serve_takes_a_serving_config_from_tune(tiny_checkpoint, fitted, vllm_ok
 
     seen = {}
 
-    def launch(argv, env):  # the identity maps file must exist while the server runs
+    def launch(plan):  # the identity maps file must exist while the server runs
         from ridgefill.runtime.artifacts import read_meta
 
-        seen.update(read_meta(env[ENV["maps"]], "maps"))
+        seen.update(read_meta(plan.env[ENV["maps"]], "maps"), banner=plan.banner)
         return 0
 
     monkeypatch.setattr(serve, "launch", launch)
     identity = serving_config(tmp_path / "identity.json", tiny_checkpoint, None, 4)
     code, err = main(monkeypatch, capfd, "serve", "--model", tiny_checkpoint, "--serving-config", identity)
     assert code == 0, err
-    assert seen["kind"] == "identity" and seen["split"] == 4 and "split 4 of 6 layers" in err
+    assert seen["kind"] == "identity" and seen["split"] == 4 and "split 4 of 6 layers" in seen["banner"]
 
 
 @pytest.mark.parametrize("extra, match", [

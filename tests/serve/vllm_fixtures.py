@@ -15,6 +15,38 @@ SPLIT = 2  # of 6 layers
 QWEN3_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 32.0, "original_max_position_embeddings": 128}
 
 
+def prompts(n: int, lengths, vocab: int, seed: int = 0) -> list[list[int]]:
+    """n prompts of random token ids (3..vocab-1), their lengths cycling through `lengths`."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(n)]
+
+
+def vocab_of(folder) -> int:
+    import json
+
+    return json.loads((folder / "config.json").read_text())["vocab_size"]
+
+
+def reference(folder, maps, tail: int, batch: list[list[int]], new: int, keep_first: int = 1, chunk: int = 2048):
+    """ridgefill's own engine (what `ridgefill generate` runs): greedy tokens and first-token log-probs [V]."""
+    import torch
+
+    from ridgefill.method.statistics import OUTLIER_FACTOR
+    from ridgefill.runtime.session import open_session, variant_plans
+
+    session = open_session(str(folder), chunk=chunk)
+    plans, _ = variant_plans(session, str(maps), None, tail, list(range(keep_first)), ("ridge",), OUTLIER_FACTOR)
+    plan = plans["ridge"]
+    tokens, first = [], []
+    for p in batch:
+        ids = torch.tensor([p])
+        tokens.append(session.engine.generate(ids, new, plan, None).tokens[0])
+        first.append(torch.log_softmax(session.engine.prefill(ids, plan).logits[0, -1].double(), -1))
+    return tokens, first
+
+
 def fit_maps(model: str, data: Path, out: Path, split: int, tokens: int, seq_len: int, lookback: int = 0) -> Path:
     from ridgefill.method.calibrate import COMMAND as calibrate
     from ridgefill.method.fit import COMMAND as fit
@@ -72,3 +104,56 @@ def smollm2_maps(tmp_path_factory) -> tuple[Path, Path]:
     folder = Path(model_folder("smollm2-135m"))
     work = tmp_path_factory.mktemp("smollm2-maps")
     return folder, fit_maps("smollm2-135m", Path("wiki-leads"), work, 15, tokens=16384, seq_len=512)
+
+
+class EnginePool:
+    """vLLM engines shared by the tests of a session, keyed by their settings (model, fill, options): a test asks
+    for the engine it needs and gets a running one when an earlier test started it. At most `alive` engines run at
+    once (the least recently used is closed first), so the tests that share an engine sit next to each other.
+    Tests that share an engine read its tally as a difference (`tally_delta`): the engine has served others."""
+
+    def __init__(self, alive: int = 3) -> None:
+        self.alive = alive
+        self.engines: dict[str, object] = {}  # key -> VllmWorker, least recently used first
+        self.started = 0
+
+    def get(self, settings):
+        import dataclasses
+        import json
+
+        from ridgefill.serve.vllm_engine import VllmWorker
+
+        key = json.dumps(dataclasses.asdict(settings), sort_keys=True, default=str)
+        if key in self.engines:
+            self.engines[key] = self.engines.pop(key)  # most recently used
+            return self.engines[key]
+        while len(self.engines) >= self.alive:
+            self.engines.pop(next(iter(self.engines))).close()
+        self.engines[key] = VllmWorker(settings)
+        self.started += 1
+        return self.engines[key]
+
+    def close(self) -> None:
+        for worker in self.engines.values():
+            worker.close()
+        self.engines.clear()
+
+
+@pytest.fixture(scope="session")
+def engines(request):
+    """The session's EnginePool; at the end, the number of engines it started is written to the terminal."""
+    pytest.importorskip("vllm")
+    pool = EnginePool()
+    yield pool
+    pool.close()
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(f"vLLM engines started by the engine pool: {pool.started}")
+
+
+def tally_delta(worker, run):
+    """(run(), what the engine's tally counted while it ran)."""
+    before = worker.tally()
+    out = run()
+    after = worker.tally()
+    return out, {k: after[k] - before[k] for k in after}

@@ -7,6 +7,8 @@ a paired bootstrap interval of the speedup, and the FLOP-limit ratio. Here:
   fill gets an identity maps file written for the run). Each variant is one engine in its own process
   (serve/vllm_engine.py), all alive for the whole run, built with the same arguments;
 - on a GPU the engines split vLLM's memory budget (gpu_memory_utilization 0.85 / variants); never run on one;
+- a fill variant that filled no row of prompts with rows to fill is an error (check_filled): it would report
+  stock vLLM's timings under the variant's name;
 - prefix caching is off (a repeated prompt would otherwise hit it), CUDA graphs and torch.compile are off
   (enforce_eager) for every variant, and on the CPU vLLM's threads are bound to --threads cores (default: all)
   with none reserved;
@@ -26,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ridgefill.errors import RidgefillError
 from ridgefill.evals.stats import ratio_of_medians
 from ridgefill.runtime.console import progress_bar
 from ridgefill.runtime.models import model_folder
@@ -69,6 +72,8 @@ def bench_lengths(m, prompts: dict, add_flops, scratch: Path) -> tuple[list[dict
             results.append(entry)
         tallies = {name: workers[name].tally() for name in fills}
     for name, tally in tallies.items():  # what vLLM filled, counted where the result document reads it
+        planned = (c.warmup + c.repeats) * sum(entry["fill"][name]["filled_rows"] for entry in results)
+        check_filled(name, tally, planned)
         m.plans[name].tally.filled += tally["filled_rows"]
         m.plans[name].tally.outliers += tally["outlier_rows_run_full"]
         m.plans[name].tally.unwindowed += tally["lookback_rows_run_full"]
@@ -78,6 +83,16 @@ def bench_lengths(m, prompts: dict, add_flops, scratch: Path) -> tuple[list[dict
                       **({"tally": tallies[name]} if name in tallies else {})}
                for name, s in settings.items()}
     return results, intervals, engines
+
+
+def check_filled(name: str, tally: dict, planned: int) -> None:
+    """Refuse timings of a fill variant that filled no row although its prompts had rows to fill: it timed stock
+    vLLM under the variant's name (the plugin did not run)."""
+    if planned > 0 and tally["filled_rows"] == 0:
+        raise RidgefillError(f"{name} filled none of the {planned} prompt rows it should have filled in vLLM "
+                             f"({tally['full_prompt_rows']} ran in full, {tally['stock_steps']} steps ran stock): "
+                             "its timings are stock vLLM's, so none are reported; check that ridgefill's vLLM plugin "
+                             "loads (VLLM_PLUGINS, VLLM_USE_V2_MODEL_RUNNER)")
 
 
 def _fill(m, name: str, scratch: Path) -> VllmFill | None:

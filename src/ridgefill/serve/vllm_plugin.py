@@ -3,21 +3,24 @@
 vLLM calls `register()` in every process it starts (API server, engine core, workers), possibly more than once.
 Unconfigured (RIDGEFILL_MAPS unset) it does nothing: vLLM runs exactly as stock. Configured, it
 1. refuses any vLLM other than the release it was written for (serve/vllm_config.VLLM_VERSION);
-2. registers RidgeFill's Llama / Qwen2 / Qwen3 classes (serve/vllm_model.py) for those architectures;
-3. wraps the model runner's forward call so the model learns which tokens of each step are filled
+2. makes vLLM use its V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0 unless set), the one the plugin hooks;
+3. registers RidgeFill's Llama / Qwen2 / Qwen3 classes (serve/vllm_model.py) for those architectures;
+4. wraps the model runner's forward call so the model learns which tokens of each step are filled
    (serve/vllm_runner.py);
-4. turns prefix caching off with a warning when the engine's configuration is created: a cached block of a
-   filled prompt holds predicted K/V in its late layers, and whether a row is filled depends on the length of
-   the prompt it was part of, so a block cannot be shared between prompts. (The model refuses to load if
-   prefix caching is on anyway.)
+5. hooks the creation of the engine's configuration: prefix caching is turned off with a warning (a cached block
+   of a filled prompt holds predicted K/V in its late layers, and whether a row is filled depends on the length of
+   the prompt it was part of); the admission check of requests' RidgeFill options (serve/vllm_admission.py) joins
+   the logits processors; and a configuration the fill cannot run under (LoRA, KV connectors, micro-batching,
+   Model Runner V2, ...: vllm_config.REFUSED) is refused with one line before any engine process starts.
 Each step is idempotent.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
-from ridgefill.serve.vllm_config import ARCHITECTURES, check_vllm_version, fill_from_env
+from ridgefill.serve.vllm_config import ARCHITECTURES, V2_RUNNER, check_engine_config, check_vllm_version, fill_from_env
 
 log = logging.getLogger("ridgefill.vllm")
 HOOKED = "_ridgefill_hooked"
@@ -31,6 +34,7 @@ def register() -> None:
     from vllm import ModelRegistry
 
     check_vllm_version(vllm.__version__)
+    os.environ.setdefault(V2_RUNNER, "0")  # inherited by every process vLLM starts from here
     for arch in ARCHITECTURES:
         ModelRegistry.register_model(arch, f"ridgefill.serve.vllm_model:RidgeFill{arch}")
     from ridgefill.serve.vllm_runner import install_runner_hook
@@ -47,11 +51,20 @@ def _install_config_hook() -> None:
     stock = EngineArgs.create_engine_config
 
     def create_engine_config(self, *args, **kwargs):
+        from ridgefill.serve.vllm_admission import QUALNAME
+
         if self.enable_prefix_caching is not False:
             log.warning("ridgefill: prefix caching turned off (a cached block of a filled prompt holds predicted "
                         "K/V in its late layers); pass --no-enable-prefix-caching to silence this")
             self.enable_prefix_caching = False
-        return stock(self, *args, **kwargs)
+        processors = list(self.logits_processors or [])
+        if QUALNAME not in processors:
+            self.logits_processors = [*processors, QUALNAME]
+        config = stock(self, *args, **kwargs)
+        fill = fill_from_env()
+        if fill is not None:
+            check_engine_config(config, fill)
+        return config
 
     EngineArgs.create_engine_config = create_engine_config
     setattr(EngineArgs, HOOKED, True)

@@ -1,0 +1,93 @@
+"""What the plugin does to vLLM's own configuration objects (EngineArgs -> VllmConfig), no engine started: on an
+install where vLLM would pick Model Runner V2 (Triton usable, as on every CUDA install: simulated here), a configured
+plugin makes it use V1, the runner it hooks, and refuses a configuration that still asks for V2; settings that break
+the fill are refused with one line before any engine process starts; the admission check joins the logits
+processors and prefix caching is off. Each probe runs in a fresh process (the plugin's hooks and vLLM's environment
+are per process)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from vllm_fixtures import vllm_tiny  # noqa: F401  (fixture)
+
+pytest.importorskip("vllm")
+
+PROBE = r"""
+import json, os, sys
+import vllm.config.vllm as vllm_config_module
+from vllm.engine.arg_utils import EngineArgs
+
+vllm_config_module.HAS_TRITON = True  # as on a CUDA install: vLLM would pick Model Runner V2
+from ridgefill.serve.vllm_config import check_engine_config, fill_from_env
+from ridgefill.serve.vllm_plugin import register
+
+register()  # what vLLM does from the entry point in every process; nothing unless RIDGEFILL_MAPS is set
+
+
+def make(env=None, after=None, **kwargs):
+    saved = dict(os.environ)
+    os.environ.update(env or {})
+    try:
+        config = EngineArgs(model=sys.argv[1], max_model_len=512, **kwargs).create_engine_config()
+        if after is not None:
+            after(config)
+            check_engine_config(config, fill_from_env())
+        return {"v2": config.use_v2_model_runner, "processors": config.model_config.logits_processors,
+                "prefix_caching": config.cache_config.enable_prefix_caching}
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def dbo(config):
+    config.parallel_config.enable_dbo = True  # the CPU platform turns DBO off itself: set as a GPU would keep it
+
+
+cases = {
+    "plain": make(),
+    "v2-asked": make(env={"VLLM_USE_V2_MODEL_RUNNER": "1"}),
+    "lora": make(enable_lora=True),
+    "kv-offloading": make(kv_offloading_size=1.0),
+    "kv-transfer": make(kv_transfer_config={"kv_connector": "ExampleConnector", "kv_role": "kv_both"}),
+    "speculative": make(speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}),
+    "dbo": make(after=dbo),
+}
+print("RESULT " + json.dumps(cases))
+"""
+
+
+def probe(folder, maps=None) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RIDGEFILL_") and k != "VLLM_USE_V2_MODEL_RUNNER"}
+    if maps is not None:
+        env["RIDGEFILL_MAPS"] = str(maps)
+    r = subprocess.run([sys.executable, "-c", PROBE, str(folder)], capture_output=True, text=True, env=env,
+                       timeout=600)
+    lines = [line for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+    assert r.returncode == 0 and lines, r.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def test_a_configured_plugin_makes_vllm_use_the_runner_it_hooks_and_refuses_what_breaks_the_fill(vllm_tiny):
+    folder, maps = vllm_tiny["llama"]
+    unconfigured = probe(folder)
+    assert unconfigured["plain"]["v2"] is True  # without the plugin this install would run Model Runner V2
+    assert unconfigured["lora"].get("error") is None  # and nothing is refused: the plugin does nothing
+    cases = probe(folder, maps)
+    plain = cases["plain"]
+    assert plain["v2"] is False and plain["prefix_caching"] is False
+    assert plain["processors"] == ["ridgefill.serve.vllm_admission:RidgeFillRequestArgs"]
+    expected = {"v2-asked": "vLLM picked its Model Runner V2, which the RidgeFill plugin does not hook",
+                "lora": "LoRA is not supported with RidgeFill", "kv-offloading": "KV-offloading connectors",
+                "kv-transfer": "KV-transfer and KV-offloading connectors are not supported",
+                "speculative": "speculative decoding is not supported", "dbo": "micro-batching (DBO / ubatching)"}
+    for case, match in expected.items():
+        error = cases[case].get("error", "")
+        assert error.startswith("RidgefillError: ") and match in error and "\n" not in error, (case, cases[case])
