@@ -15,6 +15,7 @@ and {out} (the folder its outputs would go to).
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import struct
@@ -112,6 +113,51 @@ def result_with(**changes) -> Callable[[Inputs], bytes]:
     return changed
 
 
+def maps_with(**changes) -> Callable[[Inputs], bytes]:
+    """The fixture's maps file with some keys of its ridgefill metadata replaced (its tensors and model the same)."""
+
+    def changed(found: Inputs) -> bytes:
+        from safetensors import safe_open
+        from safetensors.torch import save
+
+        with safe_open(str(found.maps), framework="pt") as f:
+            metadata, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+        metadata["ridgefill"] = json.dumps({**json.loads(metadata["ridgefill"]), **changes})
+        return save(tensors, metadata=metadata)
+
+    return changed
+
+
+def changed_tensor(artifact: str, name: str, change: Callable) -> Callable[[Inputs], bytes]:
+    """The bytes of a fixture artifact (stats or maps) with tensor `name` changed by `change` (on a copy), read with
+    safetensors and written back by ridgefill with its metadata."""
+
+    def changed(found: Inputs) -> bytes:
+        import tempfile
+
+        from safetensors import safe_open
+        from ridgefill.runtime.artifacts import save_artifact
+
+        with safe_open(str(getattr(found, artifact)), framework="pt") as f:
+            tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, json.loads(f.metadata()["ridgefill"])
+        tensors[name] = change(tensors[name].clone())
+        with tempfile.TemporaryDirectory() as folder:
+            save_artifact(Path(folder) / "changed.safetensors", tensors, meta)
+            return (Path(folder) / "changed.safetensors").read_bytes()
+
+    return changed
+
+
+def first_set(value: float) -> Callable:
+    """A change of a tensor: its first value set to `value`."""
+
+    def change(t):
+        t.view(-1)[0] = value
+        return t
+
+    return change
+
+
 def model_folder(**files) -> dict:
     """A model folder `{in}/model`: a copy of checkpoint A with `files` (config_json: config.json) replaced (None:
     removed)."""
@@ -121,6 +167,63 @@ def model_folder(**files) -> dict:
 
 
 COPY_OF_A = object()  # the content of a folder entry: a copy of checkpoint A
+
+
+def without(artifact: str, *, tensor: str | None = None, meta_key: str | None = None) -> Callable[[Inputs], bytes]:
+    """The bytes of a fixture artifact with one tensor, or one key of its ridgefill metadata, left out."""
+
+    def changed(found: Inputs) -> bytes:
+        from safetensors import safe_open
+        from safetensors.torch import save
+
+        with safe_open(str(getattr(found, artifact)), framework="pt") as f:
+            metadata, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys() if k != tensor}
+        meta = json.loads(metadata["ridgefill"])
+        meta.pop(meta_key, None)
+        return save(tensors, metadata={**metadata, "ridgefill": json.dumps(meta)})
+
+    return changed
+
+
+def with_key_scale(heads: int) -> Callable[[Inputs], bytes]:
+    """The fixture's maps with a key scale of `heads` values per layer (checkpoint A has 2 KV heads)."""
+
+    def changed(found: Inputs) -> bytes:
+        import tempfile
+
+        import torch
+        from ridgefill.runtime.artifacts import load_artifact, save_artifact
+
+        tensors, meta = load_artifact(found.maps, "maps")
+        tensors["key_scale"] = torch.ones(meta["n_layers"] - meta["split"], heads)
+        with tempfile.TemporaryDirectory() as folder:
+            save_artifact(Path(folder) / "ks.safetensors", tensors, meta)
+            return (Path(folder) / "ks.safetensors").read_bytes()
+
+    return changed
+
+
+def serving(variant: str = "ridge", maps: str | None = "{maps}", sha256: str | None = None, **fields):
+    """A serving config for checkpoint A as `ridgefill tune` writes it (the maps by path and sha256)."""
+
+    def written(found: Inputs) -> bytes:
+        from ridgefill.method.fill import SERVING_KIND
+        from ridgefill.runtime.models import checkpoint_fingerprint
+        from ridgefill.runtime.paths import file_sha256
+
+        path = None if maps is None else maps.format(**found.names())
+        doc = {"kind": SERVING_KIND, "version": 2, "model": {"weights_hash": checkpoint_fingerprint(found.A)},
+               "variant": variant, "split": 3, "tail": 8, "keep_first": 1, "outlier_factor": 20.0,
+               "maps": None if path is None else {"path": path, "sha256": sha256 or file_sha256(path)}, **fields}
+        return json.dumps(doc).encode()
+
+    return written
+
+
+TUNE = ["tune", "--model", "{A}", "--data", "{text}", "--splits", "3-4", "--tail", "32", "--tokens", "1024",
+        "--seq-len", "128", "--lengths", "320", "--tasks", "niah_single_1", "--samples", "1", "--no-nll-check",
+        "--out-dir", "{out}/tune"]
+LM_EVAL = ["lm-eval", "--model", "ridgefill", "--tasks", "arc_easy", "--limit", "1", "--model_args"]
 
 
 RECIPE = """name = "bad"
@@ -435,11 +538,9 @@ CASES: list[Case] = [
 
     # --- serve (every check runs before vLLM would start; the launch itself is replaced by a failure) ---
     *maps_cases("serve", SERVE),
-    Case("serve-maps-for-another-layer-count", cmd(SERVE, model="{in}/model"),
-         model_folder(config_json=lambda found: json.dumps({**json.loads((found.A / "config.json").read_text()),
-                                                            "num_hidden_layers": 7}).encode()),
-         match="6-layer model"),
-    Case("serve-maps-option-missing", cmd(SERVE, maps=None), match="give exactly one of --maps"),
+    Case("serve-maps-for-another-layer-count", cmd(SERVE, maps="{in}/m.safetensors"),
+         {"m.safetensors": maps_with(n_layers=7)}, match="7-layer model"),  # A with 7 layers is another model
+    Case("serve-maps-option-missing", cmd(SERVE, maps=None), match="give --maps (from ridgefill fit), --split (identity fill) or --serving-config"),
     Case("serve-model-unsupported-architecture", cmd(SERVE, model="{in}/model"),
          model_folder(config_json=b'{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}'),
          match="GPT2LMHeadModel"),
@@ -450,8 +551,8 @@ CASES: list[Case] = [
     Case("serve-model-missing", cmd(SERVE, model="{in}/no-model"), match="unknown model"),
     Case("serve-tail-zero", cmd(SERVE, tail=0), match="tail 0"),
     Case("serve-tail-negative", cmd(SERVE, tail=-4), match="tail -4"),
-    Case("serve-keep-first-negative", cmd(SERVE, keep_first=-1), match="keep_first -1"),
-    Case("serve-outlier-factor-negative", cmd(SERVE, outlier_factor=-1), match="outlier factor -1"),
+    Case("serve-keep-first-negative", cmd(SERVE, keep_first=-1), match="--keep-first -1"),
+    Case("serve-outlier-factor-negative", cmd(SERVE, outlier_factor=-1), match="--outlier-factor -1"),
     Case("serve-port-zero", cmd(SERVE, port=0), match="--port"),
     Case("serve-port-too-large", cmd(SERVE, port=70000), match="--port"),
     Case("serve-port-not-a-number", cmd(SERVE, port="http"), match="--port"),
@@ -501,6 +602,115 @@ CASES: list[Case] = [
          {"results/manifest.json": b"[1, 2]", "results/loss.json": copy_of("result")}, match="manifest.json"),
     Case("report-tolerance-negative", REPORT + ["--tolerance", "-1"], {"results/loss.json": copy_of("result")},
          match="--tolerance"),
+
+    # --- fingerprint (issue #24): maps fitted on A do not pass for A's weights under another config or tokenizer ---
+    Case("fingerprint-maps-for-another-rope-theta", cmd(GEN, model="{in}/model"),
+         model_folder(config_json=lambda found: json.dumps({
+             **(c := json.loads((found.A / "config.json").read_text())),
+             "rope_parameters": {**c["rope_parameters"], "rope_theta": 500000.0}}).encode()),
+         match="fitted for another model"),
+    Case("fingerprint-maps-for-another-tokenizer-merges", cmd(GEN, model="{in}/model"),
+         model_folder(tokenizer_json=lambda found: json.dumps({
+             **(t := json.loads((found.A / "tokenizer.json").read_text())),
+             "model": {**t["model"], "merges": t["model"]["merges"][:-1]}}).encode()),
+         match="fitted for another model"),
+    Case("fingerprint-maps-for-another-special-token", cmd(GEN, model="{in}/model"),
+         model_folder(tokenizer_config_json=lambda found: json.dumps({
+             **json.loads((found.A / "tokenizer_config.json").read_text()), "eos_token": "<unk>"}).encode()),
+         match="fitted for another model"),
+    Case("fingerprint-model-without-tokenizer", cmd(GEN, model="{in}/model"),
+         model_folder(tokenizer_json=None, tokenizer_config_json=None), match="cannot load the tokenizer"),
+
+    # --- outputs that cannot be written or would destroy an input: refused before any work (issue #24) ---
+    Case("output-fit-out-is-its-stats", cmd(FIT, stats="{out}/stats.safetensors", out="{out}/stats.safetensors"),
+         {"out/stats.safetensors": copy_of("stats")}, match="--stats"),  # the statistics survive: {out} unchanged
+    Case("output-key-scale-out-is-its-maps", cmd(KS, maps="{out}/maps.safetensors", out="{out}/maps.safetensors"),
+         {"out/maps.safetensors": copy_of("maps")}, match="--maps"),
+    Case("output-longbench-out-is-its-data", cmd(LB, data="{out}/lb.jsonl", out="{out}/lb.jsonl"),
+         {"out/lb.jsonl": copy_of("lb")}, match="--data"),
+    *[Case(f"output-{name}-out-is-a-folder", BASES[name], {f"out/{Path(BASES[name][-1]).name}/keep.txt": b"x"},
+           match="existing folder") for name in ("calibrate", "fit", "loss", "bench-ttft", "ruler", "splice",
+                                                 "longbench", "key-scale")],
+    Case("output-fit-summary-is-a-folder", FIT, {"out/maps.safetensors.json/keep.txt": b"x"},
+         match="maps.safetensors.json"),
+    Case("output-calibrate-checkpoint-is-a-folder", CAL, {"out/stats.safetensors.partial/keep.txt": b"x"},
+         match="stats.safetensors.partial (written beside it) is an existing folder"),
+    Case("output-loss-folder-is-a-file", cmd(LOSS, out="{out}/file/loss.json"), {"out/file": b"x"}, match="is a file"),
+    Case("output-run-recipe-name-dot-dot", RUN, {"recipe.toml": RECIPE.replace('name = "bad"', 'name = ".."')},
+         match="not a plain folder name"),
+
+    # --- NaN and Inf in statistics and maps, misshapen maps (issue #24): refused where they load ---
+    Case("nonfinite-fit-stats-nan", cmd(FIT, stats="{in}/s.safetensors"),
+         {"s.safetensors": changed_tensor("stats", "s3.train.xtx", first_set(float("nan")))},
+         match="a NaN or an infinity in split 3's train statistics (s3.train.xtx): recalibrate"),
+    Case("nonfinite-fit-stats-inf", cmd(FIT, stats="{in}/s.safetensors"),
+         {"s.safetensors": changed_tensor("stats", "s3.val.xty", first_set(float("inf")))},
+         match="a NaN or an infinity in split 3's val statistics (s3.val.xty): recalibrate"),
+    Case("nonfinite-generate-maps-nan-weight", cmd(GEN, maps="{in}/m.safetensors"),
+         {"m.safetensors": changed_tensor("maps", "weight", first_set(float("nan")))},
+         match="a NaN or an infinity in weight: refit"),
+    Case("nonfinite-loss-maps-nan-weight", cmd(LOSS, maps="{in}/m.safetensors"),
+         {"m.safetensors": changed_tensor("maps", "weight", first_set(float("nan")))},
+         match="a NaN or an infinity in weight: refit"),
+    Case("nonfinite-key-scale-maps-inf-bias", cmd(KS, maps="{in}/m.safetensors"),
+         {"m.safetensors": changed_tensor("maps", "bias", first_set(float("-inf")))},
+         match="a NaN or an infinity in bias: refit"),
+    Case("nonfinite-generate-maps-bias-misshapen", cmd(GEN, maps="{in}/m.safetensors"),
+         {"m.safetensors": changed_tensor("maps", "bias", lambda t: t[:, :-1])},
+         match="bias of shape [2, 63], not [2, 64]"),
+    Case("nonfinite-loss-maps-bias-not-float", cmd(LOSS, maps="{in}/m.safetensors"),
+         {"m.safetensors": changed_tensor("maps", "bias", lambda t: t.int())},
+         match="not floating point"),
+    # --- issue #24: option values, files whose content does not add up, serving configs, tune, lm-eval, demo ---
+    Case("fill-generate-outlier-factor-nan", cmd(GEN, outlier_factor="nan"), match="--outlier-factor nan"),
+    Case("fill-loss-outlier-factor-inf", cmd(LOSS, outlier_factor="inf"), match="--outlier-factor inf"),
+    Case("fill-serve-outlier-factor-nan", cmd(SERVE, outlier_factor="nan"), match="--outlier-factor nan"),
+    Case("fill-generate-maps-without-bias", cmd(GEN, maps="{in}/m.safetensors"),
+         {"m.safetensors": without("maps", tensor="bias")}, match="incomplete"),
+    Case("fill-generate-maps-without-split", cmd(GEN, maps="{in}/m.safetensors"),
+         {"m.safetensors": without("maps", meta_key="split")}, match="no valid `split`"),
+    Case("fill-serve-maps-without-model", cmd(SERVE, maps="{in}/m.safetensors"),
+         {"m.safetensors": without("maps", meta_key="model")}, match="no valid `model`"),
+    Case("fill-generate-maps-split-past-the-layers", cmd(GEN, maps="{in}/m.safetensors"),
+         {"m.safetensors": maps_with(split=9)}, match="split 9 of 6 layers"),
+    Case("fill-generate-maps-key-scale-for-3-heads", cmd(GEN, maps="{in}/m.safetensors"),
+         {"m.safetensors": with_key_scale(3)}, match="key_scale of shape [3, 3], not [3, 2]"),
+    Case("fill-serve-maps-key-scale-for-3-heads", cmd(SERVE, maps="{in}/m.safetensors"),
+         {"m.safetensors": with_key_scale(3)}, match="key_scale of shape [3, 3], not [3, 2]"),
+    Case("fill-generate-maps-forged-weights-hash", cmd(GEN, maps="{in}/m.safetensors"),
+         {"m.safetensors": maps_with(model={"id": "A", "weights_hash": "0123456789abcdef"})},
+         match="fitted for another model"),
+    Case("fill-calibrate-resume-with-another-lookback",
+         cmd(CAL, "--resume", split="2,3", holdout=0.25, lookback=1),
+         {"out/stats.safetensors.partial": copy_of("stats")}, match="other settings (lookback"),
+    Case("fill-generate-serving-config-ridge-maps-changed", cmd(GEN, maps=None, serving_config="{in}/s.json"),
+         {"s.json": serving(sha256="0" * 64)}, match="changed since tune"),
+    Case("fill-generate-serving-config-ridge-maps-missing", cmd(GEN, maps=None, serving_config="{in}/s.json"),
+         {"s.json": serving(maps="{A}/gone.safetensors", sha256="ab")}, match="do not exist"),
+    Case("fill-bench-ttft-serving-config-ridge-without-maps", cmd(TTFT, maps=None, serving_config="{in}/s.json"),
+         {"s.json": serving(maps=None)}, match="a ridge fill without its maps"),
+    Case("fill-serve-serving-config-ridge-tail-zero", cmd(SERVE, maps=None, serving_config="{in}/s.json"),
+         {"s.json": serving(tail=0)}, match="--tail 0"),
+    Case("fill-serve-serving-config-of-model-b", cmd(SERVE, maps=None, model="{B}", serving_config="{in}/s.json"),
+         {"s.json": serving(variant="identity", maps=None)}, match="tuned for another model"),
+    Case("fill-serve-serving-config-and-maps", cmd(SERVE, serving_config="{in}/s.json"), {"s.json": serving()},
+         match="--serving-config sets the fill"),
+    Case("data-loss-jsonl-text-not-a-string", cmd(LOSS, data="{in}/d.jsonl"), {"d.jsonl": b'{"text": 5}\n'},
+         match="d.jsonl:1: record has no string field 'text'"),
+    Case("tune-splits-past-the-layers", cmd(TUNE, splits="3-5"), match="split 5 is out of range"),
+    Case("tune-tolerance-negative", cmd(TUNE, tolerance=-1), match="--tolerance -1"),
+    Case("tune-unknown-variant", cmd(TUNE, variants="exact"), match="--variants 'exact'"),
+    Case("tune-tail-zero", cmd(TUNE, tail=0), match="--tail 0"),
+    Case("tune-data-missing", cmd(TUNE, data="{in}/missing.txt"), match="missing.txt does not exist"),
+    Case("tune-lengths-past-context", cmd(TUNE, lengths=5000), match="exceeds the model's context"),
+    Case("tune-config-out-is-a-folder", cmd(TUNE, config_out="{in}/folder"), {"folder/x": b"x"},
+         match="folder"),
+    Case("lm-eval-model-args-tail-not-a-number", [*LM_EVAL, "pretrained={A},fill=identity,split=3,tail=abc"],
+         match="model_args tail='abc' is not an integer"),
+    Case("lm-eval-model-args-unknown-fill", [*LM_EVAL, "pretrained={A},fill=swift"], match="unknown fill 'swift'"),
+    Case("lm-eval-model-args-maps-of-model-b", [*LM_EVAL, "pretrained={B},maps={maps}"],
+         match="fitted for another model"),
+    Case("demo-out-dir-is-a-file", ["demo", "--out-dir", "{in}/file"], {"file": b"x"}, match="file"),
 ]
 
 # a few cases again in a subprocess, through `python -m ridgefill`
@@ -610,3 +820,25 @@ def test_the_serve_base_command_passes_every_check(inputs, tmp_path, monkeypatch
     monkeypatch.setattr(serve, "launch", lambda plan: launched.append(plan.argv) or 0)
     monkeypatch.delenv("VLLM_PLUGINS", raising=False)
     assert _main(args, cwd, monkeypatch) == 0 and len(launched) == 1, capfd.readouterr().err
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes in read-only folders")
+@pytest.mark.parametrize("name", ["calibrate", "fit", "loss", "bench-ttft"])
+def test_output_in_a_read_only_folder_is_refused_before_any_work(name, inputs, tmp_path, monkeypatch, capfd):
+    """--out in a folder that cannot be written: one line, exit 2, and no model is opened."""
+    from ridgefill.runtime.session import ModelConfig
+
+    args, out, cwd = _prepare(Case(name, BASES[name]), inputs, tmp_path)
+    locked = out / "locked"
+    locked.mkdir()
+    target = str(locked / Path(BASES[name][-1]).name)
+    args = args[:-1] + [target]
+    monkeypatch.setattr(ModelConfig, "open", lambda self, *args, **kwargs: pytest.fail("a model was opened"))
+    before = _listing(out)
+    locked.chmod(0o555)
+    try:
+        capfd.readouterr()
+        code = _main(args, cwd, monkeypatch)
+        _check(Case(name, args, match="not writable"), code, capfd.readouterr().err, out, before, cwd)
+    finally:
+        locked.chmod(0o755)

@@ -69,3 +69,27 @@ def test_forget_deletes_one_commands_results(tmp_path):
     forget(tmp_path, "loss")
     assert [p.name.rsplit("-", 1)[0] for p in tmp_path.iterdir()] == ["ruler-answer"]
     forget(tmp_path / "missing", "ruler")  # nothing stored yet: nothing to do
+
+
+def test_forget_deletes_only_what_the_store_wrote(tmp_path):
+    """`run --force ruler` with exact-cache pointed at a folder of the user's: their own files stay, whatever their
+    names (one named like a stored result but not holding one too); only files named and holding as the store
+    writes them go."""
+    store = ExactStore(tmp_path, INFO, "fp32", "cpu", 2048)
+    store.get("ruler-answer", {"ids": [1]}, lambda: "a")
+    store.get("ruler", {"ids": [2]}, lambda: "b")
+    (stored_a, stored_b) = sorted(tmp_path.iterdir())
+    mine = {"ruler-1.json": '{"my": "results"}', "ruler-answer-notes.json": "[]",
+            "ruler-answer-0123456789abcdef01234567.json": '{"kind": "ruler-answer", "mine": true}',  # not a result
+            "ruler-answer-0123456789abcdef0123456.json": json.dumps({"kind": "ruler-answer", "scope": {}, "value": 1}),
+            "rulers-answer-0123456789abcdef01234567.json": json.dumps({"kind": "rulers-answer", "scope": {},
+                                                                        "value": 1})}  # another command's kind
+    for name, text in mine.items():
+        (tmp_path / name).write_text(text)
+    (tmp_path / "ruler-folder.json").mkdir()
+    forget(tmp_path, "ruler")
+    assert not stored_a.exists() and not stored_b.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*mine, "ruler-folder.json"])
+    assert all((tmp_path / name).read_text() == text for name, text in mine.items())
+    forget(tmp_path, "rulers")  # a kind the store's name pattern and content both match
+    assert not (tmp_path / "rulers-answer-0123456789abcdef01234567.json").exists()

@@ -150,7 +150,7 @@ def test_bad_model_args_and_rolling_are_refused(tiny_checkpoint):
         RidgefillLM(pretrained=str(tiny_checkpoint), temperature=0.5)
     with pytest.raises(RidgefillError, match="unknown fill 'swift'"):
         RidgefillLM(pretrained=str(tiny_checkpoint), fill="swift")
-    with pytest.raises(RidgefillError, match="pass --split"):
+    with pytest.raises(RidgefillError, match="identity fill needs --split"):
         RidgefillLM(pretrained=str(tiny_checkpoint), fill="identity")
     lm = RidgefillLM(pretrained=str(tiny_checkpoint), device="cpu")
     with pytest.raises(NotImplementedError, match="no logits"):

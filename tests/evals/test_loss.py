@@ -13,7 +13,7 @@ from ridgefill.cli import app
 from ridgefill.engine import Engine, adapter_for
 from ridgefill.errors import RidgefillError
 from ridgefill.evals.loss import summarise
-from ridgefill.evals.stats import describe_spread, distant_spread, mean_difference
+from ridgefill.runtime.stats import describe_spread, distant_spread, mean_difference
 from ridgefill.evals.loss import COMMAND as loss_command
 from ridgefill.evals.scoring import distant_tokens, short_context_nll, tail_nll
 

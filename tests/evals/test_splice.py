@@ -15,7 +15,7 @@ from ridgefill.engine import Engine, FillPlan, IdentityFiller, adapter_for
 from ridgefill.errors import RidgefillError
 from ridgefill.evals.scoring import continuation_nll, tail_nll
 from ridgefill.evals.splice import layer_ranges, parse_layer_ranges, parse_swaps, prefix_pair, splice, spliced_keys
-from ridgefill.evals.stats import describe_spread, distant_spread
+from ridgefill.runtime.stats import describe_spread, distant_spread
 
 N, TAIL, SPLIT, KEEP = 40, 10, 2, (0, 7)
 TOL = 1e-4

@@ -1,6 +1,9 @@
 """Calibration statistics against direct computation, row exclusion (per sequence, also when chunked), held-out
-parts, checkpoints, resume after an interruption (checked by content, never clobbered) and the device the
-statistics live on."""
+parts, checkpoints, resume after an interruption (checked by content, never clobbered), the device the
+statistics live on, and rows with a NaN or an infinity (kept out and counted)."""
+
+import json
+import math
 
 import pytest
 import torch
@@ -9,7 +12,7 @@ from conftest import random_ids, tiny_model
 from ridgefill.errors import RidgefillError
 from ridgefill.runtime.artifacts import load_artifact, save_artifact
 from ridgefill.method.calibrate import Checkpoints, part_of, partial_path, run_calibration, start_calibration
-from ridgefill.method.statistics import Calibration, accumulate, check_fittable
+from ridgefill.method.statistics import COUNTS, Calibration, accumulate, check_fittable
 from ridgefill.engine import Engine, adapter_for
 
 
@@ -281,3 +284,143 @@ def test_statistics_live_on_the_model_device_also_after_resume(tmp_path):
     resumed = start_calibration(MetaEngine(), [3], partial, meta, resume=True)
     assert resumed.sequences_done == 4
     assert {t.device.type for t in resumed.tensors().values() if t.is_floating_point()} == {"meta"}
+
+
+# --- rows with a NaN or an infinity (fp16 overflow) -------------------------------------------------------------
+def poisoning(prefill, values: dict[tuple[int, int], float]):
+    """`prefill` (an engine's, bound or not) whose observers see values[(layer, position)] in one element of that
+    row's input of that layer, as an overflow would leave it; the model itself runs on its own values."""
+
+    def poisoned(observe):
+        def observed(layer, h, positions):
+            h = h.clone()
+            for (at, position), value in values.items():
+                rows = (positions == position).nonzero()
+                if at == layer and len(rows):
+                    h[:, int(rows[0, 0]), 3] = value
+            observe(layer, h, positions)
+
+        return observed
+
+    def patched(*args, observe=None, **kwargs):
+        return prefill(*args, observe=None if observe is None else poisoned(observe), **kwargs)
+
+    return patched
+
+
+def rows_except(seqs, first: int, n: int, dropped) -> torch.Tensor:
+    """[len(seqs) * (n - first)] bool: the rows first..n-1 of every sequence, but those at positions `dropped`."""
+    return torch.tensor([p not in dropped for _ in seqs for p in range(first, n)])
+
+
+@pytest.mark.parametrize("chunk", [7, 64])
+def test_rows_with_a_nonfinite_value_are_kept_out_and_counted(chunk, monkeypatch):
+    """A NaN in row 7's split state (layer 2), +Inf in row 12's input of layer 4 (a late input of split 2, the split
+    state of split 4) and -Inf in row 15's input of layer 5 (the last): each split's statistics are those of its
+    other rows alone, and the rows left out are counted as non-finite, also when the rows go on in later chunks."""
+    model = tiny_model("llama")
+    engine = Engine(adapter_for(model), chunk=chunk)
+    monkeypatch.setattr(engine, "prefill", poisoning(engine.prefill, {(2, 7): math.nan, (4, 12): math.inf,
+                                                                      (5, 15): -math.inf}))
+    seqs = [random_ids(20, seed=s) for s in range(2)]
+    cal = Calibration.empty([2, 4], 6, 64)
+    for ids in seqs:
+        accumulate(engine, cal, ids, "train", skip_first=1, outlier_factor=20)
+    for split, dropped in ((2, (7, 12, 15)), (4, (12, 15))):
+        x, ys = direct_stats(model, seqs, split, 1)
+        clean = rows_except(seqs, 1, 20, dropped)
+        x = x[clean]
+        st = cal.stats[(split, "train")]
+        assert st.skipped_nonfinite == 2 * len(dropped) and st.skipped_outliers == 0 and st.skipped_first == 2
+        assert st.count == x.shape[0] == 2 * (19 - len(dropped))
+        assert torch.allclose(st.xtx, x.T @ x, rtol=1e-6, atol=1e-6) and torch.allclose(st.xsum, x.sum(0), atol=1e-6)
+        assert torch.allclose(st.xx, (x * x).sum(), rtol=1e-6)
+        for i, layer in enumerate(range(split + 1, 6)):
+            y = ys[layer][clean]
+            assert torch.allclose(st.xty[i], x.T @ y, rtol=1e-6, atol=1e-6)
+            assert torch.allclose(st.ysum[i], y.sum(0), atol=1e-6) and torch.allclose(st.yy[i], (y * y).sum())
+
+
+@pytest.mark.parametrize("chunk", [7, 64])
+def test_the_outlier_median_is_taken_over_the_finite_rows(chunk, monkeypatch):
+    """12 of the 19 rows past the sink have an infinite split state and one row is an outlier: the median of all
+    norms would be infinite (a NaN would make it NaN) and let the outlier through; over the finite rows it does not."""
+    model = tiny_model("llama")
+    with torch.no_grad():  # token 5's split state becomes an outlier
+        model.model.embed_tokens.weight[5] *= 1000
+    ids = random_ids(20)
+    ids[ids == 5] = 6
+    ids[0, 17] = 5
+    engine = Engine(adapter_for(model), chunk=chunk)
+    poison = {(2, p): (math.inf if p % 2 else math.nan) for p in range(1, 13)}
+    monkeypatch.setattr(engine, "prefill", poisoning(engine.prefill, poison))
+    cal = Calibration.empty([2], 6, 64)
+    accumulate(engine, cal, ids, "train", skip_first=1, outlier_factor=20)
+    st = cal.stats[(2, "train")]
+    assert st.skipped_nonfinite == 12 and st.skipped_outliers == 1 and st.count == 6
+    assert st.nonfinite() is None
+
+
+@pytest.mark.parametrize("chunk", [7, 64])
+def test_rows_whose_window_holds_a_nonfinite_row_are_kept_out(chunk, monkeypatch):
+    """Lookback 2: a NaN in row 13's input of layer 4 (a late input: known only after the split; with chunks of 7,
+    row 13 ends a chunk and the rows whose window holds it are in the next) and +Inf in row 20's split state keep
+    out rows 13-15 and 20-22; the statistics are those of the other rows."""
+    model = tiny_model("qwen2")
+    engine = Engine(adapter_for(model), chunk=chunk)
+    monkeypatch.setattr(engine, "prefill", poisoning(engine.prefill, {(4, 13): math.nan, (2, 20): math.inf}))
+    seqs = [random_ids(30, seed=s) for s in range(2)]
+    cal = Calibration.empty([2], 6, 64, lookback=2)
+    for ids in seqs:
+        accumulate(engine, cal, ids, "train", skip_first=1, outlier_factor=0)
+    f, ys = direct_lookback_inputs(model, seqs, 2, 1, 2)
+    clean = rows_except(seqs, 3, 30, (13, 14, 15, 20, 21, 22))
+    f = f[clean]
+    st = cal.stats[(2, "train")]
+    assert st.skipped_nonfinite == 2 * 6 and st.skipped_first == 2 * 3 and st.count == f.shape[0] == 2 * 21
+    assert torch.allclose(st.xtx, f.T @ f, rtol=1e-6, atol=1e-6)
+    assert torch.allclose(st.xsum, f.sum(0), atol=1e-6)
+    for i, layer in enumerate(range(3, 6)):
+        assert torch.allclose(st.xty[i], f.T @ ys[layer][clean], rtol=1e-6, atol=1e-6)
+
+
+def test_a_checkpoint_from_before_the_nonfinite_count_loads_and_resumes(tmp_path):
+    """A partial file whose parts hold 3 counts (written before skipped_nonfinite) loads with that count 0, and
+    --resume continues it to the statistics of an uninterrupted run (which then holds all 4 counts)."""
+    engine = Engine(adapter_for(tiny_model("qwen2")))
+    seqs = [random_ids(16, seed=s)[0].tolist() for s in range(6)]
+    whole = run_calibration(engine, seqs, [3], tmp_path / "whole.safetensors", RUN, holdout=0.34)
+    out = tmp_path / "stats.safetensors"
+    partial = interrupted(engine, seqs, out, 5)
+    tensors, meta = load_artifact(partial, "stats")
+    older = {k: v[:3] if k.endswith(".counts") else v for k, v in tensors.items()}
+    save_artifact(partial, older, meta)
+    loaded = Calibration.from_tensors([3], older, meta).stats[(3, "train")]
+    assert loaded.skipped_nonfinite == 0 and loaded.count == int(tensors["s3.train.counts"][0]) > 0
+    resumed = run_calibration(engine, seqs, [3], out, RUN, holdout=0.34, checkpoint_every=2, resume=True)
+    for key, st in whole.stats.items():
+        assert [getattr(st, n) for n in COUNTS] == [getattr(resumed.stats[key], n) for n in COUNTS]
+        assert torch.allclose(st.xty, resumed.stats[key].xty, rtol=1e-12, atol=1e-9)
+    assert load_artifact(out, "stats")[0]["s3.train.counts"].shape == (len(COUNTS),)
+
+
+def test_the_command_reports_the_nonfinite_rows_and_fits_from_the_rest(tiny_checkpoint, tmp_path, monkeypatch,
+                                                                     capsys):
+    """`calibrate` counts the rows kept out as non-finite in its table, its summary and a note; `fit` then fits
+    finite maps from the other rows."""
+    from ridgefill.commands import command
+    from tiny_checkpoint import write_corpus
+
+    monkeypatch.setattr(Engine, "prefill", poisoning(Engine.prefill, {(2, 5): math.nan, (4, 9): math.inf}))
+    text = write_corpus(tmp_path / "text.txt", seed=3, lines_per_document=12)
+    stats = tmp_path / "stats.safetensors"
+    summary = command("calibrate")(model=str(tiny_checkpoint), data=str(text), split="2", tokens=1024, seq_len=128,
+                                   holdout=0.25, out=stats)
+    row = summary["rows"][0]
+    assert row["skipped_nonfinite"] == 2 * summary["sequences"] and row["skipped_outliers"] == 0
+    assert json.loads((tmp_path / "stats.safetensors.json").read_text())["rows"][0] == row
+    out, err = capsys.readouterr()
+    assert "non-finite rows skipped" in out and f"{row['skipped_nonfinite']} rows of split 2 held a NaN" in err
+    command("fit")(stats=stats, out=tmp_path / "maps.safetensors")
+    maps, _ = load_artifact(tmp_path / "maps.safetensors", "maps")
+    assert all(torch.isfinite(t).all() for t in maps.values())

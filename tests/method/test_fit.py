@@ -1,7 +1,10 @@
 """`ridgefill fit` on a statistics file: it reads only the split it fits, refuses split L-1 in one line, and
-reports its error on the test rows (on validation rows, with a note, for a file without a test part)."""
+reports its error on the test rows (on validation rows, with a note, for a file without a test part); it refuses
+statistics with a NaN or an infinity before any solve."""
 
 import json
+import math
+import re
 
 import pytest
 import torch
@@ -122,3 +125,25 @@ def test_fit_with_lookback(tmp_path, rank):
     filler, _ = load_filler(tmp_path / "maps.safetensors", {"weights_hash": "x"})
     assert filler.lookback == 1 and filler.lookback_start == 1 and filler.rank == rank
     assert FIT(stats=path, out=tmp_path / "id.safetensors", kind="identity")["lookback"] == 0
+
+
+@pytest.mark.parametrize("name, value", [("s3.train.xtx", math.nan), ("s3.val.xty", math.inf),
+                                         ("s3.test.yy", -math.inf), ("s3.train.xx", math.nan)])
+def test_statistics_with_a_nonfinite_value_are_refused_before_any_fit(stats, tmp_path, monkeypatch, name, value):
+    """One NaN or infinity in any sum of any part of the split fitted: one line naming the file, the split, the part
+    and the sum, and the fix; nothing is solved or written. Another split's statistics are not concerned."""
+    import ridgefill.method.fit as fit
+
+    tensors, meta = load_artifact(stats, "stats")
+    tensors[name] = tensors[name].clone()
+    tensors[name].view(-1)[0] = value
+    bad = tmp_path / "bad.safetensors"
+    save_artifact(bad, tensors, meta)
+    assert FIT(stats=bad, out=tmp_path / "s2.safetensors", split=2)["split"] == 2
+    before = sorted(tmp_path.iterdir())
+    monkeypatch.setattr(fit, "fit_split", lambda *a, **k: pytest.fail("fit solved from non-finite statistics"))
+    part = name.split(".")[1]
+    message = rf"^{re.escape(str(bad))} holds a NaN or an infinity in split 3's {part} statistics \({re.escape(name)}\)"
+    with pytest.raises(RidgefillError, match=message + ": recalibrate .* fp32$"):
+        FIT(stats=bad, out=tmp_path / "maps.safetensors", split=3)
+    assert sorted(tmp_path.iterdir()) == before

@@ -1,10 +1,12 @@
-"""The closed-form fit and its held-out error against direct computation on explicit matrices."""
+"""The closed-form fit and its held-out error against direct computation on explicit matrices; a held-out error or
+a map that is not finite is an error."""
 
 import math
 
 import pytest
 import torch
 
+from ridgefill.errors import RidgefillError
 from ridgefill.method.statistics import SplitStats
 from ridgefill.method.ridge import LAMBDA_GRID, fit_split
 
@@ -208,3 +210,25 @@ def test_lookback_low_rank_keeps_the_input_width():
     for basis in ("inputs", "weights"):
         u, v = fit_split(st, None, lam=1e-3, rank=3, rank_basis=basis)[0].low_rank
         assert u.shape == (2 * H, 3) and v.shape == (3, H)
+
+
+@pytest.mark.parametrize("name, value", [("yy", math.nan), ("xty", math.inf), ("xsum", -math.inf)])
+def test_a_nonfinite_heldout_error_is_an_error_not_a_choice(name, value):
+    """One NaN or infinity in the validation statistics makes every λ's held-out error non-finite: refused, where
+    counting it as the worst error chose the least-regularised λ."""
+    x, ys = make_data(60, 2)
+    xv, yvs = make_data(200, 3)
+    val = stats_of(xv, yvs)
+    getattr(val, name).view(-1)[-1] = value  # the last value: layer 4's (yy, xty), or x's
+    layer = 4 if name != "xsum" else 3
+    with pytest.raises(RidgefillError, match=rf"held-out error of layer {layer}'s map at λ 1e-07 is (nan|-?inf)"):
+        fit_split(stats_of(x, ys), val, lam="auto")
+
+
+@pytest.mark.parametrize("rank", [None, 3])
+def test_a_map_that_comes_out_nonfinite_is_refused(rank):
+    x, ys = make_data(300, 4)
+    train = stats_of(x, ys)
+    train.xty[1, 0, 0] = math.inf  # layer 4's map
+    with pytest.raises(RidgefillError, match="fitted map of layer 4 .* has a NaN or an infinity in its weight"):
+        fit_split(train, None, lam=1e-3, rank=rank)

@@ -538,3 +538,33 @@ def test_a_throwaway_pipeline_runs_from_its_declarations(toy_registry, tiny_chec
     forced = steps(run_recipe(path, run_dir, force=("toy-make",)))
     assert [s["cached"] for s in forced] == [False, True, True, True, True]  # same key: its readers stay cached
     assert json.loads((run_dir / forced[0]["artifact"]).read_text())["config"]["resume"] is False
+
+
+# --- outputs never destroy inputs -------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["..", ".", "", ".hidden", "a/b", "..\\\\x", "runs/../.."])
+def test_a_recipe_name_must_be_a_plain_folder_name(tmp_path, name):
+    message = error_of(write(tmp_path, f'name = "{name}"\n' + BASE))
+    assert "recipe.toml: name:" in message and "not a plain folder name" in message
+
+
+def test_a_recipe_file_name_that_is_no_folder_name_needs_a_name(tmp_path):
+    assert "name (from the file name)" in error_of(write(tmp_path, BASE, "...toml"))  # its stem is ".."
+    assert load_recipe(write(tmp_path, 'name = "ok"\n' + BASE, "...toml")).name == "ok"
+    assert load_recipe(write(tmp_path, 'name = "v1.2_run-3"\n' + BASE)).name == "v1.2_run-3"
+
+
+def test_force_keeps_the_users_own_files_in_an_exact_cache_folder(tmp_path):
+    """`run --force ruler` forgets the exact results ruler stored in the exact-cache folder a table names, and
+    nothing else there: a user's own ruler-1.json survives."""
+    from ridgefill.evals.exact_store import ExactStore
+    from ridgefill.pipeline.run import forget_forced
+
+    folder = tmp_path / "my-results"
+    folder.mkdir()
+    (folder / "ruler-1.json").write_text('{"mine": true}')
+    ExactStore(folder, {"id": "m", "weights_hash": "h"}, "fp32", "cpu", 2048).get("ruler-answer", {"ids": [1]},
+                                                                                  lambda: "42")
+    recipe = load_recipe(write(tmp_path, BASE + f'[ruler]\nexact-cache = "{folder}"\n'))
+    forget_forced(plan(recipe), tmp_path / "run", ("ruler",))
+    assert [p.name for p in folder.iterdir()] == ["ruler-1.json"]
+    assert (folder / "ruler-1.json").read_text() == '{"mine": true}'

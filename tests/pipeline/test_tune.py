@@ -18,102 +18,9 @@ from ridgefill.cli import main
 from ridgefill.errors import RidgefillError
 from ridgefill.pipeline import tune
 from ridgefill.pipeline.tune import COMMAND as tune_command
-from ridgefill.pipeline.tune import (PASS, best_choice, bisect, candidate_splits, descend, search, step_up,
-                                     verdict)
+from ridgefill.pipeline.tune import PASS, best_choice, candidate_splits, verdict
 from ridgefill.report.frontier import Point
 from tiny_checkpoint import write_corpus
-
-
-# --- the search on stubbed quality tables -----------------------------------------------------------------
-class Table:
-    """A judge from a table: split -> variant -> passes; records the splits it was asked about."""
-
-    def __init__(self, passes: dict[int, dict[str, bool]]):
-        self.passes, self.asked = passes, []
-
-    def __call__(self, split: int) -> dict[str, bool]:
-        self.asked.append(split)
-        return self.passes[split]
-
-
-def thresholds(splits, **lowest) -> Table:
-    """Monotone quality: a variant passes at and above its lowest passing split (None: nowhere)."""
-    return Table({s: {v: low is not None and s >= low for v, low in lowest.items()} for s in splits})
-
-
-SPLITS = list(range(10, 21))
-
-
-def test_descend_chooses_the_lowest_passing_split_and_stops_when_every_variant_failed():
-    judge = thresholds(SPLITS, identity=16, ridge=13)
-    assert descend(SPLITS, judge, ["identity", "ridge"]) == {"identity": 16, "ridge": 13}
-    assert judge.asked == list(range(20, 11, -1))  # 12 is the first split where both fail: nothing below it runs
-
-
-def test_bisect_finds_the_same_splits_with_fewer_measurements():
-    judge = thresholds(SPLITS, identity=16, ridge=13)
-    assert bisect(SPLITS, judge, ["identity", "ridge"]) == {"identity": 16, "ridge": 13}
-    assert judge.asked[0] == 20 and len(judge.asked) < 9 and len(set(judge.asked)) == len(judge.asked)
-    assert {15, 16, 12, 13} <= set(judge.asked)  # each answer certified: it passed, the split below failed
-
-
-@pytest.mark.parametrize("candidates", [SPLITS, [14, 16, 18], [7]])
-def test_bisect_agrees_with_descend_on_every_monotone_table(candidates):
-    options = [None, *candidates]
-    for identity in options:
-        for ridge in options:
-            expected = descend(candidates, thresholds(candidates, identity=identity, ridge=ridge),
-                               ["identity", "ridge"])
-            found = bisect(candidates, thresholds(candidates, identity=identity, ridge=ridge), ["identity", "ridge"])
-            assert found == expected == {"identity": identity, "ridge": ridge}
-
-
-def test_a_noisy_dip_stops_the_descent_and_all_measures_every_split():
-    passes = {s: {"ridge": s != 18} for s in SPLITS}  # ridge fails at 18 only
-    judge = Table(passes)
-    assert descend(SPLITS, judge, ["ridge"]) == {"ridge": 19} and judge.asked == [20, 19, 18]
-    judge = Table(passes)
-    assert search("all", SPLITS, judge, ["ridge"]) == {"ridge": 19} and judge.asked == SPLITS[::-1]
-
-
-def test_nothing_passes_at_the_top():
-    judge = thresholds(SPLITS, identity=None, ridge=None)
-    assert bisect(SPLITS, judge, ["identity", "ridge"]) == {"identity": None, "ridge": None}
-    assert judge.asked == [20]
-
-
-def speed(variant: str, split: int) -> float:
-    """A FLOP-limit speedup that falls with the split; identity fill a little faster than ridge at one split,
-    slower than ridge one split lower."""
-    return 3.0 - 0.1 * split + (0.02 if variant == "identity" else 0.0)
-
-
-def test_the_check_walks_up_fastest_first_and_serves_the_first_pass():
-    ruler = thresholds(SPLITS, identity=14, ridge=12)
-    checks = {"identity": thresholds(SPLITS, identity=15), "ridge": thresholds(SPLITS, ridge=16)}
-    chosen = step_up(SPLITS, {"identity": 14, "ridge": 12}, ruler, checks, speed)
-    assert chosen == {"identity": 15, "ridge": None}  # identity 15 is served: nothing slower is checked
-    assert checks["ridge"].asked == [12, 13, 14] and checks["identity"].asked == [14, 15]
-    assert ruler.asked == [12, 13, 14, 14, 15]  # RULER first for every (variant, split) the check visits
-
-
-def test_the_check_order_follows_the_speedup():
-    ruler = thresholds(SPLITS, identity=14, ridge=14)
-    checks = {"identity": thresholds(SPLITS, identity=17), "ridge": thresholds(SPLITS, ridge=16)}
-    assert step_up(SPLITS, {"identity": 14, "ridge": 14}, ruler, checks, speed) == {"identity": None, "ridge": 16}
-    assert checks["identity"].asked == [14, 15, 16] and checks["ridge"].asked == [14, 15, 16]  # id 16 before ridge 16
-    no_count = {"identity": thresholds(SPLITS, identity=14), "ridge": thresholds(SPLITS, ridge=14)}
-    assert step_up(SPLITS, {"identity": 14, "ridge": 14}, ruler, no_count, lambda v, s: None) == \
-        {"identity": 14, "ridge": None}  # no FLOP count (a hybrid model): the lower split, identity first
-
-
-def test_the_check_skips_a_split_whose_ruler_fails_and_may_find_none():
-    ruler = Table({s: {"ridge": s != 15} for s in SPLITS})  # a noisy dip the search did not see
-    checks = {"ridge": thresholds(SPLITS, ridge=15)}
-    assert step_up(SPLITS, {"ridge": 14}, ruler, checks, speed) == {"ridge": 16} and checks["ridge"].asked == [14, 16]
-    checks = {"ridge": thresholds(SPLITS, ridge=None)}
-    assert step_up(SPLITS, {"ridge": 19}, ruler, checks, speed) == {"ridge": None} and checks["ridge"].asked == [19, 20]
-    assert step_up(SPLITS, {"ridge": None}, ruler, checks, speed) == {"ridge": None}  # the search chose none
 
 
 # --- verdicts and the choice between variants -----------------------------------------------------------
@@ -145,7 +52,7 @@ def test_each_stage_judges_only_what_it_measures():
 
 
 def loss_result(counts: list[int]):
-    from ridgefill.evals.stats import distant_spread
+    from ridgefill.runtime.stats import distant_spread
     from ridgefill.report.write import Result
 
     return Result(Path("loss.json"), {"command": "loss", "distant_spread": distant_spread(counts)})
@@ -239,7 +146,7 @@ def labels(run_dir: Path) -> list[str]:
 def test_serving_config_holds_what_a_server_needs(tuned, tiny_checkpoint):
     doc, run_dir = tuned
     assert json.loads((run_dir / "serving.json").read_text()) == doc
-    assert doc["kind"] == "ridgefill-serving-config" and doc["version"] == 1
+    assert doc["kind"] == "ridgefill-serving-config" and doc["version"] == 2 and doc["outlier_factor"] == 20.0
     assert doc["model"]["id"] == str(tiny_checkpoint) and len(doc["model"]["weights_hash"]) == 16
     # quality is flat on a random model (RULER 0 everywhere), so the search keeps the lowest candidate for both
     # variants; identity fill there has the higher FLOP-limit speedup (no maps), so it is checked first, passes
@@ -372,15 +279,30 @@ def test_splits_out_of_range_for_the_model(tiny_checkpoint, texts, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_generate_takes_the_serving_config_tune_wrote(tuned, tiny_checkpoint):
-    """The file tune writes is the file generate reads: the tuned fill, and the same text as those options."""
-    from ridgefill.runtime.serving import load_serving
+@pytest.mark.parametrize("variant", ["identity", "ridge"])
+def test_generate_and_bench_ttft_take_the_serving_config_tune_wrote(variant, tuned, tiny_checkpoint, texts, tmp_path):
+    """Both variants: the file tune writes (ridge: its maps by path and sha256) is the file generate and bench-ttft
+    read, giving what the same options give (the ridge config from a tune of ridge alone, on the same run folder's
+    cached steps)."""
+    from ridgefill.evals.bench_ttft import COMMAND as bench_ttft
+    from ridgefill.method.fill import load_serving
+    from ridgefill.runtime.paths import file_sha256
     from ridgefill.serve.generate import COMMAND as generate
 
-    _, run_dir = tuned
-    serving = load_serving(run_dir / "serving.json")
-    assert (serving.variant, serving.split, serving.tail, serving.keep_first) == ("identity", 3, 32, 1)
+    doc, run_dir = tuned
+    config = run_dir / "serving.json"
+    if variant == "ridge":
+        copy = Path(shutil.copytree(run_dir, tmp_path / "copy"))
+        config = tmp_path / "ridge.json"
+        doc = tune_command(**tiny_options(tiny_checkpoint, texts, copy, variants="ridge", config_out=config))
+        assert doc["maps"]["sha256"] == file_sha256(doc["maps"]["path"])
+    fill = load_serving(config).fill
+    assert (fill.variant, fill.split, fill.tail, fill.keep_first) == (variant, 3, 32, 1)
+    options = dict(split=3) if variant == "identity" else dict(maps=fill.maps)
     prompt = "The grass is green. The sky is blue. " * 12
-    served = generate(model=str(tiny_checkpoint), prompt=prompt, serving_config=run_dir / "serving.json",
-                      max_new_tokens=4)
-    assert served == generate(model=str(tiny_checkpoint), prompt=prompt, split=3, tail=32, max_new_tokens=4)
+    served = generate(model=str(tiny_checkpoint), prompt=prompt, serving_config=config, max_new_tokens=4)
+    assert served == generate(model=str(tiny_checkpoint), prompt=prompt, tail=32, max_new_tokens=4, **options)
+    timed = bench_ttft(model=str(tiny_checkpoint), serving_config=config, lengths="96", repeats=1, warmup=0,
+                       data="random", out=tmp_path / "ttft.json")
+    assert timed["variants"] == ["exact", variant] and timed["split"] == 3 and timed["config"]["tail"] == 32
+    assert timed["results"][0]["fill"][variant]["filled_rows"] == 96 - 33

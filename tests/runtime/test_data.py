@@ -46,3 +46,24 @@ def test_stream_is_lazy_and_stops_at_the_budget():
 def test_documents_hash_is_by_content_order_and_boundaries():
     assert documents_hash(["ab", "c"]) == documents_hash(["ab", "c"])
     assert len({documents_hash(d) for d in (["ab", "c"], ["a", "bc"], ["c", "ab"], ["ab", "c", ""])}) == 4
+
+
+def test_a_utf8_byte_order_mark_is_not_part_of_the_text(tmp_path):
+    """Files written by editors that put a UTF-8 byte-order mark first (.txt, .jsonl, a prompt file) read as the same
+    text without it: the JSONL's first record parses, no document starts with U+FEFF."""
+    import json
+
+    from ridgefill.runtime.data import load_corpus
+    from ridgefill.runtime.paths import read_text
+
+    docs = ["First document.", "Second document, with a comma."]
+    plain_txt, bom_txt = tmp_path / "plain.txt", tmp_path / "bom.txt"
+    plain_txt.write_text("\n\n\n".join(docs), encoding="utf-8")
+    bom_txt.write_text("\n\n\n".join(docs), encoding="utf-8-sig")
+    plain_jsonl, bom_jsonl = tmp_path / "plain.jsonl", tmp_path / "bom.jsonl"
+    plain_jsonl.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
+    bom_jsonl.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8-sig")
+    assert bom_txt.read_bytes().startswith(b"\xef\xbb\xbf")
+    assert load_corpus(str(bom_txt)).documents == load_corpus(str(plain_txt)).documents
+    assert load_corpus(str(bom_jsonl)).documents == load_corpus(str(plain_jsonl)).documents == docs
+    assert read_text(bom_txt, "--prompt-file") == read_text(plain_txt, "--prompt-file")

@@ -29,7 +29,8 @@ from ridgefill.errors import RidgefillError
 from ridgefill.serve import serve
 from ridgefill.serve.vllm_config import ENV, VLLM_VERSION
 from tiny_checkpoint import write_corpus
-from vllm_fixtures import prompts, reference, smollm2_maps, vllm_tiny  # noqa: F401  (fixtures)
+from vllm_fixtures import (prompts, reference, smollm2_maps, vllm_tiny, vllm_tuned,  # noqa: F401  (fixtures)
+                           vocab_of)
 
 RIDGEFILL = [sys.executable, "-m", "ridgefill"]
 START_TIMEOUT = 300.0  # seconds for vLLM to load a tiny model on a busy 2-core machine (~40 s when quiet)
@@ -433,13 +434,13 @@ def unsupported_model(root: Path, tiny: dict) -> Path:
     return folder
 
 
-def more_layers(root: Path, tiny: dict) -> Path:
-    """The llama checkpoint's weights (same hash) with a config.json that says 7 layers."""
-    folder = root / "llama-7"
-    shutil.copytree(tiny["llama"][0], folder)
-    config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 7}))
-    return folder
+def maps_of_7_layers(root: Path, tiny: dict) -> Path:
+    """The llama checkpoint's maps, their metadata saying 7 layers (the checkpoint has 6)."""
+    from ridgefill.runtime.artifacts import load_artifact, save_artifact
+
+    tensors, meta = load_artifact(tiny["llama"][1], "maps")
+    save_artifact(root / "maps-7.safetensors", tensors, {**meta, "n_layers": 7})
+    return root / "maps-7.safetensors"
 
 
 def corrupt(root: Path, tiny: dict) -> Path:
@@ -455,7 +456,7 @@ def missing(root: Path, tiny: dict) -> Path:
 BAD = [  # (id, model, maps, more arguments, the error names)
     ("maps-of-another-family", lambda root, t: t["qwen2"][0], lambda root, t: t["llama"][1], [],
      "fitted for another model"),
-    ("maps-for-another-layer-count", more_layers, lambda root, t: t["llama"][1], [], "6-layer model"),
+    ("maps-for-another-layer-count", lambda root, t: t["llama"][0], maps_of_7_layers, [], "7-layer model"),
     ("maps-missing", lambda root, t: t["llama"][0], missing, [], "does not exist"),
     ("maps-corrupt", lambda root, t: t["llama"][0], corrupt, [], "corrupted or truncated"),
     ("unsupported-family", unsupported_model, lambda root, t: t["llama"][1], [], "GPT2LMHeadModel"),
@@ -495,12 +496,48 @@ def test_a_setting_vllm_reads_from_a_config_file_that_breaks_the_fill_ends_serve
     assert f"(vLLM's log: {log})" in r.stderr and "Traceback" in log.read_text()  # the whole story is in the log
 
 
+def test_serve_serves_the_ridge_config_tune_wrote(vllm_tuned, vllm_tiny, tmp_path):
+    """`ridgefill tune` -> serving.json -> `ridgefill serve --serving-config` on the CPU vLLM, ridge variant: the server
+    fills with the tuned maps (pinned by their sha256), split and tail; a request's first-token log-probs match
+    ridgefill's own engine on the same config, and /metrics counts its filled rows."""
+    from ridgefill.method.fill import load_serving
+
+    folder, _ = vllm_tiny["llama"]
+    fill = load_serving(vllm_tuned["ridge"]).fill
+    port, log = free_port(), tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([*RIDGEFILL, "serve", "--model", str(folder), "--serving-config",
+                                 str(vllm_tuned["ridge"]), "--port", str(port), "--max-model-len", "1024"],
+                                stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path,
+                                env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_up(proc, f"{base}/health", log)
+        prompt = prompts(1, [200], vocab_of(folder), seed=14)[0]
+        status, body = post(f"{base}/v1/completions", {"model": str(folder), "prompt": prompt, "max_tokens": 1,
+                                                       "temperature": 0, "logprobs": 5,
+                                                       "return_tokens_as_token_ids": True})
+        assert status == 200, body
+        with urllib.request.urlopen(f"{base}/metrics", timeout=30) as r:
+            counters = {line.split()[0]: float(line.split()[1]) for line in r.read().decode().splitlines()
+                        if line.startswith("ridgefill_")}
+    finally:
+        stop(proc)
+    assert f"split {fill.split} of 6 layers" in log.read_text() and "tail 32" in log.read_text()
+    top = {int(k.split(":")[1]): v for k, v in body["choices"][0]["logprobs"]["top_logprobs"][0].items()}
+    _, first = reference(folder, fill.maps, 32, [prompt], 1)
+    assert max(abs(lp - float(first[0][t])) for t, lp in top.items()) < 1e-3
+    assert counters["ridgefill_filled_tokens_total"] + counters["ridgefill_outlier_tokens_total"] == 200 - 33
+
+
 def serving_config(path: Path, tiny: Path, maps: Path | None, split: int, weights: str | None = None) -> Path:
     from ridgefill.runtime.models import checkpoint_fingerprint
-    from ridgefill.runtime.serving import KIND
+    from ridgefill.method.fill import SERVING_KIND as KIND
+    from ridgefill.runtime.paths import file_sha256
 
     doc = {"kind": KIND, "variant": "ridge" if maps else "identity", "split": split, "tail": 12, "keep_first": 2,
-           "maps": str(maps) if maps else None, "model": {"weights_hash": weights or checkpoint_fingerprint(tiny)}}
+           "maps": {"path": str(maps), "sha256": file_sha256(maps)} if maps else None,
+           "model": {"weights_hash": weights or checkpoint_fingerprint(tiny)}}
     path.write_text(json.dumps(doc))
     return path
 
@@ -530,8 +567,11 @@ def test_serve_takes_a_serving_config_from_tune(tiny_checkpoint, fitted, vllm_ok
 
 
 @pytest.mark.parametrize("extra, match", [
-    ([], "give exactly one of --maps"),
-    (["--maps", "m.safetensors", "--serving-config", "s.json"], "give exactly one of --maps"),
+    ([], "give --maps (from ridgefill fit), --split (identity fill) or --serving-config"),
+    (["--maps", "m.safetensors", "--serving-config", "s.json"], "--serving-config sets the fill"),
+    (["--split", "3", "--serving-config", "s.json"], "--serving-config sets the fill"),
+    (["--split", "3", "--tail", "0"], "--tail 0 must be an integer of at least 1"),
+    (["--split", "3", "--outlier-factor", "nan"], "--outlier-factor nan must be 0"),
 ])
 def test_serve_needs_maps_or_a_serving_config(extra, match, vllm_ok, monkeypatch, capfd):
     code, err = main(monkeypatch, capfd, "serve", *extra)

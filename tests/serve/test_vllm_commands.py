@@ -13,59 +13,64 @@ import torch
 from ridgefill.commands import command
 from ridgefill.errors import RidgefillError
 from ridgefill.runtime.session import open_session
-from vllm_fixtures import vllm_tiny  # noqa: F401  (fixture)
+from vllm_fixtures import vllm_tiny, vllm_tuned  # noqa: F401  (fixtures)
 
 pytest.importorskip("vllm")
 
 
-def test_generate_in_vllm_prints_only_the_text_on_stdout_and_equals_ridgefills_engine(vllm_tiny, tmp_path):
-    """`ridgefill generate --engine vllm` as a user runs it (identity fill at split 2 through an identity maps file):
-    stdout carries the generated text alone (vLLM's log goes to stderr), the same text as ridgefill's own engine."""
-    folder, _ = vllm_tiny["qwen2"]
+def test_generate_in_vllm_prints_only_the_text_on_stdout_and_equals_ridgefills_engine(vllm_tuned, vllm_tiny,
+                                                                                    tmp_path):
+    """`ridgefill generate --engine vllm --serving-config` with the identity config `ridgefill tune` wrote, run as a
+    user runs it: stdout carries the generated text alone (vLLM's log goes to stderr), the text ridgefill's own
+    engine generates from the same config (identity fill in vLLM goes through an identity maps file)."""
+    folder, _ = vllm_tiny["llama"]
     prompt = " ".join(["the king and the queen walked by the river at night"] * 30)
-    options = dict(model=str(folder), split=2, tail=32, prompt=prompt, max_new_tokens=12)
-    ours = command("generate")(**options)["filled"]
+    config = vllm_tuned["identity"]
+    ours = command("generate")(model=str(folder), serving_config=config, prompt=prompt, max_new_tokens=12)["filled"]
     r = subprocess.run([sys.executable, "-m", "ridgefill", "generate", "--engine", "vllm", "--model", str(folder),
-                        "--split", "2", "--tail", "32", "--prompt", prompt, "--max-new-tokens", "12"],
+                        "--serving-config", str(config), "--prompt", prompt, "--max-new-tokens", "12"],
                        capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout == ours + "\n", r.stdout[:2000]
     assert "(vLLM)" in r.stderr and "prompt rows filled" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_bench_ttft_in_vllm_writes_the_same_document(vllm_tiny, tmp_path):
-    folder, maps = vllm_tiny["llama"]
+def test_bench_ttft_in_vllm_takes_tunes_ridge_config_and_writes_the_same_document(vllm_tuned, vllm_tiny, tmp_path):
+    """`bench-ttft --engine vllm --serving-config` with the ridge config tune wrote (its maps by path and sha256):
+    the document ridgefill's engine writes, and vLLM's first token equals ridgefill's engine's for both variants."""
+    from ridgefill.method.fill import load_serving
+
+    folder, _ = vllm_tiny["llama"]
+    fill = load_serving(vllm_tuned["ridge"]).fill
     out = tmp_path / "ttft.json"
-    doc = command("bench-ttft")(model=str(folder), maps=maps, tail=24, lengths="200,300", repeats=2, warmup=1,
-                                data="random", engine="vllm", variants="exact,ridge", out=out)
+    doc = command("bench-ttft")(model=str(folder), serving_config=vllm_tuned["ridge"], lengths="200,300", repeats=2,
+                                warmup=1, data="random", engine="vllm", out=out)
     assert json.loads(out.read_text())["results"] == json.loads(json.dumps(doc["results"]))
     assert doc["config"]["engine"] == "vllm" and doc["variants"] == ["exact", "ridge"]
     engines = doc["vllm_engines"]
     assert engines["exact"]["plugin"] is False and engines["exact"]["fill"] is None
-    assert engines["ridge"]["fill"]["tail"] == 24 and engines["ridge"]["enable_prefix_caching"] is False
+    assert engines["ridge"]["fill"]["tail"] == fill.tail == 32 and engines["ridge"]["enable_prefix_caching"] is False
+    assert engines["ridge"]["fill"]["maps_sha256"] == fill.maps_sha256
     session = open_session(str(folder))
     vocab = session.shape.vocab
-    from ridgefill.runtime.session import variant_plans
-
-    plans, _ = variant_plans(session, str(maps), None, 24, [0], ("exact", "ridge"), 20.0)
+    plans = {"exact": None, "ridge": fill.plan(session)[0]}
     runs = 3  # warmup + repeats
     for entry in doc["results"]:
         n = entry["length"]
         assert set(entry["timings"]) == {"exact", "ridge"}
         assert all(len(t["samples_s"]) == 2 and t["median_s"] > 0 for t in entry["timings"].values())
-        for name in ("ridge",):
-            fill = entry["fill"][name]
-            assert fill["filled_rows"] == n - 25
-            assert fill["limit_speedup"] > 1 and fill["speedup_interval"]["estimate"] == fill["speedup"]
+        ridge = entry["fill"]["ridge"]
+        assert ridge["filled_rows"] == n - 33
+        assert ridge["limit_speedup"] > 1 and ridge["speedup_interval"]["estimate"] == ridge["speedup"]
         ids = torch.randint(3, vocab, (1, n), generator=torch.Generator().manual_seed(n))  # bench's random prompt
         for name, plan in plans.items():  # vLLM's first token is ridgefill's engine's, for every variant
             want = int(session.engine.prefill(ids, plan).logits[0, -1].argmax())
             assert entry["first_token"][name] == want, (n, name)
-    expected = runs * sum(e["length"] - 25 for e in doc["results"])
+    expected = runs * sum(e["length"] - 33 for e in doc["results"])
     assert doc["fill_rows"]["ridge"]["filled_rows"] + doc["fill_rows"]["ridge"]["outlier_rows_run_full"] == expected
     tally = engines["ridge"]["tally"]
     assert {k: tally[k] for k in doc["fill_rows"]["ridge"]} == doc["fill_rows"]["ridge"]
-    assert tally["stock_steps"] == 0 and tally["full_prompt_rows"] == runs * 25 * len(doc["results"]) + \
+    assert tally["stock_steps"] == 0 and tally["full_prompt_rows"] == runs * 33 * len(doc["results"]) + \
         tally["outlier_rows_run_full"]
 
 

@@ -33,12 +33,11 @@ def reference(folder, maps, tail: int, batch: list[list[int]], new: int, keep_fi
     """ridgefill's own engine (what `ridgefill generate` runs): greedy tokens and first-token log-probs [V]."""
     import torch
 
-    from ridgefill.method.statistics import OUTLIER_FACTOR
-    from ridgefill.runtime.session import open_session, variant_plans
+    from ridgefill.method.fill import FillSettings
+    from ridgefill.runtime.session import open_session
 
     session = open_session(str(folder), chunk=chunk)
-    plans, _ = variant_plans(session, str(maps), None, tail, list(range(keep_first)), ("ridge",), OUTLIER_FACTOR)
-    plan = plans["ridge"]
+    plan, _ = FillSettings("ridge", None, Path(maps), tail, keep_first).plan(session)
     tokens, first = [], []
     for p in batch:
         ids = torch.tensor([p])
@@ -157,3 +156,21 @@ def tally_delta(worker, run):
     out = run()
     after = worker.tally()
     return out, {k: after[k] - before[k] for k in after}
+
+
+@pytest.fixture(scope="session")
+def vllm_tuned(vllm_tiny, tmp_path_factory) -> dict[str, Path]:
+    """variant -> the serving config `ridgefill tune` wrote for the tiny llama that vLLM serves: identity and ridge,
+    each tuned alone (tail 32, RULER only: a random model's scores are flat, so the lowest candidate is served)."""
+    from ridgefill.commands import command
+
+    folder, _ = vllm_tiny["llama"]
+    root = tmp_path_factory.mktemp("vllm-tune")
+    data = write_corpus(root / "text.txt", seed=5, lines_per_document=40)
+    out = {}
+    for variant in ("identity", "ridge"):
+        out[variant] = root / f"{variant}.json"
+        command("tune")(model=str(folder), data=str(data), splits="2-3", variants=variant, tail=32, tokens=2048,
+                        seq_len=128, holdout=0.25, lengths="320", tasks="niah_single_1", samples=1, max_new_tokens=4,
+                        nll_check=False, out_dir=root / "run", config_out=out[variant])
+    return out

@@ -52,6 +52,14 @@ class FillTally:
                 "lookback_rows_run_full": self.unwindowed}
 
 
+def full_positions(positions: torch.Tensor, prompt_len, tail, keep_first) -> torch.Tensor:
+    """The one rule of which prompt rows run the full model: True where a position is among the first `keep_first`
+    or the last `tail` of a prompt of `prompt_len` rows (and past the prompt: generated tokens). Every other row is
+    filled. positions [N]; prompt_len, tail, keep_first: numbers or tensors broadcast with positions (per token, as
+    a vLLM step has them)."""
+    return (positions < keep_first) | (positions >= prompt_len - tail)
+
+
 @dataclass(frozen=True)
 class Promoted:
     """Rows of a chunk that would have been filled but ran in full, by cause."""
@@ -100,8 +108,7 @@ class FillPlan:
         if outside:
             raise RidgefillError(f"keep row {outside[0]} is outside the {n}-token prompt (rows 0..{n - 1}): keep "
                                  "rows inside the prompt")
-        full = torch.zeros(n, dtype=torch.bool)
-        full[max(0, n - self.tail) :] = True
+        full = full_positions(torch.arange(n), n, self.tail, 0)
         if self.keep_rows:
             full[torch.tensor(list(self.keep_rows), dtype=torch.long)] = True
         return full

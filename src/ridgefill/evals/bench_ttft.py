@@ -18,7 +18,7 @@ import gc
 import importlib.util
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -29,12 +29,12 @@ from ridgefill.engine import BACKENDS, Engine, FillPlan, ModelShape, Stopwatch
 from ridgefill.errors import RidgefillError
 from ridgefill.evals.common import MeasureConfig, Measurement, parse_lengths, start
 from ridgefill.evals.flops import prefill_flops
-from ridgefill.evals.stats import format_interval, mean, ratio_of_medians
+from ridgefill.runtime.stats import format_interval, mean, ratio_of_medians
+from ridgefill.method.fill import Tuned, load_serving, parse_variants
 from ridgefill.runtime.console import note, progress_bar, table
 from ridgefill.runtime.data import documents_for, load_corpus, passages, token_sequences
 from ridgefill.runtime.provenance import cpu_name, device_info, load_average, versions
-from ridgefill.runtime.serving import Serving, check_model, load_serving
-from ridgefill.runtime.session import Session, check_length, parse_variants
+from ridgefill.runtime.session import Session, check_length
 from ridgefill.serve.vllm_engine import check_engine, engine_option
 
 TRANSFORMERS = "transformers"  # the timing entry of transformers' own forward
@@ -65,8 +65,6 @@ class BenchConfig(MeasureConfig):
         self.sizes()
         if self.repeats < 1 or self.warmup < 0:
             raise RidgefillError(f"--repeats must be >= 1 and --warmup >= 0 (got {self.repeats}, {self.warmup})")
-        if self.tail < 1 or self.keep_first < 0:
-            raise RidgefillError("--tail must be at least 1 and --keep-first at least 0")
         if self.projection not in BACKENDS:
             raise RidgefillError(f"unknown --projection '{self.projection}': use one of {', '.join(BACKENDS)}")
         if self.threads < 0:
@@ -111,16 +109,15 @@ def _interpreting() -> bool:
 
 
 # --- the command ---------------------------------------------------------------------------------------
-def served(c: BenchConfig) -> tuple[BenchConfig, Serving | None]:
-    """The config with a serving config's fill settings in place of --maps, --split, --tail, --keep-first and
-    --variants (exact and the tuned fill)."""
+def served(c: BenchConfig) -> tuple[BenchConfig, Tuned | None]:
+    """The config with a serving config's fill in place of the fill options and --variants (exact and the tuned
+    fill)."""
     if c.serving_config is None:
         return c, None
     if c.maps is not None or c.split is not None or c.variants is not None:
         raise RidgefillError("--serving-config sets the maps, split and variant: drop --maps, --split and --variants")
-    s = load_serving(c.serving_config)
-    return replace(c, maps=s.maps, split=s.split, tail=s.tail, keep_first=s.keep_first,
-                   variants=f"exact,{s.variant}"), s
+    tuned = load_serving(c.serving_config)
+    return c.with_serving(tuned, variants=f"exact,{tuned.fill.variant}"), tuned
 
 
 def run(config: BenchConfig) -> dict:
@@ -130,7 +127,7 @@ def run(config: BenchConfig) -> dict:
     load_before = _load_1m()
     m = start("bench-ttft", c, c.names(), record=c.record(), projection=c.projection)
     if serving is not None:
-        check_model(serving, m.session.loaded.fingerprint, c.serving_config)
+        serving.check_model(m.session.loaded.fingerprint, c.serving_config)
     _check_model(m, c.sizes()[-1])
     prompts = _prompts(m.session, c.data, c.sizes(), c.seed)
     shape = m.session.shape

@@ -29,10 +29,10 @@ import numpy as np
 import torch
 
 from ridgefill.errors import RidgefillError
-from ridgefill.evals.stats import ratio_of_medians
+from ridgefill.runtime.stats import ratio_of_medians
 from ridgefill.runtime.console import progress_bar
 from ridgefill.runtime.models import model_folder
-from ridgefill.serve.vllm_config import VllmFill, plugin_fill
+from ridgefill.method.fill import FillSettings
 from ridgefill.serve.vllm_engine import EngineSettings, VllmWorker, vllm_dtype
 
 KV_CACHE_GIB = 2
@@ -95,13 +95,13 @@ def check_filled(name: str, tally: dict, planned: int) -> None:
                              "loads (VLLM_PLUGINS, VLLM_USE_V2_MODEL_RUNNER)")
 
 
-def _fill(m, name: str, scratch: Path) -> VllmFill | None:
+def _fill(m, name: str, scratch: Path) -> FillSettings | None:
     """The plugin's configuration of variant `name` (None: stock vLLM)."""
     if name == "exact":
         return None
     c = m.config
-    return plugin_fill(c.maps if name == "ridge" else None, m.split, m.session.engine.n_layers,
-                       m.session.loaded.info(), c.tail, c.keep_first, c.outlier_factor, scratch)
+    fill = FillSettings(name, m.split, c.maps if name == "ridge" else None, c.tail, c.keep_first, c.outlier_factor)
+    return fill.for_vllm(m.session.engine.n_layers, m.session.loaded.info(), scratch)
 
 
 def _bench_length(workers: dict, plans: dict, ids: list[int], repeats: int, warmup: int, seed: int,

@@ -21,34 +21,23 @@ from ridgefill.commands import REQUIRED, option
 from ridgefill.engine import FillPlan
 from ridgefill.errors import RidgefillError
 from ridgefill.evals.exact_store import ExactStore
-from ridgefill.method.statistics import OUTLIER_FACTOR  # the rule calibration left rows out by
+from ridgefill.method.fill import FillOptions, variant_plans
 from ridgefill.runtime.console import note, progress_bar
-from ridgefill.runtime.paths import file_hash, write_json
-from ridgefill.runtime.session import ModelConfig, Session, variant_plans
+from ridgefill.runtime.paths import check_output, write_json
+from ridgefill.runtime.session import ModelConfig, Session
 
 
 # --- options ------------------------------------------------------------------------------------------------
-OUTLIER_HELP = ("A row that would be filled runs in full when its split-state norm exceeds this x the median of "
-                "its chunk's filled rows (calibration leaves such rows out of the fit); 0 fills them too.")
-
-
 @dataclass
-class MeasureConfig(ModelConfig):
-    """The options of every command that measures variants of prefill against exact."""
+class MeasureConfig(FillOptions, ModelConfig):
+    """The options of every command that measures variants of prefill against exact (the fill's: FillOptions)."""
 
-    maps: Path | None = option(None, "Maps file (from ridgefill fit) for the ridge variant.", role="input")
-    split: int | None = option(None, "Split S (the maps carry it; identity fill needs it without them).",
-                               top="splits")
-    tail: int = option(256, "Last prompt rows that run the full model.", top="tails")
-    keep_first: int = option(1, "Leading rows run in full (the attention sink).")
     seed: int = option(0, "Bootstrap seed.", top="seeds")
     out: Path = option(REQUIRED, "Result JSON to write.", role="output")
-    outlier_factor: float = option(OUTLIER_FACTOR, OUTLIER_HELP)
 
     def check(self) -> None:
-        if self.outlier_factor < 0:
-            raise RidgefillError(f"--outlier-factor {self.outlier_factor:g} must be 0 (fill every row) or "
-                                 "positive")
+        super().check()
+        check_output(self)
 
     def wants_input(self):
         variants = getattr(self, "variants", None)
@@ -143,8 +132,7 @@ def start(command: str, config: MeasureConfig, variants: Sequence[str], record: 
     record: the `config` of the result document (default: every option as given)."""
     writer = ResultWriter(command, config.as_dict() if record is None else record, config.seed)
     session = config.open(projection)
-    plans, meta = variant_plans(session, config.maps, config.split, config.tail, range(config.keep_first), variants,
-                                config.outlier_factor)
+    plans, meta = variant_plans(session, config, variants)
     store = ExactStore(getattr(config, "exact_cache", None), session.loaded.info(), config.dtype, config.device,
                        config.chunk)
     return Measurement(config, session, plans, meta, store, writer)
@@ -152,10 +140,13 @@ def start(command: str, config: MeasureConfig, variants: Sequence[str], record: 
 
 # --- the result document ------------------------------------------------------------------------------------
 def maps_info(path: str | Path | None, meta: dict | None) -> dict | None:
+    """The maps a result was measured with: path, the first 16 hex digits of the sha256 of the bytes loaded, split,
+    kind."""
     if path is None:
         return None
-    return {"path": str(path), "hash": file_hash(path), "split": (meta or {}).get("split"),
-            "kind": (meta or {}).get("kind")}
+    meta = meta or {}
+    return {"path": str(path), "hash": (meta.get("sha256") or "")[:16] or None, "split": meta.get("split"),
+            "kind": meta.get("kind")}
 
 
 class ResultWriter:

@@ -3,12 +3,14 @@
 Every evaluation runs exact prefill beside the fills on the same samples. In a sweep over splits, the samples
 of one tail are the same for every split, so the exact answers (RULER) and the exact per-token NLLs (loss) are
 too (and the exact LongBench answers). An `ExactStore` over a folder keeps each such result in one small JSON file named by a hash of
-- the scope: model weights hash, model id, dtype, device, chunk size and ridgefill version (anything that could
+- the scope: model weights hash, model id, dtype, device, chunk size, ridgefill version and source hash (anything that could
   change an exact result, down to float rounding), and
 - the sample: what the computation reads (the prompt ids and its own settings).
 
 A result's kind starts with the command that stores it (`ruler-answer`, `loss-exact-nll`): `ridgefill run
---force STEP` deletes that step's stored results (`forget`). A store without a folder computes every time.
+--force STEP` deletes that step's stored results (`forget`), and only files the store wrote: named
+`<kind>-<24 hex digits>.json` and holding a stored result of that kind. Whatever else the folder holds (a user
+may point `exact-cache` at a folder of their own) stays. A store without a folder computes every time.
 Files are written atomically, so an interrupted run leaves nothing half-written. Results are JSON numbers and strings: float32 values round-trip exactly.
 """
 
@@ -16,20 +18,24 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any, Callable
 
 from ridgefill import __version__
+from ridgefill.runtime.provenance import code_hash
 from ridgefill.runtime.paths import write_json
 
 SUFFIX = ".json"
+KEY_DIGITS = 24  # hex digits of a stored result's key in its file name
+STORED = re.compile(rf"(?P<kind>[A-Za-z0-9][A-Za-z0-9_-]*)-[0-9a-f]{{{KEY_DIGITS}}}{re.escape(SUFFIX)}")
 
 
 class ExactStore:
     def __init__(self, folder: str | Path | None, model_info: dict, dtype: str, device: str, chunk: int) -> None:
         self.folder = Path(folder) if folder is not None else None
         self.scope = {"weights": model_info.get("weights_hash"), "model": model_info.get("id"), "dtype": dtype,
-                      "device": device, "chunk": chunk, "ridgefill": __version__}
+                      "device": device, "chunk": chunk, "ridgefill": __version__, "code": code_hash()}
         self.hits = self.misses = 0
 
     def get(self, kind: str, sample: dict, compute: Callable[[], Any]) -> Any:
@@ -51,13 +57,30 @@ class ExactStore:
 
     def _key(self, kind: str, sample: dict) -> str:
         payload = json.dumps({"kind": kind, "scope": self.scope, "sample": sample}, sort_keys=True)
-        return hashlib.sha256(payload.encode()).hexdigest()[:24]
+        return hashlib.sha256(payload.encode()).hexdigest()[:KEY_DIGITS]
 
     def summary(self) -> dict:
         return {"folder": None if self.folder is None else str(self.folder), "hits": self.hits, "misses": self.misses}
 
 
 def forget(folder: str | Path, command: str) -> None:
-    """Delete the results that `command` stored in `folder` (its kinds start with the command's name)."""
-    for stored in Path(folder).glob(f"{command}-*{SUFFIX}"):
-        stored.unlink()
+    """Delete the results that `command` stored in `folder` (its kinds start with the command's name); files the
+    store did not write stay, whatever their names."""
+    for path in Path(folder).glob(f"{command}-*{SUFFIX}"):
+        if stored_by(path, command):
+            path.unlink(missing_ok=True)
+
+
+def stored_by(path: Path, command: str) -> bool:
+    """Whether `path` is a result the store wrote for `command`: named `<kind>-<key>.json` with a kind that is the
+    command's name or starts with it and a dash, and holding that kind's stored result (kind, scope, value)."""
+    found = STORED.fullmatch(path.name)
+    if found is None or not (found["kind"] == command or found["kind"].startswith(f"{command}-")):
+        return False
+    if path.is_symlink() or not path.is_file():
+        return False
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(doc, dict) and set(doc) == {"kind", "scope", "value"} and doc["kind"] == found["kind"]

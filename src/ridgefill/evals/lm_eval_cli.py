@@ -24,9 +24,17 @@ class LmEvalConfig(Config):
 
 
 def run(config: LmEvalConfig) -> None:
-    """lm-eval's own CLI on `args`, after the import that registers the `ridgefill` model."""
-    import ridgefill.evals.lm_eval_model  # noqa: F401  (registers the model; a one-line error without lm-eval)
+    """lm-eval's own CLI on `args`, after the import that registers the `ridgefill` model, and, for that model,
+    its model_args checked first (one line, before lm-eval starts)."""
+    import importlib
+
+    # registers the model; a one-line error without lm-eval
+    lm_eval_model = importlib.import_module("ridgefill.evals.lm_eval_model")
     from lm_eval.__main__ import cli_evaluate
+    from lm_eval.utils import simple_parse_args_string
+
+    if _value(config.args, "--model") == "ridgefill":
+        lm_eval_model.preflight(simple_parse_args_string(_value(config.args, "--model_args") or ""))
 
     saved = sys.argv
     sys.argv = ["lm-eval", *config.args]
@@ -34,6 +42,17 @@ def run(config: LmEvalConfig) -> None:
         cli_evaluate()
     finally:
         sys.argv = saved
+
+
+def _value(args: list[str], name: str) -> str | None:
+    """The value of option `name` among lm-eval's arguments (`--name v` or `--name=v`; the last one given)."""
+    found = None
+    for i, arg in enumerate(args):
+        if arg == name and i + 1 < len(args):
+            found = args[i + 1]
+        elif arg.startswith(name + "="):
+            found = arg.split("=", 1)[1]
+    return found
 
 
 COMMAND = Command("lm-eval", LmEvalConfig, run, passthrough=True)

@@ -20,10 +20,11 @@ from __future__ import annotations
 import torch
 
 from ridgefill.errors import RidgefillError
-from ridgefill.evals.common import OUTLIER_FACTOR
 from ridgefill.evals.scoring import continuation_scores
+from ridgefill.method.fill import VARIANTS, FillSettings
+from ridgefill.method.statistics import OUTLIER_FACTOR
 from ridgefill.runtime.console import note, progress_bar
-from ridgefill.runtime.session import open_session, variant_plans
+from ridgefill.runtime.session import open_session
 
 try:
     from lm_eval.api.model import TemplateLM
@@ -32,7 +33,6 @@ try:
 except ImportError:
     raise RidgefillError("lm-eval is not installed: pip install lm-eval==0.4.13 (ridgefill's `eval` extra)") from None
 
-FILLS = ("exact", "identity", "ridge")
 
 
 @register_model("ridgefill")
@@ -42,25 +42,15 @@ class RidgefillLM(TemplateLM):
                  device: str | None = None, chunk: int = 2048, max_gen_toks: int = 256,
                  outlier_factor: float = OUTLIER_FACTOR, batch_size=None, max_batch_size=None, **unknown) -> None:
         super().__init__()
-        if unknown:
-            raise RidgefillError(f"unknown model_args {sorted(unknown)} for the ridgefill model: use pretrained, "
-                                 "maps, split, tail, keep_first, fill, dtype, chunk, max_gen_toks, outlier_factor")
-        fill = fill or ("ridge" if maps else "exact")
-        if fill not in FILLS:
-            raise RidgefillError(f"unknown fill '{fill}': use {', '.join(FILLS)}")
-        if maps and fill != "ridge":
-            raise RidgefillError(f"maps were given with fill={fill}: drop maps, or use fill=ridge")
-        if int(max_gen_toks) < 1:
-            raise RidgefillError(f"max_gen_toks must be at least 1, got {max_gen_toks}")
+        settings, fill, max_gen_toks, chunk = model_settings(maps, split, tail, keep_first, fill, chunk,
+                                                             max_gen_toks, outlier_factor, unknown)
         device = _device(device)
-        self.session = open_session(str(pretrained), dtype, device, int(chunk))
-        split = None if split is None else int(split)
-        plans, meta = variant_plans(self.session, maps, split, int(tail), range(int(keep_first)), (fill,),
-                                    float(outlier_factor))
-        self.plan, self.fill, self.maps_meta = plans[fill], fill, meta
+        self.session = open_session(str(pretrained), dtype, device, chunk)
+        self.plan, self.maps_meta = (None, None) if settings is None else settings.plan(self.session)
+        self.fill = fill
         self.engine = self.session.engine
         self.tokenizer = self.session.tokenizer
-        self.max_gen_toks = int(max_gen_toks)
+        self.max_gen_toks = max_gen_toks
         self._device = torch.device(device)
         self._name = str(pretrained)
 
@@ -168,3 +158,54 @@ def _device(device: str | None) -> str:
             note(f"note: --device {device} but no CUDA GPU is visible: running on the CPU")
         return "cpu"
     return str(device)
+
+
+def model_settings(maps=None, split=None, tail=256, keep_first=1, fill=None, chunk=2048, max_gen_toks=256,
+                   outlier_factor=OUTLIER_FACTOR, unknown=()) -> tuple[FillSettings | None, str, int, int]:
+    """The model_args checked, with no model loaded: (the fill's settings, None for exact; the fill's name;
+    max_gen_toks; chunk)."""
+    if unknown:
+        raise RidgefillError(f"unknown model_args {sorted(unknown)} for the ridgefill model: use pretrained, maps, "
+                             "split, tail, keep_first, fill, dtype, chunk, max_gen_toks, outlier_factor")
+    fill = fill or ("ridge" if maps else "exact")
+    if fill not in VARIANTS:
+        raise RidgefillError(f"unknown fill '{fill}': use {', '.join(VARIANTS)}")
+    if maps and fill != "ridge":
+        raise RidgefillError(f"maps were given with fill={fill}: drop maps, or use fill=ridge")
+    max_gen_toks, chunk = _number("max_gen_toks", max_gen_toks, int), _number("chunk", chunk, int)
+    if max_gen_toks < 1 or chunk < 1:
+        raise RidgefillError(f"max_gen_toks and chunk must be at least 1, got {max_gen_toks} and {chunk}")
+    settings = None
+    if fill != "exact":
+        settings = FillSettings(fill, None if split is None else _number("split", split, int), maps,
+                                _number("tail", tail, int), _number("keep_first", keep_first, int),
+                                _number("outlier_factor", outlier_factor, float))
+    return settings, fill, max_gen_toks, chunk
+
+
+def preflight(model_args: dict) -> None:
+    """What `ridgefill lm-eval` checks before lm-eval starts: the model_args (model_settings), the model's identity
+    (read without its weights) and that the maps were fitted for it."""
+    from ridgefill.method.maps import check_for_model
+    from ridgefill.runtime.artifacts import read_meta
+    from ridgefill.runtime.models import model_identity
+
+    known = ("maps", "split", "tail", "keep_first", "fill", "chunk", "max_gen_toks", "outlier_factor")
+    ignored = ("pretrained", "dtype", "device", "batch_size", "max_batch_size")
+    settings, *_ = model_settings(**{k: v for k, v in model_args.items() if k in known},
+                                  unknown={k: v for k, v in model_args.items() if k not in known + ignored})
+    identity = model_identity(str(model_args.get("pretrained", "smollm2-135m")))
+    if settings is not None and settings.maps is not None:
+        check_for_model(settings.maps, read_meta(settings.maps, "maps"), identity.info, settings.split)
+
+
+def _number(name: str, value, kind):
+    """A model_args value (lm-eval passes them as parsed from `key=value` text) as an int or a float; anything else
+    is a one-line error."""
+    try:
+        if isinstance(value, bool) or (kind is int and isinstance(value, float) and not value.is_integer()):
+            raise ValueError
+        return kind(value)
+    except (TypeError, ValueError):
+        raise RidgefillError(f"model_args {name}={value!r} is not a{'n integer' if kind is int else ' number'}: "
+                             f"give e.g. {name}={256 if kind is int else 20}") from None

@@ -24,10 +24,10 @@ from ridgefill.engine import Engine, FillPlan
 from ridgefill.errors import RidgefillError
 from ridgefill.evals.common import MeasureConfig, exact_cache_option, start, variants_option
 from ridgefill.evals.scoring import continuation_scores
-from ridgefill.evals.stats import mean_difference
+from ridgefill.runtime.stats import mean_difference
 from ridgefill.runtime.console import note, table
 from ridgefill.runtime.paths import read_text
-from ridgefill.runtime.session import parse_variants
+from ridgefill.method.fill import parse_variants
 
 LETTERS = ("A", "B", "C", "D")
 DIFFICULTIES = ("easy", "hard")

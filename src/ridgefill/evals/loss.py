@@ -31,10 +31,11 @@ from ridgefill.evals.common import exact_cache_option, start, variants_option
 from ridgefill.evals.passages import (PassageConfig, evaluation_passages, nll_results,
                                       tail_difference)
 from ridgefill.evals.scoring import distant_tokens, short_context_nll, tail_nll
-from ridgefill.evals.stats import (Interval, describe_spread, distant_spread, format_interval, gap_ratio,
+from ridgefill.runtime.stats import (Interval, describe_spread, distant_spread, format_interval, gap_ratio,
                                    interval_dict, paired_bootstrap, relative_difference, select)
 from ridgefill.runtime.console import cell, note, table
-from ridgefill.runtime.session import check_length, parse_variants
+from ridgefill.method.fill import parse_variants
+from ridgefill.runtime.session import check_length
 
 
 @dataclass

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from ridgefill.commands import REQUIRED, option
 from ridgefill.errors import RidgefillError
 from ridgefill.evals.common import MeasureConfig
-from ridgefill.evals.stats import mean_difference
+from ridgefill.runtime.stats import mean_difference
 from ridgefill.runtime.console import note
 from ridgefill.runtime.data import documents_for, load_corpus, passages
 

@@ -37,7 +37,7 @@ from ridgefill.evals.passages import (PassageConfig, evaluation_passages, nll_re
                                       tail_difference)
 from ridgefill.evals.ruler import TASKS, build_samples, score_prediction
 from ridgefill.evals.scoring import continuation_nll, distant_tokens, short_context_nll
-from ridgefill.evals.stats import (describe_spread, distant_spread, format_interval, gap_closed, interval_dict,
+from ridgefill.runtime.stats import (describe_spread, distant_spread, format_interval, gap_closed, interval_dict,
                                    select)
 from ridgefill.runtime.console import cell, progress_bar, table
 from ridgefill.runtime.ranges import parse_ranges

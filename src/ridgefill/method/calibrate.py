@@ -34,7 +34,8 @@ from ridgefill.method.statistics import HELD_OUT, OUTLIER_FACTOR, Calibration, a
 from ridgefill.runtime.artifacts import load_artifact, save_artifact
 from ridgefill.runtime.console import note, progress_bar, table
 from ridgefill.runtime.data import documents_for, documents_hash, iter_sequences, load_corpus, sequence_budget
-from ridgefill.runtime.paths import write_json
+from ridgefill.runtime.paths import check_output, write_json
+from ridgefill.runtime.provenance import code_hash
 from ridgefill.runtime.session import ModelConfig, check_device, check_length, parse_splits
 
 NAMES = ("data",)  # settings a resume checks by content (data_hash), not by name
@@ -174,6 +175,10 @@ def _resumed(partial: Path, run_meta: dict, resume: bool, restart: bool, splits:
     if restart or not (resume and partial.exists()):
         return None
     tensors, saved = load_artifact(partial, "stats")
+    if "code" in run_meta and saved.get("code") != run_meta["code"]:
+        raise RidgefillError(f"{partial} was written by other ridgefill code (source {saved.get('code')}, now "
+                             f"{run_meta['code']}): sums from other code cannot be continued; pass --restart to start "
+                             "over")
     changed = [k for k in run_meta if k not in NAMES and saved.get(k) != run_meta[k]]
     if changed:
         k = changed[0]
@@ -294,6 +299,7 @@ class CalibrateConfig(ModelConfig):
         if self.skip_first < 0 or self.outlier_factor < 0:
             raise RidgefillError(f"--skip-first ({self.skip_first}) and --outlier-factor ({self.outlier_factor:g}) "
                                  "must be 0 or more (0: keep every row)")
+        check_output(self, beside=(".json", ".partial"))
 
 
 def run(c: CalibrateConfig) -> dict:
@@ -320,7 +326,7 @@ def _calibrate(c: CalibrateConfig, world: World) -> dict:
     corpus, documents, sequences = calibration_sequences(session, c.data, c.seq_len, c.tokens)
     meta = {"model": {"id": c.model, "weights_hash": session.loaded.fingerprint}, "data": corpus.name,
             "data_hash": documents_hash(documents), "tokens_requested": c.tokens, "seq_len": c.seq_len,
-            "dtype": c.dtype}
+            "dtype": c.dtype, "code": code_hash()}
     budget = sequence_budget(c.tokens, c.seq_len)  # an upper bound: the text may run out first
     started = time.perf_counter()
     bar = progress_bar(f"calibrating splits {','.join(map(str, splits))}", budget) if world.root else \
@@ -352,7 +358,8 @@ def calibration_sequences(session, data: str, seq_len: int, tokens: int):
     return corpus, documents, chain([first], stream)
 
 
-ROW_NAMES = ["split", "train_rows", "val_rows", "test_rows", "skipped_first", "skipped_outliers"]
+SKIPPED = ("skipped_first", "skipped_outliers", "skipped_nonfinite")  # the counts of rows kept out (statistics.py)
+ROW_NAMES = ["split", "train_rows", "val_rows", "test_rows", *SKIPPED]
 
 
 def _report(c: CalibrateConfig, cal: Calibration, world: World, duration_s: float) -> dict:
@@ -360,10 +367,14 @@ def _report(c: CalibrateConfig, cal: Calibration, world: World, duration_s: floa
     rows = []
     for s in cal.splits:
         parts = [cal.stats[(s, p)] for p in ("train", *HELD_OUT)]
-        rows.append([s, *(st.count for st in parts), sum(st.skipped_first for st in parts),
-                     sum(st.skipped_outliers for st in parts)])
+        rows.append([s, *(st.count for st in parts), *(sum(getattr(st, n) for st in parts) for n in SKIPPED)])
     table(f"calibration statistics → {c.out}", ["split", "train rows", "val rows", "test rows", "sink rows skipped",
-                                                 "outlier rows skipped"], rows)
+                                                 "outlier rows skipped", "non-finite rows skipped"], rows)
+    worst = max(rows, key=lambda r: r[-1])
+    if worst[-1]:
+        fix = ": calibrating with --dtype fp32 avoids the overflow" if c.dtype != "fp32" else ""
+        note(f"note: {worst[-1]} rows of split {worst[0]} held a NaN or an infinity in a hidden state and were kept "
+             f"out of the statistics{fix}")
     summary = {"command": "calibrate", **cal.meta, "tokens": cal.tokens_done, "sequences": cal.sequences_done,
                "processes": world.size, "ridgefill_version": __version__, "duration_s": duration_s,
                "rows": [dict(zip(ROW_NAMES, r)) for r in rows]}

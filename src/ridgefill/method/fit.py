@@ -9,13 +9,13 @@ from pathlib import Path
 from ridgefill import __version__
 from ridgefill.commands import REQUIRED, Command, Config, option
 from ridgefill.errors import RidgefillError
-from ridgefill.evals.stats import mean
+from ridgefill.runtime.stats import mean
 from ridgefill.method.statistics import PARTS, Calibration, SplitStats, check_fittable
 from ridgefill.method.maps import KINDS, save_maps
 from ridgefill.method.ridge import RANK_BASES, fit_split
 from ridgefill.runtime.artifacts import load_artifact, read_meta
 from ridgefill.runtime.console import note, progress_bar, table
-from ridgefill.runtime.paths import write_json
+from ridgefill.runtime.paths import check_output, write_json
 
 
 @dataclass
@@ -42,6 +42,7 @@ class FitConfig(Config):
         if self.targets not in TARGETS:
             raise RidgefillError(f"unknown --targets '{self.targets}': use {' or '.join(TARGETS)}")
         _parse_lam(self.lam)
+        check_output(self, beside=(".json",))
 
 
 def run(c: FitConfig) -> dict:
@@ -56,6 +57,7 @@ def run(c: FitConfig) -> dict:
         raise RidgefillError(f"--rank {rank} is out of range: use 1..{hidden - 1}")
     tensors, _ = load_artifact(stats, "stats", prefix=f"s{split}.")  # only this split's statistics
     cal = Calibration.from_tensors([split], tensors, meta)
+    _check_finite(stats, cal)
     train, val, test = (cal.stats.get((split, p)) for p in PARTS)
     if train.count < 2:
         raise RidgefillError(f"{stats} has only {train.count} training rows for split {split}: calibrate on more "
@@ -108,6 +110,17 @@ def _normalized(stats: Path, train: SplitStats, val: SplitStats, test: SplitStat
                              "--normalized-targets, or fit with --targets raw")
     scale = (train.yy / (train.count * hidden)).sqrt()  # [M]
     return tuple(p.normalized_targets(scale) if p is not None else None for p in (train, val, test))
+
+
+def _check_finite(stats: Path, cal: Calibration) -> None:
+    """Refuse statistics with a NaN or an infinity in any sum, before any solve (calibrate keeps rows that overflow
+    out; such a file comes from an older ridgefill or was changed)."""
+    for (split, part), st in cal.stats.items():
+        name = st.nonfinite()
+        if name:
+            raise RidgefillError(f"{stats} holds a NaN or an infinity in split {split}'s {part} statistics "
+                                 f"(s{split}.{part}.{name}): recalibrate (this ridgefill keeps rows that overflow "
+                                 "out), in fp32")
 
 
 def _split_of(stats: Path, splits: list[int], split: int | None) -> int:

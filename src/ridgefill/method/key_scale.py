@@ -30,7 +30,7 @@ from ridgefill.method.maps import load_filler
 from ridgefill.runtime.artifacts import load_artifact, save_artifact
 from ridgefill.runtime.console import progress_bar, table
 from ridgefill.runtime.data import sequence_budget
-from ridgefill.runtime.paths import write_json
+from ridgefill.runtime.paths import check_output, write_json
 from ridgefill.runtime.session import ModelConfig, check_device
 
 
@@ -54,6 +54,7 @@ class KeyScaleConfig(ModelConfig):
         if self.skip_first >= self.seq_len - 1:
             raise RidgefillError(f"--skip-first {self.skip_first} leaves no row of a {self.seq_len}-token sequence to "
                                  "fill: lower it or raise --seq-len")
+        check_output(self, beside=(".json",))
 
 
 @dataclass

@@ -10,6 +10,7 @@ from ridgefill.runtime.artifacts import load_private, save_artifact
 from ridgefill.engine import Filler, IdentityFiller, MapFiller
 from ridgefill.errors import RidgefillError
 from ridgefill.method.ridge import LayerFit
+from ridgefill.method.statistics import first_nonfinite
 
 KINDS = ("ridge", "identity")
 
@@ -39,19 +40,10 @@ def load_filler(path: str | Path, model_info: dict, split: int | None = None,
     be the file that was checked. The metadata returned carries the file's `sha256`."""
     tensors, meta, digest = load_private(path, "maps", sha256)
     meta = {**meta, "sha256": digest}
-    if meta.get("model", {}).get("weights_hash") != model_info["weights_hash"]:
-        raise RidgefillError(
-            f"{path} was fitted for another model ({meta.get('model', {}).get('id')}, weights "
-            f"{meta.get('model', {}).get('weights_hash')}); this model's weights are {model_info['weights_hash']}: "
-            "calibrate and fit for this model"
-        )
-    if split is not None and split != meta["split"]:
-        raise RidgefillError(f"{path} holds maps for split {meta['split']}, not {split}: pass --split "
-                             f"{meta['split']} or fit maps for split {split}")
+    check_for_model(path, meta, model_info, split)
+    check_maps(path, tensors, meta, model_info.get("hidden_size"), model_info.get("kv_heads"))
     n_layers, s = meta["n_layers"], meta["split"]
     key_scale = tensors.get("key_scale")
-    if key_scale is not None and key_scale.shape[0] != n_layers - s:
-        raise RidgefillError(f"{path} has a key scale for {key_scale.shape[0]} layers, not {n_layers - s}: refit it")
     if meta["kind"] == "identity":
         scale = None if key_scale is None else key_scale.to(device=torch.device(device), dtype=dtype)
         return IdentityFiller(s, n_layers, scale), meta
@@ -62,3 +54,71 @@ def load_filler(path: str | Path, model_info: dict, split: int | None = None,
     except (KeyError, RuntimeError, ValueError) as exc:
         raise RidgefillError(f"{path} is incomplete ({exc}): refit it with ridgefill fit") from None
     return filler.to(torch.device(device), dtype), meta
+
+
+META_KEYS = {"kind": str, "split": int, "n_layers": int, "model": dict}  # what a maps file's metadata must hold
+
+
+def check_for_model(path: str | Path, meta: dict, model_info: dict, split: int | None = None) -> None:
+    """Refuse maps whose metadata lacks what a filler needs, fitted for another checkpoint (its hash) or, given
+    `split`, for another split."""
+    for key, kind in META_KEYS.items():
+        if not isinstance(meta.get(key), kind) or isinstance(meta.get(key), bool):
+            raise RidgefillError(f"{path} has no valid `{key}` in its ridgefill metadata (found {meta.get(key)!r}): "
+                                 "refit it with ridgefill fit")
+    if not 1 <= meta["split"] < meta["n_layers"] + 1 or meta["kind"] not in KINDS:
+        raise RidgefillError(f"{path} holds split {meta['split']} of {meta['n_layers']} layers, kind "
+                             f"{meta['kind']!r}: refit it with ridgefill fit")
+    fitted = meta["model"]
+    if fitted.get("weights_hash") != model_info["weights_hash"]:
+        raise RidgefillError(f"{path} was fitted for another model ({fitted.get('id')}, weights "
+                             f"{fitted.get('weights_hash')}); this model's weights are {model_info['weights_hash']}: "
+                             "calibrate and fit for this model")
+    if split is not None and split != meta["split"]:
+        raise RidgefillError(f"{path} holds maps for split {meta['split']}, not {split}: pass --split "
+                             f"{meta['split']} or fit maps for split {split}")
+
+
+def check_maps(path: str | Path, tensors: dict[str, torch.Tensor], meta: dict, hidden: int | None = None,
+               kv_heads: int | None = None) -> None:
+    """Refuse, in one line, maps a filler cannot run: a tensor that is not floating point, holds a NaN or an
+    infinity, or is shaped otherwise than the file's own metadata says (`hidden`: the model's width, when known;
+    else the bias's; `kv_heads`: the model's KV heads, which a key scale has one value for each of)."""
+    wrong = next((name for name, t in tensors.items() if not t.is_floating_point()), None)
+    if wrong:
+        raise RidgefillError(f"{path} holds {wrong} as {tensors[wrong].dtype}, not floating point: {_redo(wrong)}")
+    wrong = first_nonfinite(tensors)
+    if wrong:
+        raise RidgefillError(f"{path} holds a NaN or an infinity in {wrong}: {_redo(wrong)} (from statistics "
+                             "calibrated in fp32)")
+    shapes = _shapes(tensors, meta, hidden, kv_heads)
+    for name, t in tensors.items():
+        want = shapes.get(name)
+        if want is not None and not _fits(t.shape, want):
+            expected = "[" + ", ".join("*" if d is None else str(d) for d in want) + "]"
+            raise RidgefillError(f"{path} has {name} of shape {list(t.shape)}, not {expected} (split {meta['split']} "
+                                 f"of {meta['n_layers']} layers, lookback {meta.get('lookback', 0)}): {_redo(name)}")
+
+
+def _redo(name: str) -> str:
+    """The fix for a bad tensor of a maps file: redo the command that wrote it."""
+    return "rerun ridgefill key-scale on the fitted maps" if name == "key_scale" else "refit it with ridgefill fit"
+
+
+def _shapes(tensors: dict[str, torch.Tensor], meta: dict, hidden: int | None,
+            kv_heads: int | None = None) -> dict[str, tuple]:
+    """The shape each tensor of a maps file must have by its metadata (None: any size in that dimension): the
+    L-S-1 maps' weight [L-S-1, F, H] (F = (K+1)·H with lookback K) or low-rank u [L-S-1, F, r] and v [L-S-1, r, H],
+    bias [L-S-1, H], key_scale [L-S, Hkv]."""
+    maps = meta["n_layers"] - meta["split"] - 1
+    bias = tensors.get("bias")
+    h = hidden or (int(bias.shape[1]) if bias is not None and bias.dim() == 2 else None)
+    f = None if h is None else ((meta.get("lookback") or 0) + 1) * h
+    u = tensors.get("u")
+    r = meta.get("rank") or (int(u.shape[2]) if u is not None and u.dim() == 3 else None)
+    return {"weight": (maps, f, h), "u": (maps, f, r), "v": (maps, r, h), "bias": (maps, h),
+            "key_scale": (maps + 1, kv_heads)}
+
+
+def _fits(shape: torch.Size, want: tuple) -> bool:
+    return len(shape) == len(want) and all(w is None or s == w for s, w in zip(shape, want))

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ridgefill.method.statistics import SplitStats
+from ridgefill.errors import RidgefillError
+from ridgefill.method.statistics import SplitStats, first_nonfinite
 
 LAMBDA_GRID = tuple(10.0**k for k in range(-7, 2))  # relative to trace(Pxx)/H
 
@@ -114,29 +115,46 @@ def fit_split(train: SplitStats, val: SplitStats | None, lam: float | str = "aut
             chooser = held
         else:
             chooser = _HeldOut(val, index, mx, my[index], q, a)
-        chosen = grid[_best(chooser, e, scale, grid)] if chooser is not None else grid[0]
+        layer = train.split + 1 + index
+        chosen = grid[_best(chooser, e, scale, grid, layer)] if chooser is not None else grid[0]
         d = 1.0 / (e + chosen * scale)  # [H]  W_res = Q diag(d) A
         w_res = q @ (a * d[:, None])
+        _check_finite(layer, chosen, {"weight": w_res})
         low = None
         if rank is not None and rank < min(features, hidden):
             low = low_rank(w_res, rank, rank_basis, q, e + chosen * scale)
             w_res = low[0] @ low[1]
         w = eye + w_res
         bias = my[index] - mx @ w
+        _check_finite(layer, chosen, {"bias": bias, **({"u": low[0], "v": low[1]} if low else {})})
         err_map = held.relative(held.sse_of(w)) if held else math.nan
         err_full = held.relative(held.sse(d)) if held else math.nan
         err_id = held.relative(held.identity_sse) if held else math.nan
-        fits.append(LayerFit(train.split + 1 + index, chosen, None if low else w, bias, low, err_id, err_map,
+        fits.append(LayerFit(layer, chosen, None if low else w, bias, low, err_id, err_map,
                              err_full))
         if progress is not None:
             progress()
     return fits
 
 
-def _best(held: _HeldOut, e: torch.Tensor, scale: float, grid) -> int:
-    """Index of the λ in `grid` with the least error on the held-out rows of `held` (NaN counts as worst)."""
-    errors = torch.tensor([held.sse(1.0 / (e + g * scale)) for g in grid])
-    return int(errors.nan_to_num(math.inf).argmin())
+def _best(held: _HeldOut, e: torch.Tensor, scale: float, grid, layer: int) -> int:
+    """Index of the λ in `grid` with the least error on the held-out rows of `held`. An error that is not finite
+    is refused: it cannot be compared, so it must not decide (nor lose) the choice."""
+    errors = torch.tensor([held.sse(1.0 / (e + g * scale)) for g in grid])  # [len(grid)] float64
+    bad = (~errors.isfinite()).nonzero()
+    if len(bad):
+        i = int(bad[0])
+        raise RidgefillError(f"the held-out error of layer {layer}'s map at λ {grid[i]:g} is {float(errors[i])}: the "
+                             "held-out statistics are not usable; recalibrate (in fp32)")
+    return int(errors.argmin())
+
+
+def _check_finite(layer: int, lam: float, tensors: dict[str, torch.Tensor]) -> None:
+    """Refuse a map that came out with a NaN or an infinity (before anything is written)."""
+    name = first_nonfinite(tensors)
+    if name:
+        raise RidgefillError(f"the fitted map of layer {layer} (λ {lam:g}) has a NaN or an infinity in its {name}: "
+                             "nothing was written; fit with a larger --lam, or recalibrate in fp32")
 
 
 def low_rank(w_res: torch.Tensor, rank: int, basis: str, q: torch.Tensor,

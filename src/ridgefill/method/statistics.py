@@ -4,7 +4,8 @@ late layer's input Y_l, for one or several splits at once.
 For split S and each late layer l = S+1..L-1 it accumulates XᵀX, XᵀY_l, ΣX, ΣY_l, Σ‖Y_l‖² and the row
 count (layer S needs no map: its input is X itself). With `normalized`, also the same sums of the per-row
 normalised targets Y_l / rms(Y_l) (every row rescaled to rms 1: the late layer normalises its input, so only
-the direction of a prediction matters); `fit --targets normalized` fits to them. Memory does not grow with the token count. Held-out
+the direction of a prediction matters); `fit --targets normalized` fits to them. Memory does not grow with the
+token count: beside the sums it holds one engine chunk's inputs of the late layers (see below). Held-out
 sequences accumulate the same statistics separately, in two parts: `val` (fit chooses λ on it) and `test`
 (fit reports its error on it). The statistics live on the model's device; they go to the CPU only to be saved.
 
@@ -13,11 +14,15 @@ With `lookback` K the map's input is not x_t alone but x_t and the split states 
 that of x_t: identity fill's error needs it), and a row whose window holds a row kept out is kept out too.
 
 Rows kept out of the regression (and counted): the first `skip_first` rows of each sequence (attention
-sinks; with lookback K, the K rows after them too) and rows whose split-state norm exceeds `outlier_factor`
-times the SEQUENCE's median norm (with lookback K, also the K rows after each such row). When the
-engine runs a sequence in several chunks, that median is only known after the last chunk, so `accumulate`
-then runs the sequence twice: a first pass that records only the split states' norms, and the accumulating
-pass (about twice the time; a sequence that fits one chunk, or `outlier_factor` 0, runs once).
+sinks; with lookback K, the K rows after them too), rows with a NaN or an infinity in the split state x or in
+any late layer's input y_l (fp16 overflow; with lookback K, also the K rows after each such row), and rows whose
+split-state norm exceeds `outlier_factor` times the SEQUENCE's median norm of the finite rows (with lookback K,
+also the K rows after each such row). When the engine runs a sequence in several chunks, that median is only known
+after the last chunk, so `accumulate` then runs the sequence twice: a first pass that records only the split
+states' norms, and the accumulating pass (about twice the time; a sequence that fits one chunk, or
+`outlier_factor` 0, runs once). Whether a row's late inputs are finite is only known once the chunk's last layer
+has run, so the rows kept at the split are added then, with each late layer's inputs, which wait in the model's
+dtype (one copy of the chunk's rows per late layer).
 """
 
 from __future__ import annotations
@@ -36,7 +41,12 @@ OUTLIER_FACTOR = 20.0  # default: a row whose split-state norm exceeds this x th
 HELD_OUT = ("val", "test")  # held-out sequences alternate between them: val chooses λ, test reports
 SUMS = ("xtx", "xsum", "xty", "ysum", "yy", "xx")  # the float64 tensors of a SplitStats
 NORMALIZED_SUMS = ("xtyn", "ysumn", "yyn")  # the same sums of the normalised targets (optional)
-COUNTS = ("count", "skipped_first", "skipped_outliers")
+COUNTS = ("count", "skipped_first", "skipped_outliers", "skipped_nonfinite")  # older files: the first 3
+
+
+def first_nonfinite(tensors: dict[str, torch.Tensor]) -> str | None:
+    """The name of the first of `tensors` holding a NaN or an infinity (None: all finite)."""
+    return next((name for name, t in tensors.items() if not bool(torch.isfinite(t).all())), None)
 
 
 def check_fittable(splits: list[int], n_layers: int) -> None:
@@ -62,6 +72,7 @@ class SplitStats:
     count: int = 0
     skipped_first: int = 0
     skipped_outliers: int = 0
+    skipped_nonfinite: int = 0  # rows with a NaN or Inf in x or in a late layer's input (and, with lookback, after)
     xtyn: torch.Tensor | None = None  # [M, F, H]  Xᵀ(Y / rms(Y)), rms per row; None: not collected
     ysumn: torch.Tensor | None = None  # [M, H]
     yyn: torch.Tensor | None = None  # [M]  Σ‖y / rms(y)‖² (= H per row)
@@ -72,7 +83,8 @@ class SplitStats:
         m, f = n_layers - split - 1, hidden * (lookback + 1)
         z = lambda *s: torch.zeros(*s, dtype=torch.float64, device=device)  # noqa: E731
         extra = (z(m, f, hidden), z(m, hidden), z(m)) if normalized else (None, None, None)
-        return cls(split, z(f, f), z(f), z(m, f, hidden), z(m, hidden), z(m), z(()), 0, 0, 0, *extra)
+        return cls(split, z(f, f), z(f), z(m, f, hidden), z(m, hidden), z(m), z(()),
+                   **dict(zip(NORMALIZED_SUMS, extra)))
 
     @property
     def has_normalized(self) -> bool:
@@ -109,18 +121,23 @@ class SplitStats:
     def sums(self) -> list[torch.Tensor]:
         return [getattr(self, n) for n in self._names()]
 
+    def nonfinite(self) -> str | None:
+        """The name of the first sum holding a NaN or an infinity (None: every sum is finite)."""
+        return first_nonfinite(dict(zip(self._names(), self.sums())))
+
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         out = {f"{prefix}.{n}": getattr(self, n) for n in self._names()}
-        out[f"{prefix}.counts"] = torch.tensor([getattr(self, n) for n in COUNTS])  # [3] int64
+        out[f"{prefix}.counts"] = torch.tensor([getattr(self, n) for n in COUNTS])  # [len(COUNTS)] int64
         return out
 
     @classmethod
     def from_tensors(cls, split: int, prefix: str, t: dict[str, torch.Tensor],
                      device: str | torch.device = "cpu") -> "SplitStats":
-        count, first, outliers = (int(v) for v in t[f"{prefix}.counts"])
+        counts = [int(v) for v in t[f"{prefix}.counts"]]  # a file from before skipped_nonfinite holds 3
+        counts += [0] * (len(COUNTS) - len(counts))
         sums = [t[f"{prefix}.{n}"].to(device) for n in SUMS]
-        extra = [t[f"{prefix}.{n}"].to(device) if f"{prefix}.{n}" in t else None for n in NORMALIZED_SUMS]
-        return cls(split, *sums, count, first, outliers, *extra)
+        extra = {n: t[f"{prefix}.{n}"].to(device) for n in NORMALIZED_SUMS if f"{prefix}.{n}" in t}
+        return cls(split, *sums, **dict(zip(COUNTS, counts)), **extra)
 
     def normalized_targets(self, scale: torch.Tensor) -> "SplitStats":
         """These statistics with the normalised targets as Y, each map's rescaled by `scale` [M] (so a row's
@@ -128,8 +145,8 @@ class SplitStats:
         if not self.has_normalized:
             raise ValueError("no normalised-target statistics")
         return SplitStats(self.split, self.xtx, self.xsum, self.xtyn * scale[:, None, None],
-                          self.ysumn * scale[:, None], self.yyn * scale.square(), self.xx, self.count,
-                          self.skipped_first, self.skipped_outliers)
+                          self.ysumn * scale[:, None], self.yyn * scale.square(), self.xx,
+                          **{n: getattr(self, n) for n in COUNTS})
 
 
 @dataclass
@@ -176,7 +193,7 @@ class Calibration:
         device = self.stats[next(iter(self.stats))].xsum.device
         keys = list(self.stats)
         counts = torch.tensor([getattr(self.stats[k], n) for k in keys for n in COUNTS] + [self.tokens_done],
-                              device=device)  # [3 * parts + 1] int64
+                              device=device)  # [len(COUNTS) * parts + 1] int64
         for st in self.stats.values():
             for t in st.sums():
                 reduce_sum(t)
@@ -184,7 +201,7 @@ class Calibration:
         values = counts.tolist() if root else [0] * len(counts)
         for i, k in enumerate(keys):
             for j, n in enumerate(COUNTS):
-                setattr(self.stats[k], n, values[3 * i + j])
+                setattr(self.stats[k], n, values[len(COUNTS) * i + j])
             if not root:
                 for t in self.stats[k].sums():
                     t.zero_()
@@ -193,14 +210,16 @@ class Calibration:
 
 def _split_rows(h: torch.Tensor, positions: torch.Tensor, skip_first: int):
     """The split state's rows as float64 [B*n, H], which of them are past the sinks [B*n] bool, and their
-    norms [B*n] (all on h's device)."""
+    norms [B*n] (all on h's device). A row holding a NaN or an infinity has a non-finite norm (a finite row's
+    cannot overflow in float64)."""
     rows = h.reshape(-1, h.shape[-1]).to(torch.float64)
     keep = positions.to(h.device).repeat(h.shape[0]) >= skip_first
     return rows, keep, rows.norm(dim=-1)
 
 
 class _SplitNorms:
-    """Engine observer of a first pass: the norms of each split state's rows past the sinks, chunk by chunk."""
+    """Engine observer of a first pass: the norms of each split state's finite rows past the sinks, chunk by
+    chunk."""
 
     def __init__(self, splits: list[int], skip_first: int):
         self.skip_first = skip_first
@@ -209,16 +228,29 @@ class _SplitNorms:
     def __call__(self, layer: int, h: torch.Tensor, positions: torch.Tensor) -> None:
         if layer in self.norms:
             _, keep, norms = _split_rows(h, positions, self.skip_first)
-            self.norms[layer].append(norms[keep])
+            self.norms[layer].append(norms[keep & norms.isfinite()])
 
     def medians(self) -> dict[int, torch.Tensor | None]:
-        """Per split: the median norm over the whole sequence (None: no row past the sinks)."""
+        """Per split: the median norm over the whole sequence (None: no finite row past the sinks)."""
         whole = {s: torch.cat(parts) for s, parts in self.norms.items()}
         return {s: (n.median() if n.numel() else None) for s, n in whole.items()}
 
 
+@dataclass
+class _Kept:
+    """A chunk's rows kept at a split, waiting for the late layers' inputs: keep [B*n] bool, which rows; x [k, F]
+    float64, their map inputs. With lookback K: index [n, K], the windows of the chunk's rows as indices into the
+    rows carried from the sequence's previous chunk (the first `carried`) followed by the chunk's own."""
+
+    keep: torch.Tensor
+    x: torch.Tensor
+    index: torch.Tensor | None = None
+    carried: int = 0
+
+
 class _Collector:
-    """Engine observer: buffers each split's kept rows and adds every later layer's inputs for them.
+    """Engine observer: keeps each split's rows at the split layer and a copy of every later layer's input; when
+    the chunk's last layer has run, adds the kept rows whose late inputs are all finite (module docstring).
     medians: the per-sequence median split-state norm of each split, when a first pass found it; without it the
     median is taken over the rows seen at once (the whole sequence, when it runs in one chunk)."""
 
@@ -226,55 +258,73 @@ class _Collector:
                  medians: dict[int, torch.Tensor | None] | None = None):
         self.cal, self.part = calibration, part
         self.skip_first, self.outlier_factor, self.medians = skip_first, outlier_factor, medians
-        self.kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # split -> (row mask [n], x [k, F])
+        self.kept: dict[int, _Kept] = {}  # split -> the chunk's rows kept at it
+        self.late: dict[int, torch.Tensor] = {}  # layer -> the chunk's inputs of that layer [B*n, H], model dtype
         self.lookback = calibration.lookback
-        # split -> the sequence's last K rows seen: (split states [B, K', H], positions [K'], kept out [B, K'])
-        self.carry: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        any_stats = next(iter(calibration.stats.values()))
+        self.n_layers = any_stats.split + 1 + any_stats.xty.shape[0]
+        # split -> the sequence's last K rows seen: (split states [B, K', H], positions [K'], kept out [B, K'],
+        # non-finite [B, K'])
+        self.carry: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def __call__(self, layer: int, h: torch.Tensor, positions: torch.Tensor) -> None:
-        rows = None
+        if layer == self.n_layers:  # the final residual stream: every late input of the chunk has been seen
+            self._add_chunk()
+            return
         if layer in self.cal.splits:
-            rows, keep, norms = _split_rows(h, positions, self.skip_first)
-            st = self.cal.stats[(layer, self.part)]
-            st.skipped_first += int((~keep).sum())
-            median = self._median(layer, keep, norms)
-            if median is not None:
-                outlier = keep & (norms > self.outlier_factor * median)
-                st.skipped_outliers += int(outlier.sum())
-                keep &= ~outlier
-            inputs = self._with_windows(layer, rows.view(h.shape), positions, keep, st) if self.lookback else rows
-            x = inputs[keep]
-            st.add_x(x)
-            self.kept[layer] = (keep, x)
-        for split, (keep, x) in self.kept.items():
-            index = layer - split - 1
-            if 0 <= index < self.cal.stats[(split, self.part)].xty.shape[0]:
-                rows = rows if rows is not None else h.reshape(-1, h.shape[-1]).to(torch.float64)  # [B*n, H]
-                self.cal.stats[(split, self.part)].add_y(index, x, rows[keep])
+            self.kept[layer] = self._keep(layer, h, positions)
+        if layer > min(self.cal.splits):
+            self.late[layer] = h.reshape(-1, h.shape[-1]).clone()  # [B*n, H]
+
+    def _keep(self, split: int, h: torch.Tensor, positions: torch.Tensor) -> _Kept:
+        """The chunk's rows kept at `split` (past the sinks, finite, not outliers and, with lookback, with a window
+        clear of rows kept out); the others are counted."""
+        rows, keep, norms = _split_rows(h, positions, self.skip_first)
+        st = self.cal.stats[(split, self.part)]
+        st.skipped_first += int((~keep).sum())
+        nonfinite = keep & ~norms.isfinite()  # [B*n]
+        st.skipped_nonfinite += int(nonfinite.sum())
+        keep &= ~nonfinite
+        median = self._median(split, keep, norms)
+        if median is not None:
+            outlier = keep & (norms > self.outlier_factor * median)
+            st.skipped_outliers += int(outlier.sum())
+            keep &= ~outlier
+        if self.lookback:
+            return self._with_windows(split, rows.view(h.shape), positions, keep, nonfinite, st)
+        return _Kept(keep, rows[keep])
 
     def _with_windows(self, split: int, x: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
-                      st: SplitStats) -> torch.Tensor:
-        """x [B, n, H] float64 split states of a chunk's rows -> the maps' inputs [B·n, F] (x_t and its lookback
-        window, engine/lookback.py). Clears `keep` [B·n] (in place) for rows whose window is not whole: it reaches
-        a sink row (counted as skipped_first) or an outlier (counted as skipped_outliers). The window may reach
-        into the sequence's previous chunk."""
+                      nonfinite: torch.Tensor, st: SplitStats) -> _Kept:
+        """x [B, n, H] float64 split states of a chunk's rows -> the rows kept with their maps' inputs [k, F] (x_t
+        and its lookback window, engine/lookback.py). Clears `keep` [B·n] (in place) for rows whose window is not
+        whole: it reaches a sink row (counted as skipped_first), a non-finite row (`nonfinite` [B·n], counted as
+        skipped_nonfinite) or an outlier (counted as skipped_outliers). The window may reach into the sequence's
+        previous chunk."""
         b, n, h = x.shape
         positions = positions.to(x.device)
         out = ~keep.view(b, n)  # [B, n] rows kept out: no window may hold them
+        bad = nonfinite.view(b, n)  # [B, n] those of them with a non-finite split state
+        carried = 0
         if split in self.carry:
-            before, before_pos, before_out = self.carry[split]
-            x, positions, out = torch.cat([before, x], 1), torch.cat([before_pos, positions]), torch.cat([before_out, out], 1)
-        self.carry[split] = (x[:, -self.lookback :], positions[-self.lookback :], out[:, -self.lookback :])
-        index, whole = lookback_windows(positions, torch.zeros_like(positions), torch.zeros_like(positions, dtype=torch.bool),
-                                        self.lookback, self.skip_first)
+            before, before_pos, before_out, before_bad = self.carry[split]
+            carried = before_pos.shape[0]
+            x, positions = torch.cat([before, x], 1), torch.cat([before_pos, positions])
+            out, bad = torch.cat([before_out, out], 1), torch.cat([before_bad, bad], 1)
+        k = self.lookback
+        self.carry[split] = (x[:, -k:], positions[-k:], out[:, -k:], bad[:, -k:])
+        none = torch.zeros_like(positions, dtype=torch.bool)  # the rows kept out are handled below, by kind
+        index, whole = lookback_windows(positions, torch.zeros_like(positions), none, k, self.skip_first)
         index, whole = index[-n:], whole[-n:]  # the chunk's own rows
-        reaches_out = out[:, index].any(-1)  # [B, n]
-        lost_first = keep.view(b, n) & ~whole
-        lost_outlier = keep.view(b, n) & whole & reaches_out
-        st.skipped_first += int(lost_first.sum())
-        st.skipped_outliers += int(lost_outlier.sum())
+        reaches_out, reaches_bad = out[:, index].any(-1), bad[:, index].any(-1)  # [B, n]
+        kept = keep.view(b, n)
+        lost = {"skipped_first": kept & ~whole, "skipped_nonfinite": kept & whole & reaches_bad,
+                "skipped_outliers": kept & whole & reaches_out & ~reaches_bad}
+        for name, rows in lost.items():
+            setattr(st, name, getattr(st, name) + int(rows.sum()))
         keep &= (whole & ~reaches_out).reshape(-1)
-        return torch.cat([x[:, -n:], window_states(x, index)], -1).reshape(b * n, -1)
+        inputs = torch.cat([x[:, -n:], window_states(x, index)], -1).reshape(b * n, -1)  # [B·n, F]
+        return _Kept(keep, inputs[keep], index, carried)
 
     def _median(self, layer: int, keep: torch.Tensor, norms: torch.Tensor) -> torch.Tensor | None:
         """The median the outlier rule compares with (None: the rule is off, or no row to take it over)."""
@@ -283,6 +333,37 @@ class _Collector:
         if self.medians is not None:
             return self.medians[layer]
         return norms[keep].median() if keep.any() else None
+
+    def _add_chunk(self) -> None:
+        """Add each split's kept rows with every late layer's inputs for them, but for the rows with a NaN or an
+        infinity in a late input and, with lookback, the rows whose window holds one (counted as skipped_nonfinite)."""
+        for split, kept in self.kept.items():
+            st = self.cal.stats[(split, self.part)]
+            late = [self.late[layer] for layer in range(split + 1, self.n_layers)]  # [B*n, H] each
+            bad = torch.zeros_like(kept.keep)  # [B*n]
+            for y in late:
+                bad |= ~y.isfinite().all(-1)
+            bad &= kept.keep
+            if self.lookback:
+                bad |= self._windows_holding(split, kept, bad)
+            st.skipped_nonfinite += int(bad.sum())
+            keep, x = kept.keep & ~bad, kept.x[~bad[kept.keep]]
+            st.add_x(x)
+            for index, y in enumerate(late):
+                st.add_y(index, x, y[keep].to(torch.float64))
+        self.kept.clear()
+        self.late.clear()
+
+    def _windows_holding(self, split: int, kept: _Kept, bad: torch.Tensor) -> torch.Tensor:
+        """The kept rows [B*n] whose lookback window holds one of the rows `bad` [B*n] (a non-finite late input).
+        Those rows are marked kept out and non-finite in the carry too, so the next chunk's windows avoid them."""
+        n = kept.index.shape[0]
+        b = bad.numel() // n
+        rows = torch.cat([bad.new_zeros(b, kept.carried), bad.view(b, n)], 1)  # [B, carried + n]
+        x, positions, out, nonfinite = self.carry[split]
+        k = out.shape[1]  # the carry holds the last k of those rows
+        self.carry[split] = (x, positions, out | rows[:, -k:], nonfinite | rows[:, -k:])
+        return kept.keep & rows[:, kept.index].any(-1).reshape(-1)
 
 
 def accumulate(engine: Engine, calibration: Calibration, ids: torch.Tensor, part: str,

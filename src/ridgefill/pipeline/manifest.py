@@ -1,6 +1,7 @@
 """manifest.json of a run folder: what reproduces the run (recipe text and overrides, versions, platform, device,
-load, git commit, model and weights hash, settings) and, per task, its key, artifact, file hashes, whether it
-was cached and how long it took. Rewritten atomically after every task."""
+load, git commit, model and weights hash, settings) and, per task, its key, artifact, file hashes, the hash of
+ridgefill's source that made it (`code`), whether it was cached and how long it took. Rewritten atomically after
+every task."""
 
 from __future__ import annotations
 
@@ -39,8 +40,9 @@ class Manifest:
         run_dir.mkdir(parents=True, exist_ok=True)
         self.write()
 
-    def add(self, task: "Task", key: str, files: list[Path], cached: bool, seconds: float) -> None:
-        """One finished task; a cached file keeps the hash the last run recorded (no rehash of large files)."""
+    def add(self, task: "Task", key: str, files: list[Path], cached: bool, seconds: float, code: str) -> None:
+        """One finished task; a cached file keeps the hash the last run recorded (no rehash of large files). code:
+        the hash of ridgefill's source that made its artifact (part of its key, so a cached one was made by it)."""
         hashes = {}
         for f in files:
             rel = str(f.relative_to(self.run_dir))
@@ -49,7 +51,7 @@ class Manifest:
         self.doc["steps"].append({"label": task.label, "step": task.step, "split": task.split, "tail": task.tail,
                                   "seed": task.seed, "key": key, "reads": task.needs,
                                   "artifact": str(files[0].relative_to(self.run_dir)), "hashes": hashes,
-                                  "cached": cached, "duration_s": round(seconds, 3)})
+                                  "code": code, "cached": cached, "duration_s": round(seconds, 3)})
         self.write()
 
     def finish(self, status: str) -> None:

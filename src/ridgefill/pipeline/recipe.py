@@ -49,6 +49,11 @@ class Recipe:
     settings: dict  # top-level values with defaults; splits / tails / seeds as sorted lists
     steps: dict[str, dict]  # step -> {option field: value} the table sets (and fallbacks), in pipeline order
     overrides: tuple[str, ...] = ()  # KEY=VALUE as given on the command line
+    where: str | None = None  # what error messages name it by (default: its path)
+
+    @property
+    def named(self) -> str:
+        return self.where or str(self.path)
 
 
 @dataclass(frozen=True)
@@ -86,16 +91,43 @@ def load_recipe(path: str | Path, overrides=()) -> Recipe:
     naming its key (or its override)."""
     path = Path(path)
     text, raw = read_toml(path)
-    source = Source(path, apply_overrides(raw, overrides, path))
+    return recipe_from(raw, path, text, overrides)
+
+
+def recipe_from(raw: dict, path: Path, text: str, overrides=(), where: str | None = None) -> Recipe:
+    """A recipe from its parsed tables: a file's, or tables built in memory (tune's, `where` naming them in error
+    messages instead of `path`, and `text` their record, toml_text). Validated as load_recipe says."""
+    source = Source(Path(where) if where else path, apply_overrides(raw, overrides, path))
     settings = top_settings(source, raw)
     settings["name"] = settings["name"] or path.stem
     tables = {step: step_values(source, step, raw[step], settings) for step in steps() if step in raw}
     if not tables:
         raise RidgefillError(f"{path}: no step: add at least one of the tables {_tables(steps())}")
-    recipe = Recipe(path, text, settings["name"], settings, tables, tuple(overrides))
+    recipe = Recipe(path, text, settings["name"], settings, tables, tuple(overrides), where)
     check_inputs(recipe)
     preflight(recipe, source)
     return recipe
+
+
+def toml_text(raw: dict, comment: str = "") -> str:
+    """A recipe's tables as TOML text (top-level keys, then one table per step): the record of a recipe built in
+    memory."""
+    top = {k: v for k, v in raw.items() if not isinstance(v, dict)}
+    lines = [f"# {comment}"] if comment else []
+    lines += [f"{k} = {_toml(v)}" for k, v in top.items()]
+    for step, values in ((k, v) for k, v in raw.items() if isinstance(v, dict)):
+        lines += ["", f"[{step}]", *(f"{k} = {_toml(v)}" for k, v in values.items())]
+    return "\n".join(lines) + "\n"
+
+
+def _toml(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return json.dumps(str(value))
 
 
 def read_toml(path: Path) -> tuple[str, dict]:
@@ -167,9 +199,11 @@ def top_settings(source: Source, raw: dict) -> dict:
             settings[key] = list(default) if isinstance(default, list) else default
             continue
         settings[key] = _top_value(source.at(key), raw[key], kind)
-    if not re.fullmatch(r"[A-Za-z0-9._-]+", settings["name"] or "x"):
-        raise RidgefillError(f"{source.at('name')}: {_show(settings['name'])} is not a folder name: use letters, "
-                             "digits, . _ -")
+    name = source.path.stem if settings["name"] is None else settings["name"]  # the run folder: runs/<name>
+    if not re.fullmatch(r"[A-Za-z0-9_-][A-Za-z0-9._-]*", name):
+        where = source.at("name") if settings["name"] is not None else f"{source.path}: name (from the file name)"
+        raise RidgefillError(f"{where}: {_show(name)} is not a plain folder name (runs/<name>): use letters, digits, "
+                             '. _ - and start with a letter, digit, _ or -, e.g. name = "my-run"')
     for key in ("model", "data"):
         if settings[key] is not None:
             settings[key] = SPECS[key](source.at(key), settings[key], source.base(key))
@@ -352,7 +386,7 @@ def check_inputs(recipe: Recipe) -> None:
         needed = [o for o in cmd.options.values() if o.role == "input" and o.required]
         maker = producer(cmd.reads)
         if needed and maker not in recipe.steps:
-            raise RidgefillError(f"{recipe.path}: [{step}]: needs {_made_by(cmd.reads)}: add {_to_add(recipe, maker)}")
+            raise RidgefillError(f"{recipe.named}: [{step}]: needs {_made_by(cmd.reads)}: add {_to_add(recipe, maker)}")
 
 
 def preflight(recipe: Recipe, source: Source) -> None:
@@ -374,7 +408,7 @@ def _checked(recipe: Recipe, task: Task, check):
         return check()
     except RidgefillError as exc:
         tail = f" (tail {task.tail})" if task.tail is not None else ""
-        raise RidgefillError(f"{recipe.path}: [{task.step}]{tail}: {exc}") from None
+        raise RidgefillError(f"{recipe.named}: [{task.step}]{tail}: {exc}") from None
 
 
 def _check_wanted_input(recipe: Recipe, source: Source, task: Task, cmd: Command, config) -> None:

@@ -1,15 +1,15 @@
 """`ridgefill run RECIPE [KEY=VALUE ...]` and `ridgefill demo`: a recipe's tasks as one cached pipeline into one
 run folder (recipe.toml, manifest.json, artifacts/, report.md, plots/).
 
-Cache: an artifact's file name carries a hash of its inputs (model weights hash, options with data by identity,
-the key of the artifact it reads, ridgefill version); a task whose files exist is reused. Commands write
+Cache: an artifact's file name carries a hash of its inputs (the checkpoint's hash, every keyed option of its command
+with its default filled in, data by identity, the key of the artifact it reads, ridgefill's version and a hash of
+its source); a task whose files exist is reused, so a pull that changes the code or a default recomputes. Commands write
 atomically, so an existing file is a finished one; an interrupted calibration resumes from its checkpoint.
 """
 
 from __future__ import annotations
 
 import fcntl
-import gc
 import hashlib
 import json
 import os
@@ -27,6 +27,7 @@ from ridgefill.pipeline.plan import Task, plan, task_values
 from ridgefill.pipeline.recipe import Recipe, find_recipe, load_recipe
 from ridgefill.runtime.console import note, table
 from ridgefill.runtime.paths import atomic_path, file_hash
+from ridgefill.runtime.provenance import code_hash
 
 EXACT_FOLDER = "exact"  # under artifacts/: exact results by sample, shared by a sweep's tasks (ExactStore)
 
@@ -42,6 +43,9 @@ class RunConfig(Config):
     force: list[str] = option([], "Recompute this step even if its artifacts are cached (repeatable).")
     dry_run: bool = option(False, "Validate the recipe and list its tasks; run nothing.")
 
+    def check(self) -> None:
+        check_run_dir(self.out_dir)
+
 
 def run(config: RunConfig) -> Path:
     return run_recipe(config.recipe, config.out_dir, tuple(config.force), config.dry_run, tuple(config.overrides))
@@ -50,6 +54,15 @@ def run(config: RunConfig) -> Path:
 @dataclass
 class DemoConfig(Config):
     out_dir: Path | None = option(None, "Run folder (default runs/quickstart).")
+
+    def check(self) -> None:
+        check_run_dir(self.out_dir)
+
+
+def check_run_dir(path: Path | None) -> None:
+    """A run folder given with --out-dir must be a folder (or not exist yet)."""
+    if path is not None and Path(path).exists() and not Path(path).is_dir():
+        raise RidgefillError(f"--out-dir {path} is a file, not a folder: give a run folder (it is created if missing)")
 
 
 def demo(config: DemoConfig) -> Path:
@@ -80,7 +93,7 @@ def run_recipe(spec: str | Path, out_dir: str | Path | None = None, force=(), dr
     model = model_identity(recipe)
     forget_forced(tasks, run_dir, force)
     manifest = Manifest(run_dir, recipe, model)
-    (run_dir / "recipe.toml").write_text(recipe.text)
+    with atomic_path(run_dir / "recipe.toml") as tmp: tmp.write_text(recipe.text)  # noqa: E701
     run_tasks(tasks, run_dir, model["weights_hash"], force, manifest)
     table(f"{recipe.name} → {run_dir}", ["task", "cache", "time (s)"],
           [[e["label"], "hit" if e["cached"] else "computed", e["duration_s"]] for e in manifest.doc["steps"]])
@@ -101,9 +114,10 @@ def run_tasks(tasks: list[Task], run_dir: Path, weights_hash: str, force, manife
     records each, and the run's status when it stops. reuse: another run folder whose artifacts of the same
     name (the same key: the same inputs) are linked into this one instead of computed."""
     keys, artifacts = {}, {}
+    code = code_hash()
     for i, task in enumerate(tasks, 1):
         cmd = command(task.step)
-        keys[task.label] = task_key(task, cmd, weights_hash, keys.get(task.needs))
+        keys[task.label] = task_key(task, cmd, weights_hash, keys.get(task.needs), code)
         artifact = artifacts[task.label] = run_dir / "artifacts" / f"{task.label}-{keys[task.label]}{cmd.writes}"
         files = [artifact] + ([Path(f"{artifact}.json")] if cmd.summary_json else [])
         started = time.perf_counter()
@@ -119,7 +133,7 @@ def run_tasks(tasks: list[Task], run_dir: Path, weights_hash: str, force, manife
                     manifest.finish("interrupted" if isinstance(exc, KeyboardInterrupt) else
                                     f"failed at {task.label}")
                     raise
-        manifest.add(task, keys[task.label], files, cached, time.perf_counter() - started)
+        manifest.add(task, keys[task.label], files, cached, time.perf_counter() - started, code)
     manifest.finish("complete")
 
 
@@ -177,14 +191,28 @@ def forget_forced(tasks: list[Task], run_dir: Path, force) -> None:
 
 
 # --- cache keys ---------------------------------------------------------------------------------------------
-def task_key(task: Task, cmd: Command, weights_hash: str, upstream: str | None) -> str:
-    """Hash of everything the artifact depends on: step, model weights, the options the recipe sets (those
-    declared keyed; files and folders by content), the key of the artifact it reads, ridgefill version."""
-    unkeyed = {o.name for o in cmd.options.values() if not o.keyed}
-    options = {k: keyed_value(v) for k, v in task.kwargs.items() if k not in unkeyed}
-    payload = {"step": task.step, "ridgefill": __version__, "weights": weights_hash, "options": options,
-               "input": upstream}
+WIRED = ("input", "output", "resume", "restart", "store")  # option roles the runner sets: not the task's choice
+
+
+def task_key(task: Task, cmd: Command, weights_hash: str, upstream: str | None, code: str) -> str:
+    """Hash of everything the artifact depends on: step, the checkpoint's hash, every keyed option of the command as
+    it will run (the recipe's value or the default: stating a default gives the key of leaving it out; files and
+    folders by content), the key of the artifact it reads, ridgefill's version and `code` (a hash of its source)."""
+    payload = {"step": task.step, "ridgefill": __version__, "code": code, "weights": weights_hash,
+               "options": resolved_options(cmd, task.kwargs), "input": upstream}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def resolved_options(cmd: Command, given: dict) -> dict:
+    """Every keyed option of `cmd` (not the ones the runner wires) with its value as it will run: `given`'s, else
+    the option's default."""
+    out = {}
+    for o in cmd.options.values():
+        if not o.keyed or o.role in WIRED or o.name == cmd.extra_args:
+            continue
+        value = given.get(o.name, None if o.required else o.default)
+        out[o.name] = keyed_value(float(value) if o.kind is float and type(value) is int else value)
+    return out
 
 
 def keyed_value(value):
@@ -209,21 +237,14 @@ def data_id(spec) -> str:
 
 
 def model_identity(recipe: Recipe) -> dict:
-    """Load the model once: its weights hash keys every artifact; its layer count bounds the splits."""
-    from ridgefill.runtime.session import open_session
+    """The model's identity, read without its weights (runtime/models.model_identity): its checkpoint hash keys every
+    artifact; its layer count bounds the splits."""
+    from ridgefill.runtime.models import model_identity as identity
 
-    s = recipe.settings
-    session = open_session(s["model"], s["dtype"], s["device"], s["chunk"])
-    info = session.loaded.info()
-    n_layers = session.engine.n_layers
-    del session
-    gc.collect()
-    if s["device"] == "cuda":
-        import torch
-
-        torch.cuda.empty_cache()
-    bad = [x for x in s["splits"] if not 1 <= x < n_layers]
+    info = identity(recipe.settings["model"]).info
+    n_layers = info["n_layers"]
+    bad = [x for x in recipe.settings["splits"] if not 1 <= x < n_layers]
     if bad:
-        raise RidgefillError(f"{recipe.path}: splits: {bad[0]} is out of range: use 1..{n_layers - 1} for this "
+        raise RidgefillError(f"{recipe.named}: splits: {bad[0]} is out of range: use 1..{n_layers - 1} for this "
                              f"{n_layers}-layer model")
-    return {**info, "n_layers": n_layers}
+    return info

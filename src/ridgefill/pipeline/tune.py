@@ -32,10 +32,8 @@ a threshold):
 
 from __future__ import annotations
 
-import gc
 import json
 import re
-import tempfile
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -45,19 +43,21 @@ from ridgefill import __version__
 from ridgefill.commands import Command, option
 from ridgefill.errors import RidgefillError
 from ridgefill.evals.common import parse_lengths
+from ridgefill.method.fill import (DEFAULT_KEEP_FIRST, DEFAULT_TAIL, FILLS, SERVING_KIND, FillSettings,
+                                   check_fill_values)
+from ridgefill.method.statistics import OUTLIER_FACTOR
+from ridgefill.pipeline.search import SEARCHES, search, step_up
 from ridgefill.report.frontier import FlopModel, Point, frontier
 from ridgefill.runtime.console import note, table
-from ridgefill.runtime.paths import atomic_path, write_json
+from ridgefill.runtime.models import ModelIdentity, model_identity
+from ridgefill.runtime.paths import atomic_path, check_output, write_json
 from ridgefill.runtime.ranges import parse_ranges
-from ridgefill.runtime.serving import KIND as SERVING_KIND
 from ridgefill.runtime.session import ModelConfig, check_length
 
 if TYPE_CHECKING:
     from ridgefill.engine import ModelShape
     from ridgefill.pipeline.recipe import Recipe
 
-FILLS = ("identity", "ridge")
-SEARCHES = ("bisect", "descend", "all")
 PASS = "pass"
 MIN_DISTANT_TOKENS = 300  # fewer give no interval that separates fills (docs/quality.md, issue #13)
 
@@ -69,8 +69,8 @@ class TuneConfig(ModelConfig):
                        "'shakespeare'.")
     splits: str | None = option(None, "Candidate splits: values and ranges, e.g. 14-20 or 14,16,18 (default: the "
                                 "upper half, L/2..L-2).")
-    tail: int = option(256, "Last prompt rows that run the full model.")
-    keep_first: int = option(1, "Leading rows run in full (the attention sink).")
+    tail: int = option(DEFAULT_TAIL, "Last prompt rows that run the full model (the served fill's tail).")
+    keep_first: int = option(DEFAULT_KEEP_FIRST, "Leading rows run in full (the attention sink).")
     tolerance: float = option(5.0, "Filled-region RULER points below exact that still count as equal quality.")
     max_distant_gap: float = option(0.25, "Distant-context NLL above exact (nats) that still counts as equal "
                                     "quality.")
@@ -105,6 +105,7 @@ class TuneConfig(ModelConfig):
     config_out: Path | None = option(None, "Serving config JSON to write (default <out-dir>/serving.json).")
 
     def check(self) -> None:
+        check_fill_values(self.tail, self.keep_first, OUTLIER_FACTOR)
         if not self.tolerance >= 0 or not self.max_distant_gap >= 0:
             raise RidgefillError(f"--tolerance {self.tolerance:g} and --max-distant-gap {self.max_distant_gap:g} "
                                  "must be 0 or more (points and nats above exact that still count as equal)")
@@ -123,6 +124,7 @@ class TuneConfig(ModelConfig):
                             ("--short-stride", self.short_stride)):
             if value is not None and value < 1:
                 raise RidgefillError(f"{flag} {value} must be at least 1")
+        check_output(self, "config_out")
 
     @property
     def fill_names(self) -> list[str]:
@@ -171,11 +173,11 @@ def _slug(model: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", Path(model.rstrip("/")).name) or "model"
 
 
-# --- the generated recipes ----------------------------------------------------------------------------------
+# --- the recipes, built in memory ---------------------------------------------------------------------------
 CHECK_FOLDER = "check"  # under the run folder: check/<variant>/ per variant, check/exact the exact NLLs they share
 
 
-def recipe_text(c: TuneConfig, splits: list[int]) -> str:
+def search_tables(c: TuneConfig, splits: list[int]) -> dict:
     """The search's recipe: top-level settings, then [calibrate] and [fit] (for ridge) and [ruler]."""
     variants = ["exact", *c.fill_names]
     tables = _fit_tables(c) if "ridge" in variants else {}
@@ -183,34 +185,29 @@ def recipe_text(c: TuneConfig, splits: list[int]) -> str:
                        "tasks": [t.strip() for t in str(c.tasks).split(",") if t.strip()], "samples": c.samples,
                        "max-new-tokens": c.max_new_tokens, "region": "filled", "keep-first": c.keep_first,
                        "variants": variants}
-    return _recipe_text(c, f"tune-{_slug(c.model)}", f"ridgefill tune: splits {splits[0]}..{splits[-1]}, tail "
-                        f"{c.tail}", splits, c.tail, tables)
+    return _tables(c, f"tune-{_slug(c.model)}", f"ridgefill tune: splits {splits[0]}..{splits[-1]}, tail {c.tail}",
+                   splits, c.tail, tables)
 
 
-def check_recipe_text(c: TuneConfig, splits: list[int], variant: str, exact_store: Path) -> str:
+def check_tables(c: TuneConfig, splits: list[int], variant: str, exact_store: Path) -> dict:
     """A variant's NLL check: for ridge the search's [calibrate] and [fit] (the same tasks, so the same
     artifacts), then [loss] on the check's passages at the check's own tail."""
     tables = _fit_tables(c) if variant == "ridge" else {}
     tables["loss"] = {"data": _local(c.eval_data), "context": c.context, "short": c.short,
                       "short-stride": c.short_stride, "samples": c.passages, "keep-first": c.keep_first,
                       "variants": ["exact", variant], "exact-cache": str(exact_store.resolve())}
-    return _recipe_text(c, f"tune-{_slug(c.model)}-check-{variant}", f"ridgefill tune: the NLL check of {variant} "
-                        f"fill, tail {c.nll_tail}", splits, c.nll_tail, tables)
+    return _tables(c, f"tune-{_slug(c.model)}-check-{variant}", f"ridgefill tune: the NLL check of {variant} fill, "
+                   f"tail {c.nll_tail}", splits, c.nll_tail, tables)
 
 
 def _fit_tables(c: TuneConfig) -> dict:
     return {"calibrate": {"tokens": c.tokens, "seq-len": c.seq_len, "holdout": c.holdout}, "fit": {}}
 
 
-def _recipe_text(c: TuneConfig, name: str, description: str, splits: list[int], tail: int, tables: dict) -> str:
-    top = {"name": name, "description": description, "model": _local(c.model), "data": _local(c.data),
-           "splits": splits, "tails": [tail], "seeds": [c.seed], "lam": "auto", "dtype": c.dtype,
-           "device": c.device, "chunk": c.chunk, "tolerance": c.tolerance}
-    lines = ["# Generated by `ridgefill tune` (every candidate split; tune measures the ones its search needs).",
-             *(f"{k} = {_toml(v)}" for k, v in top.items())]
-    for step, values in tables.items():
-        lines += ["", f"[{step}]", *(f"{k} = {_toml(v)}" for k, v in values.items())]
-    return "\n".join(lines) + "\n"
+def _tables(c: TuneConfig, name: str, description: str, splits: list[int], tail: int, tables: dict) -> dict:
+    return {"name": name, "description": description, "model": _local(c.model), "data": _local(c.data),
+            "splits": splits, "tails": [tail], "seeds": [c.seed], "lam": "auto", "dtype": c.dtype,
+            "device": c.device, "chunk": c.chunk, "tolerance": c.tolerance, **tables}
 
 
 def _local(spec: str) -> str:
@@ -219,69 +216,32 @@ def _local(spec: str) -> str:
     return str(path.resolve()) if path.exists() else spec
 
 
-def _toml(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml(v) for v in value) + "]"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    return json.dumps(str(value))
-
-
-def checked_recipe(text: str, path: Path):
-    """Write a recipe to `path` and load it: every step's own checks run (no model), errors in one line."""
-    from ridgefill.pipeline.recipe import load_recipe
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(path) as tmp:
-        tmp.write_text(text)
-    return load_recipe(path)
+RECORD = "Generated by `ridgefill tune` (every candidate split; tune measures the ones its search needs)."
 
 
 def recipes(c: TuneConfig, splits: list[int], run_dir: Path) -> tuple["Recipe", dict[str, "Recipe"]]:
-    """The search's recipe (run_dir/recipe.toml) and, with the check, each variant's check recipe
-    (run_dir/check/<variant>/recipe.toml), written and loaded."""
-    search_recipe = checked_recipe(recipe_text(c, splits), run_dir / "recipe.toml")
+    """The search's recipe (recorded as run_dir/recipe.toml when it runs) and, with the check, each variant's check
+    recipe (run_dir/check/<variant>/recipe.toml): built in memory and validated (every step's own checks, no model),
+    errors in one line starting `tune: `."""
+    from ridgefill.pipeline.recipe import recipe_from, toml_text
+
+    def built(tables: dict, path: Path):
+        return recipe_from(tables, path, toml_text(tables, RECORD), where="tune")
+
+    search_recipe = built(search_tables(c, splits), run_dir / "recipe.toml")
     checks = {}
     if c.nll_check:
         for v in c.fill_names:
-            checks[v] = checked_recipe(check_recipe_text(c, splits, v, run_dir / CHECK_FOLDER / "exact"),
-                                       run_dir / CHECK_FOLDER / v / "recipe.toml")
+            checks[v] = built(check_tables(c, splits, v, run_dir / CHECK_FOLDER / "exact"),
+                              run_dir / CHECK_FOLDER / v / "recipe.toml")
     return search_recipe, checks
 
 
-def preflight(c: TuneConfig) -> None:
-    """The steps' checks before the model loads (placeholder split 1 when the candidates need the model)."""
-    splits = split_values(c.splits) if c.splits is not None else [1]
-    with tempfile.TemporaryDirectory() as folder:
-        try:
-            recipes(c, splits, Path(folder))
-        except RidgefillError as exc:
-            raise RidgefillError(re.sub(rf"{re.escape(folder)}/\S*recipe\.toml: ", "tune: ", str(exc))) from None
-
-
-# --- the model ----------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ModelFacts:
-    info: dict  # id, weights hash, family, widths, layer kinds, n_layers: what the manifest records
-    shape: "ModelShape"
-    context_length: int | None = None  # the longest prompt the model takes (None: not stated)
-
-
-def model_facts(c: TuneConfig) -> ModelFacts:
-    """Load the model once for its identity and shapes, then free it (every task loads its own). A local folder
-    is opened by its absolute path, the model id the recipe's tasks record."""
-    session = replace(c, model=_local(c.model)).open()
-    facts = ModelFacts({**session.loaded.info(), "n_layers": session.engine.n_layers}, session.shape,
-                       session.context_length)
-    del session
-    gc.collect()
-    if c.device == "cuda":
-        import torch
-
-        torch.cuda.empty_cache()
-    return facts
+def record(recipe: "Recipe") -> None:
+    """Write a recipe's text where it says it lives (the record of what ran; nothing reads it back)."""
+    recipe.path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(recipe.path) as tmp:
+        tmp.write_text(recipe.text)
 
 
 def check_fits(c: TuneConfig, limit: int | None) -> None:
@@ -307,76 +267,6 @@ def verdict(point: Point | None, tolerance: float, max_gap: float, judged=("rule
     return PASS
 
 
-Judge = Callable[[int], dict[str, bool]]  # split -> variant -> passes
-
-
-# --- search -------------------------------------------------------------------------------------------------
-def bisect(candidates: list[int], judge: Judge, variants: list[str]) -> dict[str, int | None]:
-    """Per variant the lowest passing candidate, assuming quality falls as the split goes down: the highest
-    candidate first, then the midpoint of the widest open interval (lowest known pass, highest known failure
-    below it); every measurement narrows every variant's interval."""
-    order = sorted(candidates)
-    passed = judge(order[-1])
-    lowest_pass = {v: len(order) - 1 for v in variants if passed[v]}
-    highest_fail = {v: -1 for v in lowest_pass}  # -1: no failure known below (the lowest candidate may pass)
-    while True:
-        gaps = {v: lowest_pass[v] - highest_fail[v] for v in lowest_pass}
-        wide = [v for v in lowest_pass if gaps[v] > 1]
-        if not wide:
-            break
-        widest = max(wide, key=lambda v: gaps[v])
-        mid = (lowest_pass[widest] + highest_fail[widest]) // 2
-        passed = judge(order[mid])
-        for v in lowest_pass:
-            if highest_fail[v] < mid < lowest_pass[v]:
-                (lowest_pass if passed[v] else highest_fail)[v] = mid
-    return {v: order[lowest_pass[v]] if v in lowest_pass else None for v in variants}
-
-
-def descend(candidates: list[int], judge: Judge, variants: list[str], every: bool = False) -> dict[str, int | None]:
-    """Per variant the lowest candidate above which every candidate passes: from the highest down, stopping when
-    every variant has failed once (every=True: measure every candidate anyway)."""
-    chosen: dict[str, int | None] = {v: None for v in variants}
-    open_ = set(variants)
-    for split in sorted(candidates, reverse=True):
-        if not open_ and not every:
-            break
-        passed = judge(split)
-        for v in [v for v in variants if v in open_]:
-            if passed[v]:
-                chosen[v] = split
-            else:
-                open_.discard(v)
-    return chosen
-
-
-def search(mode: str, candidates: list[int], judge: Judge, variants: list[str]) -> dict[str, int | None]:
-    if mode == "bisect":
-        return bisect(candidates, judge, variants)
-    return descend(candidates, judge, variants, every=mode == "all")
-
-
-def step_up(candidates: list[int], chosen: dict[str, int | None], ruler: Judge, checks: dict[str, Judge],
-            speed: Callable[[str, int], float | None]) -> dict[str, int | None]:
-    """The NLL check of the search's choices, fastest first: every (variant, split) at or above the variant's
-    RULER choice, in order of FLOP-limit speedup `speed` (without one: the lower split, identity first), is
-    asked RULER (again: measured where the search skipped it), then its NLL check; the first that passes both
-    is the one served and nothing slower is checked. Returns per variant the split that passed (None for
-    every variant but that one's)."""
-    def rank(pair: tuple[str, int]):
-        v, split = pair
-        return (speed(v, split) or 0.0, -split, v == "identity")
-
-    pairs = sorted(((v, split) for v, low in chosen.items() if low is not None for split in candidates
-                    if split >= low), key=rank, reverse=True)
-    found: dict[str, int | None] = {v: None for v in chosen}
-    for v, split in pairs:
-        if ruler(split)[v] and checks[v](split)[v]:
-            found[v] = split
-            break
-    return found
-
-
 # --- the sweep ----------------------------------------------------------------------------------------------
 @dataclass
 class Sweep:
@@ -387,7 +277,7 @@ class Sweep:
 
     recipe: "Recipe"
     run_dir: Path
-    facts: ModelFacts
+    facts: ModelIdentity
     flops: FlopModel
     variants: list[str]
     tolerance: float
@@ -444,12 +334,14 @@ def run(c: TuneConfig) -> dict:
     says what to change."""
     from ridgefill.report.write import write_report
 
-    preflight(c)
-    facts = model_facts(c)
-    check_fits(c, facts.context_length)
-    candidates = candidate_splits(c.splits, facts.info["n_layers"])
     run_dir = c.run_dir
+    recipes(c, split_values(c.splits) if c.splits is not None else [1], run_dir)  # the steps' checks, no model
+    facts = model_identity(_local(c.model))  # the model's identity, without its weights
+    check_fits(c, facts.context_length)
+    candidates = candidate_splits(c.splits, facts.n_layers)
     search_recipe, check_recipes = recipes(c, candidates, run_dir)
+    for recipe in [search_recipe, *check_recipes.values()]:
+        record(recipe)
     flops = FlopModel(facts.shape, c.flop_length, c.keep_first)
     sweep = Sweep(search_recipe, run_dir, facts, flops, c.fill_names, c.tolerance, c.max_distant_gap)
     searched = chosen = search(c.search, candidates, sweep.judge, c.fill_names)
@@ -514,7 +406,7 @@ def print_frontier(sweep: Sweep, checks: dict[str, Sweep], points: list[Point], 
 def distant_warning(results: list) -> str | None:
     """A line saying that the NLL verdicts rest on too few distant-context tokens to judge, or None. The tokens
     are the exact model's, the same at every split, so any loss result counts them."""
-    from ridgefill.evals.stats import describe_spread
+    from ridgefill.runtime.stats import describe_spread
 
     spread = next((r.doc.get("distant_spread") for r in results if r.command == "loss"), None)
     if not spread or spread["tokens"] >= MIN_DISTANT_TOKENS:
@@ -535,13 +427,13 @@ def serving_config(c: TuneConfig, sweep: Sweep, checks: dict[str, Sweep], best: 
     manifest, results = sweep.results()
     check = checks.get(best.variant)
     maps = _maps_of(manifest, sweep.run_dir, best.split) if best.variant == "ridge" else None
+    fill = FillSettings(best.variant, best.split, maps, c.tail, c.keep_first, OUTLIER_FACTOR)  # as it was measured
     info = sweep.facts.info
     return {
-        "kind": SERVING_KIND, "version": 1,  # what runtime/serving.py reads
+        "kind": SERVING_KIND, "version": 2,  # what method/fill.load_serving reads
         "model": {"id": info["id"], "weights_hash": info["weights_hash"], "family": info.get("family"),
                   "layers": info["n_layers"]},
-        "variant": best.variant, "split": best.split, "tail": c.tail, "keep_first": c.keep_first,
-        "maps": maps, "dtype": c.dtype,
+        **fill.to_serving(), "dtype": c.dtype,
         "expected_speedup": {"flop_limit": best.flop_speedup, "prompt_length": best.length or sweep.flops.length},
         "quality": {"ruler": ruler_quality(best, results, c),
                     "nll": None if check is None else nll_quality(best, check.results()[1], c)},
@@ -563,9 +455,9 @@ def _speedup_at(sweep: Sweep, variant: str, split: int) -> float | None:
     return sweep.flops.speedup(variant, split, sweep.recipe.settings["tails"][0])
 
 
-def _maps_of(manifest: dict, run_dir: Path, split: int) -> dict:
+def _maps_of(manifest: dict, run_dir: Path, split: int) -> Path:
     step = next(s for s in manifest["steps"] if s["step"] == "fit" and s["split"] == split)
-    return {"path": str((run_dir / step["artifact"]).resolve()), "hash": step["hashes"][step["artifact"]]}
+    return (run_dir / step["artifact"]).resolve()
 
 
 def ruler_quality(point: Point, results: list, c: TuneConfig) -> dict:

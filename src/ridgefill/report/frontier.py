@@ -15,12 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ridgefill.evals.stats import mean
+from ridgefill.method.fill import FILLS
+from ridgefill.runtime.stats import mean
 
 if TYPE_CHECKING:
     from ridgefill.engine import ModelShape
-
-FILLS = ("identity", "ridge")
 
 
 @dataclass
@@ -66,15 +65,14 @@ class FlopModel:
     def speedup(self, variant: str, split: int, tail: int) -> float | None:
         """FLOPs of exact prefill over those of the filled one (None for a model whose FLOPs are not counted:
         hybrid layers, or no MLP width)."""
-        import numpy as np
+        import torch
 
+        from ridgefill.engine.prefill import full_positions
         from ridgefill.evals.flops import prefill_flops
 
         if not self.shape.dense or self.shape.intermediate is None:
             return None
-        full = np.zeros(self.length, dtype=bool)
-        full[max(0, self.length - tail):] = True
-        full[:self.keep_first] = True
+        full = full_positions(torch.arange(self.length), self.length, tail, self.keep_first).numpy()
         filled = prefill_flops(self.shape, self.length, full, split,
                                map_flops(self.shape, variant, split, self.ranks.get(split),
                                          self.lookbacks.get(split, 0)))

@@ -236,7 +236,7 @@ def _frontier_lines(ax, points: list, useful: dict, qk: str, sk: str) -> None:
 
 def _exact_band(ax, points: list, qk: str, tolerance: float) -> None:
     """Exact's level (mean over points) and, for retrieval, the band within tolerance of it."""
-    from ridgefill.evals.stats import mean
+    from ridgefill.runtime.stats import mean
 
     ref = mean([getattr(p, f"{qk}_exact") for p in points])
     if ref is None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ridgefill.commands import REQUIRED, Command, Config, option, steps
 from ridgefill.errors import RidgefillError
-from ridgefill.evals.stats import describe_spread, distant_spread, format_interval
+from ridgefill.runtime.stats import describe_spread, distant_spread, format_interval
 from ridgefill.report import plots
 from ridgefill.report.frontier import FlopModel
 from ridgefill.report.frontier import frontier as sweep_frontier

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ridgefill.engine import Adapter, adapter_for, supported_families
+from ridgefill.engine import Adapter, ModelShape, adapter_for, supported_families
 from ridgefill.errors import RidgefillError
 from ridgefill.runtime.paths import atomic_path, cache_dir
 
@@ -46,13 +47,38 @@ class LoadedModel:
         return {"id": self.model_id, "weights_hash": self.fingerprint, **self.adapter.describe()}
 
 
-def load_model(spec: str, dtype: str = "fp32", device: str = "cpu") -> LoadedModel:
-    """Load `spec`; every failure is a one-line RidgefillError."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+@dataclass(frozen=True)
+class ModelIdentity:
+    """What a model is, read without its weights: what LoadedModel.info() gives (id, checkpoint hash, family and
+    widths), its layer count, shapes and context."""
 
-    if dtype not in DTYPES:
-        raise RidgefillError(f"unknown dtype '{dtype}': use one of {', '.join(DTYPES)}")
+    info: dict
+    shape: ModelShape
+    context_length: int | None  # the longest prompt the model takes (None: not stated)
+
+    @property
+    def n_layers(self) -> int:
+        return self.shape.layers
+
+
+def model_identity(spec: str) -> ModelIdentity:
+    """The identity of `spec` from its config.json and checkpoint hash: the model is built on the meta device (no
+    weights read, no memory), so its adapter describes it exactly as a loaded one does."""
+    from transformers import AutoModelForCausalLM
+
     folder = model_folder(spec)
+    config = _config(spec, folder)
+    with torch.device("meta"):
+        adapter = adapter_for(AutoModelForCausalLM.from_config(config))
+    info = {"id": spec, "weights_hash": checkpoint_fingerprint(folder), **adapter.describe(),
+            "n_layers": adapter.n_layers}
+    return ModelIdentity(info, ModelShape.of(adapter), adapter.max_positions)
+
+
+def _config(spec: str, folder: str):
+    """The transformers config of a checkpoint folder, of a supported family; else a one-line error."""
+    from transformers import AutoConfig
+
     try:
         config = AutoConfig.from_pretrained(folder)
     except (OSError, ValueError, KeyError) as exc:  # not JSON, not UTF-8, no or an unknown model_type
@@ -63,6 +89,17 @@ def load_model(spec: str, dtype: str = "fp32", device: str = "cpu") -> LoadedMod
             f"unsupported architecture '{config.model_type}' in {spec}: ridgefill supports "
             f"{', '.join(supported_families())}"
         )
+    return config
+
+
+def load_model(spec: str, dtype: str = "fp32", device: str = "cpu") -> LoadedModel:
+    """Load `spec`; every failure is a one-line RidgefillError."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if dtype not in DTYPES:
+        raise RidgefillError(f"unknown dtype '{dtype}': use one of {', '.join(DTYPES)}")
+    folder = model_folder(spec)
+    _config(spec, folder)
     try:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[dtype])
     except Exception as exc:  # no weight file, a truncated or foreign one: the checkpoint cannot be used
@@ -139,22 +176,62 @@ def _embedded_folder(alias: str, embedded: EmbeddedModel) -> Path:
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
+# config.json keys (at any depth, e.g. also inside a `text_config`) that do not change what the model computes or
+# which model it is: the transformers version that wrote the file, the dtype it was saved or loaded in (the stored
+# dtype is in the weights' headers, and the fingerprint must not depend on --dtype), whether forward returns its
+# cache, and transformers' own bookkeeping (keys starting with "_": `_name_or_path`, `_commit_hash`, ...).
+CONFIG_IGNORED_KEYS = frozenset({"transformers_version", "torch_dtype", "dtype", "use_cache"})
+
+# The files that turn text into token ids (and chat messages into text): hashed whole. generation_config.json is
+# left out: it only sets decoding defaults, which neither prefill nor the fill read.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model",
+                   "sentencepiece.bpe.model", "tokenizer.tiktoken", "chat_template.jinja", "chat_template.json")
+
+TENSOR_EDGE = 64  # bytes of each safetensors tensor hashed at each end of its data
+SMALL_TENSOR = 64 * 1024  # tensors up to this size (every norm weight and bias of today's models) are hashed whole
+
 
 def checkpoint_fingerprint(folder: str | Path, samples: int = 4096, window: int = 4096) -> str:
-    """A short, stable hash of a checkpoint folder's weight files: each file's name and size, a safetensors file's
-    header (tensor names, dtypes, shapes, offsets) and its raw bytes: all of them up to samples x window bytes
-    (16 MiB), else `samples` evenly spaced windows of them. A property of the checkpoint, not of how it is loaded
-    (the same under any --dtype or --device); cheap for multi-GB models; a retrained, re-quantized or re-saved
-    checkpoint changes it."""
+    """A short, stable hash (16 hex digits) of what makes a checkpoint folder one model: its config, its tokenizer
+    and its weights. A property of the checkpoint, not of how it is loaded (the same under any --dtype or --device,
+    and for a copy of the folder elsewhere); cheap for multi-GB models. It covers:
+
+    - config.json, parsed and written back canonically (sorted keys), without the keys that do not change the
+      computation (CONFIG_IGNORED_KEYS at any depth, and every key starting with "_"): `transformers_version`,
+      `torch_dtype`/`dtype` (the stored dtype is in the weights' headers; the loaded one must not matter),
+      `use_cache`, `_name_or_path`, `_commit_hash`. So another `rope_theta`, `rope_scaling`/`rope_parameters`,
+      norm epsilon or vocabulary size is another model; a config that is not JSON is hashed as bytes;
+    - the tokenizer files (TOKENIZER_FILES: tokenizer.json, tokenizer_config.json, special_tokens_map.json,
+      added_tokens.json, vocab/merges files, sentencepiece models, chat templates), each whole; another vocabulary,
+      merge list or special token is another model. A folder without them has an empty tokenizer part.
+      generation_config.json is left out: decoding defaults change neither prefill nor the fill;
+    - the weight files (WEIGHT_SUFFIXES), each by name and size. A safetensors file also by its header (tensor names,
+      dtypes, shapes, offsets) and, for every tensor, its name, dtype, shape and data: whole up to SMALL_TENSOR bytes
+      (norm weights, biases), else its first and last TENSOR_EDGE bytes. Then, for every weight file, its raw bytes
+      after the header: all of them up to samples x window bytes (16 MiB), else `samples` evenly spaced windows.
+
+    A retrained, re-quantized or re-saved checkpoint, a RoPE-rescaled config or another tokenizer changes it."""
+    folder = Path(folder)
     digest = hashlib.sha256()
-    for path in sorted(p for p in Path(folder).iterdir() if p.is_file() and p.suffix in WEIGHT_SUFFIXES):
+    _hash_config(folder / "config.json", digest)
+    for name in TOKENIZER_FILES:
+        path = folder / name
+        if path.is_file():
+            data = path.read_bytes()
+            digest.update(f"tokenizer {name}:{len(data)}\n".encode())
+            digest.update(data)
+    for path in sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in WEIGHT_SUFFIXES):
         size = path.stat().st_size
         digest.update(f"{path.name}:{size}".encode())
         with open(path, "rb") as f:
             start = 0
             if path.suffix == ".safetensors" and size >= 8:
                 start = min(size, 8 + int.from_bytes(f.read(8), "little"))
-                digest.update(f.read(start - 8))  # the header
+                header = f.read(start - 8)
+                digest.update(header)
+                _hash_tensors(f, header, start, size, digest)
+                f.seek(start)
             body = size - start
             if body <= samples * window:
                 digest.update(f.read())
@@ -163,3 +240,47 @@ def checkpoint_fingerprint(folder: str | Path, samples: int = 4096, window: int 
                     f.seek(start + i * (body // samples))
                     digest.update(f.read(window))
     return digest.hexdigest()[:16]
+
+
+def _hash_config(path: Path, digest) -> None:
+    """config.json without the keys that do not change the computation, canonically (its raw bytes if not JSON)."""
+    if not path.is_file():
+        digest.update(b"config: none\n")
+        return
+    data = path.read_bytes()
+    try:
+        canonical = json.dumps(_model_keys(json.loads(data)), sort_keys=True, separators=(",", ":"),
+                               ensure_ascii=True).encode()
+    except (ValueError, RecursionError):  # not UTF-8, not JSON: hashed as it is
+        canonical = b"raw:" + data
+    digest.update(f"config:{len(canonical)}\n".encode())
+    digest.update(canonical)
+
+
+def _model_keys(value):
+    if isinstance(value, dict):
+        return {k: _model_keys(v) for k, v in value.items()
+                if not (k in CONFIG_IGNORED_KEYS or k.startswith("_"))}
+    if isinstance(value, list):
+        return [_model_keys(v) for v in value]
+    return value
+
+
+def _hash_tensors(f, header: bytes, start: int, size: int, digest) -> None:
+    """Every tensor of a safetensors file: name, dtype, shape and data (whole if small, else both ends)."""
+    try:
+        entries = json.loads(header)
+        tensors = sorted(((int(v["data_offsets"][0]), int(v["data_offsets"][1]), k, v["dtype"], v["shape"])
+                          for k, v in entries.items() if k != "__metadata__"), key=lambda t: (t[0], t[2]))
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError):
+        return  # a damaged header: its bytes are hashed already, and loading the file will fail
+    for begin, end, name, dtype, shape in tensors:
+        begin, end = start + max(begin, 0), min(start + max(end, 0), size)
+        digest.update(f"tensor {name}:{dtype}:{shape}\n".encode())
+        f.seek(begin)
+        if end - begin <= SMALL_TENSOR:
+            digest.update(f.read(max(end - begin, 0)))
+        else:
+            digest.update(f.read(TENSOR_EDGE))
+            f.seek(end - TENSOR_EDGE)
+            digest.update(f.read(TENSOR_EDGE))

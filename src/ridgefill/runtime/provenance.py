@@ -1,8 +1,10 @@
-"""Where a result came from: package versions, the device, the load on the machine, the source commit. One copy,
-used by a recipe's manifest and by bench-ttft's result document."""
+"""Where a result came from: package versions, a hash of ridgefill's own source, the device, the load on the machine,
+the source commit. One copy, used by a recipe's manifest and cache keys, the exact store, calibration checkpoints and
+bench-ttft's result document."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import platform
 import subprocess
@@ -23,6 +25,18 @@ def versions(packages=PACKAGES) -> dict:
         except PackageNotFoundError:
             out[name] = None
     return out
+
+
+def code_hash() -> str:
+    """A hash of the ridgefill package's source (every .py file under it, by relative path and content): what keys
+    cached artifacts and exact results to the code that made them, whether or not it runs from a git checkout."""
+    package = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        digest.update(f"{path.relative_to(package).as_posix()}\0".encode())
+        digest.update(path.read_bytes())
+        digest.update(b"\0")
+    return digest.hexdigest()[:16]
 
 
 def cpu_name() -> str:

@@ -9,9 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from ridgefill.commands import Config, option
-from ridgefill.engine import Engine, FillPlan, ModelShape, Stopwatch
+from ridgefill.engine import Engine, ModelShape, Stopwatch
 from ridgefill.errors import RidgefillError
-from ridgefill.method.maps import load_filler
 from ridgefill.runtime.models import DTYPES, LoadedModel, load_model
 
 
@@ -78,11 +77,6 @@ class Session:
         """A second engine over the same loaded model whose fill projection adds its wall time to `timer`."""
         return self.engine.with_timer(timer)
 
-    def fill_plan(self, maps: str, split: int | None, tail: int, keep_rows=(),
-                  outlier_factor: float = 0.0) -> tuple[FillPlan, dict]:
-        filler, meta = load_filler(maps, self.loaded.info(), split, self.engine.dtype, self.engine.device)
-        return FillPlan(filler, tail, tuple(keep_rows), outlier_factor), meta
-
 
 def open_session(model: str, dtype: str = "fp32", device: str = "cpu", chunk: int = 2048,
                  projection: str = "auto") -> Session:
@@ -111,54 +105,3 @@ def parse_splits(text: str, n_layers: int) -> list[int]:
         raise RidgefillError(f"split {bad or text} is out of range: use 1..{n_layers - 1} for this "
                              f"{n_layers}-layer model")
     return splits
-
-
-VARIANTS = ("exact", "identity", "ridge")
-
-
-def parse_variants(text, maps) -> list[str]:
-    """--variants: comma-separated names (or a list). Default: every variant, ridge only with --maps.
-    Exact always runs, first: every difference is taken against it."""
-    if text is None:
-        return [v for v in VARIANTS if v != "ridge" or maps is not None]
-    names = [v.strip() for v in (text.split(",") if isinstance(text, str) else text) if v.strip()]
-    unknown = [v for v in names if v not in VARIANTS]
-    if not names or unknown:
-        raise RidgefillError(f"--variants '{text}' names unknown variant(s) {unknown}: use {', '.join(VARIANTS)}")
-    if "ridge" in names and maps is None:
-        raise RidgefillError("the ridge variant needs --maps (from ridgefill fit): pass it, or drop ridge from "
-                             "--variants")
-    return ["exact", *[v for v in VARIANTS if v in names and v != "exact"]]
-
-
-def variant_plans(session: Session, maps: str | None, split: int | None, tail: int, keep_rows=(),
-                  variants=VARIANTS, outlier_factor: float = 0.0) -> tuple[dict[str, FillPlan | None], dict | None]:
-    """The plans measured side by side: exact (None), identity fill and the fitted maps, at one split and tail,
-    with the same keep rows and outlier rule (FillPlan.outlier_factor), so every fill fills the same rows.
-    Returns (plans, maps metadata). Given --maps, every variant runs at the maps' split (and --split must match
-    it); without them only exact and identity (which then needs --split) run."""
-    from ridgefill.engine import IdentityFiller
-
-    unknown = [v for v in variants if v not in VARIANTS]
-    if unknown:
-        raise RidgefillError(f"unknown variant(s) {unknown}: use {', '.join(VARIANTS)}")
-    meta = None
-    plans: dict[str, FillPlan | None] = {}
-    if maps is not None:  # the maps carry their split (--split is checked against it), whichever variants run
-        plans_ridge, meta = session.fill_plan(maps, split, tail, keep_rows, outlier_factor)
-        split = meta["split"]
-    elif "ridge" in variants:
-        raise RidgefillError("the ridge variant needs --maps (from ridgefill fit)")
-    n_layers = session.engine.n_layers
-    if split is None and "identity" in variants:
-        raise RidgefillError("pass --split (or --maps, which carries it)")
-    if split is not None and not 1 <= split <= n_layers:
-        raise RidgefillError(f"split {split} is out of range: use 1..{n_layers} for this model")
-    for v in variants:
-        if v == "exact":
-            plans[v] = None
-        elif v == "identity":
-            plans[v] = FillPlan(IdentityFiller(split, n_layers), tail, tuple(keep_rows), outlier_factor)
-        else:
-            plans[v] = plans_ridge
-    return plans, meta

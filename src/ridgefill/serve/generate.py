@@ -3,34 +3,28 @@
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from ridgefill.commands import Command, option
 from ridgefill.errors import RidgefillError
-from ridgefill.evals.common import OUTLIER_FACTOR, OUTLIER_HELP
-from ridgefill.evals.ruler.placement import token_span
+from ridgefill.method.fill import FillOptions, load_serving
 from ridgefill.runtime.console import note
 from ridgefill.runtime.paths import read_text
 from ridgefill.runtime.ranges import parse_ranges
-from ridgefill.runtime.serving import check_model, load_serving
-from ridgefill.runtime.session import ModelConfig, variant_plans
+from ridgefill.runtime.session import ModelConfig
+from ridgefill.runtime.spans import token_span
 from ridgefill.serve.vllm_engine import check_engine, engine_option
 
 
 @dataclass
-class GenerateConfig(ModelConfig):
-    maps: Path | None = option(None, "Maps file for filled prefill (ridge fill).")
-    split: int | None = option(None, "Split S (checked against the maps; without maps: identity fill).")
-    serving_config: Path | None = option(None, "A serving config from `ridgefill tune`: its split, tail, "
-                                         "keep-first and fill (maps or identity) replace those options.")
-    tail: int = option(256, "Last prompt rows that run the full model.")
-    keep_first: int = option(1, "Leading rows run in full (the attention sink).")
+class GenerateConfig(FillOptions, ModelConfig):
+    serving_config: Path | None = option(None, "A serving config from `ridgefill tune`: its fill (variant, split, "
+                                         "maps, tail, keep-first, outlier factor) replaces those options.")
     keep_rows: str | None = option(None, "More prompt rows (0-based token positions) that run in full, e.g. "
                                    "0-3,120-140.", listed=str)
     keep_text: str | None = option(None, "Run the tokens of this text's first occurrence in the prompt in full "
                                    "(e.g. the question).")
-    outlier_factor: float = option(OUTLIER_FACTOR, OUTLIER_HELP)
     exact: bool = option(False, "Exact prefill (no maps).")
     prompt: str | None = option(None, "Prompt text.")
     prompt_file: Path | None = option(None, "Read the prompt from a file.")
@@ -54,11 +48,7 @@ class GenerateConfig(ModelConfig):
             raise RidgefillError("--serving-config sets the maps and split: drop --maps and --split")
         if self.max_new_tokens < 1:
             raise RidgefillError("--max-new-tokens must be at least 1")
-        if self.tail < 1 or self.keep_first < 0:
-            raise RidgefillError(f"--tail must be at least 1 (the last prompt row gives the first token) and "
-                                 f"--keep-first at least 0, got {self.tail} and {self.keep_first}")
-        if self.outlier_factor < 0:
-            raise RidgefillError(f"--outlier-factor {self.outlier_factor:g} must be 0 (fill every row) or positive")
+        super().check()
         if self.keep_rows is not None:
             parse_ranges(self.keep_rows, "--keep-rows", "row", "0-3,120-140")
         if self.keep_text is not None and not self.keep_text.strip():
@@ -71,10 +61,10 @@ class GenerateConfig(ModelConfig):
 
 def run(c: GenerateConfig) -> dict:
     """The generated text of each run (exact, filled), by name."""
-    serving = None if c.serving_config is None else load_serving(c.serving_config)
-    if serving is not None:
-        c = replace(c, maps=serving.maps, split=serving.split, tail=serving.tail, keep_first=serving.keep_first)
-    maps, split, tail, exact, max_new_tokens, compare = c.maps, c.split, c.tail, c.exact, c.max_new_tokens, c.compare
+    tuned = None if c.serving_config is None else load_serving(c.serving_config)
+    if tuned is not None:
+        c = c.with_serving(tuned)
+    tail, exact, max_new_tokens, compare = c.tail, c.exact, c.max_new_tokens, c.compare
     prompt = c.prompt if c.prompt_file is None else read_text(c.prompt_file, "--prompt-file")
     session = c.open()
     ids = session.tokenizer(prompt, return_tensors="pt", add_special_tokens=True)["input_ids"]
@@ -84,14 +74,11 @@ def run(c: GenerateConfig) -> dict:
     if limit and ids.shape[1] + max_new_tokens > limit:
         raise RidgefillError(f"prompt ({ids.shape[1]} tokens) plus {max_new_tokens} new tokens exceed the model's "
                              f"context of {limit}: shorten the prompt")
-    if serving is not None:
-        check_model(serving, session.loaded.fingerprint, c.serving_config)
+    if tuned is not None:
+        tuned.check_model(session.loaded.fingerprint, c.serving_config)
     plan = None
     if not exact:
-        variant = "ridge" if maps is not None else "identity"
-        plans, _ = variant_plans(session, maps, split, tail, keep_rows(c, session.tokenizer, prompt, ids.shape[1]),
-                                 (variant,), c.outlier_factor)
-        plan = plans[variant]
+        plan, _ = c.fill().plan(session, keep_rows(c, session.tokenizer, prompt, ids.shape[1]))
         if tail >= ids.shape[1]:
             note(f"note: tail {tail} >= prompt length {ids.shape[1]}: every row runs the full model (exact)")
     eos = session.tokenizer.eos_token_id
@@ -145,7 +132,6 @@ def vllm_runs(c: GenerateConfig, session, ids: list[int], plan, exact: bool) -> 
     import tempfile
 
     from ridgefill.runtime.models import model_folder
-    from ridgefill.serve.vllm_config import plugin_fill
     from ridgefill.serve.vllm_engine import EngineSettings, vllm_dtype
 
     folder = model_folder(c.model)
@@ -155,8 +141,7 @@ def vllm_runs(c: GenerateConfig, session, ids: list[int], plan, exact: bool) -> 
         runs["exact"] = _vllm_run(EngineSettings(folder, plugin=False, **base), ids, c.max_new_tokens)
     if plan is not None:
         with tempfile.TemporaryDirectory(prefix="ridgefill-vllm-") as scratch:
-            fill = plugin_fill(c.maps, plan.split, session.engine.n_layers, session.loaded.info(), c.tail,
-                               c.keep_first, c.outlier_factor, Path(scratch))
+            fill = c.fill().for_vllm(session.engine.n_layers, session.loaded.info(), Path(scratch))
             runs["filled"] = _vllm_run(EngineSettings(folder, fill, **base), ids, c.max_new_tokens)
     return runs
 

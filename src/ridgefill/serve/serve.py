@@ -9,7 +9,7 @@ Before any vLLM process starts, the options, the model folder and the maps (serv
 pins the maps' sha256), the plugin's entry point, the installed vLLM release and the port are checked: each
 problem is one line and exit code 2. On a CPU build the KV cache is sized here (kv_cache_plan), because vLLM's own
 CPU default reserves 92 % of the machine's memory. Then vLLM's OpenAI-compatible server (VLLM_SERVER) runs as a
-child process with the fill in its environment (VllmFill.to_env: every process vLLM starts reads it) and a fresh
+child process with the fill in its environment (FillSettings.env: every process vLLM starts reads it) and a fresh
 PROMETHEUS_MULTIPROC_DIR (RidgeFill's counters on /metrics), prefix caching off and eager execution. While it
 starts, its output goes to a log file; if it ends before answering, serve prints the reason in one line (the fix
 named where it is known) and exits 2. Once it answers, serve prints one line saying what is served and relays its
@@ -35,11 +35,10 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from ridgefill.commands import Command, Config, option
+from ridgefill.commands import Command, option
 from ridgefill.errors import RidgefillError
-from ridgefill.method.statistics import OUTLIER_FACTOR
-from ridgefill.serve.vllm_config import (DEFAULT_KEEP_FIRST, DEFAULT_TAIL, V2_RUNNER, VLLM_DTYPES, VLLM_PIN,
-                                         VllmFill, check_fill, check_vllm_version, plugin_fill, read_model_config)
+from ridgefill.method.fill import V2_RUNNER, FillOptions, FillSettings
+from ridgefill.serve.vllm_config import VLLM_DTYPES, VLLM_PIN, check_fill, check_vllm_version, read_model_config
 
 DTYPES = VLLM_DTYPES
 PLUGIN = "ridgefill"  # the plugin's name in the vllm.general_plugins entry points (and in VLLM_PLUGINS)
@@ -85,20 +84,11 @@ KV_OPTIONS = ("--kv-cache-memory-bytes", "--gpu-memory-utilization")  # the user
 
 
 @dataclass
-class ServeConfig(Config):
+class ServeConfig(FillOptions):
     model: str = option("smollm2-135m", "Local HF folder, Hub id, or alias 'smollm2-135m' (the model the maps "
                         "were fitted for).")
-    maps: Path | None = option(None, "Maps file from `ridgefill fit` (it carries the split).")
-    serving_config: Path | None = option(None, "A serving config from `ridgefill tune`: its split, tail, "
-                                         "keep-first and fill (maps or identity) replace --maps, --split, --tail "
-                                         "and --keep-first.")
-    split: int | None = option(None, "Split S to serve at: checked against the maps' (they carry it).")
-    tail: int = option(DEFAULT_TAIL, "Last prompt tokens of each request that run the full model (a request can "
-                       "set its own: vllm_xargs ridgefill_tail).")
-    keep_first: int = option(DEFAULT_KEEP_FIRST, "Leading prompt tokens that run in full (the attention sink).")
-    outlier_factor: float = option(OUTLIER_FACTOR, "A token that would be filled runs in full when its split-state "
-                                   "norm exceeds this x the median of its request's filled tokens; 0 fills them "
-                                   "too.")
+    serving_config: Path | None = option(None, "A serving config from `ridgefill tune`: its fill (variant, split, "
+                                         "maps, tail, keep-first, outlier factor) replaces those options.")
     host: str = option("127.0.0.1", "Address the server listens on.")
     port: int = option(8000, "Port the server listens on.")
     dtype: str = option("fp32", "fp32, bf16, fp16, or auto (the checkpoint's own).")
@@ -112,22 +102,15 @@ class ServeConfig(Config):
                                    keyed=False)
     vllm_args: list[str] = option([], "options of `vllm serve` (see `vllm serve --help=all`), e.g. "
                                   "--max-model-len 4096 --tensor-parallel-size 2 --api-key KEY; prefix caching "
-                                  "stays off.")
-
-    def fill(self) -> VllmFill:
-        """The plugin's settings (VllmFill checks tail, keep-first and the outlier factor)."""
-        return VllmFill(Path(self.maps), self.tail, self.keep_first, self.outlier_factor)
+                                  "stays off. A request sets its own tail: vllm_xargs ridgefill_tail.")
 
     def check(self) -> None:
-        if (self.maps is None) == (self.serving_config is None):
-            raise RidgefillError("give exactly one of --maps (from ridgefill fit) or --serving-config (from "
+        super().check()
+        if self.serving_config is not None and (self.maps is not None or self.split is not None):
+            raise RidgefillError("--serving-config sets the fill (maps and split): drop --maps and --split")
+        if self.serving_config is None and self.maps is None and self.split is None:
+            raise RidgefillError("give --maps (from ridgefill fit), --split (identity fill) or --serving-config (from "
                                  "ridgefill tune)")
-        if self.serving_config is not None and self.split is not None:
-            raise RidgefillError("--serving-config sets the split: drop --split")
-        if self.maps is not None:
-            self.fill()
-        elif not self.outlier_factor >= 0:
-            raise RidgefillError(f"outlier factor {self.outlier_factor:g} must be 0 (fill every row) or positive")
         if not 1 <= self.port <= 65535:
             raise RidgefillError(f"--port {self.port} is out of range: use 1..65535")
         if not self.host.strip():
@@ -322,39 +305,36 @@ def run(c: ServeConfig) -> int:
     folder = model_folder(c.model)
     check_vllm()
     with tempfile.TemporaryDirectory(prefix="ridgefill-serve-") as scratch:  # identity maps, Prometheus files
-        fill = served_fill(c, folder, Path(scratch))
-        fill, meta = check_fill(fill, folder)
-        if c.split is not None and c.split != meta.get("split"):
-            raise RidgefillError(f"{c.maps} holds maps for split {meta.get('split')}, not {c.split}: pass --split "
-                                 f"{meta.get('split')} or fit maps for split {c.split}")
+        fill, meta = check_fill(served_fill(c, folder, Path(scratch)), folder)
         kv = kv_cache_plan(c, read_model_config(folder), available_memory(), on_cpu())
         check_port(c.host, c.port)
         warn_if_exposed(c)
         metrics = Path(scratch) / "prometheus"
         metrics.mkdir()
-        env = {**os.environ, **fill.to_env(), "PROMETHEUS_MULTIPROC_DIR": str(metrics)}
+        env = {**os.environ, **fill.env(), "PROMETHEUS_MULTIPROC_DIR": str(metrics)}
         log = c.log_file or Path(tempfile.gettempdir()) / f"ridgefill-serve-{c.port}.log"
         banner = (f"ridgefill serve: {c.model} through vLLM at http://{c.host}:{c.port}/v1 with RidgeFill: "
-                  f"{meta.get('kind')} maps {c.maps or c.serving_config} (split {meta.get('split')} of "
+                  f"{fill.variant} fill, maps {c.maps or c.serving_config or 'identity'} (split {meta.get('split')} of "
                   f"{meta.get('n_layers')} layers), tail {fill.tail}, keep-first {fill.keep_first}, outlier factor "
                   f"{fill.outlier_factor:g}; {kv.summary}; vLLM's log: {log}")
         return launch(Launch(vllm_command(c, folder, kv.args), env, health_url(c.host, c.port), banner, Path(log)))
 
 
-def served_fill(c: ServeConfig, folder: str, scratch: Path) -> VllmFill:
-    """The fill to serve: --maps and the fill options, or a serving config's (checked against the model; an
-    identity fill gets an identity maps file in `scratch`)."""
-    if c.serving_config is None:
-        return c.fill()
+def served_fill(c: ServeConfig, folder: str, scratch: Path) -> FillSettings:
+    """The fill to serve, pinned for the plugin (FillSettings.for_vllm): the fill options', or a serving config's
+    (checked against the model). Identity fill is served through an identity maps file in `scratch`."""
+    from ridgefill.method.fill import load_serving
     from ridgefill.runtime.models import checkpoint_fingerprint
-    from ridgefill.runtime.serving import check_model, load_serving
 
-    tuned = load_serving(c.serving_config)
     weights = checkpoint_fingerprint(folder)
-    check_model(tuned, weights, c.serving_config)
-    n_layers = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8")).get("num_hidden_layers")
-    return plugin_fill(tuned.maps, tuned.split, n_layers, {"id": c.model, "weights_hash": weights}, tuned.tail,
-                       tuned.keep_first, c.outlier_factor, scratch)
+    if c.serving_config is None:
+        fill = c.fill()
+    else:
+        tuned = load_serving(c.serving_config)
+        tuned.check_model(weights, c.serving_config)
+        fill = tuned.fill
+    n_layers = read_model_config(folder).get("num_hidden_layers")
+    return fill.for_vllm(n_layers, {"id": c.model, "weights_hash": weights}, scratch)
 
 
 def check_port(host: str, port: int) -> None:

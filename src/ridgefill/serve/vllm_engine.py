@@ -18,7 +18,8 @@ import traceback
 from dataclasses import dataclass, field
 
 from ridgefill.errors import RidgefillError
-from ridgefill.serve.vllm_config import VLLM_DTYPES, VllmFill
+from ridgefill.method.fill import FillSettings
+from ridgefill.serve.vllm_config import VLLM_DTYPES
 
 
 def vllm_dtype(name: str) -> str:
@@ -52,7 +53,7 @@ class EngineSettings:
     """How one vLLM engine is built (vLLM's own LLM(...) arguments, plus the fill and the CPU threads)."""
 
     model: str  # a local checkpoint folder
-    fill: VllmFill | None = None  # None: stock vLLM
+    fill: FillSettings | None = None  # None: stock vLLM (pinned with FillSettings.for_vllm otherwise)
     plugin: bool = True  # False: no vLLM plugin is loaded at all (VLLM_PLUGINS=""), whatever is installed
     dtype: str = "float32"
     max_model_len: int | None = None
@@ -67,7 +68,7 @@ class EngineSettings:
         if self.threads is not None:
             env.update(VLLM_CPU_OMP_THREADS_BIND=self.threads, VLLM_CPU_NUM_OF_RESERVED_CPU="0")
         if self.fill is not None:
-            env.update(self.fill.to_env())
+            env.update(self.fill.env())
         if not self.plugin:
             env["VLLM_PLUGINS"] = ""  # an allow-list that names no plugin
         return {**env, **self.env}

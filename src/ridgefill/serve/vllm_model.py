@@ -37,7 +37,8 @@ from ridgefill.engine.lookback import lookback_windows, window_states
 from ridgefill.errors import RidgefillError
 from ridgefill.method.maps import load_filler
 from ridgefill.runtime.models import checkpoint_fingerprint
-from ridgefill.serve.vllm_config import VllmFill, check_engine_config, fill_from_env
+from ridgefill.method.fill import FillSettings
+from ridgefill.serve.vllm_config import check_engine_config
 from ridgefill.serve.vllm_metrics import FillCounters
 from ridgefill.serve.vllm_rows import outlier_tokens, segments
 from ridgefill.serve.vllm_runner import StepLog
@@ -55,7 +56,7 @@ class LateKV:
 
 @dataclass
 class FillState:
-    fill: VllmFill
+    fill: FillSettings
     filler: Filler
     split: int
     late: list[LateKV]  # layers S..L-1
@@ -71,7 +72,7 @@ class RidgeFillMixin:
     (h, residual) with `input_layernorm` and `self_attn.{qkv_proj, q_size, kv_size, head_dim, rotary_emb, attn}`."""
 
     def _ridgefill_setup(self, vllm_config) -> None:
-        fill = fill_from_env()
+        fill = FillSettings.from_env()
         if fill is not None:
             check_engine_config(vllm_config, fill)
         self._ridgefill_fill = fill
@@ -84,7 +85,7 @@ class RidgeFillMixin:
             self.ridgefill = self._load_fill_state(self._ridgefill_fill)
         return loaded
 
-    def _load_fill_state(self, fill: VllmFill) -> FillState:
+    def _load_fill_state(self, fill: FillSettings) -> FillState:
         layers = self.model.layers
         ref = layers[0].input_layernorm.weight
         info = {"weights_hash": checkpoint_fingerprint(self._ridgefill_folder)}

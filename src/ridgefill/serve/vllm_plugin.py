@@ -17,17 +17,15 @@ Each step is idempotent.
 
 from __future__ import annotations
 
-import logging
 import os
 
-from ridgefill.serve.vllm_config import ARCHITECTURES, V2_RUNNER, check_engine_config, check_vllm_version, fill_from_env
-
-log = logging.getLogger("ridgefill.vllm")
-HOOKED = "_ridgefill_hooked"
+from ridgefill.method.fill import V2_RUNNER, FillSettings
+from ridgefill.serve.vllm_config import ARCHITECTURES, check_engine_config, check_vllm_version
+from ridgefill.serve.vllm_runner import HOOKED, install_runner_hook, log
 
 
 def register() -> None:
-    fill = fill_from_env()
+    fill = FillSettings.from_env()
     if fill is None:
         return
     import vllm
@@ -37,8 +35,6 @@ def register() -> None:
     os.environ.setdefault(V2_RUNNER, "0")  # inherited by every process vLLM starts from here
     for arch in ARCHITECTURES:
         ModelRegistry.register_model(arch, f"ridgefill.serve.vllm_model:RidgeFill{arch}")
-    from ridgefill.serve.vllm_runner import install_runner_hook
-
     install_runner_hook()
     _install_config_hook()
 
@@ -61,7 +57,7 @@ def _install_config_hook() -> None:
         if QUALNAME not in processors:
             self.logits_processors = [*processors, QUALNAME]
         config = stock(self, *args, **kwargs)
-        fill = fill_from_env()
+        fill = FillSettings.from_env()
         if fill is not None:
             check_engine_config(config, fill)
         return config

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ridgefill.engine.prefill import full_positions
+
 
 def token_requests(query_start: torch.Tensor, n_tokens: int) -> torch.Tensor:
     """query_start [R+1] (cumulative scheduled tokens) -> [n_tokens] the request index of each token;
@@ -36,11 +38,8 @@ def full_tokens(positions: torch.Tensor, request: torch.Tensor, prompt_len: torc
 
     positions [N] absolute positions; request [N] request index (-1: padding, run as full so it stays out of
     the fill); prompt_len, tail, keep_first [R] per request."""
-    real = request >= 0
     r = request.clamp(min=0)
-    p = positions.long()
-    filled = real & (p >= keep_first[r]) & (p < prompt_len[r] - tail[r])
-    return ~filled
+    return (request < 0) | full_positions(positions.long(), prompt_len[r], tail[r], keep_first[r])
 
 
 def outlier_tokens(norms: torch.Tensor, request: torch.Tensor, full: torch.Tensor, factor: float) -> torch.Tensor:

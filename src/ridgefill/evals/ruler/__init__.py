@@ -19,9 +19,9 @@ from ridgefill.errors import RidgefillError
 from ridgefill.evals.common import MeasureConfig, exact_cache_option, parse_lengths, start, variants_option
 from ridgefill.evals.ruler.jsonl import read_jsonl
 from ridgefill.evals.ruler.placement import RulerSample, budget, build_samples, check_region
-from ridgefill.evals.ruler.tasks import SPECS, Sources
+from ridgefill.evals.ruler.tasks import SPECS, Sources, check_haystack
+from ridgefill.method.fill import parse_variants
 from ridgefill.runtime.console import progress_bar, table
-from ridgefill.runtime.session import parse_variants
 
 TASKS: tuple[str, ...] = tuple(SPECS)
 
@@ -71,6 +71,7 @@ class RulerConfig(MeasureConfig):
         super().check()
         parse_variants(self.variants, self.maps)
         parse_tasks(self.tasks)
+        check_haystack(self.haystack)
         lengths = parse_lengths(self.lengths)
         if (self.samples is not None and self.samples < 1
                 or self.max_new_tokens is not None and self.max_new_tokens < 1):
@@ -165,7 +166,7 @@ def summarise(items: list[RulerSample], scores: dict[str, list[float]], seed: in
 
 def _differences(a: list[float], b: list[float], cells: list, seed: int):
     """diff(indices) -> the interval of mean(a) - mean(b) over those samples, each cell weighted equally."""
-    from ridgefill.evals.stats import mean_difference
+    from ridgefill.runtime.stats import mean_difference
 
     def diff(indices) -> dict:
         indices = list(indices)

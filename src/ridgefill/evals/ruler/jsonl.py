@@ -8,7 +8,8 @@ import math
 from pathlib import Path
 
 from ridgefill.errors import RidgefillError
-from ridgefill.evals.ruler.placement import Prompter, RulerSample, budget, token_span
+from ridgefill.evals.ruler.placement import Prompter, RulerSample, budget
+from ridgefill.runtime.spans import token_span
 from ridgefill.runtime.paths import read_text
 
 

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ridgefill.errors import RidgefillError
-from ridgefill.evals.ruler.tasks import Layout, Sources, make_layout, max_size, task_spec
+from ridgefill.evals.ruler.tasks import Layout, Sources, check_haystack, make_layout, max_size, task_spec
+from ridgefill.runtime.spans import token_span
 
 REGIONS = ("filled", "tail", "any")
 DEPTHS = [int(d) for d in np.round(np.linspace(0, 100, num=40))]  # RULER's needle depths (%)
@@ -54,8 +55,7 @@ def build_samples(tokenizer, task: str, length: int, n: int, seed: int, region: 
     """`n` samples of `task` whose prompt plus generation budget fits `length` tokens; same seed, same samples."""
     spec = task_spec(task)
     check_region(region, tail, keep_first, length)
-    if haystack not in ("auto", "noise", "essay"):
-        raise RidgefillError(f"unknown haystack '{haystack}': use noise, essay or auto (the task's RULER default)")
+    check_haystack(haystack)
     kind = spec.haystack if haystack == "auto" or spec.haystack is None else haystack
     sources = sources or Sources.load()
     builder = _Builder(spec, Prompter(tokenizer, chat_template), length, seed, region, tail, keep_first, kind,
@@ -137,16 +137,6 @@ def _render(lay: Layout, positions: list[int]) -> tuple[str, list[tuple[int, int
     context = lay.joiner.join(pieces)
     starts.append(len(lay.head) + len(context))
     return lay.head + context + lay.question, spans, starts, (len(lay.head), len(lay.head) + len(context))
-
-
-def token_span(offsets: list[tuple[int, int]], start: int, end: int) -> tuple[int, int]:
-    """Token [first, last+1) of the tokens that overlap chars [start, end)."""
-    ends = [o[1] for o in offsets]
-    first = bisect.bisect_right(ends, start)
-    last = first
-    while last < len(offsets) and offsets[last][0] < end:
-        last += 1
-    return first, max(last, first + 1)
 
 
 class _Builder:

@@ -43,7 +43,12 @@ FWE_TEMPLATE = ("Read the following coded text and track the frequency of each c
                 "the dots '....'. What are the three most frequently appeared words in the above coded text?")
 FWE_ANSWER = " Answer: According to the coded text above, the three most frequently appeared words are:"
 
-HAYSTACKS = ("noise", "essay", "needle")
+HAYSTACKS = ("auto", "noise", "essay")  # what --haystack takes (auto: each task's own, which may be "needle")
+
+
+def check_haystack(name: str) -> None:
+    if name not in HAYSTACKS:
+        raise RidgefillError(f"unknown haystack '{name}': use noise, essay or auto (the task's RULER default)")
 ESSAY_CORPORA = ("wiki-leads", "shakespeare")
 VT_HOPS, CWE_COMMON = 4, 10
 FWE_ALPHA, FWE_ZETA = 2.0, math.pi ** 2 / 6  # zeta(2): the Zipf normaliser RULER uses for alpha 2

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from ridgefill.evals.stats import (format_interval, gap_closed, mean_difference, paired_bootstrap, ratio_of_medians,
+from ridgefill.runtime.stats import (format_interval, gap_closed, mean_difference, paired_bootstrap, ratio_of_medians,
                              relative_difference, select)
 
 
@@ -84,7 +84,7 @@ def test_format_interval():
 
 
 def test_gap_ratio_is_the_share_of_the_reference_gap_kept():
-    from ridgefill.evals.stats import gap_ratio
+    from ridgefill.runtime.stats import gap_ratio
 
     iv = gap_ratio([11.0, 14.0, 13.0], [14.0, 16.0, 15.0], [10.0, 12.0, 11.0], seed=0)
     assert iv.estimate == pytest.approx((1 + 2 + 2) / (4 + 4 + 4))
@@ -94,7 +94,7 @@ def test_gap_ratio_is_the_share_of_the_reference_gap_kept():
 
 
 def test_distant_spread_counts_tokens_and_passages():
-    from ridgefill.evals.stats import describe_spread, distant_spread
+    from ridgefill.runtime.stats import describe_spread, distant_spread
 
     spread = distant_spread([0, 3, 0, 7, 2])
     assert spread == {"tokens": 12, "passages": 5, "passages_with_tokens": 3, "per_passage_min": 0,

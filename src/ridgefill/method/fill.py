@@ -1,0 +1,309 @@
+"""How to fill: the one settings type that every command, the recipe runner, tune and the vLLM plugin share.
+
+A FillSettings names a fill variant (identity or ridge), its split (ridge maps carry theirs), the maps file, the
+tail, the leading rows kept in full and the outlier rule, checked once, here. From it come
+
+- the engine's plan (`plan`: engine.FillPlan, with the maps loaded and checked against the model),
+- the vLLM plugin's environment (`env`, `from_env`; `for_vllm` pins the maps' bytes and writes an identity maps file
+  for identity fill, which vLLM serves through the same path as ridge maps),
+- the fill part of a serving config (`to_serving`, `load_serving`: what `ridgefill tune` writes and `generate`,
+  `bench-ttft` and `serve` read).
+
+`FillOptions` declares the options that set it, once, for every command that fills (measurements, generate, serve).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Mapping
+
+from ridgefill.commands import Config, option
+from ridgefill.errors import RidgefillError
+from ridgefill.method.statistics import OUTLIER_FACTOR
+
+VARIANTS = ("exact", "identity", "ridge")  # what a measurement runs side by side, exact first
+FILLS = VARIANTS[1:]  # the fill variants
+DEFAULT_TAIL = 256
+DEFAULT_KEEP_FIRST = 1
+SERVING_KIND = "ridgefill-serving-config"
+# the vLLM plugin's environment (read in every process vLLM starts: serve/vllm_plugin.py)
+ENV = {"maps": "RIDGEFILL_MAPS", "maps_sha256": "RIDGEFILL_MAPS_SHA256", "tail": "RIDGEFILL_TAIL",
+       "keep_first": "RIDGEFILL_KEEP_FIRST", "outlier_factor": "RIDGEFILL_OUTLIER_FACTOR"}
+V2_RUNNER = "VLLM_USE_V2_MODEL_RUNNER"  # vLLM's switch between its model runners (0: V1, the one the plugin hooks)
+OUTLIER_HELP = ("A row that would be filled runs in full when its split-state norm exceeds this x the median of "
+                "its chunk's filled rows (calibration leaves such rows out of the fit); 0 fills them too.")
+
+
+def check_fill_values(tail: int, keep_first: int, outlier_factor: float) -> None:
+    """The one check of the fill's numbers (a one-line RidgefillError naming the option and the fix)."""
+    if isinstance(tail, bool) or not isinstance(tail, int) or tail < 1:
+        raise RidgefillError(f"--tail {tail} must be an integer of at least 1: the last prompt row gives the first "
+                             "generated token and must run the full model")
+    if isinstance(keep_first, bool) or not isinstance(keep_first, int) or keep_first < 0:
+        raise RidgefillError(f"--keep-first {keep_first} must be an integer of at least 0")
+    number = isinstance(outlier_factor, (int, float)) and not isinstance(outlier_factor, bool)
+    if not number or not math.isfinite(outlier_factor) or outlier_factor < 0:
+        shown = f"{outlier_factor:g}" if number else repr(outlier_factor)
+        raise RidgefillError(f"--outlier-factor {shown} must be 0 (fill every row) or a finite positive number")
+
+
+@dataclass(frozen=True)
+class FillSettings:
+    """How to fill one prompt: `variant` identity or ridge; `split` (ridge: the maps', checked when given);
+    `maps` (ridge, or for vLLM any maps file, identity ones too); `maps_sha256` the bytes every loader must find."""
+
+    variant: str
+    split: int | None = None
+    maps: Path | None = None
+    tail: int = DEFAULT_TAIL
+    keep_first: int = DEFAULT_KEEP_FIRST
+    outlier_factor: float = OUTLIER_FACTOR
+    maps_sha256: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.variant not in FILLS:
+            raise RidgefillError(f"unknown fill variant {self.variant!r}: use {' or '.join(FILLS)}")
+        check_fill_values(self.tail, self.keep_first, self.outlier_factor)
+        if self.variant == "ridge" and self.maps is None:
+            raise RidgefillError("the ridge variant needs --maps (from ridgefill fit): pass it, or fill with identity")
+        if self.maps is None and self.split is None:
+            raise RidgefillError("identity fill needs --split (or --maps, which carries it)")
+        if self.split is not None and (isinstance(self.split, bool) or not isinstance(self.split, int)
+                                       or self.split < 1):
+            raise RidgefillError(f"--split {self.split} must be a layer index of at least 1")
+        if self.maps is not None and not isinstance(self.maps, Path):
+            object.__setattr__(self, "maps", Path(self.maps))
+
+    # --- ridgefill's engine --------------------------------------------------------------------------------------
+    def plan(self, session, keep_rows=()) -> tuple["FillPlan", dict | None]:
+        """The engine's plan on `session`'s model (maps loaded and checked against it) and the maps' metadata (None
+        for identity fill). keep_rows: rows run in full besides the first keep_first and the tail."""
+        from ridgefill.engine import FillPlan, IdentityFiller
+        from ridgefill.method.maps import check_for_model, load_filler
+        from ridgefill.runtime.artifacts import read_meta
+        from ridgefill.runtime.paths import file_sha256
+
+        n_layers = session.engine.n_layers
+        rows = tuple(sorted(set(range(self.keep_first)) | set(keep_rows)))
+        meta, split = None, self.split
+        if self.variant == "ridge":
+            filler, meta = load_filler(self.maps, session.loaded.info(), self.split, session.engine.dtype,
+                                       session.engine.device, self.maps_sha256)
+            split = meta["split"]
+        elif self.maps is not None:  # identity at the maps' split: their metadata is enough
+            meta = {**read_meta(self.maps, "maps"), "sha256": file_sha256(self.maps)}
+            check_for_model(self.maps, meta, session.loaded.info(), self.split)
+            split = meta["split"]
+        if not 1 <= split <= n_layers:
+            raise RidgefillError(f"split {split} is out of range: use 1..{n_layers} for this model")
+        if self.variant == "identity":
+            filler = IdentityFiller(split, n_layers)
+        return FillPlan(filler, self.tail, rows, self.outlier_factor), meta
+
+    # --- vLLM ----------------------------------------------------------------------------------------------------
+    def for_vllm(self, n_layers: int, model_info: dict, scratch: Path) -> "FillSettings":
+        """These settings as the vLLM plugin serves them: identity fill through an identity maps file written into
+        `scratch` for this model, and the maps pinned to their bytes as they are now (maps_sha256)."""
+        from ridgefill.method.maps import save_maps
+        from ridgefill.runtime.artifacts import load_private
+
+        maps = self.maps
+        if self.variant == "identity":
+            split = self.split if self.split is not None else served_split(self.maps)
+            maps = Path(scratch) / "identity.maps.safetensors"
+            save_maps(maps, split, n_layers, [], {"model": model_info}, "identity")
+        _, meta, digest = load_private(maps, "maps", None if maps != self.maps else self.maps_sha256)
+        if self.split is not None and self.split != meta["split"]:
+            raise RidgefillError(f"{maps} holds maps for split {meta['split']}, not {self.split}: pass --split "
+                                 f"{meta['split']} or fit maps for split {self.split}")
+        return replace(self, maps=maps, split=meta["split"], maps_sha256=digest)
+
+    def env(self) -> dict[str, str]:
+        """The plugin's environment (every process vLLM starts reads it); needs a maps file (for_vllm)."""
+        if self.maps is None:
+            raise RidgefillError("the vLLM plugin serves a maps file: pin the settings with for_vllm first")
+        env = {ENV["maps"]: str(Path(self.maps).resolve()), ENV["tail"]: str(self.tail),
+               ENV["keep_first"]: str(self.keep_first), ENV["outlier_factor"]: repr(float(self.outlier_factor)),
+               V2_RUNNER: "0"}
+        if self.maps_sha256 is not None:
+            env[ENV["maps_sha256"]] = self.maps_sha256
+        return env
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> "FillSettings | None":
+        """The plugin's settings in `env`, or None when RIDGEFILL_MAPS is unset (vLLM then runs as stock). The
+        variant is the maps file's kind (identity maps serve identity fill)."""
+        from ridgefill.runtime.artifacts import read_meta
+
+        maps = env.get(ENV["maps"], "").strip()
+        if not maps:
+            return None
+
+        def number(key: str, kind, default):
+            text = env.get(ENV[key], "").strip()
+            try:
+                return kind(text) if text else default
+            except ValueError:
+                raise RidgefillError(f"{ENV[key]}={text!r} is not a{'n integer' if kind is int else ' number'}: "
+                                     f"set it to e.g. {default}") from None
+
+        meta = read_meta(maps, "maps")
+        return cls("identity" if meta.get("kind") == "identity" else "ridge", meta.get("split"), Path(maps),
+                   number("tail", int, DEFAULT_TAIL), number("keep_first", int, DEFAULT_KEEP_FIRST),
+                   number("outlier_factor", float, OUTLIER_FACTOR), env.get(ENV["maps_sha256"], "").strip() or None)
+
+    # --- serving configs -----------------------------------------------------------------------------------------
+    def to_serving(self) -> dict:
+        """The fill part of a serving config (the maps by absolute path and sha256)."""
+        from ridgefill.runtime.paths import file_sha256
+
+        maps = None
+        if self.variant == "ridge":
+            maps = {"path": str(Path(self.maps).resolve()), "sha256": self.maps_sha256 or file_sha256(self.maps)}
+        return {"variant": self.variant, "split": self.split, "tail": self.tail, "keep_first": self.keep_first,
+                "outlier_factor": self.outlier_factor, "maps": maps}
+
+    def describe(self) -> dict:
+        return {"variant": self.variant, "split": self.split, "maps": None if self.maps is None else str(self.maps),
+                "maps_sha256": self.maps_sha256, "tail": self.tail, "keep_first": self.keep_first,
+                "outlier_factor": self.outlier_factor}
+
+
+def parse_variants(text, maps) -> list[str]:
+    """--variants: comma-separated names (or a list). Default: every variant, ridge only with --maps. Exact always
+    runs, first: every difference is taken against it."""
+    if text is None:
+        return [v for v in VARIANTS if v != "ridge" or maps is not None]
+    names = [v.strip() for v in (text.split(",") if isinstance(text, str) else text) if v.strip()]
+    unknown = [v for v in names if v not in VARIANTS]
+    if not names or unknown:
+        raise RidgefillError(f"--variants '{text}' names unknown variant(s) {unknown}: use {', '.join(VARIANTS)}")
+    if "ridge" in names and maps is None:
+        raise RidgefillError("the ridge variant needs --maps (from ridgefill fit): pass it, or drop ridge from "
+                             "--variants")
+    return ["exact", *[v for v in VARIANTS if v in names and v != "exact"]]
+
+
+def variant_plans(session, options, variants=VARIANTS) -> tuple[dict, dict | None]:
+    """The plans measured side by side: exact (None) and each fill variant of `options` (FillOptions: maps, split,
+    tail, keep_first, outlier_factor), so every fill fills the same rows. Given maps, every variant runs at the maps'
+    split (--split is checked against it), also when ridge is not among them. Returns (plans, maps metadata)."""
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise RidgefillError(f"unknown variant(s) {unknown}: use {', '.join(VARIANTS)}")
+    plans, meta = {}, None
+    for v in variants:
+        if v == "exact":
+            plans[v] = None
+            continue
+        fill = FillSettings(v, options.split, options.maps, options.tail, options.keep_first, options.outlier_factor)
+        plans[v], found = fill.plan(session)
+        meta = found or meta
+    return plans, meta
+
+
+def served_split(maps) -> int:
+    from ridgefill.runtime.artifacts import read_meta
+
+    return read_meta(maps, "maps")["split"]
+
+
+@dataclass(frozen=True)
+class Tuned:
+    """A serving config: the fill it serves and the checkpoint it was tuned on."""
+
+    fill: FillSettings
+    weights_hash: str
+
+    def check_model(self, weights_hash: str, path) -> None:
+        """Refused for a model with other weights (ridge maps check this too; identity fill carries no maps)."""
+        if self.weights_hash != weights_hash:
+            raise RidgefillError(f"--serving-config {path} was tuned for another model (weights "
+                                 f"{self.weights_hash}; this model's are {weights_hash}): tune this model, or pass "
+                                 "its --model")
+
+
+def load_serving(path: str | Path) -> Tuned:
+    """Read and check a serving config (`ridgefill tune`'s serving.json). Its maps are named by path (absolute, or
+    relative to the config's folder) and sha256: maps whose bytes changed since tune are refused. Anything missing or
+    malformed is a one-line error."""
+    from ridgefill.runtime.paths import file_sha256, read_text
+
+    text = read_text(path, "--serving-config")
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise RidgefillError(f"--serving-config {path} is not JSON ({exc.msg}): pass the file `ridgefill tune` "
+                             "wrote (serving.json)") from None
+    if not isinstance(doc, dict) or doc.get("kind") != SERVING_KIND:
+        raise RidgefillError(f"--serving-config {path} is not a ridgefill serving config: pass the serving.json "
+                             "that `ridgefill tune` wrote")
+    try:
+        variant, split, tail, keep = doc["variant"], doc["split"], doc["tail"], doc["keep_first"]
+        outlier = doc.get("outlier_factor", OUTLIER_FACTOR)
+        weights = doc["model"]["weights_hash"]
+        maps = doc.get("maps")
+        if not isinstance(weights, str) or not isinstance(variant, str):
+            raise TypeError("model.weights_hash / variant")
+    except (KeyError, TypeError) as exc:
+        raise RidgefillError(f"--serving-config {path} lacks a valid {exc}: rerun `ridgefill tune`") from None
+    if variant not in FILLS:
+        raise RidgefillError(f"--serving-config {path}: unknown variant {variant!r}: rerun `ridgefill tune`")
+    maps_path = sha = None
+    if variant == "ridge":
+        if not isinstance(maps, dict) or not isinstance(maps.get("path"), str):
+            raise RidgefillError(f"--serving-config {path}: a ridge fill without its maps (`maps.path`): rerun "
+                                 "`ridgefill tune`")
+        maps_path = Path(maps["path"])
+        if not maps_path.is_absolute():
+            maps_path = Path(path).parent / maps_path
+        if not maps_path.is_file():
+            raise RidgefillError(f"--serving-config {path}: its maps {maps_path} do not exist: rerun `ridgefill tune` "
+                                 "or restore the file")
+        sha = maps.get("sha256")
+        found = file_sha256(maps_path)
+        expected = sha or maps.get("hash")  # tune before sha256: the first 16 hex digits
+        if not isinstance(expected, str) or not found.startswith(expected):
+            raise RidgefillError(f"--serving-config {path}: its maps {maps_path} changed since tune (sha256 "
+                                 f"{found[:16]}, the config says {str(expected)[:16]}): rerun `ridgefill tune`")
+        sha = found
+    try:
+        fill = FillSettings(variant, split, maps_path, tail, keep, outlier, sha)
+    except RidgefillError as exc:
+        raise RidgefillError(f"--serving-config {path}: {exc}: rerun `ridgefill tune`") from None
+    return Tuned(fill, weights)
+
+
+# --- the options ------------------------------------------------------------------------------------------------
+@dataclass
+class FillOptions(Config):
+    """The options of every command that fills (declared once; a recipe's top-level `splits` and `tails` set
+    split and tail)."""
+
+    maps: Path | None = option(None, "Maps file (from ridgefill fit) for the ridge variant; it carries the split.",
+                               role="input")
+    split: int | None = option(None, "Split S (the maps carry it; identity fill needs it without them).",
+                               top="splits")
+    tail: int = option(DEFAULT_TAIL, "Last prompt rows that run the full model.", top="tails")
+    keep_first: int = option(DEFAULT_KEEP_FIRST, "Leading rows run in full (the attention sink).")
+    outlier_factor: float = option(OUTLIER_FACTOR, OUTLIER_HELP)
+
+    def check(self) -> None:
+        super().check()
+        check_fill_values(self.tail, self.keep_first, self.outlier_factor)
+
+    def fill(self, variant: str | None = None) -> FillSettings:
+        """The settings of `variant` (default: ridge with --maps, else identity)."""
+        variant = variant or ("ridge" if self.maps is not None else "identity")
+        return FillSettings(variant, self.split, self.maps, self.tail, self.keep_first, self.outlier_factor)
+
+    def with_serving(self, tuned: Tuned, **more):
+        """These options with a serving config's fill in place of --maps, --split, --tail, --keep-first and
+        --outlier-factor (and `more`)."""
+        f = tuned.fill
+        return replace(self, maps=f.maps, split=f.split, tail=f.tail, keep_first=f.keep_first,
+                       outlier_factor=f.outlier_factor, **more)

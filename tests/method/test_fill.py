@@ -1,0 +1,163 @@
+"""The one fill-settings type (method/fill.py): its checks, the engine's plans it gives, the vLLM plugin's environment
+(there and back), the fill part of a serving config (there and back, the maps pinned by sha256), and the plans a
+measurement runs side by side."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from ridgefill.errors import RidgefillError
+from ridgefill.method.fill import (ENV, SERVING_KIND, V2_RUNNER, FillSettings, load_serving, parse_variants,
+                                   variant_plans)
+from ridgefill.method.maps import save_maps
+from ridgefill.runtime.paths import file_sha256
+from ridgefill.runtime.session import open_session
+
+
+@pytest.fixture(scope="module")
+def session_and_maps(tiny_checkpoint, tmp_path_factory):
+    session = open_session(str(tiny_checkpoint))
+    maps = tmp_path_factory.mktemp("maps") / "maps-s3.safetensors"
+    save_maps(maps, 3, session.engine.n_layers, [], {"model": session.loaded.info()}, "identity")
+    return session, maps
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"variant": "exact", "split": 3}, "unknown fill variant 'exact'"),
+    ({"variant": "ridge", "split": 3}, "the ridge variant needs --maps"),
+    ({"variant": "identity"}, "identity fill needs --split"),
+    ({"variant": "identity", "split": 3, "tail": 0}, "--tail 0 must be an integer of at least 1"),
+    ({"variant": "identity", "split": 3, "tail": True}, "--tail True"),
+    ({"variant": "identity", "split": 3, "keep_first": -1}, "--keep-first -1"),
+    ({"variant": "identity", "split": 3, "outlier_factor": math.nan}, "--outlier-factor nan"),
+    ({"variant": "identity", "split": 3, "outlier_factor": math.inf}, "--outlier-factor inf"),
+    ({"variant": "identity", "split": 3, "outlier_factor": -1.0}, "--outlier-factor -1 "),
+    ({"variant": "identity", "split": 0}, "--split 0"),
+])
+def test_bad_settings_are_one_line(kwargs, match):
+    with pytest.raises(RidgefillError, match=match) as caught:
+        FillSettings(**kwargs)
+    assert "\n" not in str(caught.value)
+
+
+def test_the_plan_is_the_settings_on_the_model(session_and_maps):
+    session, maps = session_and_maps
+    plan, meta = FillSettings("ridge", None, maps, tail=8, keep_first=2, outlier_factor=5.0).plan(session, (10,))
+    assert meta["split"] == plan.split == 3 and plan.tail == 8 and plan.keep_rows == (0, 1, 10)
+    assert plan.outlier_factor == 5.0
+    plan, meta = FillSettings("identity", 2).plan(session)
+    assert meta is None and plan.split == 2 and plan.keep_rows == (0,)
+    with pytest.raises(RidgefillError, match="split 3, not 2"):
+        FillSettings("ridge", 2, maps).plan(session)
+    with pytest.raises(RidgefillError, match="changed since it was checked"):
+        FillSettings("ridge", None, maps, maps_sha256="0" * 64).plan(session)
+
+
+def test_the_vllm_environment_there_and_back(session_and_maps, tmp_path):
+    session, maps = session_and_maps
+    pinned = FillSettings("identity", 4, tail=12, keep_first=0, outlier_factor=0.0).for_vllm(
+        session.engine.n_layers, session.loaded.info(), tmp_path)
+    assert pinned.maps.parent == tmp_path and pinned.split == 4 and pinned.maps_sha256 == file_sha256(pinned.maps)
+    env = pinned.env()
+    assert env[ENV["tail"]] == "12" and env[ENV["keep_first"]] == "0" and env[V2_RUNNER] == "0"
+    assert env[ENV["maps_sha256"]] == pinned.maps_sha256
+    assert FillSettings.from_env(env) == pinned  # identity maps serve identity fill
+    assert FillSettings.from_env({}) is None
+    with pytest.raises(RidgefillError, match="RIDGEFILL_TAIL='x' is not an integer"):
+        FillSettings.from_env({**env, ENV["tail"]: "x"})
+    with pytest.raises(RidgefillError, match="RIDGEFILL_TAIL=0|--tail 0"):
+        FillSettings.from_env({**env, ENV["tail"]: "0"})
+    with pytest.raises(RidgefillError, match="pin the settings with for_vllm"):
+        FillSettings("identity", 4).env()
+
+
+def serving_doc(fill: FillSettings, weights: str, **changes) -> dict:
+    return {"kind": SERVING_KIND, "version": 1, "model": {"weights_hash": weights}, **fill.to_serving(), **changes}
+
+
+def test_a_serving_config_there_and_back_with_its_maps_pinned(session_and_maps, tmp_path):
+    session, maps = session_and_maps
+    weights = session.loaded.fingerprint
+    ridge = FillSettings("ridge", 3, maps, tail=16, keep_first=1, outlier_factor=7.5)
+    path = tmp_path / "serving.json"
+    path.write_text(json.dumps(serving_doc(ridge, weights)))
+    tuned = load_serving(path)
+    assert tuned.fill == ridge.__class__(**{**ridge.__dict__, "maps_sha256": file_sha256(maps)})
+    tuned.check_model(weights, path)
+    with pytest.raises(RidgefillError, match="tuned for another model"):
+        tuned.check_model("0" * 16, path)
+    # tune's earlier form: the maps' first 16 hex digits as `hash`
+    path.write_text(json.dumps(serving_doc(ridge, weights, maps={"path": str(maps), "hash": file_sha256(maps)[:16]})))
+    assert load_serving(path).fill.maps_sha256 == file_sha256(maps)
+    # a relative path is the config's folder's
+    (tmp_path / "m.safetensors").write_bytes(maps.read_bytes())
+    path.write_text(json.dumps(serving_doc(ridge, weights, maps={"path": "m.safetensors",
+                                                                 "sha256": file_sha256(maps)})))
+    assert load_serving(path).fill.maps == tmp_path / "m.safetensors"
+    identity = FillSettings("identity", 5, tail=9)
+    path.write_text(json.dumps(serving_doc(identity, weights)))
+    assert load_serving(path).fill == identity
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"maps": {"path": "/nowhere/m.safetensors", "sha256": "ab"}}, "do not exist"),
+    ({"maps": {"path": "MAPS", "sha256": "0" * 64}}, "changed since tune"),
+    ({"maps": None}, "a ridge fill without its maps"),
+    ({"maps": "MAPS"}, "a ridge fill without its maps"),
+    ({"tail": 0}, "--tail 0"),
+    ({"outlier_factor": -2}, "--outlier-factor -2"),
+    ({"variant": "exact"}, "unknown variant 'exact'"),
+    ({"kind": "other"}, "is not a ridgefill serving config"),
+    ({"model": {}}, "lacks a valid"),
+])
+def test_a_bad_serving_config_is_one_line(session_and_maps, tmp_path, change, match):
+    session, maps = session_and_maps
+    doc = serving_doc(FillSettings("ridge", 3, maps), session.loaded.fingerprint, **change)
+    if isinstance(doc.get("maps"), dict) and doc["maps"]["path"] == "MAPS":
+        doc["maps"]["path"] = str(maps)
+    path = tmp_path / "serving.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(RidgefillError, match=match) as caught:
+        load_serving(path)
+    assert "\n" not in str(caught.value) and str(path) in str(caught.value)
+
+
+class Options:
+    def __init__(self, maps=None, split=None, tail=8, keep_first=1, outlier_factor=0.0):
+        self.maps, self.split, self.tail, self.keep_first, self.outlier_factor = maps, split, tail, keep_first, \
+            outlier_factor
+
+
+@pytest.mark.parametrize("variants", [("exact", "identity"), ("identity",), ("exact", "identity", "ridge")])
+def test_the_split_comes_from_the_maps_whichever_variants_run(session_and_maps, variants):
+    session, maps = session_and_maps
+    plans, meta = variant_plans(session, Options(maps), variants)
+    assert meta["split"] == 3
+    assert all(plans[v].split == 3 for v in variants if v != "exact")
+
+
+def test_split_is_checked_against_the_maps_without_ridge(session_and_maps):
+    session, maps = session_and_maps
+    assert variant_plans(session, Options(maps, 3), ("exact", "identity"))[0]["identity"].split == 3
+    with pytest.raises(RidgefillError, match="split 3, not 2"):
+        variant_plans(session, Options(maps, 2), ("exact", "identity"))
+
+
+def test_without_maps_identity_takes_split_and_ridge_needs_maps(session_and_maps):
+    session, _ = session_and_maps
+    plans, meta = variant_plans(session, Options(None, 2), ("exact", "identity"))
+    assert meta is None and plans["identity"].split == 2 and plans["exact"] is None
+    with pytest.raises(RidgefillError, match="needs --maps"):
+        variant_plans(session, Options(None, 2), ("exact", "ridge"))
+    with pytest.raises(RidgefillError, match="--split"):
+        variant_plans(session, Options(None, None), ("exact", "identity"))
+
+
+def test_variants_parse_with_exact_first():
+    assert parse_variants(None, None) == ["exact", "identity"]
+    assert parse_variants("ridge,identity", "m") == ["exact", "identity", "ridge"]
+    with pytest.raises(RidgefillError, match="unknown variant"):
+        parse_variants("drop", None)
