@@ -19,11 +19,14 @@ import math
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 from ridgefill.commands import Config, option
 from ridgefill.errors import RidgefillError
 from ridgefill.method.statistics import OUTLIER_FACTOR
+
+if TYPE_CHECKING:
+    from ridgefill.engine import FillPlan
 
 VARIANTS = ("exact", "identity", "ridge")  # what a measurement runs side by side, exact first
 FILLS = VARIANTS[1:]  # the fill variants

@@ -13,31 +13,22 @@ passages on SmolLM2) and runs only where the answer is decided: from the variant
 RULER measured first where the search skipped it): that one is served, and nothing slower is checked.
 --no-nll-check judges RULER alone and serves the faster RULER choice.
 
-The work is recipes run through the recipe pipeline's pieces (pipeline.run.run_tasks), each task cached under its
-key, so a rerun or an interrupted tune reuses every finished step: the search's recipe.toml in the run folder (one
-calibration for all candidates, then per measured split its fit and ruler tasks; `ridgefill run` on it would
-measure every candidate) and one check recipe per variant in check/<variant>/ (its loss tasks, the ridge check's
-calibration and fits linked from the run folder, exact NLLs shared in check/exact).
-
-Search (quality falls as the split moves down, so each variant's passing splits are, up to noise, the ones above
-a threshold):
-- bisect (default): measure the highest candidate, then halve each variant's open interval between its lowest
-  passing and highest failing split; each measurement judges both variants. About 1 + 2·log2(n) of n
-  candidates, and the answer is certified locally: the chosen split passed and the candidate below it failed
-  (or it is the lowest candidate);
-- descend: from the highest candidate down, one by one, until every variant has failed once: the chosen split
-  has every higher candidate passing too (robust to a noisy dip, slower);
-- all: every candidate (the full frontier table), chosen as in descend.
+The work is recipes run through the recipe pipeline's pieces (pipeline.run.run_tasks), built in memory from
+these options (pipeline.recipe.recipe_from; their TOML is written into the run folder as the record) and each
+task cached under its key, so a rerun or an interrupted tune reuses every finished step: the search's recipe (one
+calibration for all candidates, then per measured split its fit and ruler tasks; `ridgefill run` on its
+recipe.toml would measure every candidate) and one check recipe per variant in check/<variant>/ (its loss tasks,
+the ridge check's calibration and fits linked from the run folder, exact NLLs shared in check/exact). The model's
+identity is read without its weights (runtime.models.model_identity); the searches are pipeline/search.py's.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from ridgefill import __version__
 from ridgefill.commands import Command, option
@@ -55,7 +46,6 @@ from ridgefill.runtime.ranges import parse_ranges
 from ridgefill.runtime.session import ModelConfig, check_length
 
 if TYPE_CHECKING:
-    from ridgefill.engine import ModelShape
     from ridgefill.pipeline.recipe import Recipe
 
 PASS = "pass"

@@ -21,7 +21,6 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import ipaddress
-import json
 import os
 import re
 import signal
