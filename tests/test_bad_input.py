@@ -557,10 +557,9 @@ CASES: list[Case] = [
     Case("serve-port-too-large", cmd(SERVE, port=70000), match="--port"),
     Case("serve-port-not-a-number", cmd(SERVE, port="http"), match="--port"),
     Case("serve-unknown-dtype", cmd(SERVE, dtype="fp8"), match="dtype"),
-    Case("serve-enable-prefix-caching", cmd(SERVE, "--enable-prefix-caching"), match="prefix caching off"),
+    Case("serve-enable-lora", cmd(SERVE, "--enable-lora"), match="LoRA is not supported with RidgeFill"),
     Case("serve-model-as-positional-argument", ["serve", "{A}", *SERVE[3:]], match="unexpected argument"),
-    Case("serve-enable-prefix-caching-spelled-vllms-way", cmd(SERVE, "--enable_prefix_caching"),
-         match="prefix caching off"),
+    Case("serve-enable-lora-spelled-vllms-way", cmd(SERVE, "--enable_lora"), match="LoRA is not supported"),
 
     # --- run ---
     Case("run-recipe-empty", RUN, {"recipe.toml": EMPTY}, match="model"),

@@ -60,6 +60,8 @@ REGISTRY: dict[str, Entry] = {
                     True),
     "longbench": Entry("ridgefill.evals.longbench", "LongBench v2 accuracy for exact, identity and ridge prefill.", True),
     "bench-ttft": Entry("ridgefill.evals.bench_ttft", "Time to first token: exact vs filled vs transformers.", True),
+    "bench-serve": Entry("ridgefill.evals.bench_serve", "Load test: RidgeFill in vLLM against stock vLLM under "
+                         "Poisson arrivals (loopback)."),
     "lm-eval": Entry("ridgefill.evals.lm_eval_cli", "lm-evaluation-harness with the `ridgefill` model registered."),
     "run": Entry("ridgefill.pipeline.run", "Run a recipe: calibrate → fit → evaluations, cached, with a report."),
     "tune": Entry("ridgefill.pipeline.tune", "Search the split to serve with: fewest exact layers within tolerance."),

@@ -90,8 +90,8 @@ def test_serve_runs_the_vllm_server_with_the_fill_and_hands_on_undeclared_option
     kv = 3 * 256 * 2 * 6 * 2 * 16 * 4  # 3 requests of 256 tokens, K and V of 6 layers x 2 KV heads x 16, fp32
     assert vllm_ok["argv"] == [
         sys.executable, "-m", serve.VLLM_SERVER, "--model", folder, "--served-model-name", folder,
-        "--host", "127.0.0.1", "--port", "8123", "--dtype", "float32", "--no-enable-prefix-caching",
-        "--enforce-eager", "--middleware", serve.MIDDLEWARE, "--kv-cache-memory-bytes", str(kv),
+        "--host", "127.0.0.1", "--port", "8123", "--dtype", "float32", "--middleware", serve.MIDDLEWARE,
+        "--kv-cache-memory-bytes", str(kv),
         "--max-model-len", "256", "-tp", "1", "--max_num_seqs=4", "--seed", "3", "--no-enable-log-requests"]
     env = vllm_ok["env"]
     assert env[ENV["maps"]] == str(fitted.resolve()) and env[ENV["tail"]] == "16"
@@ -463,8 +463,8 @@ BAD = [  # (id, model, maps, more arguments, the error names)
     ("tail-zero", lambda root, t: t["llama"][0], lambda root, t: t["llama"][1], ["--tail", "0"], "tail 0"),
     ("maps-for-another-split", lambda root, t: t["llama"][0], lambda root, t: t["llama"][1], ["--split", "3"],
      "holds maps for split 2, not 3"),
-    ("prefix-caching", lambda root, t: t["llama"][0], lambda root, t: t["llama"][1],
-     ["--max-model-len", "512", "--enable-prefix-caching"], "prefix caching off"),
+    ("lora", lambda root, t: t["llama"][0], lambda root, t: t["llama"][1],
+     ["--max-model-len", "512", "--enable-lora"], "LoRA is not supported with RidgeFill"),
 ]
 
 

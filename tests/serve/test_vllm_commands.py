@@ -49,7 +49,8 @@ def test_bench_ttft_in_vllm_takes_tunes_ridge_config_and_writes_the_same_documen
     assert doc["config"]["engine"] == "vllm" and doc["variants"] == ["exact", "ridge"]
     engines = doc["vllm_engines"]
     assert engines["exact"]["plugin"] is False and engines["exact"]["fill"] is None
-    assert engines["ridge"]["fill"]["tail"] == fill.tail == 32 and engines["ridge"]["enable_prefix_caching"] is False
+    assert engines["ridge"]["fill"]["tail"] == fill.tail == 32
+    assert engines["ridge"]["enable_prefix_caching"] is True and engines["ridge"]["enforce_eager"] is False
     assert engines["ridge"]["fill"]["maps_sha256"] == fill.maps_sha256
     session = open_session(str(folder))
     vocab = session.shape.vocab

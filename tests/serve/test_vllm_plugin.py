@@ -23,9 +23,11 @@ SERVED_TAIL = 24  # the filled engines' own tail; tests set theirs per request
 
 
 def settings(folder, fill: FillSettings | None = None, plugin: bool = True, threads: str | None = None,
-             **engine_args) -> EngineSettings:
+             compiled: bool = False, **engine_args) -> EngineSettings:
+    """An engine as `ridgefill serve` runs it (prefix caching on), eager unless `compiled` (compiling costs
+    minutes on this machine; test_compiled_* runs compiled)."""
     return EngineSettings(str(folder), fill, plugin=plugin, max_model_len=MAX_LEN, kv_cache_gib=1, threads=threads,
-                          engine_args=engine_args)
+                          compiled=compiled, engine_args=engine_args)
 
 
 def stock(folder) -> EngineSettings:
@@ -39,10 +41,11 @@ def filled(folder, maps) -> EngineSettings:
 
 
 def stepped(folder, maps) -> EngineSettings:
-    """The plugin with the maps, 128-token steps (chunked prefill beside other requests' decode steps) and KV blocks
-    for 20 x 128 tokens (long requests get preempted and recomputed)."""
-    return settings(folder, FillSettings("ridge", maps=maps, tail=40), max_num_batched_tokens=128, enable_chunked_prefill=True,
-                    num_gpu_blocks_override=20, max_num_seqs=8)
+    """The plugin with the maps, compiled (vLLM's default: torch.compile of the stock forward, which steps without a
+    filled token take), 128-token steps (chunked prefill beside other requests' decode steps) and KV blocks for
+    20 x 128 tokens (long requests get preempted and recomputed)."""
+    return settings(folder, FillSettings("ridge", maps=maps, tail=40), compiled=True, max_num_batched_tokens=128,
+                    enable_chunked_prefill=True, num_gpu_blocks_override=20, max_num_seqs=8)
 
 
 def max_logprob_gap(completion, first: torch.Tensor) -> float:
@@ -110,6 +113,78 @@ def test_bad_request_options_are_refused_at_admission_and_the_engine_serves_on(v
     assert [c.tokens for c in after] == [c.tokens for c in before] and max_gap(after, before) == 0
 
 
+def hits(worker) -> int:
+    """Prompt tokens vLLM has served from its prefix cache so far."""
+    return int(worker.counters().get("vllm:prefix_cache_hits", 0.0))
+
+
+def test_an_exact_request_never_reads_filled_blocks(vllm_tiny, engines):
+    """Prefix caching (a): the same prompts filled, then run exact (tail over the prompt): the exact run reads no
+    cached block (filled blocks are in the fill's cache namespace) and gives stock vLLM's tokens and log-probs."""
+    folder, maps = vllm_tiny["llama"]
+    batch = prompts(2, [400, 300], vocab_of(folder), seed=21)
+    worker = engines.get(filled(folder, maps))
+    worker.generate(batch, 8)
+    before = hits(worker)
+    exact = worker.generate(batch, 8, logprobs=2, tails=[MAX_LEN] * 2)
+    assert hits(worker) == before
+    want = engines.get(stock(folder)).generate(batch, 8, logprobs=2)
+    assert [c.tokens for c in exact] == [c.tokens for c in want] and max_gap(exact, want) < 1e-5
+
+
+def test_a_repeated_filled_request_hits_the_cache_before_its_tail_and_answers_the_same(vllm_tiny, engines):
+    """Prefix caching (b): the same filled request twice gives the same tokens and log-probs; the second reads the
+    blocks that end before its tail (and no further: it computes its tail itself), and fills only the rows after
+    them."""
+    folder, maps = vllm_tiny["llama"]
+    (prompt,) = prompts(1, [600], vocab_of(folder), seed=22)
+    worker = engines.get(filled(folder, maps))
+    block = worker.block_size()
+    first, counted = tally_delta(worker, lambda: worker.generate([prompt], 8, logprobs=2))
+    before = hits(worker)
+    second, again = tally_delta(worker, lambda: worker.generate([prompt], 8, logprobs=2))
+    hit = hits(worker) - before
+    assert hit == (600 - SERVED_TAIL) // block * block > 0
+    assert second[0].tokens == first[0].tokens and max_gap(second, first) < 1e-6
+    assert again["filled_rows"] + again["outlier_rows_run_full"] == 600 - SERVED_TAIL - hit
+    assert again["full_prompt_rows"] - again["outlier_rows_run_full"] == SERVED_TAIL
+
+
+def test_a_second_chat_turn_reuses_the_first_and_equals_ridgefills_engine(vllm_tiny, engines):
+    """Prefix caching (c): turn two (turn one's prompt and answer, then new text) reads turn one's blocks up to
+    its own tail. Rows read from the cache keep the state turn one gave them (its filled rows filled, its tail and
+    answer exact); the rows turn two computes follow the fill rule. So it equals ridgefill's engine on the whole
+    prompt with turn one's tail and answer, up to the hit, kept in full (no outlier row in either turn: the
+    outlier rule's median is per step, so with outliers the two could differ in which rows those are)."""
+    from ridgefill.method.fill import FillSettings as Fill
+    from ridgefill.runtime.session import open_session
+
+    folder, maps = vllm_tiny["llama"]
+    vocab = vocab_of(folder)
+    worker = engines.get(filled(folder, maps))
+    block = worker.block_size()
+    turn_one, new_text = prompts(2, [400, 300], vocab, seed=23)
+    (answer,), counted_one = tally_delta(worker, lambda: worker.generate([turn_one], 40))
+    turn_two = turn_one + answer.tokens + new_text
+    before = hits(worker)
+    (got,), counted_two = tally_delta(worker, lambda: worker.generate([turn_two], 16, logprobs=5))
+    hit = hits(worker) - before
+    computed_one = len(turn_one) + len(answer.tokens) - 1  # turn one's last token was sampled, never run
+    assert hit == min(computed_one // block, (len(turn_two) - SERVED_TAIL) // block) * block
+    assert hit > len(turn_one) - SERVED_TAIL  # turn one's tail is read from the cache
+    assert counted_one["outlier_rows_run_full"] == counted_two["outlier_rows_run_full"] == 0
+    kept = [*range(len(turn_one) - SERVED_TAIL, hit)]  # exact in the cache: turn one's tail and answer
+    session = open_session(str(folder))
+    plan, _ = Fill("ridge", None, maps, SERVED_TAIL, 1, 0.0).plan(session, kept)
+    import torch
+
+    ids = torch.tensor([turn_two])
+    want = session.engine.generate(ids, 16, plan, None).tokens[0]
+    first = torch.log_softmax(session.engine.prefill(ids, plan).logits[0, -1].double(), -1)
+    print(f"chat turn two: hit {hit} tokens; {sum(a == b for a, b in zip(got.tokens, want))} of 16 tokens agree")
+    assert max_logprob_gap(got, first) < 1e-3 and got.tokens == want
+
+
 def test_unconfigured_plugin_is_stock_vllm(vllm_tiny, engines):
     """Test 1: the plugin loaded but not configured (RIDGEFILL_MAPS unset) changes nothing."""
     folder, _ = vllm_tiny["llama"]
@@ -120,9 +195,10 @@ def test_unconfigured_plugin_is_stock_vllm(vllm_tiny, engines):
     assert [c.logprobs for c in got] == [c.logprobs for c in want]
 
 
-def test_chunked_prefill_equals_one_unchunked_prefill(vllm_tiny, engines):
-    """Test 4: a 900-token prompt over 128-token steps gives the result of one unchunked prefill (and of
-    ridgefill's engine)."""
+def test_chunked_compiled_prefill_equals_one_unchunked_eager_prefill(vllm_tiny, engines):
+    """Test 4, and compilation: a 900-token prompt over 128-token steps in a compiled engine gives the result of one
+    unchunked prefill in an eager one (and of ridgefill's engine): filled steps run the fill eagerly, every other step
+    (decode) the compiled stock forward."""
     folder, maps = vllm_tiny["llama"]
     batch = prompts(2, [900, 640], vocab_of(folder), seed=6)
     whole = engines.get(filled(folder, maps))

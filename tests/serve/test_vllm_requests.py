@@ -217,7 +217,7 @@ def test_a_failed_start_is_one_line_with_its_root_cause_and_the_fix(tmp_path):
 
 @pytest.mark.parametrize("arg", ["--enable-lora", "--enable_lora", "--kv-transfer-config={}", "--enable-dbo",
                                  "--speculative-config", "-sc", "-pp", "--quantization", "-q",
-                                 "--kv-offloading-size", "--enable-prefix-caching", "--no-enforce-eager",
+                                 "--kv-offloading-size",
                                  "--kv-sharing-fast-prefill"])
 def test_vllm_options_that_break_the_fill_are_refused(arg):
     with pytest.raises(RidgefillError, match=arg.split("=")[0]):

@@ -2,7 +2,7 @@
 install where vLLM would pick Model Runner V2 (Triton usable, as on every CUDA install: simulated here), a configured
 plugin makes it use V1, the runner it hooks, and refuses a configuration that still asks for V2; settings that break
 the fill are refused with one line before any engine process starts; the admission check joins the logits
-processors and prefix caching is off. Each probe runs in a fresh process (the plugin's hooks and vLLM's environment
+processors; prefix caching stays on (the plugin makes it safe). Each probe runs in a fresh process (the plugin's hooks and vLLM's environment
 are per process)."""
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def test_a_configured_plugin_makes_vllm_use_the_runner_it_hooks_and_refuses_what
     assert unconfigured["lora"].get("error") is None  # and nothing is refused: the plugin does nothing
     cases = probe(folder, maps)
     plain = cases["plain"]
-    assert plain["v2"] is False and plain["prefix_caching"] is False
+    assert plain["v2"] is False and plain["prefix_caching"] is True  # on, as vLLM's default (made safe)
     assert plain["processors"] == ["ridgefill.serve.vllm_admission:RidgeFillRequestArgs"]
     expected = {"v2-asked": "vLLM picked its Model Runner V2, which the RidgeFill plugin does not hook",
                 "lora": "LoRA is not supported with RidgeFill", "kv-offloading": "KV-offloading connectors",

@@ -9,9 +9,10 @@ a paired bootstrap interval of the speedup, and the FLOP-limit ratio. Here:
 - on a GPU the engines split vLLM's memory budget (gpu_memory_utilization 0.85 / variants); never run on one;
 - a fill variant that filled no row of prompts with rows to fill is an error (check_filled): it would report
   stock vLLM's timings under the variant's name;
-- prefix caching is off (a repeated prompt would otherwise hit it), CUDA graphs and torch.compile are off
-  (enforce_eager) for every variant, and on the CPU vLLM's threads are bound to --threads cores (default: all)
-  with none reserved;
+- every variant runs as `ridgefill serve` runs it: vLLM's default compilation (torch.compile; CUDA graphs on a
+  GPU) and prefix caching on; each run gets a cache salt of its own, so a repeated prompt never hits the cache
+  (the cost of hashing its blocks is still timed). On the CPU vLLM's threads are bound to --threads cores
+  (default: all) with none reserved;
 - a timed run is one request of the prompt's token ids for one greedy token: the wall time of vLLM's generate
   call in the engine's process (scheduling, prefill, sampling; no tokenization, no IPC). vLLM's own first-token
   latency of the request is kept beside it;
@@ -79,7 +80,7 @@ def bench_lengths(m, prompts: dict, add_flops, scratch: Path) -> tuple[list[dict
         m.plans[name].tally.unwindowed += tally["lookback_rows_run_full"]
     engines = {name: {"plugin": s.plugin, "fill": s.fill.describe() if s.fill else None, "dtype": s.dtype,
                       "threads_bind": s.threads, "max_model_len": s.max_model_len, **s.engine_args,
-                      "enforce_eager": True, "enable_prefix_caching": False, "env": s.env,
+                      "enforce_eager": not s.compiled, "enable_prefix_caching": s.prefix_caching, "env": s.env,
                       **({"tally": tallies[name]} if name in tallies else {})}
                for name, s in settings.items()}
     return results, intervals, engines
@@ -110,13 +111,13 @@ def _bench_length(workers: dict, plans: dict, ids: list[int], repeats: int, warm
     samples = {name: [] for name in names}
     latency = {name: [] for name in names}
     tokens = {}
-    for _ in range(warmup):
+    for w in range(warmup):
         for name in names:
-            workers[name].generate([ids], 1)
+            workers[name].generate([ids], 1, cache_salt=f"ridgefill-bench:{len(ids)}:warmup{w}")
             advance()
     for r in range(repeats):
         for name in names[r % len(names):] + names[: r % len(names)]:  # rotated: no variant always runs first
-            (done,) = workers[name].generate([ids], 1)
+            (done,) = workers[name].generate([ids], 1, cache_salt=f"ridgefill-bench:{len(ids)}:{r}")
             samples[name].append(done.seconds)
             latency[name].append(done.first_token_s)
             tokens[name] = done.tokens[0]

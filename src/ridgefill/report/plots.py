@@ -7,24 +7,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-COLORS = {"exact": "#444444", "identity": "#d95f02", "ridge": "#1b9e77", "fill": "#7570b3"}
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(fig, path: Path) -> None:
-    from ridgefill.runtime.paths import atomic_path
-
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=110, bbox_inches="tight", format="png")
-    _pyplot().close(fig)
+from ridgefill.runtime.figures import COLORS, pyplot as _pyplot, save_figure as _save  # noqa: F401
 
 
 def _nan(v) -> float:

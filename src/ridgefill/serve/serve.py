@@ -10,7 +10,8 @@ pins the maps' sha256), the plugin's entry point, the installed vLLM release and
 problem is one line and exit code 2. On a CPU build the KV cache is sized here (kv_cache_plan), because vLLM's own
 CPU default reserves 92 % of the machine's memory. Then vLLM's OpenAI-compatible server (VLLM_SERVER) runs as a
 child process with the fill in its environment (FillSettings.env: every process vLLM starts reads it) and a fresh
-PROMETHEUS_MULTIPROC_DIR (RidgeFill's counters on /metrics), prefix caching off and eager execution. While it
+PROMETHEUS_MULTIPROC_DIR (RidgeFill's counters on /metrics); vLLM's own defaults stay on (compilation and CUDA
+graphs for steps without filled tokens, prefix caching made safe by the plugin: serve/vllm_prefix.py). While it
 starts, its output goes to a log file; if it ends before answering, serve prints the reason in one line (the fix
 named where it is known) and exits 2. Once it answers, serve prints one line saying what is served and relays its
 log to stderr. SIGINT, SIGTERM and SIGHUP are forwarded to it, and its exit code is serve's.
@@ -31,7 +32,8 @@ import tempfile
 import threading
 import time
 import urllib.request
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ridgefill.commands import Command, option
@@ -53,9 +55,6 @@ GIB = 1 << 30
 # what it needs. The plugin refuses the same settings from vLLM's resolved configuration (vllm_config.REFUSED),
 # which also catches them from a --config file or an abbreviation.
 REFUSED_OPTIONS = {
-    "--enable-prefix-caching": "RidgeFill serves with prefix caching off (a cached block of a filled prompt holds "
-                               "predicted K/V, and which tokens are filled depends on the whole prompt): drop it",
-    "--no-enforce-eager": "RidgeFill's steps run eagerly (which tokens run which layers changes every step): drop it",
     "--enable-lora": "LoRA is not supported with RidgeFill (filled rows would take the base model's K/V, full rows "
                      "the adapter's): merge the adapter into the checkpoint and fit maps for it",
     "--lora-modules": "LoRA is not supported with RidgeFill: merge the adapter into the checkpoint",
@@ -100,8 +99,9 @@ class ServeConfig(FillOptions):
                                    "in the temporary folder); once it answers, its log is also on stderr.",
                                    keyed=False)
     vllm_args: list[str] = option([], "options of `vllm serve` (see `vllm serve --help=all`), e.g. "
-                                  "--max-model-len 4096 --tensor-parallel-size 2 --api-key KEY; prefix caching "
-                                  "stays off. A request sets its own tail: vllm_xargs ridgefill_tail.")
+                                  "--max-model-len 4096 --tensor-parallel-size 2 --api-key KEY "
+                                  "--no-enable-prefix-caching --enforce-eager. A request sets its own tail: vllm_xargs "
+                                  "ridgefill_tail.")
 
     def check(self) -> None:
         super().check()
@@ -282,7 +282,7 @@ def vllm_command(c: ServeConfig, folder: str, extra: list[str] = ()) -> list[str
     named = {_option_name(a) for a in c.vllm_args}
     name = [] if "--served-model-name" in named else ["--served-model-name", c.model]
     return [sys.executable, "-m", VLLM_SERVER, "--model", folder, *name, "--host", c.host, "--port", str(c.port),
-            "--dtype", DTYPES[c.dtype], "--no-enable-prefix-caching", "--enforce-eager", "--middleware", MIDDLEWARE,
+            "--dtype", DTYPES[c.dtype], "--middleware", MIDDLEWARE,
             *extra, *c.vllm_args]
 
 
@@ -299,24 +299,38 @@ class Launch:
 
 def run(c: ServeConfig) -> int:
     """Check everything, then run vLLM's server until it stops; returns its exit code."""
+    with tempfile.TemporaryDirectory(prefix="ridgefill-serve-") as scratch:  # identity maps, Prometheus files
+        return launch(serve_plan(c, Path(scratch)))
+
+
+def serve_plan(c: ServeConfig, scratch: Path) -> Launch:
+    """Everything checked (the vLLM installation, the model, the fill, the KV cache, the port), the server's
+    command, environment, health URL, banner and log; `scratch` holds its identity maps and Prometheus files for as
+    long as it runs."""
     from ridgefill.runtime.models import model_folder
 
     folder = model_folder(c.model)
     check_vllm()
-    with tempfile.TemporaryDirectory(prefix="ridgefill-serve-") as scratch:  # identity maps, Prometheus files
-        fill, meta = check_fill(served_fill(c, folder, Path(scratch)), folder)
-        kv = kv_cache_plan(c, read_model_config(folder), available_memory(), on_cpu())
-        check_port(c.host, c.port)
-        warn_if_exposed(c)
-        metrics = Path(scratch) / "prometheus"
-        metrics.mkdir()
-        env = {**os.environ, **fill.env(), "PROMETHEUS_MULTIPROC_DIR": str(metrics)}
-        log = c.log_file or Path(tempfile.gettempdir()) / f"ridgefill-serve-{c.port}.log"
-        banner = (f"ridgefill serve: {c.model} through vLLM at http://{c.host}:{c.port}/v1 with RidgeFill: "
-                  f"{fill.variant} fill, maps {c.maps or c.serving_config or 'identity'} (split {meta.get('split')} of "
-                  f"{meta.get('n_layers')} layers), tail {fill.tail}, keep-first {fill.keep_first}, outlier factor "
-                  f"{fill.outlier_factor:g}; {kv.summary}; vLLM's log: {log}")
-        return launch(Launch(vllm_command(c, folder, kv.args), env, health_url(c.host, c.port), banner, Path(log)))
+    fill, meta = check_fill(served_fill(c, folder, scratch), folder)
+    kv = kv_cache_plan(c, read_model_config(folder), available_memory(), on_cpu())
+    check_port(c.host, c.port)
+    warn_if_exposed(c)
+    metrics = scratch / "prometheus"
+    metrics.mkdir(exist_ok=True)
+    env = {**os.environ, **fill.env(), "PROMETHEUS_MULTIPROC_DIR": str(metrics)}
+    log = c.log_file or Path(tempfile.gettempdir()) / f"ridgefill-serve-{c.port}.log"
+    banner = (f"ridgefill serve: {c.model} through vLLM at http://{c.host}:{c.port}/v1 with RidgeFill: "
+              f"{fill.variant} fill, maps {c.maps or c.serving_config or 'identity'} (split {meta.get('split')} of "
+              f"{meta.get('n_layers')} layers), tail {fill.tail}, keep-first {fill.keep_first}, outlier factor "
+              f"{fill.outlier_factor:g}; {kv.summary}; vLLM's log: {log}")
+    return Launch(vllm_command(c, folder, kv.args), env, health_url(c.host, c.port), banner, Path(log))
+
+
+def stock_plan(plan: Launch, log: Path) -> Launch:
+    """The same server as `plan` (command, KV cache, threads, options) as stock vLLM: no plugin loaded."""
+    env = {k: v for k, v in plan.env.items() if not k.startswith("RIDGEFILL_")}
+    return replace(plan, env={**env, "VLLM_PLUGINS": ""}, banner=plan.banner.split(" with RidgeFill")[0] +
+                   " (stock vLLM)", log=log)
 
 
 def served_fill(c: ServeConfig, folder: str, scratch: Path) -> FillSettings:
@@ -334,6 +348,13 @@ def served_fill(c: ServeConfig, folder: str, scratch: Path) -> FillSettings:
         fill = tuned.fill
     n_layers = read_model_config(folder).get("num_hidden_layers")
     return fill.for_vllm(n_layers, {"id": c.model, "weights_hash": weights}, scratch)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on now (the system picks it)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def check_port(host: str, port: int) -> None:
@@ -377,11 +398,7 @@ def launch(plan: Launch) -> int:
     SIGHUP to it (each reaches it once, also a Ctrl-C at a terminal); the child gets SIGTERM if this process dies.
     Its output goes to plan.log, and to stderr too once it is up. If it ends before it is up (and no signal was
     forwarded), a RidgefillError says why. Returns its exit code (128 + N when signal N ended it)."""
-    plan.log.parent.mkdir(parents=True, exist_ok=True)
-    child = subprocess.Popen(plan.argv, env=plan.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             preexec_fn=_own_group(os.getpid()))
-    relay = Relay(child.stdout, plan.log)
-    relay.start()
+    child, relay = start(plan)
     signalled = []
 
     def forward(signum, frame):
@@ -407,6 +424,39 @@ def launch(plan: Launch) -> int:
     if not up and not signalled:
         raise RidgefillError(startup_error(plan.log.read_text(errors="replace"), code, plan.log))
     return code
+
+
+def start(plan: Launch) -> tuple[subprocess.Popen, "Relay"]:
+    """The server's process (its own process group; SIGTERM if this process dies) and the relay of its output into
+    plan.log."""
+    plan.log.parent.mkdir(parents=True, exist_ok=True)
+    child = subprocess.Popen(plan.argv, env=plan.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             preexec_fn=_own_group(os.getpid()))
+    relay = Relay(child.stdout, plan.log)
+    relay.start()
+    return child, relay
+
+
+@contextmanager
+def running(plan: Launch):
+    """The server of `plan`, up, for the block (its log in plan.log only), then stopped (SIGTERM to its process
+    group; SIGKILL after 60 s). A server that ends before it is up is a RidgefillError saying why."""
+    child, relay = start(plan)
+    try:
+        if not wait_until_up(child, plan.health, relay):
+            code = child.wait()
+            relay.join()
+            raise RidgefillError(startup_error(plan.log.read_text(errors="replace"), code, plan.log))
+        yield child
+    finally:
+        if child.poll() is None:
+            os.killpg(child.pid, signal.SIGTERM)
+            try:
+                child.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(child.pid, signal.SIGKILL)
+                child.wait()
+        relay.join()
 
 
 def wait_until_up(child: subprocess.Popen, health: str, relay: "Relay") -> bool:

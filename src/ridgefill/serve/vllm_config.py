@@ -88,9 +88,6 @@ REFUSED = (
      "unquantized checkpoint"),
     (lambda c: c.cache_config.kv_sharing_fast_prefill,
      "--kv-sharing-fast-prefill is not supported with RidgeFill (it skips layers for prompt rows itself): drop it"),
-    (lambda c: c.cache_config.enable_prefix_caching,
-     "prefix caching is on, but a cached block of a filled prompt holds filled K/V in its late layers: pass "
-     "--no-enable-prefix-caching (`ridgefill serve` does)"),
     (lambda c: c.use_v2_model_runner,
      f"vLLM picked its Model Runner V2, which the RidgeFill plugin does not hook (it would serve stock vLLM): set "
      f"{V2_RUNNER}=0 and drop what needs V2 (watermarking, HiSparse)"),

@@ -59,6 +59,8 @@ class EngineSettings:
     max_model_len: int | None = None
     threads: str | None = None  # VLLM_CPU_OMP_THREADS_BIND, e.g. "0-1" (None: vLLM's default)
     kv_cache_gib: int = 2  # VLLM_CPU_KVCACHE_SPACE
+    compiled: bool = True  # vLLM's default compilation (CUDA graphs on a GPU); False: enforce_eager, as tests do
+    prefix_caching: bool = True  # vLLM's default, as `ridgefill serve` runs it (the plugin makes it safe)
     engine_args: dict = field(default_factory=dict)  # more LLM(...) keyword arguments
     env: dict = field(default_factory=dict)  # more environment variables of the engine's process
 
@@ -97,16 +99,22 @@ class VllmWorker:
         self._reply(start_timeout, fatal=True)  # "ready", or the start-up error
 
     def generate(self, prompts: list[list[int]], max_tokens: int, logprobs: int | None = None,
-                 tails: list[int | None] | None = None, stop_at_eos: bool = False,
+                 tails: list[int | None] | None = None, stop_at_eos: bool = False, cache_salt: str | None = None,
                  timeout: float = 1800.0) -> list[Completion]:
         """Greedy completions of `prompts` (token ids), submitted together (vLLM batches them); `tails` sets a
-        per-request tail (None: the served default); without `stop_at_eos` every completion has max_tokens."""
-        self._conn.send(("generate", prompts, max_tokens, logprobs, tails, stop_at_eos))
+        per-request tail (None: the served default); without `stop_at_eos` every completion has max_tokens;
+        `cache_salt`: the prompts' prefix-cache namespace (a fresh one: no cache hit)."""
+        self._conn.send(("generate", prompts, max_tokens, logprobs, tails, stop_at_eos, cache_salt))
         return self._reply(timeout)
 
     def tally(self) -> dict:
         """What the plugin did since the engine started (serve/vllm_metrics.FillCounters; zeros for stock vLLM)."""
         self._conn.send(("tally",))
+        return self._reply(60.0)
+
+    def block_size(self) -> int:
+        """Tokens per KV cache block (the unit of a prefix-cache hit)."""
+        self._conn.send(("block_size",))
         return self._reply(60.0)
 
     def counters(self) -> dict[str, float]:
@@ -172,6 +180,8 @@ def _serve(conn, settings: EngineSettings) -> None:  # runs in the child process
                 conn.send(("ok", _generate(llm, *message[1:])))
             elif message[0] == "counters":
                 conn.send(("ok", _counters(llm)))
+            elif message[0] == "block_size":
+                conn.send(("ok", int(llm.llm_engine.vllm_config.cache_config.block_size)))
             else:
                 conn.send(("ok", _tally(llm)))
         except Exception as exc:
@@ -193,11 +203,11 @@ def _build(settings: EngineSettings):
     from vllm import LLM
 
     return LLM(model=settings.model, dtype=settings.dtype, max_model_len=settings.max_model_len,
-               enforce_eager=True, enable_prefix_caching=False, seed=0,
+               enforce_eager=not settings.compiled, enable_prefix_caching=settings.prefix_caching, seed=0,
                **{"disable_log_stats": False, **settings.engine_args})
 
 
-def _generate(llm, prompts, max_tokens, logprobs, tails, stop_at_eos) -> list[Completion]:
+def _generate(llm, prompts, max_tokens, logprobs, tails, stop_at_eos, cache_salt) -> list[Completion]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -207,7 +217,8 @@ def _generate(llm, prompts, max_tokens, logprobs, tails, stop_at_eos) -> list[Co
     params = [SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=logprobs, ignore_eos=not stop_at_eos,
                              extra_args=None if t is None else {TAIL_ARG: t}) for t in tails]
     start = time.perf_counter()
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+    salt = {} if cache_salt is None else {"cache_salt": cache_salt}
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=list(p), **salt) for p in prompts], params, use_tqdm=False)
     seconds = time.perf_counter() - start
     done = []
     for out in outputs:

@@ -7,11 +7,12 @@ Unconfigured (RIDGEFILL_MAPS unset) it does nothing: vLLM runs exactly as stock.
 3. registers RidgeFill's Llama / Qwen2 / Qwen3 classes (serve/vllm_model.py) for those architectures;
 4. wraps the model runner's forward call so the model learns which tokens of each step are filled
    (serve/vllm_runner.py);
-5. hooks the creation of the engine's configuration: prefix caching is turned off with a warning (a cached block
-   of a filled prompt holds predicted K/V in its late layers, and whether a row is filled depends on the length of
-   the prompt it was part of); the admission check of requests' RidgeFill options (serve/vllm_admission.py) joins
-   the logits processors; and a configuration the fill cannot run under (LoRA, KV connectors, micro-batching,
-   Model Runner V2, ...: vllm_config.REFUSED) is refused with one line before any engine process starts.
+5. makes prefix caching safe (serve/vllm_prefix.py): filled requests get a cache salt of their fill, and their
+   cache hits end before their tail;
+6. hooks the creation of the engine's configuration: the admission check of requests' RidgeFill options
+   (serve/vllm_admission.py) joins the logits processors, and a configuration the fill cannot run under (LoRA, KV
+   connectors, micro-batching, Model Runner V2, ...: vllm_config.REFUSED) is refused with one line before any
+   engine process starts.
 Each step is idempotent.
 """
 
@@ -21,7 +22,8 @@ import os
 
 from ridgefill.method.fill import V2_RUNNER, FillSettings
 from ridgefill.serve.vllm_config import ARCHITECTURES, check_engine_config, check_vllm_version
-from ridgefill.serve.vllm_runner import HOOKED, install_runner_hook, log
+from ridgefill.serve.vllm_prefix import install_prefix_hooks
+from ridgefill.serve.vllm_runner import HOOKED, install_runner_hook
 
 
 def register() -> None:
@@ -36,6 +38,7 @@ def register() -> None:
     for arch in ARCHITECTURES:
         ModelRegistry.register_model(arch, f"ridgefill.serve.vllm_model:RidgeFill{arch}")
     install_runner_hook()
+    install_prefix_hooks(fill)
     _install_config_hook()
 
 
@@ -49,10 +52,6 @@ def _install_config_hook() -> None:
     def create_engine_config(self, *args, **kwargs):
         from ridgefill.serve.vllm_admission import QUALNAME
 
-        if self.enable_prefix_caching is not False:
-            log.warning("ridgefill: prefix caching turned off (a cached block of a filled prompt holds predicted "
-                        "K/V in its late layers); pass --no-enable-prefix-caching to silence this")
-            self.enable_prefix_caching = False
         processors = list(self.logits_processors or [])
         if QUALNAME not in processors:
             self.logits_processors = [*processors, QUALNAME]

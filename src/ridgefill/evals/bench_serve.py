@@ -1,0 +1,243 @@
+"""`ridgefill bench-serve`: a load test of RidgeFill in vLLM against stock vLLM, on loopback, bounded in time.
+
+It starts `ridgefill serve` (the fill) and then the same server as stock vLLM (the same command line, KV cache,
+dtype, threads and options, no plugin loaded: serve.stock_plan), one at a time, and drives each with the same seeded
+request stream through vLLM's own benchmark client (vllm.benchmarks.serve.benchmark): Poisson arrivals at each of
+`--rates` (requests/s), `--requests` prompts per rate of about `--prompt-tokens` tokens (each drawn uniformly within
+±25 %) cut from evaluation documents of `--data`, `--output-tokens` greedy tokens each (end-of-sequence ignored).
+Both servers run as `ridgefill serve` runs them: vLLM's default compilation and prefix caching on; every request
+carries a cache salt of its own, so no prompt hits the cache (a rate's prompts are the same for both variants and
+across rates).
+
+Per rate and variant: TTFT p50/p90/p99, mean TPOT ((latency − TTFT) / (output tokens − 1)), request throughput,
+and goodput (requests finished within the TTFT objective `--slo-ttft`, per second); per rate the fill/stock ratio of
+TTFT p50 with a seeded paired bootstrap interval (the same prompt under both variants is a pair). Writes --out
+(JSON: `results`, one entry per rate and variant; `ratios`, per rate), a PNG of TTFT percentiles against rate
+beside it (<out>.png), and prints a table. vLLM's client prints its progress on stderr; the servers' logs are in
+the temporary folder (named in the JSON).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ridgefill.commands import REQUIRED, Command, option
+from ridgefill.errors import RidgefillError
+from ridgefill.evals.common import ResultWriter
+from ridgefill.method.fill import FillOptions
+from ridgefill.runtime.console import note, table
+from ridgefill.runtime.paths import check_output
+from ridgefill.runtime.stats import ratio_of_medians
+
+VARIANTS = ("exact", "ridge")  # stock vLLM, then RidgeFill's plugin (the fill of the fill options)
+SPREAD = 0.25  # prompt lengths are drawn uniformly within ±SPREAD of --prompt-tokens
+
+
+@dataclass
+class BenchServeConfig(FillOptions):
+    model: str = option("smollm2-135m", "Local HF folder, Hub id, or alias 'smollm2-135m' (the model the maps were "
+                        "fitted for).")
+    serving_config: Path | None = option(None, "A serving config from `ridgefill tune`: its fill replaces the fill "
+                                         "options.")
+    data: str = option("shakespeare", "Text whose evaluation documents the prompts are cut from.")
+    rates: str = option("0.05,0.1,0.2", "Request rates to test (requests/s), comma-separated: from light to past "
+                        "stock vLLM's saturation.", listed=str)
+    requests: int = option(12, "Requests per rate and variant.")
+    prompt_tokens: int = option(2048, "Mean prompt length (tokens); each prompt is drawn within ±25 % of it.")
+    output_tokens: int = option(32, "Tokens each request generates (greedy; end-of-sequence ignored).")
+    slo_ttft: float = option(5.0, "TTFT objective (seconds): goodput counts the requests that meet it.")
+    time_limit: float = option(1800.0, "Seconds one rate's run of one variant may take before the test stops.")
+    dtype: str = option("fp32", "fp32, bf16, fp16, or auto (the checkpoint's own).")
+    seed: int = option(0, "Seed of the prompts, the arrivals and the bootstrap.")
+    out: Path = option(REQUIRED, "Result JSON to write (and <out>.png beside it).")
+    vllm_args: list[str] = option([], "options of `vllm serve` given to both servers (e.g. --max-num-seqs 8).")
+
+    def check(self) -> None:
+        super().check()
+        self.rate_values()
+        for flag, value in (("--requests", self.requests), ("--output-tokens", self.output_tokens),
+                            ("--prompt-tokens", self.prompt_tokens)):
+            if value < 1:
+                raise RidgefillError(f"{flag} {value} must be at least 1")
+        if not (self.slo_ttft > 0 and math.isfinite(self.slo_ttft)) or not self.time_limit > 0:
+            raise RidgefillError(f"--slo-ttft {self.slo_ttft:g} and --time-limit {self.time_limit:g} must be positive "
+                                 "numbers of seconds")
+        if self.serving_config is None and self.maps is None and self.split is None:
+            raise RidgefillError("give --maps (from ridgefill fit), --split (identity fill) or --serving-config")
+        if self.serving_config is not None and (self.maps is not None or self.split is not None):
+            raise RidgefillError("--serving-config sets the fill (maps and split): drop --maps and --split")
+        check_output(self, beside=(".png",))
+
+    def rate_values(self) -> list[float]:
+        try:
+            rates = [float(r) for r in str(self.rates).split(",") if r.strip()]
+        except ValueError:
+            raise RidgefillError(f"--rates '{self.rates}' is not a comma-separated list of numbers, e.g. "
+                                 "0.05,0.1,0.2") from None
+        if not rates or any(not (r > 0 and math.isfinite(r)) for r in rates):
+            raise RidgefillError(f"--rates '{self.rates}' must list positive request rates (requests/s)")
+        return sorted(set(rates))
+
+
+def run(c: BenchServeConfig) -> dict:
+    from ridgefill.runtime.models import model_folder
+    from ridgefill.serve.serve import ServeConfig, free_port, running, serve_plan, stock_plan
+
+    writer = ResultWriter("bench-serve", c.as_dict(), c.seed)
+    folder = model_folder(c.model)
+    tokenizer = _tokenizer(folder)
+    prompts = request_prompts(tokenizer, c.data, c.requests, c.prompt_tokens, c.seed)
+    longest = max(map(len, prompts)) + c.output_tokens + 8
+    logs = Path(tempfile.gettempdir())
+    served = ServeConfig(model=c.model, maps=c.maps, split=c.split, tail=c.tail, keep_first=c.keep_first,
+                         outlier_factor=c.outlier_factor, serving_config=c.serving_config, port=free_port(),
+                         dtype=c.dtype, log_file=logs / "ridgefill-bench-serve-ridge.log",
+                         vllm_args=[*c.vllm_args, "--max-model-len", str(longest)])
+    served.check()
+    results, per_request = [], {}
+    with tempfile.TemporaryDirectory(prefix="ridgefill-bench-serve-") as scratch:
+        ridge = serve_plan(served, Path(scratch))
+        plans = {"exact": stock_plan(ridge, logs / "ridgefill-bench-serve-exact.log"), "ridge": ridge}
+        for variant in VARIANTS:
+            note(f"bench-serve: {variant}: starting the server (log: {plans[variant].log})")
+            with running(plans[variant]):
+                base = plans[variant].health.removesuffix("/health")
+                drive(base, c.model, tokenizer, prompts[:1], math.inf, c.output_tokens, c.seed, c.time_limit,
+                      salt="warm-up")  # one untimed request: the first filled step's one-time costs
+                for rate in c.rate_values():
+                    note(f"bench-serve: {variant} at {rate:g} requests/s ({c.requests} requests)")
+                    outputs = drive(base, c.model, tokenizer, prompts, rate, c.output_tokens, c.seed, c.time_limit)
+                    per_request[(variant, rate)] = outputs
+                    results.append(summary(variant, rate, outputs, c.slo_ttft))
+    ratios = [ttft_ratio(rate, per_request[("exact", rate)], per_request[("ridge", rate)], c.seed)
+              for rate in c.rate_values()]
+    figure = Path(f"{c.out}.png")
+    plot(results, figure, c.slo_ttft)
+    doc = writer.write(c.out, {"id": c.model}, None, list(VARIANTS), results, {},
+                       ratios=ratios, prompts={"count": len(prompts), "tokens": [len(p) for p in prompts]},
+                       servers={v: {"argv": plans[v].argv[3:], "log": str(plans[v].log)} for v in VARIANTS},
+                       figure=str(figure))
+    print_table(doc)
+    return doc
+
+
+def _tokenizer(folder: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def request_prompts(tokenizer, data: str, count: int, mean: int, seed: int) -> list[list[int]]:
+    """`count` token-id prompts of about `mean` tokens (uniform within ±SPREAD), cut in order from the evaluation
+    documents of `data` (several documents joined when one is shorter)."""
+    from ridgefill.runtime.data import documents_for, load_corpus
+
+    rng = np.random.default_rng(seed)
+    lengths = [max(2, int(round(mean * rng.uniform(1 - SPREAD, 1 + SPREAD)))) for _ in range(count)]
+    need = sum(lengths)
+    tokens: list[int] = []
+    for doc in documents_for(load_corpus(data), "evaluation"):
+        tokens += tokenizer(doc, add_special_tokens=False)["input_ids"]
+        if len(tokens) >= need:
+            break
+    if len(tokens) < need:
+        raise RidgefillError(f"--data {data} has {len(tokens):,} tokens of evaluation text, fewer than the "
+                             f"{need:,} that {count} prompts of about {mean} tokens need: lower --requests or "
+                             "--prompt-tokens, or give more text")
+    starts = np.cumsum([0, *lengths[:-1]])
+    return [tokens[s:s + n] for s, n in zip(starts, lengths)]
+
+
+def drive(base: str, model: str, tokenizer, prompts: list[list[int]], rate: float, output_tokens: int, seed: int,
+          time_limit: float, salt: str = "") -> list:
+    """The request stream at `rate` through vLLM's benchmark client: its per-request outputs (RequestFuncOutput).
+    Seeded: the same arrivals for every variant. vLLM's client prints on stderr."""
+    from vllm.benchmarks.datasets import SampleRequest
+    from vllm.benchmarks.serve import TaskType, benchmark
+
+    requests = [SampleRequest(prompt=p, prompt_len=len(p), expected_output_len=output_tokens,
+                              request_overrides={"cache_salt": f"ridgefill-bench-serve:{salt}{rate}:{i}"})
+                for i, p in enumerate(prompts)]
+    np.random.seed(seed)  # the client draws the Poisson arrivals from numpy's global generator
+    run = benchmark(task_type=TaskType.GENERATION, endpoint_type="openai", api_url=f"{base}/v1/completions",
+                    base_url=base, model_id=model, model_name=model, tokenizer=tokenizer, input_requests=requests,
+                    logprobs=None, request_rate=rate, burstiness=1.0, disable_tqdm=True, num_warmups=0,
+                    profile=False, selected_percentile_metrics=["ttft"], selected_percentiles=[50.0],
+                    ignore_eos=True, goodput_config_dict={}, max_concurrency=None, lora_modules=None,
+                    extra_headers=None, extra_body={"temperature": 0.0}, ready_check_timeout_sec=0)
+    with contextlib.redirect_stdout(sys.stderr):
+        try:
+            result = asyncio.run(asyncio.wait_for(run, time_limit))
+        except asyncio.TimeoutError:
+            raise RidgefillError(f"the run at {rate:g} requests/s took over --time-limit {time_limit:g} s: lower "
+                                 "--requests or the rates, or raise --time-limit") from None
+    failed = [e for e in result["errors"] if e]
+    if failed:
+        raise RidgefillError(f"{len(failed)} of {len(prompts)} requests failed at {rate:g} requests/s (the first: "
+                             f"{failed[0].strip().splitlines()[0][:200]}): see the server's log")
+    return [{"ttft": t, "latency": lat, "output_tokens": n, "start": s}
+            for t, lat, n, s in zip(result["ttfts"], result["latencies"], result["output_lens"],
+                                    result["start_times"])]
+
+
+def summary(variant: str, rate: float, outputs: list[dict], slo: float) -> dict:
+    ttft = np.array([o["ttft"] for o in outputs])
+    tpot = [(o["latency"] - o["ttft"]) / (o["output_tokens"] - 1) for o in outputs if o["output_tokens"] > 1]
+    duration = max(o["start"] + o["latency"] for o in outputs) - min(o["start"] for o in outputs)
+    return {"rate": rate, "variant": variant, "requests": len(outputs),
+            "ttft_p50_s": float(np.percentile(ttft, 50)), "ttft_p90_s": float(np.percentile(ttft, 90)),
+            "ttft_p99_s": float(np.percentile(ttft, 99)), "ttft_mean_s": float(ttft.mean()),
+            "tpot_mean_s": float(np.mean(tpot)) if tpot else None, "duration_s": duration,
+            "throughput_rps": len(outputs) / duration, "goodput_rps": int((ttft <= slo).sum()) / duration,
+            "within_slo": int((ttft <= slo).sum()), "ttfts_s": ttft.tolist()}
+
+
+def ttft_ratio(rate: float, exact: list[dict], ridge: list[dict], seed: int) -> dict:
+    """RidgeFill's TTFT p50 over stock vLLM's at one rate, with a paired bootstrap interval (request i is the same
+    prompt under both)."""
+    iv = ratio_of_medians([o["ttft"] for o in ridge], [o["ttft"] for o in exact], seed=seed)
+    return {"rate": rate, "ttft_p50_ratio": iv.estimate, "interval": iv.to_dict()}
+
+
+def plot(results: list[dict], path: Path, slo: float) -> None:
+    from ridgefill.runtime.figures import COLORS, pyplot, save_figure
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for variant in VARIANTS:
+        rows = sorted((r for r in results if r["variant"] == variant), key=lambda r: r["rate"])
+        rates = [r["rate"] for r in rows]
+        for key, style in (("ttft_p50_s", "-"), ("ttft_p90_s", "--"), ("ttft_p99_s", ":")):
+            ax.plot(rates, [r[key] for r in rows], style, marker="o", color=COLORS[variant],
+                    label=f"{'stock vLLM' if variant == 'exact' else 'RidgeFill'} {key.split('_')[1]}")
+    ax.axhline(slo, color="#999999", linewidth=0.8, label=f"TTFT objective {slo:g} s")
+    ax.set_xlabel("request rate (requests/s, Poisson)")
+    ax.set_ylabel("time to first token (s)")
+    ax.legend(fontsize=7)
+    save_figure(fig, path)
+
+
+def print_table(doc: dict) -> None:
+    ratios = {r["rate"]: r for r in doc["ratios"]}
+    rows = []
+    for r in doc["results"]:
+        ratio = ratios[r["rate"]]
+        iv = ratio["interval"]
+        rows.append([f"{r['rate']:g}", r["variant"], r["ttft_p50_s"], r["ttft_p90_s"], r["ttft_p99_s"],
+                     r["tpot_mean_s"], r["throughput_rps"], r["goodput_rps"],
+                     f"{ratio['ttft_p50_ratio']:.3f} [{iv['low']:.3f}, {iv['high']:.3f}]" if r["variant"] == "ridge"
+                     else ""])
+    table("bench-serve: RidgeFill in vLLM against stock vLLM (seconds; rates in requests/s)",
+          ["rate", "variant", "TTFT p50", "TTFT p90", "TTFT p99", "TPOT", "throughput", "goodput",
+           "TTFT p50 fill/stock [95% CI]"], rows)
+
+
+COMMAND = Command("bench-serve", BenchServeConfig, run, extra_args="vllm_args")
