@@ -39,8 +39,10 @@ $(SHAKESPEARE):
 demo: install
 	$(VENV)/bin/ridgefill run recipes/quickstart.toml
 
+# Two pytest workers (pytest-xdist); tests that share vLLM engines run on one of them (tests/conftest.py).
+TEST_WORKERS ?= 2
 test: install
-	$(VENV)/bin/python -m pytest
+	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadgroup
 
 clean:
 	rm -rf $(VENV)

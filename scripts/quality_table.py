@@ -6,6 +6,11 @@
         exact and each fill's difference, distant-token NLL of exact and each fill's gap, the key tokens, the
         share of identity's gap that ridge keeps; intervals as the commands computed them.
 
+    python scripts/quality_table.py controls RUN_DIR
+        one row per split of a run folder, every fill variant its documents hold (identity, ridge and the null
+        controls drop and mean): RULER filled-region score of each and its difference to exact, and each one's
+        distant-token NLL gap to exact, with the intervals the commands computed.
+
     python scripts/quality_table.py compare BASE_RULER BASE_LOSS NAME=RULER,LOSS ...
         each variant's ridge against the base's ridge on the same samples: its own numbers, and the paired
         difference variant − base (RULER points, distant-token and tail NLL nats) with a 95 % bootstrap
@@ -19,7 +24,7 @@ import json
 import sys
 from pathlib import Path
 
-from ridgefill.evals.stats import paired_bootstrap
+from ridgefill.runtime.stats import paired_bootstrap
 
 
 def load(path) -> dict:
@@ -33,11 +38,7 @@ def cell(interval: dict | None, spec: str = "+.3g") -> str:
 
 
 def per_split(run_dir: Path) -> str:
-    found: dict[int, dict] = {}
-    for step in ("ruler", "loss"):
-        for path in sorted((run_dir / "artifacts").glob(f"{step}-s*-*.json"), key=lambda p: p.stat().st_mtime):
-            split = int(path.name.split("-")[1][1:])
-            found.setdefault(split, {})[step] = load(path)  # the newest last
+    found = newest(run_dir)
     head = ("| split | RULER exact | identity − exact | ridge − exact | distant NLL exact | identity − exact | "
             "ridge − exact | key tokens (passages) | ridge keeps of identity's gap | tail NLL: identity − exact | "
             "ridge − exact |")
@@ -59,6 +60,40 @@ def per_split(run_dir: Path) -> str:
         else:
             nll = ["–"] * 7
         lines.append(f"| {split} | " + " | ".join(ruler + nll) + " |")
+    return "\n".join(lines)
+
+
+FILLS = ("identity", "drop", "mean", "ridge")
+
+
+def newest(run_dir: Path) -> dict[int, dict]:
+    """split -> {"ruler": doc, "loss": doc}: each step's newest artifact of that split in a run folder."""
+    found: dict[int, dict] = {}
+    for step in ("ruler", "loss"):
+        for path in sorted((run_dir / "artifacts").glob(f"{step}-s*-*.json"), key=lambda p: p.stat().st_mtime):
+            split = int(path.name.split("-")[1][1:])
+            found.setdefault(split, {})[step] = load(path)  # the newest last
+    return found
+
+
+def controls(run_dir: Path) -> str:
+    found = newest(run_dir)
+    present = [v for v in FILLS if any(v in d.get(step, {}).get("results", {}) for d in found.values()
+                                       for step in ("ruler", "loss"))]
+    head = ("| split | RULER exact | " + " | ".join(f"{v} (− exact)" for v in present) + " | distant NLL exact | "
+            + " | ".join(f"{v} − exact" for v in present) + " |")
+    lines = [head, "|" + "---|" * (3 + 2 * len(present))]
+    for split in sorted(found):
+        r, lo = found[split].get("ruler"), found[split].get("loss")
+        row = [f"{r['results']['exact']['score']:.1f}" if r else "–"]
+        for v in present:
+            if r and v in r["results"]:
+                row.append(f"{r['results'][v]['score']:.1f} ({cell(r['intervals'][v]['score'], '+.1f')})")
+            else:
+                row.append("–")
+        row.append(f"{lo['results']['exact']['distant_nll']:.3f}" if lo else "–")
+        row += [cell(lo["intervals"][v]["distant_nll_nats"]) if lo and v in lo["results"] else "–" for v in present]
+        lines.append(f"| {split} | " + " | ".join(row) + " |")
     return "\n".join(lines)
 
 
@@ -105,6 +140,8 @@ def compare(base_ruler: str, base_loss: str, variants: list[str]) -> str:
 def main(argv: list[str]) -> None:
     if len(argv) >= 2 and argv[0] == "splits":
         print(per_split(Path(argv[1])))
+    elif len(argv) >= 2 and argv[0] == "controls":
+        print(controls(Path(argv[1])))
     elif len(argv) >= 4 and argv[0] == "compare":
         print(compare(argv[1], argv[2], argv[3:]))
     else:

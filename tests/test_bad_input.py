@@ -129,8 +129,8 @@ def maps_with(**changes) -> Callable[[Inputs], bytes]:
 
 
 def changed_tensor(artifact: str, name: str, change: Callable) -> Callable[[Inputs], bytes]:
-    """The bytes of a fixture artifact (stats or maps) with tensor `name` changed by `change` (on a copy), read with
-    safetensors and written back by ridgefill with its metadata."""
+    """The bytes of a fixture artifact (stats or maps) with tensor `name` changed by `change` (on a copy; a change that
+    returns None removes it), read with safetensors and written back by ridgefill with its metadata."""
 
     def changed(found: Inputs) -> bytes:
         import tempfile
@@ -141,6 +141,8 @@ def changed_tensor(artifact: str, name: str, change: Callable) -> Callable[[Inpu
         with safe_open(str(getattr(found, artifact)), framework="pt") as f:
             tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, json.loads(f.metadata()["ridgefill"])
         tensors[name] = change(tensors[name].clone())
+        if tensors[name] is None:  # the change removes the tensor
+            del tensors[name]
         with tempfile.TemporaryDirectory() as folder:
             save_artifact(Path(folder) / "changed.safetensors", tensors, meta)
             return (Path(folder) / "changed.safetensors").read_bytes()
@@ -710,6 +712,17 @@ CASES: list[Case] = [
     Case("lm-eval-model-args-maps-of-model-b", [*LM_EVAL, "pretrained={B},maps={maps}"],
          match="fitted for another model"),
     Case("demo-out-dir-is-a-file", ["demo", "--out-dir", "{in}/file"], {"file": b"x"}, match="file"),
+    # --- issue #27: the null controls drop and mean ---
+    Case("controls-loss-mean-without-maps", cmd(LOSS, maps=None, split=3, variants="exact,mean"),
+         match="the mean variant needs --maps"),
+    Case("controls-ruler-mean-maps-without-means", cmd(RULER, maps="{in}/m.safetensors", variants="exact,mean"),
+         {"m.safetensors": changed_tensor("maps", "mean", lambda t: None)},
+         match="carries no calibration means (fitted before ridgefill 0.3), which the mean control needs: refit"),
+    Case("controls-splice-drop", cmd(SPLICE, fill="drop"), match="--fill drop writes no late-layer cache"),
+    Case("controls-fit-mean-with-rank", cmd(FIT, kind="mean", rank=4), match="--kind mean fits no map"),
+    Case("controls-loss-unknown-control", cmd(LOSS, variants="exact,zero"), match="zero"),
+    Case("controls-serve-serving-config-drop", cmd(SERVE, maps=None, serving_config="{in}/s.json"),
+         {"s.json": serving(variant="drop", maps=None)}, match="the vLLM plugin does not serve drop fill"),
 ]
 
 # a few cases again in a subprocess, through `python -m ridgefill`

@@ -1,3 +1,3 @@
 """RidgeFill: fill upper-layer caches from a closed-form ridge map of the split state."""
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"

@@ -156,7 +156,7 @@ class Config:
 
     def wants_input(self) -> tuple[str, str, str] | None:
         """For an optional input artifact (e.g. --maps): (option, value, how to do without) when the options
-        ask for it, e.g. ("variants", "ridge", "drop ridge"); None when the command runs without it."""
+        ask for it, e.g. ("variants", "ridge", "leave ridge out"); None when the command runs without it."""
         return None
 
     def as_dict(self) -> dict:

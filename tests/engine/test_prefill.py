@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import random_ids, tiny_model
-from ridgefill.engine import Engine, FillPlan, IdentityFiller, OracleFiller, adapter_for
+from ridgefill.engine import DropFiller, Engine, FillPlan, IdentityFiller, OracleFiller, adapter_for
 from ridgefill.errors import RidgefillError
 
 TOL = 1e-5
@@ -85,11 +85,12 @@ def test_identity_fill_differs_only_after_split(dense_model):
     assert (filled.logits - exact.logits).abs().max() > 1e-4
 
 
+@pytest.mark.parametrize("filler", [IdentityFiller, DropFiller])  # drop: the late caches hold the full rows only
 @pytest.mark.parametrize("chunk", [1, 7, 16, 64])
-def test_chunked_equals_unchunked(dense_model, chunk):
+def test_chunked_equals_unchunked(dense_model, chunk, filler):
     ids = random_ids(40)
     eng = engine_for(dense_model)
-    plan = FillPlan(IdentityFiller(2, eng.n_layers), tail=9, keep_rows=(0, 20))
+    plan = FillPlan(filler(2, eng.n_layers), tail=9, keep_rows=(0, 20))
     whole = eng.prefill(ids, fill=plan, logits_at="full", chunk=4096)
     parts = eng.prefill(ids, fill=plan, logits_at="full", chunk=chunk)
     assert torch.equal(whole.rows, parts.rows)

@@ -159,5 +159,38 @@ def test_without_maps_identity_takes_split_and_ridge_needs_maps(session_and_maps
 def test_variants_parse_with_exact_first():
     assert parse_variants(None, None) == ["exact", "identity"]
     assert parse_variants("ridge,identity", "m") == ["exact", "identity", "ridge"]
+    assert parse_variants("mean,drop", "m") == ["exact", "drop", "mean"]
     with pytest.raises(RidgefillError, match="unknown variant"):
-        parse_variants("drop", None)
+        parse_variants("oracle", None)
+    with pytest.raises(RidgefillError, match="the mean variant needs --maps"):
+        parse_variants("drop,mean", None)
+
+
+def test_the_controls_plan_and_serve_as_their_definitions_say(session_and_maps, tmp_path):
+    """drop: no maps, a DropFiller; mean: the maps' calibration means (a MeanFiller), served by vLLM through a mean
+    maps file written from them; drop is not served (one line)."""
+    import torch
+
+    from ridgefill.engine import DropFiller, MeanFiller
+    from ridgefill.runtime.artifacts import load_artifact
+
+    session, _ = session_and_maps
+    n, hidden = session.engine.n_layers, session.engine.shape.hidden
+    means = torch.randn(n - 3 - 1, hidden)
+    maps = tmp_path / "with-means.safetensors"
+    save_maps(maps, 3, n, [], {"model": session.loaded.info()}, "identity", means=means)
+    plan, _ = FillSettings("drop", 2).plan(session)
+    assert isinstance(plan.filler, DropFiller) and plan.split == 2
+    plan, meta = FillSettings("mean", None, maps).plan(session)
+    assert isinstance(plan.filler, MeanFiller) and plan.split == meta["split"] == 3
+    late = plan.filler.late_inputs(torch.zeros(1, 2, hidden), torch.arange(2))
+    assert torch.equal(late[1:], means.unsqueeze(1).expand(-1, 2, -1))
+    served = FillSettings("mean", None, maps).for_vllm(n, session.loaded.info(), tmp_path)
+    tensors, stored = load_artifact(served.maps, "maps")
+    assert stored["kind"] == "mean" and torch.equal(tensors["bias"], means)
+    assert FillSettings.from_env(served.env()).variant == "mean"
+    with pytest.raises(RidgefillError, match="carries no calibration means"):
+        FillSettings("mean", None, session_and_maps[1]).plan(session)
+    with pytest.raises(RidgefillError, match="does not serve drop fill") as caught:
+        FillSettings("drop", 2).for_vllm(n, session.loaded.info(), tmp_path)
+    assert "\n" not in str(caught.value)

@@ -147,3 +147,21 @@ def test_statistics_with_a_nonfinite_value_are_refused_before_any_fit(stats, tmp
     with pytest.raises(RidgefillError, match=message + ": recalibrate .* fp32$"):
         FIT(stats=bad, out=tmp_path / "maps.safetensors", split=3)
     assert sorted(tmp_path.iterdir()) == before
+
+
+def test_mean_maps_hold_the_train_means_and_every_maps_file_carries_them(stats, tmp_path):
+    """fit --kind mean: zero weights, each bias the train mean of its layer's input; its held-out relative error is at
+    least 1 (the held-out rows' spread about the train mean is their spread about their own mean, plus the gap
+    between the two means) and above the ridge map's. A ridge maps file carries the same means for the control."""
+    mean = FIT(stats=stats, out=tmp_path / "mean.safetensors", split=2, kind="mean")
+    ridge = FIT(stats=stats, out=tmp_path / "ridge.safetensors", split=2)
+    tensors, meta = load_artifact(tmp_path / "mean.safetensors", "maps")
+    assert meta["kind"] == "mean" and "weight" not in tensors
+    raw, _ = load_artifact(stats, "stats", prefix="s2.")
+    train_mean = (raw["s2.train.ysum"] / raw["s2.train.counts"][0]).float()  # [L-S-1, H], counts[0]: rows
+    assert torch.allclose(tensors["bias"], train_mean)
+    ridge_tensors, _ = load_artifact(tmp_path / "ridge.safetensors", "maps")
+    assert torch.equal(ridge_tensors["mean"], tensors["bias"])
+    for m, r in zip(mean["layers"], ridge["layers"]):
+        assert m["error_map"] >= 1.0 - 1e-12 and m["error_map"] > r["error_map"]
+        assert m["error_identity"] == pytest.approx(r["error_identity"], rel=1e-9)

@@ -182,7 +182,7 @@ def test_overrides_set_step_options_and_top_level_keys(tmp_path):
     ("samples", "override samples: expected KEY=VALUE or STEP.OPTION=VALUE"),
     ("loss.data=held-out.txt", "override loss.data=held-out.txt: "),
     ('loss.variants=["exact","ridge"]', 'override loss.variants=["exact","ridge"]: ridge needs the maps that [fit] '
-     "makes: add [calibrate] and [fit] tables, or drop ridge"),
+     "makes: add [calibrate] and [fit] tables, or leave ridge out"),
     ("loss.context=512", "recipe.toml: [loss] (tail 256): --short 512 must be between 1 and --context - 1"),
 ], ids=lambda v: v if "=" in v or " " not in v else "")
 def test_a_bad_override_is_one_line_naming_it(tmp_path, override, expected):

@@ -88,7 +88,7 @@ def test_candidate_splits():
     ({"tolerance": -1.0}, "--tolerance -1 and --max-distant-gap 0.25 must be 0 or more"),
     ({"max_distant_gap": -0.1}, "--max-distant-gap -0.1 must be 0 or more"),
     ({"search": "binary"}, "unknown --search 'binary': use bisect, descend, all"),
-    ({"variants": "exact"}, "--variants 'exact': tune identity, ridge or both"),
+    ({"variants": "exact"}, "--variants 'exact': tune any of identity, ridge, drop, mean"),
     ({"splits": "20-14"}, "--splits '20-14': '20-14' is not a split or an increasing range"),
     ({"splits": "0-3"}, "--splits 0-3: split 0 is out of range"),
     ({"passages": 0}, "--passages 0 must be at least 1"),

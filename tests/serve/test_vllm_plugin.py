@@ -269,11 +269,18 @@ def test_key_scale_maps_on_two_ranks_match_ridgefills_engine(vllm_tiny, engines,
     batch = prompts(8, [200, 333, 90, 512], vocab_of(folder), seed=11)
     two = engines.get(settings(folder, FillSettings("ridge", maps=scaled, tail=24), threads="0|1",
                                tensor_parallel_size=2, distributed_executor_backend="mp"))
-    got, counted = tally_delta(two, lambda: two.generate(batch, 32, logprobs=5))
-    assert counted["filled_rows"] == sum(len(p) - 25 for p in batch) - counted["outlier_rows_run_full"]
-    tokens, first = reference(folder, scaled, 24, batch, 32)
-    assert_agrees("llama key scale, two ranks", got, tokens, first)
-    _, plain = reference(folder, maps, 24, batch[:2], 1)
+    assert_served_as_engine("llama key scale, two ranks", two, folder, scaled, maps, batch)
+
+
+def assert_served_as_engine(label, worker, folder, served, other, batch, tail=24) -> None:
+    """`worker`, serving the maps file `served` with `tail`, fills every row it should and gives test 2's bar against
+    ridgefill's engine with the same file; the first token's log-probs differ from those of the maps `other` (what
+    is served is applied at all)."""
+    got, counted = tally_delta(worker, lambda: worker.generate(batch, 32, logprobs=5))
+    assert counted["filled_rows"] == sum(len(p) - tail - 1 for p in batch) - counted["outlier_rows_run_full"]
+    tokens, first = reference(folder, served, tail, batch, 32)
+    assert_agrees(label, got, tokens, first)
+    _, plain = reference(folder, other, tail, batch[:2], 1)
     assert max(float((a - b).abs().max()) for a, b in zip(plain, first[:2])) > 1e-3
 
 
@@ -293,3 +300,16 @@ def test_lookback_maps_match_ridgefills_engine_in_steps(vllm_lookback, engines):
     assert counted["filled_rows"] == (sum(len(p) - 24 - 1 for p in batch) - counted["lookback_rows_run_full"]
                                       - counted["outlier_rows_run_full"])
     assert_agrees("llama lookback", got, *reference(folder, maps, 24, batch, 32, chunk=128))
+
+
+def test_the_mean_control_is_served_as_ridgefills_engine_runs_it(vllm_tiny, engines, tmp_path):
+    """The mean control (issue #27) through the plugin: a mean maps file written from the maps' calibration means
+    (every filled row's late inputs are those means) gives test 2's bar against ridgefill's engine with the same
+    file, and differs from the ridge maps' output (the control is applied)."""
+    from ridgefill.method.fill import mean_maps
+
+    folder, maps = vllm_tiny["llama"]
+    means = mean_maps(maps, tmp_path / "mean.safetensors")
+    batch = prompts(8, [200, 333, 90, 512], vocab_of(folder), seed=13)
+    worker = engines.get(settings(folder, FillSettings("mean", maps=means, tail=24)))
+    assert_served_as_engine("llama mean control", worker, folder, means, maps, batch)

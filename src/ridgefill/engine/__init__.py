@@ -2,14 +2,16 @@
 
 from ridgefill.engine.cache import AttentionCache, Cache, StateCache
 from ridgefill.engine.families import Adapter, HybridAdapter, adapter_for, supported_families
-from ridgefill.engine.fillers import Filler, IdentityFiller, MapFiller, OracleFiller, maps_flops
+from ridgefill.engine.fillers import (DropFiller, Filler, IdentityFiller, MapFiller, MeanFiller, OracleFiller,
+                                      maps_flops)
 from ridgefill.engine.prefill import Engine, FillPlan, PrefillResult
 from ridgefill.engine.projection import BACKENDS
 from ridgefill.engine.shape import ModelShape
 from ridgefill.engine.timing import Stopwatch
 
 __all__ = [
-    "Adapter", "adapter_for", "supported_families", "AttentionCache", "Cache", "StateCache", "Filler",
-    "IdentityFiller", "MapFiller", "OracleFiller", "maps_flops", "Engine", "FillPlan", "PrefillResult", "HybridAdapter",
+    "Adapter", "adapter_for", "supported_families", "AttentionCache", "Cache", "StateCache", "DropFiller", "Filler",
+    "IdentityFiller", "MeanFiller", "MapFiller", "OracleFiller", "maps_flops", "Engine", "FillPlan", "PrefillResult",
+    "HybridAdapter",
     "BACKENDS", "ModelShape", "Stopwatch",
 ]

@@ -6,7 +6,10 @@ is exact). `predict` returns [B, n, L-S-1, H]; `late_inputs` returns the same in
 [L-S, B·n, H], the layout of the fused fill projection (engine/projection.py), each filler computing it its own
 way (no copy for identity fill, one batched GEMM for maps). A filler may carry a key-scale correction
 (`key_scale` [L-S, Hkv]: each late attention layer's filled keys are multiplied per KV head; 1 where none is
-fitted; method/key_scale.py fits it). Maps with lookback K (engine/lookback.py) also read the split states of the
+fitted; method/key_scale.py fits it). Two null controls are fillers too: `MeanFiller` gives every filled row the
+calibration mean of each late layer's input (a map whose weights are zero: it ignores the row), and `DropFiller`
+(`drops`) gives it nothing: filled rows write no cache in layers S..L-1 and the full rows there attend only to full
+rows. Maps with lookback K (engine/lookback.py) also read the split states of the
 K rows before each filled row: `previous` [B, n, K·H], nearest first; the engine gives it, and runs in full every
 filled row whose window it cannot give.
 """
@@ -24,6 +27,7 @@ class Filler(Protocol):
     key_scale: torch.Tensor | None  # [L-S, Hkv] per layer S..L-1 and KV head; None: no correction
     lookback: int  # K: rows before each filled row whose split states the maps read (0: none)
     lookback_start: int  # the first position a lookback window may hold (calibration's --skip-first)
+    drops: bool  # True: filled rows write no cache in layers S..L-1 (DropFiller); late_inputs is never asked
 
     def predict(self, x: torch.Tensor, positions: torch.Tensor, previous: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, n, H] split state of the filled rows at absolute `positions` [n] (previous [B, n, K·H]: their
@@ -82,6 +86,7 @@ class IdentityFiller:
     nbytes = 0
     rank = None
     lookback = lookback_start = 0
+    drops = False
 
     def __init__(self, split: int, n_layers: int, key_scale: torch.Tensor | None = None) -> None:
         self.split, self.n_layers, self.key_scale = split, n_layers, key_scale
@@ -98,6 +103,67 @@ class IdentityFiller:
         return 0
 
 
+class DropFiller:
+    """The `drop` control: filled rows bring nothing to layers S..L-1 (no K/V, no recurrent-state update); the full
+    rows there attend only to full rows (the kept first rows, the tail, decode). The cheapest fill there is."""
+
+    name = "drop"
+    nbytes = 0
+    rank = None
+    key_scale = None
+    lookback = lookback_start = 0
+    drops = True
+
+    def __init__(self, split: int, n_layers: int) -> None:
+        self.split, self.n_layers = split, n_layers
+
+    def flops_per_row(self) -> int:
+        return 0
+
+    def predict(self, x: torch.Tensor, positions: torch.Tensor, previous: torch.Tensor | None = None) -> torch.Tensor:
+        raise ValueError("drop fill predicts no late-layer input: its filled rows write no cache in layers S..L-1")
+
+    late_inputs = predict
+
+
+class MeanFiller:
+    """The `mean` control: every filled row's input of late layer l = S+1..L-1 is the calibration mean of that
+    layer's input (means [L-S-1, H]; a map with zero weights, its bias the mean). Layer S gets x itself, as in
+    every fill (its cache is exact)."""
+
+    name = "mean"
+    rank = None
+    lookback = lookback_start = 0
+    drops = False
+
+    def __init__(self, split: int, n_layers: int, means: torch.Tensor, key_scale: torch.Tensor | None = None) -> None:
+        self.split, self.n_layers, self.key_scale = split, n_layers, key_scale
+        self._means = means  # [L-S-1, H]
+
+    def to(self, device: torch.device, dtype: torch.dtype) -> "MeanFiller":
+        self._means = self._means.to(device=device, dtype=dtype)
+        if self.key_scale is not None:
+            self.key_scale = self.key_scale.to(device=device, dtype=dtype)
+        return self
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes([self._means] + ([self.key_scale] if self.key_scale is not None else []))
+
+    def flops_per_row(self) -> int:
+        return 0  # no map is applied: the inputs are constants
+
+    def predict(self, x: torch.Tensor, positions: torch.Tensor, previous: torch.Tensor | None = None) -> torch.Tensor:
+        b, n, _ = x.shape
+        return self._means.expand(b, n, *self._means.shape)
+
+    def late_inputs(self, x: torch.Tensor, positions: torch.Tensor,
+                    previous: torch.Tensor | None = None) -> torch.Tensor:
+        flat, out = _with_split_state(x, _n_maps(self))  # out [m+1, R, H]
+        out[1:] = self._means.unsqueeze(1)
+        return out
+
+
 class MapFiller:
     """Fitted affine maps f·W_l + b_l for l = S+1..L-1, applied as one GEMM against their concatenation.
 
@@ -108,6 +174,7 @@ class MapFiller:
     """
 
     name = "ridge"
+    drops = False
 
     def __init__(self, split: int, n_layers: int, weights: torch.Tensor | None, biases: torch.Tensor,
                  low_rank: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -201,6 +268,7 @@ class OracleFiller:
     rank = None
     key_scale = None
     lookback = lookback_start = 0
+    drops = False
 
     def __init__(self, split: int, hidden: list[torch.Tensor]) -> None:
         self.split = split

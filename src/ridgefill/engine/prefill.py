@@ -8,6 +8,8 @@ Semantics (split S, L layers, tail T, keep_rows K):
   at its true position; it runs no attention or MLP in those layers (a chunk's filled rows get their K/V
   for every late attention layer from one fused projection, engine/projection.py);
 - full rows run every layer, attending to all cached keys at or before their position (filled or not).
+- drop fill (the null control, engine/fillers.py DropFiller): filled rows write nothing in layers S..L-1 (no K/V,
+  no recurrent-state update), so there the full rows attend only to full rows.
 
 Rows are processed chunk by chunk in position order, so activation memory stays bounded and a chunk's
 full rows see the cache written by every earlier row. With T >= prompt length, or S = L, every row is
@@ -360,14 +362,15 @@ class Engine:
                 if len(idx_fill) == 0:
                     split = self.n_layers  # every filled row ran in full: the rest of the chunk runs exactly
             if layer == split:
-                previous = window_states(h, windows) if fill.filler.lookback else None  # [B, nF, K·H]
-                filled = self.projection.fill(fill.filler, h[:, idx_fill], positions[idx_fill], rows.cos_fill,
-                                              rows.sin_fill, previous)
+                if not fill.filler.drops:  # drop fill: the filled rows bring nothing to the late layers
+                    previous = window_states(h, windows) if fill.filler.lookback else None  # [B, nF, K·H]
+                    filled = self.projection.fill(fill.filler, h[:, idx_fill], positions[idx_fill], rows.cos_fill,
+                                                  rows.sin_fill, previous)
                 h = h[:, idx_full]
-                rows = rows.after_split()
+                rows = rows.after_split(fill.filler.drops)
             if observe is not None:
                 observe(layer, h, rows.positions_full)
-            fill_in = filled.layer(layer) if layer >= split else None
+            fill_in = filled.layer(layer) if layer >= split and filled is not None else None
             h = self._layer(layer, h, fill_in, rows, cache, capacity)
         if observe is not None:
             observe(self.n_layers, h, rows.positions_full)
@@ -401,6 +404,8 @@ class Engine:
         layer runs its mixer over all chunk rows (predicted inputs for filled rows) and keeps the outputs
         of the full rows."""
         a = self.adapter
+        if fill_in is None and h.shape[1] == 0:
+            return h  # drop fill, a chunk without full rows: no row passes the state
         x = h if fill_in is None else rows.merge(h, fill_in, dim=1)  # [B, n, H] all chunk rows, in order
         out = a.state_mixer(layer, a.input_norm(layer, x), layer_cache)  # [B, n, H]
         if fill_in is not None:
@@ -425,7 +430,9 @@ def _windows(filler: Filler, positions: torch.Tensor, idx_fill: torch.Tensor,
 class _Rows:
     """Bookkeeping of a chunk's rows: which run the layer, which are filled, their positions and RoPE."""
 
-    def __init__(self, n, idx_full, idx_fill, positions, cos, sin, split_done=False):
+    def __init__(self, n, idx_full, idx_fill, positions, cos, sin, split_done=False, dropped=False):
+        """dropped (after the split of a drop fill): the late layers' caches hold full rows only, so the run rows
+        are the last of their keys, in order, whatever their positions."""
         self.n, self.idx_full, self.idx_fill = n, idx_full, idx_fill
         self.positions, self.cos, self.sin = positions, cos, sin
         self.split_done = split_done
@@ -433,15 +440,17 @@ class _Rows:
         self.positions_run = positions[run]
         self.cos_run, self.sin_run = cos[:, run], sin[:, run]
         self.cos_fill, self.sin_fill = cos[:, idx_fill], sin[:, idx_fill]
-        self._block: bool | None = None  # are the run rows the chunk's last rows? (found on first use)
+        # are the run rows the last keys of every layer's cache, in order? Always before the split (every row runs and
+        # was just appended) and after a drop fill's split (the late caches hold full rows only); else found on use
+        self._block: bool | None = True if dropped or not split_done else None
         self._mask: torch.Tensor | None = None  # additive causal mask of the run rows, built once per chunk
 
     @property
     def positions_full(self) -> torch.Tensor:
         return self.positions_run
 
-    def after_split(self) -> "_Rows":
-        return _Rows(self.n, self.idx_full, self.idx_fill, self.positions, self.cos, self.sin, True)
+    def after_split(self, dropped: bool = False) -> "_Rows":
+        return _Rows(self.n, self.idx_full, self.idx_fill, self.positions, self.cos, self.sin, True, dropped)
 
     def merge(self, full_part: torch.Tensor, fill_part: torch.Tensor, dim: int) -> torch.Tensor:
         """Interleave full-row and filled-row tensors back into chunk row order along `dim`."""

@@ -21,7 +21,7 @@ from ridgefill.commands import REQUIRED, option
 from ridgefill.engine import FillPlan
 from ridgefill.errors import RidgefillError
 from ridgefill.evals.exact_store import ExactStore
-from ridgefill.method.fill import FillOptions, variant_plans
+from ridgefill.method.fill import FROM_MAPS, FillOptions, variant_plans
 from ridgefill.runtime.console import note, progress_bar
 from ridgefill.runtime.paths import check_output, write_json
 from ridgefill.runtime.session import ModelConfig, Session
@@ -41,9 +41,9 @@ class MeasureConfig(FillOptions, ModelConfig):
 
     def wants_input(self):
         variants = getattr(self, "variants", None)
-        if variants is not None and "ridge" in [v.strip() for v in str(variants).split(",")]:
-            return "variants", "ridge", "drop ridge"
-        return None
+        named = [v.strip() for v in str(variants).split(",")] if variants is not None else []
+        needs = [v for v in FROM_MAPS if v in named]
+        return ("variants", needs[0], f"leave {needs[0]} out") if needs else None
 
 
 def variants_option() -> Any:

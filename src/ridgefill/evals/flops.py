@@ -6,7 +6,9 @@ attention 4·Hq·D·(p+1) for a row at position p (QKᵀ and AV over its p+1 cau
 row. A filled row skips attention, MLP and the Q and O projections in layers S..L-1 but keeps their K and V
 projections, and adds its maps (the filler's `flops_per_row`, engine.maps_flops: 2·F·H per late layer S+1..L-1
 for full-rank maps of F = (K+1)·H inputs (lookback K; F = H without), 2·r·(F+H) for rank r, none for identity
-fill). The count covers attention layers only (a hybrid model's linear layers have no count here).
+fill; none for the mean control, whose inputs are constants). The drop control's filled rows cost nothing in
+layers S..L-1 (no K/V) and the full rows there attend only to full rows. The count covers attention layers only
+(a hybrid model's linear layers have no count here).
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ def attention_flops(shape: ModelShape, positions: np.ndarray) -> int:
 
 
 def prefill_flops(shape: ModelShape, length: int, full: np.ndarray | None = None, split: int | None = None,
-                  map_flops: int = 0) -> int:
+                  map_flops: int = 0, drops: bool = False) -> int:
     """FLOPs of a prefill of `length` rows and its first token. full: [length] bool, the rows that run every
-    layer of a filled prefill at `split` (None: exact); map_flops: one filled row's maps."""
+    layer of a filled prefill at `split` (None: exact); map_flops: one filled row's maps; drops: the drop control
+    (filled rows write nothing in the late layers, whose full rows attend to full rows only)."""
     row = row_flops(shape)
     every = np.arange(length)
     exact_layer = length * sum(row.values()) + attention_flops(shape, every)
@@ -38,5 +41,8 @@ def prefill_flops(shape: ModelShape, length: int, full: np.ndarray | None = None
     if full is None or split is None or split >= shape.layers or full.all():
         return shape.layers * exact_layer + lm_head
     full_pos, n_fill = every[full], int((~full).sum())
+    if drops:  # the late caches hold full rows only: the i-th full row attends to i+1 keys
+        late = len(full_pos) * sum(row.values()) + attention_flops(shape, np.arange(len(full_pos)))
+        return split * exact_layer + (shape.layers - split) * late + lm_head
     late = len(full_pos) * sum(row.values()) + attention_flops(shape, full_pos) + n_fill * (row["k"] + row["v"])
     return split * exact_layer + (shape.layers - split) * late + n_fill * map_flops + lm_head

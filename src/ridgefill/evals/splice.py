@@ -36,6 +36,7 @@ from ridgefill.evals.decode import greedy_after_cache
 from ridgefill.evals.passages import (PassageConfig, evaluation_passages, nll_results,
                                       tail_difference)
 from ridgefill.evals.ruler import TASKS, build_samples, score_prediction
+from ridgefill.method.fill import FROM_MAPS
 from ridgefill.evals.scoring import continuation_nll, distant_tokens, short_context_nll
 from ridgefill.runtime.stats import (describe_spread, distant_spread, format_interval, gap_closed, interval_dict,
                                    select)
@@ -44,6 +45,7 @@ from ridgefill.runtime.ranges import parse_ranges
 from ridgefill.runtime.session import check_length
 
 COMPONENTS = ("keys", "values", "key-scale", "key-direction", "state")
+SPLICED = ("identity", "ridge", "mean")  # fills whose cache has the filled rows (drop writes none)
 ATTENTION_SWAPS = "keys,values,key-scale,key-direction,keys+values"
 STATE_SWAPS = "state,keys+values+state"
 
@@ -63,8 +65,8 @@ class SpliceConfig(PassageConfig):
     task: str = option("niah_single_1", "RULER task of the needle prompts.")
     max_new_tokens: int | None = option(None, "Cap on generated answer tokens (default: RULER's budget for the "
                                         "task).")
-    fill: str | None = option(None, "The filled cache to splice: ridge or identity (default: ridge with --maps, "
-                              "else identity).")
+    fill: str | None = option(None, "The filled cache to splice: ridge, identity or the mean control (default: "
+                              "ridge with --maps, else identity).")
 
     def check(self) -> None:
         super().check()
@@ -79,13 +81,16 @@ class SpliceConfig(PassageConfig):
             parse_layer_ranges(self.layers)
         if self.swap is not None:
             parse_swaps(self.swap)
-        if self.fill_used not in ("identity", "ridge"):
-            raise RidgefillError(f"--fill '{self.fill}' is unknown: use identity or ridge")
+        if self.fill_used == "drop":
+            raise RidgefillError("--fill drop writes no late-layer cache for its filled rows, so there is nothing to "
+                                 "splice into: splice identity, mean or ridge (measure drop with ruler and loss)")
+        if self.fill_used not in SPLICED:
+            raise RidgefillError(f"--fill '{self.fill}' is unknown: use {', '.join(SPLICED)}")
         if self.needles and self.task not in TASKS:
             raise RidgefillError(f"--task '{self.task}' is unknown: use one of {', '.join(TASKS)}")
 
     def wants_input(self):
-        return ("fill", "ridge", "use identity") if self.fill == "ridge" else None
+        return ("fill", self.fill, "use identity") if self.fill in FROM_MAPS else None
 
     @property
     def fill_used(self) -> str:

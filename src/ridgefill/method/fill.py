@@ -1,7 +1,8 @@
 """How to fill: the one settings type that every command, the recipe runner, tune and the vLLM plugin share.
 
-A FillSettings names a fill variant (identity or ridge), its split (ridge maps carry theirs), the maps file, the
-tail, the leading rows kept in full and the outlier rule, checked once, here. From it come
+A FillSettings names a fill variant (identity, ridge, or a null control: drop or mean), its split (maps carry
+theirs), the maps file, the tail, the leading rows kept in full and the outlier rule, checked once, here. From it
+come
 
 - the engine's plan (`plan`: engine.FillPlan, with the maps loaded and checked against the model),
 - the vLLM plugin's environment (`env`, `from_env`; `for_vllm` pins the maps' bytes and writes an identity maps file
@@ -28,8 +29,11 @@ from ridgefill.method.statistics import OUTLIER_FACTOR
 if TYPE_CHECKING:
     from ridgefill.engine import FillPlan
 
-VARIANTS = ("exact", "identity", "ridge")  # what a measurement runs side by side, exact first
+VARIANTS = ("exact", "identity", "ridge", "drop", "mean")  # what a measurement can run side by side, exact first
 FILLS = VARIANTS[1:]  # the fill variants
+CONTROLS = ("drop", "mean")  # null controls: filled rows bring nothing (drop) or the calibration mean (mean)
+FROM_MAPS = ("ridge", "mean")  # variants that read a maps file (mean: its calibration means)
+DEFAULT_VARIANTS = ("exact", "identity", "ridge")  # what runs without --variants (ridge only with --maps)
 DEFAULT_TAIL = 256
 DEFAULT_KEEP_FIRST = 1
 SERVING_KIND = "ridgefill-serving-config"
@@ -56,8 +60,9 @@ def check_fill_values(tail: int, keep_first: int, outlier_factor: float) -> None
 
 @dataclass(frozen=True)
 class FillSettings:
-    """How to fill one prompt: `variant` identity or ridge; `split` (ridge: the maps', checked when given);
-    `maps` (ridge, or for vLLM any maps file, identity ones too); `maps_sha256` the bytes every loader must find."""
+    """How to fill one prompt: `variant` identity, ridge, drop or mean (engine/fillers.py); `split` (the maps', checked
+    when given); `maps` (ridge and mean, or for vLLM any maps file, identity ones too); `maps_sha256` the bytes every
+    loader must find."""
 
     variant: str
     split: int | None = None
@@ -71,10 +76,11 @@ class FillSettings:
         if self.variant not in FILLS:
             raise RidgefillError(f"unknown fill variant {self.variant!r}: use {' or '.join(FILLS)}")
         check_fill_values(self.tail, self.keep_first, self.outlier_factor)
-        if self.variant == "ridge" and self.maps is None:
-            raise RidgefillError("the ridge variant needs --maps (from ridgefill fit): pass it, or fill with identity")
+        if self.variant in FROM_MAPS and self.maps is None:
+            raise RidgefillError(f"the {self.variant} variant needs --maps (from ridgefill fit): pass it, or fill "
+                                 "with identity")
         if self.maps is None and self.split is None:
-            raise RidgefillError("identity fill needs --split (or --maps, which carries it)")
+            raise RidgefillError(f"{self.variant} fill needs --split (or --maps, which carries it)")
         if self.split is not None and (isinstance(self.split, bool) or not isinstance(self.split, int)
                                        or self.split < 1):
             raise RidgefillError(f"--split {self.split} must be a layer index of at least 1")
@@ -85,7 +91,7 @@ class FillSettings:
     def plan(self, session, keep_rows=()) -> tuple["FillPlan", dict | None]:
         """The engine's plan on `session`'s model (maps loaded and checked against it) and the maps' metadata (None
         for identity fill). keep_rows: rows run in full besides the first keep_first and the tail."""
-        from ridgefill.engine import FillPlan, IdentityFiller
+        from ridgefill.engine import DropFiller, FillPlan, IdentityFiller
         from ridgefill.method.maps import check_for_model, load_filler
         from ridgefill.runtime.artifacts import read_meta
         from ridgefill.runtime.paths import file_sha256
@@ -93,11 +99,11 @@ class FillSettings:
         n_layers = session.engine.n_layers
         rows = tuple(sorted(set(range(self.keep_first)) | set(keep_rows)))
         meta, split = None, self.split
-        if self.variant == "ridge":
+        if self.variant in FROM_MAPS:
             filler, meta = load_filler(self.maps, session.loaded.info(), self.split, session.engine.dtype,
-                                       session.engine.device, self.maps_sha256)
+                                       session.engine.device, self.maps_sha256, mean=self.variant == "mean")
             split = meta["split"]
-        elif self.maps is not None:  # identity at the maps' split: their metadata is enough
+        elif self.maps is not None:  # identity or drop at the maps' split: their metadata is enough
             meta = {**read_meta(self.maps, "maps"), "sha256": file_sha256(self.maps)}
             check_for_model(self.maps, meta, session.loaded.info(), self.split)
             split = meta["split"]
@@ -105,20 +111,28 @@ class FillSettings:
             raise RidgefillError(f"split {split} is out of range: use 1..{n_layers} for this model")
         if self.variant == "identity":
             filler = IdentityFiller(split, n_layers)
+        elif self.variant == "drop":
+            filler = DropFiller(split, n_layers)
         return FillPlan(filler, self.tail, rows, self.outlier_factor), meta
 
     # --- vLLM ----------------------------------------------------------------------------------------------------
     def for_vllm(self, n_layers: int, model_info: dict, scratch: Path) -> "FillSettings":
         """These settings as the vLLM plugin serves them: identity fill through an identity maps file written into
-        `scratch` for this model, and the maps pinned to their bytes as they are now (maps_sha256)."""
+        `scratch` for this model, the mean control through a mean maps file written there from the maps' calibration
+        means, and the maps pinned to their bytes as they are now (maps_sha256). Drop fill is not served."""
         from ridgefill.method.maps import save_maps
         from ridgefill.runtime.artifacts import load_private
 
         maps = self.maps
+        if self.variant == "drop":
+            raise RidgefillError("the vLLM plugin does not serve drop fill (a null control for measurements): "
+                                 "measure it with ridgefill's own engine, or serve identity, mean or ridge")
         if self.variant == "identity":
             split = self.split if self.split is not None else served_split(self.maps)
             maps = Path(scratch) / "identity.maps.safetensors"
             save_maps(maps, split, n_layers, [], {"model": model_info}, "identity")
+        elif self.variant == "mean" and read_kind(self.maps) != "mean":
+            maps = mean_maps(self.maps, Path(scratch) / "mean.maps.safetensors", self.maps_sha256)
         _, meta, digest = load_private(maps, "maps", None if maps != self.maps else self.maps_sha256)
         if self.split is not None and self.split != meta["split"]:
             raise RidgefillError(f"{maps} holds maps for split {meta['split']}, not {self.split}: pass --split "
@@ -155,7 +169,8 @@ class FillSettings:
                                      f"set it to e.g. {default}") from None
 
         meta = read_meta(maps, "maps")
-        return cls("identity" if meta.get("kind") == "identity" else "ridge", meta.get("split"), Path(maps),
+        variant = meta.get("kind") if meta.get("kind") in ("identity", "mean") else "ridge"
+        return cls(variant, meta.get("split"), Path(maps),
                    number("tail", int, DEFAULT_TAIL), number("keep_first", int, DEFAULT_KEEP_FIRST),
                    number("outlier_factor", float, OUTLIER_FACTOR), env.get(ENV["maps_sha256"], "").strip() or None)
 
@@ -165,7 +180,7 @@ class FillSettings:
         from ridgefill.runtime.paths import file_sha256
 
         maps = None
-        if self.variant == "ridge":
+        if self.variant in FROM_MAPS:
             maps = {"path": str(Path(self.maps).resolve()), "sha256": self.maps_sha256 or file_sha256(self.maps)}
         return {"variant": self.variant, "split": self.split, "tail": self.tail, "keep_first": self.keep_first,
                 "outlier_factor": self.outlier_factor, "maps": maps}
@@ -177,17 +192,19 @@ class FillSettings:
 
 
 def parse_variants(text, maps) -> list[str]:
-    """--variants: comma-separated names (or a list). Default: every variant, ridge only with --maps. Exact always
-    runs, first: every difference is taken against it."""
+    """--variants: comma-separated names (or a list). Default: exact, identity and (with --maps) ridge; the null
+    controls drop and mean run when named (mean needs --maps). Exact always runs, first: every difference is taken
+    against it."""
     if text is None:
-        return [v for v in VARIANTS if v != "ridge" or maps is not None]
+        return [v for v in DEFAULT_VARIANTS if v != "ridge" or maps is not None]
     names = [v.strip() for v in (text.split(",") if isinstance(text, str) else text) if v.strip()]
     unknown = [v for v in names if v not in VARIANTS]
     if not names or unknown:
         raise RidgefillError(f"--variants '{text}' names unknown variant(s) {unknown}: use {', '.join(VARIANTS)}")
-    if "ridge" in names and maps is None:
-        raise RidgefillError("the ridge variant needs --maps (from ridgefill fit): pass it, or drop ridge from "
-                             "--variants")
+    needs = [v for v in FROM_MAPS if v in names]
+    if needs and maps is None:
+        raise RidgefillError(f"the {needs[0]} variant needs --maps (from ridgefill fit): pass it, or leave "
+                             f"{needs[0]} out of --variants")
     return ["exact", *[v for v in VARIANTS if v in names and v != "exact"]]
 
 
@@ -213,6 +230,25 @@ def served_split(maps) -> int:
     from ridgefill.runtime.artifacts import read_meta
 
     return read_meta(maps, "maps")["split"]
+
+
+def read_kind(maps) -> str | None:
+    from ridgefill.runtime.artifacts import read_meta
+
+    return read_meta(maps, "maps").get("kind")
+
+
+def mean_maps(maps: Path, out: Path, sha256: str | None = None) -> Path:
+    """Write the mean control of `maps` (their calibration means as a mean maps file, for the vLLM plugin) to `out`."""
+    from ridgefill.method.maps import calibration_means
+    from ridgefill.runtime.artifacts import load_private, save_artifact
+
+    tensors, meta, _ = load_private(maps, "maps", sha256)
+    bias = calibration_means(maps, tensors, meta)
+    keep = {k: meta[k] for k in ("model", "split", "n_layers", "data", "tokens", "seq_len") if k in meta}
+    save_artifact(out, {"bias": bias}, {**keep, "artifact": "maps", "kind": "mean", "layers": [],
+                                        "from_maps": str(maps)})
+    return out
 
 
 @dataclass(frozen=True)
@@ -257,9 +293,9 @@ def load_serving(path: str | Path) -> Tuned:
     if variant not in FILLS:
         raise RidgefillError(f"--serving-config {path}: unknown variant {variant!r}: rerun `ridgefill tune`")
     maps_path = sha = None
-    if variant == "ridge":
+    if variant in FROM_MAPS:
         if not isinstance(maps, dict) or not isinstance(maps.get("path"), str):
-            raise RidgefillError(f"--serving-config {path}: a ridge fill without its maps (`maps.path`): rerun "
+            raise RidgefillError(f"--serving-config {path}: a {variant} fill without its maps (`maps.path`): rerun "
                                  "`ridgefill tune`")
         maps_path = Path(maps["path"])
         if not maps_path.is_absolute():

@@ -12,7 +12,7 @@ from ridgefill.errors import RidgefillError
 from ridgefill.runtime.stats import mean
 from ridgefill.method.statistics import PARTS, Calibration, SplitStats, check_fittable
 from ridgefill.method.maps import KINDS, save_maps
-from ridgefill.method.ridge import RANK_BASES, fit_split
+from ridgefill.method.ridge import RANK_BASES, fit_split, mean_split
 from ridgefill.runtime.artifacts import load_artifact, read_meta
 from ridgefill.runtime.console import note, progress_bar, table
 from ridgefill.runtime.paths import check_output, write_json
@@ -25,7 +25,8 @@ class FitConfig(Config):
     split: int | None = option(None, "Which split to fit (needed if the stats hold several).", top="splits")
     lam: str = option("auto", "'auto' (per layer, chosen on the validation rows) or a λ relative to "
                       "trace(Pxx)/H (Pxx: the centred XᵀX).", top="lam")
-    kind: str = option("ridge", "ridge (fitted maps) or identity (x itself, no fit).")
+    kind: str = option("ridge", "ridge (fitted maps), identity (x itself, no fit) or mean (the null control: each "
+                       "late layer's calibration mean, whatever the row).")
     rank: int | None = option(None, "Keep only r directions of each map's residual (low rank).")
     rank_basis: str = option(RANK_BASES[0], "With --rank: inputs (reduced-rank ridge: the directions that keep most "
                              "of the fitted predictions on the calibration inputs) or weights (the top singular "
@@ -62,16 +63,22 @@ def run(c: FitConfig) -> dict:
     if train.count < 2:
         raise RidgefillError(f"{stats} has only {train.count} training rows for split {split}: calibrate on more "
                              "tokens")
+    means = train.ysum / train.count  # [L-S-1, H] each late layer's mean input, stored for the mean control
+    if kind == "mean" and (rank is not None or c.targets != "raw" or train.lookback):
+        raise RidgefillError("--kind mean fits no map: drop --rank and --targets, and calibrate without lookback")
     if c.targets == "normalized":
         train, val, test = _normalized(stats, train, val, test, hidden)
-    if kind == "identity":
+    if kind in ("identity", "mean"):
         lam_value = 1.0  # no map is fitted; the pass only measures identity fill's held-out error
     if lam_value == "auto" and val.count == 0:
         raise RidgefillError("--lam auto needs held-out rows: calibrate with --holdout > 0 or pass --lam 1e-3")
     errors_on = _errors_on(stats, val, test, lam_value == "auto")
     n_maps = meta["n_layers"] - split - 1
-    with progress_bar(f"fitting split {split}", n_maps) as advance:
-        fits = fit_split(train, val if val.count else None, lam_value, rank, advance, test, c.rank_basis)
+    if kind == "mean":
+        fits = mean_split(train, test if test is not None and test.count else (val if val.count else None))
+    else:
+        with progress_bar(f"fitting split {split}", n_maps) as advance:
+            fits = fit_split(train, val if val.count else None, lam_value, rank, advance, test, c.rank_basis)
     if kind == "identity":  # the stored map is x itself: its error is identity fill's
         fits = [replace(f, error_map=f.error_identity, error_full_rank=f.error_identity, lam=math.nan) for f in fits]
     base = {k: meta[k] for k in ("model", "data", "tokens", "seq_len")}
@@ -79,9 +86,10 @@ def run(c: FitConfig) -> dict:
     window = {"lookback": lookback, "lookback_start": meta.get("skip_first", 0)} if lookback else {}
     save_maps(out, split, meta["n_layers"], fits, {**base, "stats": str(stats), "rank": rank,
                                                    "rank_basis": c.rank_basis if rank else None,
-                                                   "targets": c.targets, "errors_on": errors_on, **window}, kind)
+                                                   "targets": c.targets, "errors_on": errors_on, **window}, kind,
+              means=means)
     rows = [[f.layer, f.lam, f.error_identity, f.error_map] for f in fits]
-    label = "ridge" if kind == "ridge" else "identity (stored)"
+    label = {"ridge": "ridge", "identity": "identity (stored)", "mean": "mean (control)"}[kind]
     chosen = ", λ chosen on the validation rows" if lam_value == "auto" else ""
     space = ", normalised targets" if c.targets == "normalized" else ""
     space += f", lookback {lookback}" if lookback else ""

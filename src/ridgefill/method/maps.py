@@ -7,24 +7,27 @@ from pathlib import Path
 import torch
 
 from ridgefill.runtime.artifacts import load_private, save_artifact
-from ridgefill.engine import Filler, IdentityFiller, MapFiller
+from ridgefill.engine import Filler, IdentityFiller, MapFiller, MeanFiller
 from ridgefill.errors import RidgefillError
 from ridgefill.method.ridge import LayerFit
 from ridgefill.method.statistics import first_nonfinite
 
-KINDS = ("ridge", "identity")
+KINDS = ("ridge", "identity", "mean")  # mean: the null control's maps (zero weights, the bias the mean)
 
 
 def save_maps(path: str | Path, split: int, n_layers: int, fits: list[LayerFit], meta: dict, kind: str,
-              key_scale: torch.Tensor | None = None) -> None:
-    """key_scale [L-S, Hkv]: a key-scale correction to store with the maps (method/key_scale.py)."""
+              key_scale: torch.Tensor | None = None, means: torch.Tensor | None = None) -> None:
+    """key_scale [L-S, Hkv]: a key-scale correction to store with the maps (method/key_scale.py). means [L-S-1, H]:
+    the calibration mean of each late layer's input, stored so that the `mean` control runs from any maps file."""
     tensors = {} if key_scale is None else {"key_scale": key_scale.float()}
-    if kind == "ridge":
+    if means is not None:
+        tensors["mean"] = means.float()
+    if kind in ("ridge", "mean"):
         tensors["bias"] = torch.stack([f.bias for f in fits]).float()
         if fits and fits[0].low_rank is not None:
             tensors["u"] = torch.stack([f.low_rank[0] for f in fits]).float()
             tensors["v"] = torch.stack([f.low_rank[1] for f in fits]).float()
-        elif fits:
+        elif fits and fits[0].weight is not None:  # a mean map has none (zero weights)
             tensors["weight"] = torch.stack([f.weight for f in fits]).float()
     layers = [{"layer": f.layer, "lam": f.lam, "error_identity": f.error_identity, "error_map": f.error_map,
                "error_full_rank": f.error_full_rank} for f in fits]
@@ -34,16 +37,20 @@ def save_maps(path: str | Path, split: int, n_layers: int, fits: list[LayerFit],
 
 def load_filler(path: str | Path, model_info: dict, split: int | None = None,
                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                sha256: str | None = None) -> tuple[Filler, dict]:
-    """The filler stored in a maps file, checked against the model it will run on. The file is read whole into
-    private memory (its tensors are no view of it: changing the file later changes nothing); with `sha256`, it must
-    be the file that was checked. The metadata returned carries the file's `sha256`."""
+                sha256: str | None = None, mean: bool = False) -> tuple[Filler, dict]:
+    """The filler stored in a maps file, checked against the model it will run on (mean: the `mean` control from
+    the file's calibration means instead). The file is read whole into private memory (its tensors are no view of it:
+    changing the file later changes nothing); with `sha256`, it must be the file that was checked. The metadata
+    returned carries the file's `sha256`."""
     tensors, meta, digest = load_private(path, "maps", sha256)
     meta = {**meta, "sha256": digest}
     check_for_model(path, meta, model_info, split)
     check_maps(path, tensors, meta, model_info.get("hidden_size"), model_info.get("kv_heads"))
     n_layers, s = meta["n_layers"], meta["split"]
     key_scale = tensors.get("key_scale")
+    if mean or meta["kind"] == "mean":
+        return MeanFiller(s, n_layers, calibration_means(path, tensors, meta), key_scale).to(torch.device(device),
+                                                                                             dtype), meta
     if meta["kind"] == "identity":
         scale = None if key_scale is None else key_scale.to(device=torch.device(device), dtype=dtype)
         return IdentityFiller(s, n_layers, scale), meta
@@ -54,6 +61,16 @@ def load_filler(path: str | Path, model_info: dict, split: int | None = None,
     except (KeyError, RuntimeError, ValueError) as exc:
         raise RidgefillError(f"{path} is incomplete ({exc}): refit it with ridgefill fit") from None
     return filler.to(torch.device(device), dtype), meta
+
+
+def calibration_means(path: str | Path, tensors: dict[str, torch.Tensor], meta: dict) -> torch.Tensor:
+    """[L-S-1, H] the calibration mean of each late layer's input that a maps file carries (a mean maps file: its
+    bias). One line when it carries none (fitted before ridgefill 0.3)."""
+    found = tensors.get("bias") if meta["kind"] == "mean" else tensors.get("mean")
+    if found is None:
+        raise RidgefillError(f"{path} carries no calibration means (fitted before ridgefill 0.3), which the mean "
+                             "control needs: refit it with ridgefill fit")
+    return found
 
 
 META_KEYS = {"kind": str, "split": int, "n_layers": int, "model": dict}  # what a maps file's metadata must hold
@@ -109,14 +126,14 @@ def _shapes(tensors: dict[str, torch.Tensor], meta: dict, hidden: int | None,
             kv_heads: int | None = None) -> dict[str, tuple]:
     """The shape each tensor of a maps file must have by its metadata (None: any size in that dimension): the
     L-S-1 maps' weight [L-S-1, F, H] (F = (K+1)·H with lookback K) or low-rank u [L-S-1, F, r] and v [L-S-1, r, H],
-    bias [L-S-1, H], key_scale [L-S, Hkv]."""
+    bias and mean [L-S-1, H], key_scale [L-S, Hkv]."""
     maps = meta["n_layers"] - meta["split"] - 1
     bias = tensors.get("bias")
     h = hidden or (int(bias.shape[1]) if bias is not None and bias.dim() == 2 else None)
     f = None if h is None else ((meta.get("lookback") or 0) + 1) * h
     u = tensors.get("u")
     r = meta.get("rank") or (int(u.shape[2]) if u is not None and u.dim() == 3 else None)
-    return {"weight": (maps, f, h), "u": (maps, f, r), "v": (maps, r, h), "bias": (maps, h),
+    return {"weight": (maps, f, h), "u": (maps, f, r), "v": (maps, r, h), "bias": (maps, h), "mean": (maps, h),
             "key_scale": (maps + 1, kv_heads)}
 
 

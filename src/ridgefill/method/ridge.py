@@ -73,8 +73,7 @@ class _HeldOut:
         self.u = ((q.T @ r) * a).sum(1)  # diag(QᵀR Aᵀ)
         self.w = ((a @ p[:hidden]) * q.T).sum(1)  # diag(A EᵀP Q)
         self.mg = (q.T @ p @ q) * (a @ a.T)
-        # identity fill (W = E, b = 0), from the raw validation sums
-        self.identity_sse = float(val.yy[index] - 2 * torch.trace(val.xty[index]) + val.xx)  # tr: x_t's block
+        self.identity_sse = identity_sse(val, index)
 
     def sse(self, d: torch.Tensor) -> float:
         return float(self.t - 2 * (self.tr_r + d @ self.u) + self.tr_p + 2 * d @ self.w + d @ self.mg @ d)
@@ -85,6 +84,28 @@ class _HeldOut:
 
     def relative(self, sse: float) -> float:
         return sse / self.denominator if self.denominator > 0 else math.nan
+
+
+def identity_sse(val: SplitStats, index: int) -> float:
+    """Held-out SSE of identity fill (W = E, b = 0) of late layer `index`, from the raw sums."""
+    return float(val.yy[index] - 2 * torch.trace(val.xty[index]) + val.xx)  # tr: x_t's block
+
+
+def mean_split(train: SplitStats, report: SplitStats | None) -> list[LayerFit]:
+    """The `mean` control's maps for one split: zero weights, each bias the train mean of its layer's input (the
+    map ignores the row). Errors on `report` (None or empty: NaN), beside identity fill's."""
+    my = train.ysum / train.count  # [M, H]
+    fits = []
+    for index in range(my.shape[0]):
+        err_id = err_mean = math.nan
+        if report is not None and report.count > 0:
+            n, sy, yy = report.count, report.ysum[index], report.yy[index]
+            denominator = float(yy - sy @ sy / n)  # Σ‖y − ȳ‖² over the report rows
+            if denominator > 0:
+                err_mean = float(yy - 2 * my[index] @ sy + n * my[index] @ my[index]) / denominator
+                err_id = identity_sse(report, index) / denominator
+        fits.append(LayerFit(train.split + 1 + index, math.nan, None, my[index], None, err_id, err_mean, err_mean))
+    return fits
 
 
 RANK_BASES = ("inputs", "weights")  # the first is the default (docs/quality.md, "Low rank")

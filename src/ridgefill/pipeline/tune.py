@@ -34,7 +34,7 @@ from ridgefill import __version__
 from ridgefill.commands import Command, option
 from ridgefill.errors import RidgefillError
 from ridgefill.evals.common import parse_lengths
-from ridgefill.method.fill import (DEFAULT_KEEP_FIRST, DEFAULT_TAIL, FILLS, SERVING_KIND, FillSettings,
+from ridgefill.method.fill import (DEFAULT_KEEP_FIRST, DEFAULT_TAIL, FILLS, FROM_MAPS, SERVING_KIND, FillSettings,
                                    check_fill_values)
 from ridgefill.method.statistics import OUTLIER_FACTOR
 from ridgefill.pipeline.search import SEARCHES, search, step_up
@@ -64,7 +64,8 @@ class TuneConfig(ModelConfig):
     tolerance: float = option(5.0, "Filled-region RULER points below exact that still count as equal quality.")
     max_distant_gap: float = option(0.25, "Distant-context NLL above exact (nats) that still counts as equal "
                                     "quality.")
-    variants: str = option("identity,ridge", "Fill variants to tune: identity, ridge (comma-separated).",
+    variants: str = option("identity,ridge", "Fill variants to tune: identity, ridge, or the null controls drop and "
+                           "mean (comma-separated).",
                            listed=str)
     search: str = option("bisect", "bisect (halve each variant's interval), descend (from the highest split down "
                          "to the first failure) or all (every candidate).")
@@ -136,7 +137,7 @@ class TuneConfig(ModelConfig):
 def fills(text: str) -> list[str]:
     names = [v.strip() for v in str(text).split(",") if v.strip()]
     if not names or any(v not in FILLS for v in names):
-        raise RidgefillError(f"--variants '{text}': tune identity, ridge or both (exact is always measured)")
+        raise RidgefillError(f"--variants '{text}': tune any of {', '.join(FILLS)} (exact is always measured)")
     return [v for v in FILLS if v in names]
 
 
@@ -170,7 +171,7 @@ CHECK_FOLDER = "check"  # under the run folder: check/<variant>/ per variant, ch
 def search_tables(c: TuneConfig, splits: list[int]) -> dict:
     """The search's recipe: top-level settings, then [calibrate] and [fit] (for ridge) and [ruler]."""
     variants = ["exact", *c.fill_names]
-    tables = _fit_tables(c) if "ridge" in variants else {}
+    tables = _fit_tables(c) if any(v in FROM_MAPS for v in variants) else {}
     tables["ruler"] = {"lengths": c.ruler_lengths,
                        "tasks": [t.strip() for t in str(c.tasks).split(",") if t.strip()], "samples": c.samples,
                        "max-new-tokens": c.max_new_tokens, "region": "filled", "keep-first": c.keep_first,
@@ -182,7 +183,7 @@ def search_tables(c: TuneConfig, splits: list[int]) -> dict:
 def check_tables(c: TuneConfig, splits: list[int], variant: str, exact_store: Path) -> dict:
     """A variant's NLL check: for ridge the search's [calibrate] and [fit] (the same tasks, so the same
     artifacts), then [loss] on the check's passages at the check's own tail."""
-    tables = _fit_tables(c) if variant == "ridge" else {}
+    tables = _fit_tables(c) if variant in FROM_MAPS else {}
     tables["loss"] = {"data": _local(c.eval_data), "context": c.context, "short": c.short,
                       "short-stride": c.short_stride, "samples": c.passages, "keep-first": c.keep_first,
                       "variants": ["exact", variant], "exact-cache": str(exact_store.resolve())}
@@ -416,7 +417,7 @@ def serving_config(c: TuneConfig, sweep: Sweep, checks: dict[str, Sweep], best: 
     (quality with intervals, FLOP-limit speedup at a stated length) and where it came from."""
     manifest, results = sweep.results()
     check = checks.get(best.variant)
-    maps = _maps_of(manifest, sweep.run_dir, best.split) if best.variant == "ridge" else None
+    maps = _maps_of(manifest, sweep.run_dir, best.split) if best.variant in FROM_MAPS else None
     fill = FillSettings(best.variant, best.split, maps, c.tail, c.keep_first, OUTLIER_FACTOR)  # as it was measured
     info = sweep.facts.info
     return {

@@ -75,16 +75,16 @@ class FlopModel:
         full = full_positions(torch.arange(self.length), self.length, tail, self.keep_first).numpy()
         filled = prefill_flops(self.shape, self.length, full, split,
                                map_flops(self.shape, variant, split, self.ranks.get(split),
-                                         self.lookbacks.get(split, 0)))
+                                         self.lookbacks.get(split, 0)), variant == "drop")
         return prefill_flops(self.shape, self.length) / filled
 
 
 def map_flops(shape: "ModelShape", variant: str, split: int, rank: int | None = None, lookback: int = 0) -> int:
-    """One filled row's maps (the filler's flops_per_row): none for identity fill, else engine.maps_flops over
-    the predicted layers S+1..L-1."""
+    """One filled row's maps (the filler's flops_per_row): none for identity fill and the controls (drop, mean),
+    else engine.maps_flops over the predicted layers S+1..L-1."""
     from ridgefill.engine.fillers import maps_flops
 
-    if variant == "identity":
+    if variant != "ridge":
         return 0
     return maps_flops(shape.hidden, shape.layers - split - 1, rank, lookback)
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-COLORS = {"exact": "#444444", "identity": "#d95f02", "ridge": "#1b9e77", "fill": "#7570b3"}
+COLORS = {"exact": "#444444", "identity": "#d95f02", "ridge": "#1b9e77", "fill": "#7570b3", "drop": "#e7298a",
+          "mean": "#66a61e"}
 
 
 def pyplot():
