@@ -124,17 +124,16 @@ def one_thread():
 
 # --- running in parallel (pytest-xdist: `make test` runs two workers) ----------------------------------------------
 # The session fixtures that start vLLM engines or fit maps for them (tests/serve/vllm_fixtures.py) are built once per
-# worker: every test that uses one goes to the same worker (`--dist loadgroup`), so each engine starts once.
+# worker that uses them (`--dist loadgroup`): the tests of the shared engine pool all go to one worker, so each
+# engine starts once; the tests that start servers of their own go to one other group, which may run beside it
+# (the tiny checkpoints and their maps are then built on both workers).
 VLLM_FIXTURES = {"vllm_tiny", "vllm_lookback", "smollm2_maps", "engines", "vllm_tuned"}
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if VLLM_FIXTURES & set(getattr(item, "fixturenames", ())):
-            item.add_marker(pytest.mark.xdist_group("vllm"))
-
-
-def pytest_configure(config):
-    # two workers on two cores: each runs torch on one thread (tiny models gain nothing from a second one)
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        torch.set_num_threads(1)
+        names = set(getattr(item, "fixturenames", ()))
+        if "engines" in names:
+            item.add_marker(pytest.mark.xdist_group("vllm-engines"))
+        elif VLLM_FIXTURES & names:
+            item.add_marker(pytest.mark.xdist_group("vllm-servers"))

@@ -101,6 +101,19 @@ def test_late_inputs_are_the_fillers_predictions(dense_model):
         ref = filler.predict(x, positions).permute(2, 0, 1, 3).reshape(-1, b * n, h)
         assert (y[1:] - ref).abs().max() <= TOL, name
 
+    calls = []
+
+    def make(weight, bias):  # a serving engine's prepared GEMM stands in: torch's, counted
+        def gemm(f):
+            calls.append(f.shape)
+            return torch.nn.functional.linear(f, weight, bias)
+        return gemm
+
+    maps = fillers(2, adapter.n_layers, h)["ridge"]
+    want = maps.late_inputs(x, positions)
+    maps.use_gemm(make)  # the maps as one GEMM [R, F] x [F, (L-S-1)*H]: the same late inputs
+    assert (maps.late_inputs(x, positions) - want).abs().max() <= TOL and calls == [(b * n, h)]
+
 
 def test_engine_prefill_fused_equals_per_layer(dense_model):
     """Whole filled prefill (chunked, keep rows, batch 2): fused and per-layer routes give the same caches."""

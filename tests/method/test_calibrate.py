@@ -412,6 +412,7 @@ def test_the_command_reports_the_nonfinite_rows_and_fits_from_the_rest(tiny_chec
     from tiny_checkpoint import write_corpus
 
     monkeypatch.setattr(Engine, "prefill", poisoning(Engine.prefill, {(2, 5): math.nan, (4, 9): math.inf}))
+    monkeypatch.setenv("COLUMNS", "200")  # the table whole, whatever terminal (or none) the test runs under
     text = write_corpus(tmp_path / "text.txt", seed=3, lines_per_document=12)
     stats = tmp_path / "stats.safetensors"
     summary = command("calibrate")(model=str(tiny_checkpoint), data=str(text), split="2", tokens=1024, seq_len=128,

@@ -196,9 +196,16 @@ class MapFiller:
             raise ValueError(f"map inputs of width {features} are not a whole number of {hidden}-wide split states")
         self.lookback = features // hidden - 1
         self.lookback_start = lookback_start
+        self._gemm = None  # use_gemm: the full-rank maps as one prepared GEMM, f [R, F] -> [R, (L-S-1)*H] + biases
+
+    def use_gemm(self, make) -> None:
+        """Apply full-rank maps through `make(weight [(L-S-1)*H, F], bias [(L-S-1)*H])`, a callable x [R, F] ->
+        x·weightᵀ + bias (e.g. a serving engine's prepacked GEMM); low-rank maps keep their two products."""
+        if self._stacked is not None and _n_maps(self):
+            self._gemm = make(self._stacked.t().contiguous(), self._biases.reshape(-1).contiguous())
 
     def _tensors(self) -> dict[str, torch.Tensor]:
-        names = ("_stacked", "_stacked_u", "_v", "_biases", "key_scale")
+        names = ("_stacked", "_stacked_u", "_v", "_biases", "key_scale")  # _gemm's prepared weights are its own
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
     def to(self, device: torch.device, dtype: torch.dtype) -> "MapFiller":
@@ -247,6 +254,9 @@ class MapFiller:
             return out
         h = flat.shape[1]
         f = self._inputs(x, previous)  # [R, F]
+        if self._gemm is not None:
+            out[1:] = self._gemm(f).view(flat.shape[0], m, h).transpose(0, 1)  # [R, m*H] -> layer-major, biases in
+            return out
         if self._v is None:
             weights = self._stacked.view(f.shape[1], m, h).transpose(0, 1)  # [m, F, H], a view: block j is map j
             torch.bmm(f.expand(m, -1, -1), weights, out=out[1:])

@@ -23,7 +23,9 @@ server runs changes nothing.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -46,12 +48,25 @@ from ridgefill.serve.vllm_runner import StepLog
 
 @dataclass
 class LateKV:
-    """One late layer's K/V projection: the K and V rows of its local qkv_proj shard."""
+    """One late layer's K/V projection: the K and V rows of its local qkv_proj shard, as one GEMM (`linear`)."""
 
-    weight: torch.Tensor  # [2·kv, H]
-    bias: torch.Tensor | None  # [2·kv]
+    project: Callable  # u [nF, H] -> [nF, 2·kv]: the K and V rows (weight [2·kv, H], bias [2·kv]) applied
     kv_size: int  # local K (= V) width: local KV heads x head_dim
     key_scale: torch.Tensor | None = None  # [local KV heads]: the maps' key-scale correction of this shard
+
+
+def linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable:
+    """x [N, in] -> x·weightᵀ + bias, run as vLLM runs its own linear layers: on a CPU through vLLM's CPU GEMM
+    dispatch (oneDNN or its packed kernels, the weight prepacked once); elsewhere torch's F.linear."""
+    if weight.device.type != "cpu":
+        return functools.partial(F.linear, weight=weight, bias=bias)
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    holder = torch.nn.Module()
+    holder.weight = torch.nn.Parameter(weight.contiguous(), requires_grad=False)
+    holder.bias = None if bias is None else torch.nn.Parameter(bias.contiguous(), requires_grad=False)
+    dispatch_cpu_unquantized_gemm(holder, remove_weight=False)
+    return lambda x: holder.cpu_linear(x, holder.weight, holder.bias)
 
 
 @dataclass
@@ -99,7 +114,9 @@ class RidgeFillMixin:
             rows = slice(attn.q_size, attn.q_size + 2 * attn.kv_size)
             bias = None if getattr(qkv, "bias", None) is None else qkv.bias[rows].detach().clone()
             scale = None if filler.key_scale is None else local_heads(filler.key_scale[j], attn)
-            late.append(LateKV(qkv.weight[rows].detach().clone(), bias, attn.kv_size, scale))
+            late.append(LateKV(linear(qkv.weight[rows].detach().clone(), bias), attn.kv_size, scale))
+        if hasattr(filler, "use_gemm"):  # the maps as vLLM runs a linear layer (prepacked on a CPU)
+            filler.use_gemm(linear)
         return FillState(fill, filler, filler.split, late, FillCounters(publish=get_tensor_model_parallel_rank() == 0))
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, ridgefill_batch=None):
@@ -160,7 +177,7 @@ def write_filled_kv(layer, kv: LateKV, u: torch.Tensor, positions: torch.Tensor,
     """Write the K/V of the filled rows (predicted layer input u [nF, H] at `positions` [nF]) into `layer`'s cache."""
     attn = layer.self_attn
     hn = layer.input_layernorm(u.contiguous())  # [nF, H]
-    k, v = F.linear(hn, kv.weight, kv.bias).split(kv.kv_size, dim=-1)  # [nF, kv] each
+    k, v = kv.project(hn).split(kv.kv_size, dim=-1)  # [nF, kv] each
     k, v = k.contiguous(), v.contiguous()
     heads = kv.kv_size // attn.head_dim
     if hasattr(attn, "k_norm"):  # Qwen3 (and Qwen2 variants with qk_norm): RMSNorm per head before RoPE
