@@ -123,17 +123,14 @@ def one_thread():
 
 
 # --- running in parallel (pytest-xdist: `make test` runs two workers) ----------------------------------------------
-# The session fixtures that start vLLM engines or fit maps for them (tests/serve/vllm_fixtures.py) are built once per
-# worker that uses them (`--dist loadgroup`): the tests of the shared engine pool all go to one worker, so each
-# engine starts once; the tests that start servers of their own go to one other group, which may run beside it
-# (the tiny checkpoints and their maps are then built on both workers).
+# The tests that start vLLM engines, or use the session fixtures that fit maps for them (tests/serve/vllm_fixtures.py),
+# all go to one worker (`--dist loadgroup`): each engine of the shared pool starts once, the fixtures are built once,
+# and no two vLLM engines (each binding its threads to every core) run at the same time; measured: two vLLM groups
+# side by side made the suite slower, not faster.
 VLLM_FIXTURES = {"vllm_tiny", "vllm_lookback", "smollm2_maps", "engines", "vllm_tuned"}
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        names = set(getattr(item, "fixturenames", ()))
-        if "engines" in names:
-            item.add_marker(pytest.mark.xdist_group("vllm-engines"))
-        elif VLLM_FIXTURES & names:
-            item.add_marker(pytest.mark.xdist_group("vllm-servers"))
+        if VLLM_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.xdist_group("vllm"))
