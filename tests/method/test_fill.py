@@ -10,8 +10,8 @@ import math
 import pytest
 
 from ridgefill.errors import RidgefillError
-from ridgefill.method.fill import (ENV, SERVING_KIND, V2_RUNNER, FillSettings, load_serving, parse_variants,
-                                   variant_plans)
+from ridgefill.method.fill import (ENV, SERVING_KIND, V2_RUNNER, FillOptions, FillSettings, load_serving,
+                                   parse_variants, variant_plans)
 from ridgefill.method.maps import save_maps
 from ridgefill.runtime.paths import file_sha256
 from ridgefill.runtime.session import open_session
@@ -189,6 +189,8 @@ def test_the_controls_plan_and_serve_as_their_definitions_say(session_and_maps, 
     tensors, stored = load_artifact(served.maps, "maps")
     assert stored["kind"] == "mean" and torch.equal(tensors["bias"], means)
     assert FillSettings.from_env(served.env()).variant == "mean"
+    assert FillOptions(maps=served.maps).fill().variant == "mean"  # a mean maps file given as --maps fills mean
+    assert FillOptions(maps=maps).fill().variant == "ridge"
     with pytest.raises(RidgefillError, match="carries no calibration means"):
         FillSettings("mean", None, session_and_maps[1]).plan(session)
     with pytest.raises(RidgefillError, match="does not serve drop fill") as caught:

@@ -336,8 +336,10 @@ class FillOptions(Config):
         check_fill_values(self.tail, self.keep_first, self.outlier_factor)
 
     def fill(self, variant: str | None = None) -> FillSettings:
-        """The settings of `variant` (default: ridge with --maps, else identity)."""
-        variant = variant or ("ridge" if self.maps is not None else "identity")
+        """The settings of `variant` (default: with --maps ridge, or mean for a mean maps file; else identity)."""
+        if variant is None and self.maps is not None:
+            variant = "mean" if read_kind(self.maps) == "mean" else "ridge"
+        variant = variant or "identity"
         return FillSettings(variant, self.split, self.maps, self.tail, self.keep_first, self.outlier_factor)
 
     def with_serving(self, tuned: Tuned, **more):
