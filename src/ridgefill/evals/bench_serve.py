@@ -32,21 +32,17 @@ import numpy as np
 from ridgefill.commands import REQUIRED, Command, option
 from ridgefill.errors import RidgefillError
 from ridgefill.evals.common import ResultWriter
-from ridgefill.method.fill import FillOptions
 from ridgefill.runtime.console import note, table
 from ridgefill.runtime.paths import check_output
 from ridgefill.runtime.stats import ratio_of_medians
+from ridgefill.serve.serve import ServedFill
 
 VARIANTS = ("exact", "ridge")  # stock vLLM, then RidgeFill's plugin (the fill of the fill options)
 SPREAD = 0.25  # prompt lengths are drawn uniformly within ±SPREAD of --prompt-tokens
 
 
 @dataclass
-class BenchServeConfig(FillOptions):
-    model: str = option("smollm2-135m", "Local HF folder, Hub id, or alias 'smollm2-135m' (the model the maps were "
-                        "fitted for).")
-    serving_config: Path | None = option(None, "A serving config from `ridgefill tune`: its fill replaces the fill "
-                                         "options.")
+class BenchServeConfig(ServedFill):
     data: str = option("shakespeare", "Text whose evaluation documents the prompts are cut from.")
     rates: str = option("0.05,0.1,0.2", "Request rates to test (requests/s), comma-separated: from light to past "
                         "stock vLLM's saturation.", listed=str)
@@ -70,10 +66,6 @@ class BenchServeConfig(FillOptions):
         if not (self.slo_ttft > 0 and math.isfinite(self.slo_ttft)) or not self.time_limit > 0:
             raise RidgefillError(f"--slo-ttft {self.slo_ttft:g} and --time-limit {self.time_limit:g} must be positive "
                                  "numbers of seconds")
-        if self.serving_config is None and self.maps is None and self.split is None:
-            raise RidgefillError("give --maps (from ridgefill fit), --split (identity fill) or --serving-config")
-        if self.serving_config is not None and (self.maps is not None or self.split is not None):
-            raise RidgefillError("--serving-config sets the fill (maps and split): drop --maps and --split")
         check_output(self, beside=(".png",))
 
     def rate_values(self) -> list[float]:

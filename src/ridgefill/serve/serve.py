@@ -82,11 +82,26 @@ KV_OPTIONS = ("--kv-cache-memory-bytes", "--gpu-memory-utilization")  # the user
 
 
 @dataclass
-class ServeConfig(FillOptions):
+class ServedFill(FillOptions):
+    """What a vLLM server serves (`serve`, and both servers of `bench-serve`): a model and its fill, from the fill
+    options or a serving config (one of the two)."""
+
     model: str = option("smollm2-135m", "Local HF folder, Hub id, or alias 'smollm2-135m' (the model the maps "
                         "were fitted for).")
     serving_config: Path | None = option(None, "A serving config from `ridgefill tune`: its fill (variant, split, "
                                          "maps, tail, keep-first, outlier factor) replaces those options.")
+
+    def check(self) -> None:
+        super().check()
+        if self.serving_config is not None and (self.maps is not None or self.split is not None):
+            raise RidgefillError("--serving-config sets the fill (maps and split): drop --maps and --split")
+        if self.serving_config is None and self.maps is None and self.split is None:
+            raise RidgefillError("give --maps (from ridgefill fit), --split (identity fill) or --serving-config (from "
+                                 "ridgefill tune)")
+
+
+@dataclass
+class ServeConfig(ServedFill):
     host: str = option("127.0.0.1", "Address the server listens on.")
     port: int = option(8000, "Port the server listens on.")
     dtype: str = option("fp32", "fp32, bf16, fp16, or auto (the checkpoint's own).")
@@ -105,11 +120,6 @@ class ServeConfig(FillOptions):
 
     def check(self) -> None:
         super().check()
-        if self.serving_config is not None and (self.maps is not None or self.split is not None):
-            raise RidgefillError("--serving-config sets the fill (maps and split): drop --maps and --split")
-        if self.serving_config is None and self.maps is None and self.split is None:
-            raise RidgefillError("give --maps (from ridgefill fit), --split (identity fill) or --serving-config (from "
-                                 "ridgefill tune)")
         if not 1 <= self.port <= 65535:
             raise RidgefillError(f"--port {self.port} is out of range: use 1..65535")
         if not self.host.strip():
