@@ -723,6 +723,24 @@ CASES: list[Case] = [
     Case("controls-loss-unknown-control", cmd(LOSS, variants="exact,zero"), match="zero"),
     Case("controls-serve-serving-config-drop", cmd(SERVE, maps=None, serving_config="{in}/s.json"),
          {"s.json": serving(variant="drop", maps=None)}, match="the vLLM plugin does not serve drop fill"),
+    # --- issue #27: the filled window below the split ---
+    Case("window-calibrate-negative", cmd(CAL, filled_window=-4), match="--filled-window -4 must be an integer"),
+    Case("window-calibrate-layers-at-the-split", cmd(CAL, filled_window=8, filled_window_layers="0-2"),
+         match="reaches layer 2, at or above the split 2"),
+    Case("window-calibrate-layers-not-a-range", cmd(CAL, filled_window=8, filled_window_layers="x"),
+         match="--filled-window-layers 'x' is not a layer range"),
+    Case("window-loss-layers-without-window", cmd(LOSS, filled_window_layers="0-1"),
+         match="needs --filled-window W > 0"),
+    Case("window-ruler-maps-without-window", cmd(RULER, filled_window=32),
+         match="calibrated with full attention for its filled rows, not --filled-window 32"),
+    Case("window-ruler-identity-layers-past-split", cmd(RULER, maps=None, split=2, variants="exact,identity",
+                                                        filled_window=32, filled_window_layers="1-3"),
+         match="reaches layer 3, at or above the split 2"),
+    Case("window-serve-identity", cmd(SERVE, maps=None, split=3, filled_window=64),
+         match="the vLLM plugin does not serve a filled window"),
+    Case("window-serve-serving-config", cmd(SERVE, maps=None, serving_config="{in}/s.json"),
+         {"s.json": serving(variant="identity", maps=None, split=3, filled_window=64)},
+         match="the vLLM plugin does not serve a filled window"),
 ]
 
 # a few cases again in a subprocess, through `python -m ridgefill`

@@ -129,6 +129,7 @@ class Options:
     def __init__(self, maps=None, split=None, tail=8, keep_first=1, outlier_factor=0.0):
         self.maps, self.split, self.tail, self.keep_first, self.outlier_factor = maps, split, tail, keep_first, \
             outlier_factor
+        self.filled_window, self.filled_window_layers = 0, None
 
 
 @pytest.mark.parametrize("variants", [("exact", "identity"), ("identity",), ("exact", "identity", "ridge")])

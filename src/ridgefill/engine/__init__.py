@@ -8,10 +8,11 @@ from ridgefill.engine.prefill import Engine, FillPlan, PrefillResult
 from ridgefill.engine.projection import BACKENDS
 from ridgefill.engine.shape import ModelShape
 from ridgefill.engine.timing import Stopwatch
+from ridgefill.engine.window import FilledWindow, parse_layers
 
 __all__ = [
     "Adapter", "adapter_for", "supported_families", "AttentionCache", "Cache", "StateCache", "DropFiller", "Filler",
     "IdentityFiller", "MeanFiller", "MapFiller", "OracleFiller", "maps_flops", "Engine", "FillPlan", "PrefillResult",
     "HybridAdapter",
-    "BACKENDS", "ModelShape", "Stopwatch",
+    "BACKENDS", "ModelShape", "Stopwatch", "FilledWindow", "parse_layers",
 ]

@@ -10,6 +10,8 @@ Semantics (split S, L layers, tail T, keep_rows K):
 - full rows run every layer, attending to all cached keys at or before their position (filled or not).
 - drop fill (the null control, engine/fillers.py DropFiller): filled rows write nothing in layers S..L-1 (no K/V,
   no recurrent-state update), so there the full rows attend only to full rows.
+- a filled window (FillPlan.window, engine/window.py): in its layers below the split, filled rows attend only to
+  the sinks and the W rows before them; full rows attend to everything.
 
 Rows are processed chunk by chunk in position order, so activation memory stays bounded and a chunk's
 full rows see the cache written by every earlier row. With T >= prompt length, or S = L, every row is
@@ -34,6 +36,7 @@ from ridgefill.engine.lookback import lookback_windows, window_states
 from ridgefill.engine.projection import FillProjection
 from ridgefill.engine.shape import ModelShape
 from ridgefill.engine.timing import Stopwatch
+from ridgefill.engine.window import FilledWindow, WindowBlock, window_blocks, windowed_attention
 from ridgefill.errors import RidgefillError
 
 # observe(layer, h, positions): h [B, n, H] the input of `layer` (layer = L: the final residual stream)
@@ -83,12 +86,14 @@ class FillPlan:
 
     outlier_factor: a row that would be filled runs in full when its split-state norm exceeds this many times
     the median norm of its chunk's filled rows (calibration kept such rows, massive activations, out of the fit,
-    so the map would be applied where it was never fitted); 0 fills them too. `tally` counts what happened."""
+    so the map would be applied where it was never fitted); 0 fills them too. window: the filled rows' local
+    attention below the split (engine/window.py; None: full attention). `tally` counts what happened."""
 
     filler: Filler
     tail: int
     keep_rows: Sequence[int] = ()
     outlier_factor: float = 0.0
+    window: FilledWindow | None = None
     tally: FillTally = field(default_factory=FillTally, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -220,11 +225,14 @@ class Engine:
         chunk: int | None = None,
         observe: Observer | None = None,
         capacity: int = 0,
+        window: FilledWindow | None = None,
     ) -> PrefillResult:
         """Run prompt rows `ids` [B, N] after whatever `cache` holds (exact if `fill` is None).
 
         logits_at: "last", "full" (every full row) or prompt-relative row indices (all must be full rows).
         capacity: cache positions to preallocate (e.g. prompt + tokens to generate).
+        window: without `fill` (calibration's forward), every row at or past the window's sinks attends locally in
+        the window's layers, as a filled row of a plan with that window would (with `fill`: fill.window).
         """
         ids = ids.to(self.adapter.device)
         n_rows = ids.shape[1]
@@ -238,6 +246,7 @@ class Engine:
         else:  # exact, or S = L: no layer is left to fill
             full = torch.ones(n_rows, dtype=torch.bool)
         wanted = self._logit_rows(logits_at, full)
+        window, windowed = self._windowed_rows(fill, window, full, start)
         chunk = chunk or self.chunk
         capacity = max(capacity, start + n_rows)
         hidden, rows, promoted = [], [], Promoted()
@@ -245,7 +254,7 @@ class Engine:
             c1 = min(n_rows, c0 + chunk)
             sel = wanted[(wanted >= c0) & (wanted < c1)]
             h_full, full_idx, ran_full = self._chunk(ids[:, c0:c1], start + c0, full[c0:c1], fill, cache, observe,
-                                                     capacity)
+                                                     capacity, window, windowed[c0:c1])
             promoted += ran_full
             if len(sel):
                 where = torch.searchsorted(full_idx, sel - c0)
@@ -333,9 +342,20 @@ class Engine:
             raise RidgefillError("logits requested for filled rows: only full rows (tail or keep_rows) have logits")
         return rows
 
-    def _chunk(self, ids, start, full, fill, cache, observe, capacity):
-        """One chunk of rows at absolute positions start..start+n. Returns (final hidden of the full rows
-        [B, nU, H], their chunk-relative indices [nU], the filled rows that ran in full: `Promoted`)."""
+    def _windowed_rows(self, fill, window, full, start) -> tuple[FilledWindow | None, torch.Tensor]:
+        """(the window that applies, [N] bool: the prompt rows that attend locally below the split)."""
+        n_rows = full.shape[0]
+        if fill is not None:
+            window = fill.window if fill.split < self.n_layers else None
+            return window, (~full if window is not None else torch.zeros(n_rows, dtype=torch.bool))
+        if window is None:
+            return None, torch.zeros(n_rows, dtype=torch.bool)
+        return window, torch.arange(start, start + n_rows) >= window.sinks
+
+    def _chunk(self, ids, start, full, fill, cache, observe, capacity, window=None, windowed=None):
+        """One chunk of rows at absolute positions start..start+n (windowed [n]: the rows that attend locally in
+        `window`'s layers below the split). Returns (final hidden of the full rows [B, nU, H], their chunk-relative
+        indices [nU], the filled rows that ran in full: `Promoted`)."""
         a = self.adapter
         b, n = ids.shape
         positions = torch.arange(start, start + n, device=ids.device)
@@ -345,6 +365,10 @@ class Engine:
         idx_full = full.nonzero().squeeze(1).to(ids.device)
         idx_fill = (~full).nonzero().squeeze(1).to(ids.device)
         rows = _Rows(n, idx_full, idx_fill, positions, cos, sin)
+        local = range(0)  # the layers whose windowed rows attend locally
+        if window is not None and bool(windowed.any()):
+            local = window.layers(split)
+            rows.windowed(windowed.nonzero().squeeze(1).to(ids.device), window, h.dtype)
         if len(idx_fill) == 0:
             split = self.n_layers  # nothing to fill in this chunk: every layer runs exactly
         filled = None  # FilledRows: what the filled rows bring to each late layer
@@ -371,20 +395,20 @@ class Engine:
             if observe is not None:
                 observe(layer, h, rows.positions_full)
             fill_in = filled.layer(layer) if layer >= split and filled is not None else None
-            h = self._layer(layer, h, fill_in, rows, cache, capacity)
+            h = self._layer(layer, h, fill_in, rows, cache, capacity, layer in local)
         if observe is not None:
             observe(self.n_layers, h, rows.positions_full)
         return h, idx_full.cpu(), promoted
 
-    def _layer(self, layer, h, fill_in, rows, cache, capacity):
+    def _layer(self, layer, h, fill_in, rows, cache, capacity, local=False):
         """One decoder layer. h holds the rows that run it ([B, n, H] before the split, [B, nU, H] after);
         fill_in (None before the split): the filled rows' (k, v) [B, Hkv, nF, D] in an attention layer, their
-        predicted input [B, nF, H] in any other."""
+        predicted input [B, nF, H] in any other; local: the windowed rows attend locally (a windowed layer)."""
         if self.adapter.layer_kind(layer) == "attention":
-            return self._attention_layer(layer, h, fill_in, rows, cache[layer], capacity)
+            return self._attention_layer(layer, h, fill_in, rows, cache[layer], capacity, local)
         return self._state_layer(layer, h, fill_in, rows, cache[layer])
 
-    def _attention_layer(self, layer, h, fill_in, rows, layer_cache: AttentionCache, capacity):
+    def _attention_layer(self, layer, h, fill_in, rows, layer_cache: AttentionCache, capacity, local=False):
         a = self.adapter
         h_normed = a.input_norm(layer, h)
         k, v = a.key_value(layer, h_normed, rows.cos_run, rows.sin_run)  # [B, Hkv, n_run, D]
@@ -395,7 +419,10 @@ class Engine:
         if h.shape[1] == 0:
             return h
         q, gate = a.query(layer, h_normed, rows.cos_run, rows.sin_run)  # q [B, Hq, n_run, D]
-        attn = rows.attend(q, layer_cache.keys, layer_cache.values, a.attention_scale)
+        if local:
+            attn = rows.attend_locally(q, layer_cache.keys, layer_cache.values, a.attention_scale)
+        else:
+            attn = rows.attend(q, layer_cache.keys, layer_cache.values, a.attention_scale)
         h = h + a.attention_output(layer, attn, gate)
         return a.mlp_block(layer, h)
 
@@ -444,6 +471,16 @@ class _Rows:
         # was just appended) and after a drop fill's split (the late caches hold full rows only); else found on use
         self._block: bool | None = True if dropped or not split_done else None
         self._mask: torch.Tensor | None = None  # additive causal mask of the run rows, built once per chunk
+        self._local: list[WindowBlock] = []  # the windowed rows' blocks (before the split, with a window)
+        self._others: torch.Tensor | None = None  # [nO] the rows that attend to everything beside them
+        self._others_mask: torch.Tensor | None = None  # [nO, n_keys] their causal mask, built once per chunk
+
+    def windowed(self, rows: torch.Tensor, window: FilledWindow, dtype: torch.dtype) -> None:
+        """Make `rows` [nW] (chunk-relative) attend locally in `window` in the layers that ask (attend_locally)."""
+        self._local = window_blocks(rows, self.positions[rows], window, dtype)
+        others = torch.ones(self.n, dtype=torch.bool, device=rows.device)
+        others[rows] = False
+        self._others = others.nonzero().squeeze(1)
 
     @property
     def positions_full(self) -> torch.Tensor:
@@ -485,6 +522,24 @@ class _Rows:
             later = torch.arange(n_keys, device=q.device).unsqueeze(0) > self.positions_run.unsqueeze(1)
             self._mask = torch.zeros(later.shape, dtype=q.dtype, device=q.device).masked_fill_(later, float("-inf"))
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=self._mask, scale=scale, enable_gqa=gqa)
+
+
+    def attend_locally(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                       scale: float) -> torch.Tensor:
+        """Before the split, in a windowed layer: the windowed rows attend to their sinks and window
+        (engine/window.py), every other row causally to every cached key. q [B, Hq, n, D] -> [B, Hq, n, D]."""
+        out = torch.empty_like(q)
+        windowed_attention(q, keys, values, self._local, scale, out)
+        if len(self._others):
+            if self._others_mask is None:
+                later = torch.arange(keys.shape[2], device=q.device) > self.positions[self._others].unsqueeze(1)
+                self._others_mask = torch.zeros(later.shape, dtype=q.dtype, device=q.device).masked_fill_(
+                    later, float("-inf"))
+            attn = F.scaled_dot_product_attention(q.index_select(2, self._others), keys, values,
+                                                  attn_mask=self._others_mask, scale=scale,
+                                                  enable_gqa=q.shape[1] != keys.shape[1])
+            out.index_copy_(2, self._others, attn)
+        return out
 
 
 def _token_set(ids: int | Sequence[int] | None) -> set[int]:

@@ -341,7 +341,7 @@ def _add_flops(entry: dict, shape: ModelShape | None, plans: dict, fill_names: l
             row.update(flops=None, limit_speedup=None, achieved_over_limit=None)
             continue
         flops = prefill_flops(shape, length, plan.full_rows(length).numpy(), plan.split,
-                              plan.filler.flops_per_row(), plan.filler.drops)
+                              plan.filler.flops_per_row(), plan.filler.drops, plan.window)
         limit = entry["flops"]["exact"] / flops
         entry["flops"][name] = flops
         row.update(limit_speedup=limit, achieved_over_limit=row["speedup"] / limit)

@@ -101,7 +101,8 @@ def _fill(m, name: str, scratch: Path) -> FillSettings | None:
     if name == "exact":
         return None
     c = m.config
-    fill = FillSettings(name, m.split, c.maps if name == "ridge" else None, c.tail, c.keep_first, c.outlier_factor)
+    fill = FillSettings(name, m.split, c.maps if name == "ridge" else None, c.tail, c.keep_first, c.outlier_factor,
+                        filled_window=c.filled_window, filled_window_layers=c.filled_window_layers)
     return fill.for_vllm(m.session.engine.n_layers, m.session.loaded.info(), scratch)
 
 

@@ -7,15 +7,17 @@ row. A filled row skips attention, MLP and the Q and O projections in layers S..
 projections, and adds its maps (the filler's `flops_per_row`, engine.maps_flops: 2·F·H per late layer S+1..L-1
 for full-rank maps of F = (K+1)·H inputs (lookback K; F = H without), 2·r·(F+H) for rank r, none for identity
 fill; none for the mean control, whose inputs are constants). The drop control's filled rows cost nothing in
-layers S..L-1 (no K/V) and the full rows there attend only to full rows. The count covers attention layers only
-(a hybrid model's linear layers have no count here).
+layers S..L-1 (no K/V) and the full rows there attend only to full rows. With a filled window (engine/window.py),
+a filled row in a windowed layer below the split attends to keys_per_row(p) keys (itself, the W rows before it,
+the sinks) instead of p+1. The count covers attention layers only (a hybrid model's linear layers have no count
+here).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ridgefill.engine import ModelShape
+from ridgefill.engine import FilledWindow, ModelShape
 
 
 def row_flops(shape: ModelShape) -> dict[str, int]:
@@ -30,10 +32,11 @@ def attention_flops(shape: ModelShape, positions: np.ndarray) -> int:
 
 
 def prefill_flops(shape: ModelShape, length: int, full: np.ndarray | None = None, split: int | None = None,
-                  map_flops: int = 0, drops: bool = False) -> int:
+                  map_flops: int = 0, drops: bool = False, window: FilledWindow | None = None) -> int:
     """FLOPs of a prefill of `length` rows and its first token. full: [length] bool, the rows that run every
     layer of a filled prefill at `split` (None: exact); map_flops: one filled row's maps; drops: the drop control
-    (filled rows write nothing in the late layers, whose full rows attend to full rows only)."""
+    (filled rows write nothing in the late layers, whose full rows attend to full rows only); window: the filled
+    rows' local attention below the split."""
     row = row_flops(shape)
     every = np.arange(length)
     exact_layer = length * sum(row.values()) + attention_flops(shape, every)
@@ -41,6 +44,10 @@ def prefill_flops(shape: ModelShape, length: int, full: np.ndarray | None = None
     if full is None or split is None or split >= shape.layers or full.all():
         return shape.layers * exact_layer + lm_head
     full_pos, n_fill = every[full], int((~full).sum())
+    if window is not None:  # the windowed layers' filled rows attend to fewer keys
+        filled = every[~full]
+        saved = 4 * shape.heads * shape.head_dim * int((filled + 1 - window.keys_per_row(filled)).sum())
+        return prefill_flops(shape, length, full, split, map_flops, drops) - len(window.layers(split)) * saved
     if drops:  # the late caches hold full rows only: the i-th full row attends to i+1 keys
         late = len(full_pos) * sum(row.values()) + attention_flops(shape, np.arange(len(full_pos)))
         return split * exact_layer + (shape.layers - split) * late + lm_head

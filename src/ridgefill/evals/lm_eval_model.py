@@ -40,10 +40,12 @@ class RidgefillLM(TemplateLM):
     def __init__(self, pretrained: str = "smollm2-135m", maps: str | None = None, split: int | None = None,
                  tail: int = 256, keep_first: int = 1, fill: str | None = None, dtype: str = "fp32",
                  device: str | None = None, chunk: int = 2048, max_gen_toks: int = 256,
-                 outlier_factor: float = OUTLIER_FACTOR, batch_size=None, max_batch_size=None, **unknown) -> None:
+                 outlier_factor: float = OUTLIER_FACTOR, filled_window: int = 0, filled_window_layers=None,
+                 batch_size=None, max_batch_size=None, **unknown) -> None:
         super().__init__()
         settings, fill, max_gen_toks, chunk = model_settings(maps, split, tail, keep_first, fill, chunk,
-                                                             max_gen_toks, outlier_factor, unknown)
+                                                             max_gen_toks, outlier_factor, filled_window,
+                                                             filled_window_layers, unknown)
         device = _device(device)
         self.session = open_session(str(pretrained), dtype, device, chunk)
         self.plan, self.maps_meta = (None, None) if settings is None else settings.plan(self.session)
@@ -161,12 +163,14 @@ def _device(device: str | None) -> str:
 
 
 def model_settings(maps=None, split=None, tail=256, keep_first=1, fill=None, chunk=2048, max_gen_toks=256,
-                   outlier_factor=OUTLIER_FACTOR, unknown=()) -> tuple[FillSettings | None, str, int, int]:
+                   outlier_factor=OUTLIER_FACTOR, filled_window=0, filled_window_layers=None,
+                   unknown=()) -> tuple[FillSettings | None, str, int, int]:
     """The model_args checked, with no model loaded: (the fill's settings, None for exact; the fill's name;
     max_gen_toks; chunk)."""
     if unknown:
         raise RidgefillError(f"unknown model_args {sorted(unknown)} for the ridgefill model: use pretrained, maps, "
-                             "split, tail, keep_first, fill, dtype, chunk, max_gen_toks, outlier_factor")
+                             "split, tail, keep_first, fill, dtype, chunk, max_gen_toks, outlier_factor, "
+                             "filled_window, filled_window_layers")
     fill = fill or ("ridge" if maps else "exact")
     if fill not in VARIANTS:
         raise RidgefillError(f"unknown fill '{fill}': use {', '.join(VARIANTS)}")
@@ -179,7 +183,9 @@ def model_settings(maps=None, split=None, tail=256, keep_first=1, fill=None, chu
     if fill != "exact":
         settings = FillSettings(fill, None if split is None else _number("split", split, int), maps,
                                 _number("tail", tail, int), _number("keep_first", keep_first, int),
-                                _number("outlier_factor", outlier_factor, float))
+                                _number("outlier_factor", outlier_factor, float),
+                                filled_window=_number("filled_window", filled_window, int),
+                                filled_window_layers=filled_window_layers)
     return settings, fill, max_gen_toks, chunk
 
 
@@ -190,7 +196,8 @@ def preflight(model_args: dict) -> None:
     from ridgefill.runtime.artifacts import read_meta
     from ridgefill.runtime.models import model_identity
 
-    known = ("maps", "split", "tail", "keep_first", "fill", "chunk", "max_gen_toks", "outlier_factor")
+    known = ("maps", "split", "tail", "keep_first", "fill", "chunk", "max_gen_toks", "outlier_factor", "filled_window",
+             "filled_window_layers")
     ignored = ("pretrained", "dtype", "device", "batch_size", "max_batch_size")
     settings, *_ = model_settings(**{k: v for k, v in model_args.items() if k in known},
                                   unknown={k: v for k, v in model_args.items() if k not in known + ignored})

@@ -30,6 +30,7 @@ from ridgefill import __version__
 from ridgefill.commands import REQUIRED, Command, options, option
 from ridgefill.engine import Engine
 from ridgefill.errors import RidgefillError
+from ridgefill.method.fill import check_window_values
 from ridgefill.method.statistics import HELD_OUT, OUTLIER_FACTOR, Calibration, accumulate, check_fittable
 from ridgefill.runtime.artifacts import load_artifact, save_artifact
 from ridgefill.runtime.console import note, progress_bar, table
@@ -223,16 +224,19 @@ def run_calibration(engine: Engine, sequences: Iterable[list[int]], splits: list
                     holdout: float = 0.1, skip_first: int = 1, outlier_factor: float = OUTLIER_FACTOR,
                     checkpoint_every: int = 0, checkpoint_seconds: float = 0.0, resume: bool = False,
                     restart: bool = False, advance=lambda n=1: None, chunk: int | None = None,
-                    world: World = World(), normalized: bool = False, lookback: int = 0) -> Calibration:
+                    world: World = World(), normalized: bool = False, lookback: int = 0,
+                    window=None) -> Calibration:
     """Accumulate statistics over the stream `sequences` (every process sees the same stream and takes its share),
     checkpointing to `<out>.partial` and resuming from it. Returns rank 0's global statistics (on other ranks:
     their zeroed share). normalized: also the normalised targets' sums (`SplitStats`); lookback: the maps' inputs
-    also hold the split states of the K rows before each row (engine/lookback.py)."""
+    also hold the split states of the K rows before each row (engine/lookback.py); window (engine.FilledWindow):
+    the rows past the sinks attend locally below the split, as filled rows will (stored as `filled_window`)."""
     partial = partial_path(out)
     run_meta = {**meta, "artifact": "stats", "splits": sorted(splits), "holdout": holdout,
                 "skip_first": skip_first, "outlier_factor": outlier_factor, "n_layers": engine.n_layers,
                 "hidden_size": engine.shape.hidden, **({"normalized_targets": True} if normalized else {}),
-                **({"lookback": lookback} if lookback else {})}
+                **({"lookback": lookback} if lookback else {}),
+                **({"filled_window": window.to_meta()} if window is not None else {})}
     cal = start_calibration(engine, splits, partial, run_meta, resume, restart, world, normalized, lookback)
     done = cal.sequences_done
     if done:
@@ -242,7 +246,7 @@ def run_calibration(engine: Engine, sequences: Iterable[list[int]], splits: list
     for block, last in _rounds(islice(sequences, done, None), world.size):
         if world.rank < len(block):
             ids = torch.tensor([block[world.rank]], device=engine.device)  # [1, T]
-            accumulate(engine, cal, ids, part_of(done + world.rank, every), skip_first, outlier_factor, chunk)
+            accumulate(engine, cal, ids, part_of(done + world.rank, every), skip_first, outlier_factor, chunk, window)
         done += len(block)
         advance(len(block))
         if not last and world.from_root(clock.due(done)):
@@ -279,6 +283,11 @@ class CalibrateConfig(ModelConfig):
                                       "`fit --targets normalized` (twice the XᵀY memory and file size).")
     lookback: int = option(0, "Maps also read the split states of the K rows before each row (0: x alone); "
                            "(K+1)² times the XᵀX and K+1 times the XᵀY memory and file size.")
+    filled_window: int = option(0, "Calibrate on split states whose rows past --skip-first attend only to those "
+                                "sinks and the W rows before them below the split, as filled rows with "
+                                "--filled-window W will (0: full attention); the maps carry it.")
+    filled_window_layers: str | None = option(None, "Layers 'a-b' that window with --filled-window (default: every "
+                                              "layer below the lowest split).")
     nproc: int = option(1, "Processes sharing the sequences: > 1 re-launches this command under "
                         "torch.distributed.run on this machine (under torchrun, its processes are used).", keyed=False)
 
@@ -296,6 +305,7 @@ class CalibrateConfig(ModelConfig):
         if self.skip_first + self.lookback >= self.seq_len:
             raise RidgefillError(f"--skip-first {self.skip_first} and --lookback {self.lookback} leave no row of a "
                                  f"{self.seq_len}-token sequence to fit on: lower them or raise --seq-len")
+        check_window_values(self.filled_window, self.filled_window_layers)
         if self.skip_first < 0 or self.outlier_factor < 0:
             raise RidgefillError(f"--skip-first ({self.skip_first}) and --outlier-factor ({self.outlier_factor:g}) "
                                  "must be 0 or more (0: keep every row)")
@@ -323,6 +333,7 @@ def _calibrate(c: CalibrateConfig, world: World) -> dict:
     n_layers = session.engine.n_layers
     splits = parse_splits(c.split, n_layers)
     check_fittable(splits, n_layers)
+    window = calibration_window(c.filled_window, c.filled_window_layers, splits, c.skip_first)
     corpus, documents, sequences = calibration_sequences(session, c.data, c.seq_len, c.tokens)
     meta = {"model": {"id": c.model, "weights_hash": session.loaded.fingerprint}, "data": corpus.name,
             "data_hash": documents_hash(documents), "tokens_requested": c.tokens, "seq_len": c.seq_len,
@@ -334,13 +345,25 @@ def _calibrate(c: CalibrateConfig, world: World) -> dict:
     with bar as advance:
         cal = run_calibration(session.engine, sequences, splits, c.out, meta, c.holdout, c.skip_first,
                               c.outlier_factor, c.checkpoint_every, c.checkpoint_seconds, c.resume, c.restart,
-                              advance, world=world, normalized=c.normalized_targets, lookback=c.lookback)
+                              advance, world=world, normalized=c.normalized_targets, lookback=c.lookback,
+                              window=window)
     if not world.root:
         return {"command": "calibrate", "rank": world.rank}
     if cal.sequences_done < budget:
         note(f"note: the data gave {cal.sequences_done} sequences of {c.seq_len} tokens, fewer than the {budget} "
              f"that --tokens {c.tokens} asks for")
     return _report(c, cal, world, time.perf_counter() - started)
+
+
+def calibration_window(size: int, layers: str | None, splits: list[int], sinks: int):
+    """The window calibration's rows attend in (engine.FilledWindow, None: full attention): layers `layers`
+    (default every layer below the lowest split, which every split's maps then share), the first `sinks` rows
+    (--skip-first) as sinks."""
+    from ridgefill.engine import FilledWindow, parse_layers
+
+    if not size:
+        return None
+    return FilledWindow(size, *parse_layers(layers, min(splits)), sinks)
 
 
 def calibration_sequences(session, data: str, seq_len: int, tokens: int):

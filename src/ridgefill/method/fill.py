@@ -1,8 +1,8 @@
 """How to fill: the one settings type that every command, the recipe runner, tune and the vLLM plugin share.
 
 A FillSettings names a fill variant (identity, ridge, or a null control: drop or mean), its split (maps carry
-theirs), the maps file, the tail, the leading rows kept in full and the outlier rule, checked once, here. From it
-come
+theirs), the maps file, the tail, the leading rows kept in full, the outlier rule and the filled rows' window below
+the split (maps carry the one they were calibrated with), checked once, here. From it come
 
 - the engine's plan (`plan`: engine.FillPlan, with the maps loaded and checked against the model),
 - the vLLM plugin's environment (`env`, `from_env`; `for_vllm` pins the maps' bytes and writes an identity maps file
@@ -41,6 +41,10 @@ SERVING_KIND = "ridgefill-serving-config"
 ENV = {"maps": "RIDGEFILL_MAPS", "maps_sha256": "RIDGEFILL_MAPS_SHA256", "tail": "RIDGEFILL_TAIL",
        "keep_first": "RIDGEFILL_KEEP_FIRST", "outlier_factor": "RIDGEFILL_OUTLIER_FACTOR"}
 V2_RUNNER = "VLLM_USE_V2_MODEL_RUNNER"  # vLLM's switch between its model runners (0: V1, the one the plugin hooks)
+WINDOW_HELP = ("Filled rows attend only to the kept first rows and the W rows before them in the layers below the "
+               "split (0: full attention; maps carry the window they were calibrated with).")
+WINDOW_LAYERS_HELP = ("Layers 'a-b' (below the split) whose filled rows attend locally with --filled-window "
+                      "(default: every layer below the split).")
 OUTLIER_HELP = ("A row that would be filled runs in full when its split-state norm exceeds this x the median of "
                 "its chunk's filled rows (calibration leaves such rows out of the fit); 0 fills them too.")
 
@@ -58,6 +62,37 @@ def check_fill_values(tail: int, keep_first: int, outlier_factor: float) -> None
         raise RidgefillError(f"--outlier-factor {shown} must be 0 (fill every row) or a finite positive number")
 
 
+def check_window_values(window: int, layers: str | None) -> None:
+    """--filled-window and --filled-window-layers, before any model loads (their range is checked at the split)."""
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise RidgefillError(f"--filled-window {window} must be an integer of at least 0 (0: full attention)")
+    if layers is not None and not window:
+        raise RidgefillError(f"--filled-window-layers {layers} needs --filled-window W > 0: pass a window or drop "
+                             "the layers")
+
+
+def resolve_window(window: int, layers: str | None, split: int, sinks: int, meta: dict | None, source=None):
+    """The filled rows' window at `split` (engine.FilledWindow; None: full attention). With maps (`meta` their
+    metadata, `source` their path) it is the one they were calibrated with: --filled-window may repeat it, not
+    change it."""
+    from ridgefill.engine import FilledWindow, parse_layers
+
+    stored = (meta or {}).get("filled_window")
+    if meta is not None:
+        asked = (window, parse_layers(layers, split)) if window else None
+        found = (stored["size"], (stored["first"], stored["last"])) if stored else None
+        if asked is not None and asked != found:
+            had = f"window {found[0]}, layers {found[1][0]}-{found[1][1]}" if found else "full attention"
+            raise RidgefillError(f"{source} was calibrated with {had} for its filled rows, not --filled-window "
+                                 f"{window} (layers {asked[1][0]}-{asked[1][1]}): drop --filled-window (the maps "
+                                 "carry theirs) or calibrate and fit with it")
+        return FilledWindow(stored["size"], stored["first"], stored["last"], sinks) if stored else None
+    if not window:
+        return None
+    first, last = parse_layers(layers, split)
+    return FilledWindow(window, first, last, sinks)
+
+
 @dataclass(frozen=True)
 class FillSettings:
     """How to fill one prompt: `variant` identity, ridge, drop or mean (engine/fillers.py); `split` (the maps', checked
@@ -71,11 +106,14 @@ class FillSettings:
     keep_first: int = DEFAULT_KEEP_FIRST
     outlier_factor: float = OUTLIER_FACTOR
     maps_sha256: str | None = None
+    filled_window: int = 0
+    filled_window_layers: str | None = None
 
     def __post_init__(self) -> None:
         if self.variant not in FILLS:
             raise RidgefillError(f"unknown fill variant {self.variant!r}: use {' or '.join(FILLS)}")
         check_fill_values(self.tail, self.keep_first, self.outlier_factor)
+        check_window_values(self.filled_window, self.filled_window_layers)
         if self.variant in FROM_MAPS and self.maps is None:
             raise RidgefillError(f"the {self.variant} variant needs --maps (from ridgefill fit): pass it, or fill "
                                  "with identity")
@@ -113,7 +151,17 @@ class FillSettings:
             filler = IdentityFiller(split, n_layers)
         elif self.variant == "drop":
             filler = DropFiller(split, n_layers)
-        return FillPlan(filler, self.tail, rows, self.outlier_factor), meta
+        window = self.window(split, meta)
+        return FillPlan(filler, self.tail, rows, self.outlier_factor, window), meta
+
+    def window(self, split: int, meta: dict | None = None):
+        """The filled rows' window at `split` (engine.FilledWindow, None: full attention); `meta`: the maps'
+        metadata (read from --maps when not given)."""
+        from ridgefill.runtime.artifacts import read_meta
+
+        if meta is None and self.maps is not None:
+            meta = read_meta(self.maps, "maps")
+        return resolve_window(self.filled_window, self.filled_window_layers, split, self.keep_first, meta, self.maps)
 
     # --- vLLM ----------------------------------------------------------------------------------------------------
     def for_vllm(self, n_layers: int, model_info: dict, scratch: Path) -> "FillSettings":
@@ -127,6 +175,7 @@ class FillSettings:
         if self.variant == "drop":
             raise RidgefillError("the vLLM plugin does not serve drop fill (a null control for measurements): "
                                  "measure it with ridgefill's own engine, or serve identity, mean or ridge")
+        refuse_windowed(self.filled_window, self.maps)
         if self.variant == "identity":
             split = self.split if self.split is not None else served_split(self.maps)
             maps = Path(scratch) / "identity.maps.safetensors"
@@ -169,6 +218,7 @@ class FillSettings:
                                      f"set it to e.g. {default}") from None
 
         meta = read_meta(maps, "maps")
+        refuse_windowed(0, maps, meta)
         variant = meta.get("kind") if meta.get("kind") in ("identity", "mean") else "ridge"
         return cls(variant, meta.get("split"), Path(maps),
                    number("tail", int, DEFAULT_TAIL), number("keep_first", int, DEFAULT_KEEP_FIRST),
@@ -183,12 +233,29 @@ class FillSettings:
         if self.variant in FROM_MAPS:
             maps = {"path": str(Path(self.maps).resolve()), "sha256": self.maps_sha256 or file_sha256(self.maps)}
         return {"variant": self.variant, "split": self.split, "tail": self.tail, "keep_first": self.keep_first,
-                "outlier_factor": self.outlier_factor, "maps": maps}
+                "outlier_factor": self.outlier_factor, "maps": maps, "filled_window": self.filled_window,
+                "filled_window_layers": self.filled_window_layers}
 
     def describe(self) -> dict:
         return {"variant": self.variant, "split": self.split, "maps": None if self.maps is None else str(self.maps),
                 "maps_sha256": self.maps_sha256, "tail": self.tail, "keep_first": self.keep_first,
-                "outlier_factor": self.outlier_factor}
+                "outlier_factor": self.outlier_factor, "filled_window": self.filled_window,
+                "filled_window_layers": self.filled_window_layers}
+
+
+def refuse_windowed(window: int, maps, meta: dict | None = None) -> None:
+    """The vLLM plugin serves filled rows with full attention below the split: a window, asked or carried by the
+    maps, is refused in one line."""
+    from ridgefill.runtime.artifacts import read_meta
+
+    if meta is None and maps is not None:
+        meta = read_meta(maps, "maps")
+    stored = (meta or {}).get("filled_window")
+    if window or stored:
+        size = window or stored["size"]
+        raise RidgefillError(f"the vLLM plugin does not serve a filled window (--filled-window {size}"
+                             f"{', carried by ' + str(maps) if stored else ''}) yet: measure it with ridgefill's own "
+                             "engine, or serve maps calibrated without a window")
 
 
 def parse_variants(text, maps) -> list[str]:
@@ -220,7 +287,8 @@ def variant_plans(session, options, variants=VARIANTS) -> tuple[dict, dict | Non
         if v == "exact":
             plans[v] = None
             continue
-        fill = FillSettings(v, options.split, options.maps, options.tail, options.keep_first, options.outlier_factor)
+        fill = FillSettings(v, options.split, options.maps, options.tail, options.keep_first, options.outlier_factor,
+                            filled_window=options.filled_window, filled_window_layers=options.filled_window_layers)
         plans[v], found = fill.plan(session)
         meta = found or meta
     return plans, meta
@@ -284,6 +352,7 @@ def load_serving(path: str | Path) -> Tuned:
     try:
         variant, split, tail, keep = doc["variant"], doc["split"], doc["tail"], doc["keep_first"]
         outlier = doc.get("outlier_factor", OUTLIER_FACTOR)
+        window, window_layers = doc.get("filled_window", 0), doc.get("filled_window_layers")
         weights = doc["model"]["weights_hash"]
         maps = doc.get("maps")
         if not isinstance(weights, str) or not isinstance(variant, str):
@@ -311,7 +380,7 @@ def load_serving(path: str | Path) -> Tuned:
                                  f"{found[:16]}, the config says {str(expected)[:16]}): rerun `ridgefill tune`")
         sha = found
     try:
-        fill = FillSettings(variant, split, maps_path, tail, keep, outlier, sha)
+        fill = FillSettings(variant, split, maps_path, tail, keep, outlier, sha, window, window_layers)
     except RidgefillError as exc:
         raise RidgefillError(f"--serving-config {path}: {exc}: rerun `ridgefill tune`") from None
     return Tuned(fill, weights)
@@ -330,21 +399,26 @@ class FillOptions(Config):
     tail: int = option(DEFAULT_TAIL, "Last prompt rows that run the full model.", top="tails")
     keep_first: int = option(DEFAULT_KEEP_FIRST, "Leading rows run in full (the attention sink).")
     outlier_factor: float = option(OUTLIER_FACTOR, OUTLIER_HELP)
+    filled_window: int = option(0, WINDOW_HELP)
+    filled_window_layers: str | None = option(None, WINDOW_LAYERS_HELP)
 
     def check(self) -> None:
         super().check()
         check_fill_values(self.tail, self.keep_first, self.outlier_factor)
+        check_window_values(self.filled_window, self.filled_window_layers)
 
     def fill(self, variant: str | None = None) -> FillSettings:
         """The settings of `variant` (default: with --maps ridge, or mean for a mean maps file; else identity)."""
         if variant is None and self.maps is not None:
             variant = "mean" if read_kind(self.maps) == "mean" else "ridge"
         variant = variant or "identity"
-        return FillSettings(variant, self.split, self.maps, self.tail, self.keep_first, self.outlier_factor)
+        return FillSettings(variant, self.split, self.maps, self.tail, self.keep_first, self.outlier_factor,
+                            filled_window=self.filled_window, filled_window_layers=self.filled_window_layers)
 
     def with_serving(self, tuned: Tuned, **more):
-        """These options with a serving config's fill in place of --maps, --split, --tail, --keep-first and
-        --outlier-factor (and `more`)."""
+        """These options with a serving config's fill in place of --maps, --split, --tail, --keep-first,
+        --outlier-factor and the window (and `more`)."""
         f = tuned.fill
         return replace(self, maps=f.maps, split=f.split, tail=f.tail, keep_first=f.keep_first,
-                       outlier_factor=f.outlier_factor, **more)
+                       outlier_factor=f.outlier_factor, filled_window=f.filled_window,
+                       filled_window_layers=f.filled_window_layers, **more)

@@ -84,6 +84,8 @@ def run(c: FitConfig) -> dict:
     base = {k: meta[k] for k in ("model", "data", "tokens", "seq_len")}
     lookback = train.lookback if kind == "ridge" else 0
     window = {"lookback": lookback, "lookback_start": meta.get("skip_first", 0)} if lookback else {}
+    if meta.get("filled_window"):  # calibrated on windowed split states: the maps run only with that window
+        window["filled_window"] = meta["filled_window"]
     save_maps(out, split, meta["n_layers"], fits, {**base, "stats": str(stats), "rank": rank,
                                                    "rank_basis": c.rank_basis if rank else None,
                                                    "targets": c.targets, "errors_on": errors_on, **window}, kind,
@@ -97,7 +99,7 @@ def run(c: FitConfig) -> dict:
           ["layer", "λ (relative)", "identity fill", f"{label} map"], rows)
     summary = {"command": "fit", "maps": str(out), "kind": kind, "split": split, "rank": rank,
                "rank_basis": c.rank_basis if rank else None, "targets": c.targets, "lookback": lookback,
-               "model": meta["model"], "errors_on": errors_on,
+               "filled_window": meta.get("filled_window"), "model": meta["model"], "errors_on": errors_on,
                "lam_chosen_on": "validation" if lam_value == "auto" else None,
                "layers": [dict(zip(["layer", "lam", "error_identity", "error_map"], r)) for r in rows],
                "mean_error_identity": mean([f.error_identity for f in fits]),

@@ -367,17 +367,19 @@ class _Collector:
 
 
 def accumulate(engine: Engine, calibration: Calibration, ids: torch.Tensor, part: str,
-               skip_first: int = 1, outlier_factor: float = OUTLIER_FACTOR, chunk: int | None = None) -> None:
+               skip_first: int = 1, outlier_factor: float = OUTLIER_FACTOR, chunk: int | None = None,
+               window=None) -> None:
     """Run one exact prefill of `ids` [B, T] in chunks of `chunk` rows (default: the engine's) and add its rows
     to `calibration` (part 'train', 'val' or 'test'). When that takes several chunks and the outlier rule is on,
-    a first pass finds each split state's median norm over the whole sequence (see the module docstring)."""
+    a first pass finds each split state's median norm over the whole sequence (see the module docstring).
+    window (engine.FilledWindow): the rows past its sinks attend locally in its layers, as filled rows will."""
     chunk = chunk or engine.chunk
     medians = None
     if outlier_factor > 0 and chunk < ids.shape[1]:
         norms = _SplitNorms(calibration.splits, skip_first)
-        engine.prefill(ids, observe=norms, logits_at=[], chunk=chunk)
+        engine.prefill(ids, observe=norms, logits_at=[], chunk=chunk, window=window)
         medians = norms.medians()
     collector = _Collector(calibration, part, skip_first, outlier_factor, medians)
-    engine.prefill(ids, observe=collector, logits_at=[], chunk=chunk)
+    engine.prefill(ids, observe=collector, logits_at=[], chunk=chunk, window=window)
     calibration.tokens_done += ids.numel()
     calibration.sequences_done += ids.shape[0]

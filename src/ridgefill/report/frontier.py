@@ -53,29 +53,33 @@ class Point:
 @dataclass(frozen=True)
 class FlopModel:
     """What a point's FLOP-limit speedup needs besides its variant, split and tail: the model's shapes, the prompt
-    length it is stated at, the leading rows kept in full, and the maps' rank and lookback per split (absent:
-    full rank, no lookback)."""
+    length it is stated at, the leading rows kept in full, and the maps' rank, lookback and filled window per split
+    (absent: full rank, no lookback, full attention)."""
 
     shape: "ModelShape"
     length: int
     keep_first: int = 1
     ranks: dict = field(default_factory=dict)  # split -> rank of its maps (None: full rank)
     lookbacks: dict = field(default_factory=dict)  # split -> lookback K of its maps (0: x alone)
+    windows: dict = field(default_factory=dict)  # split -> its maps' filled window {size, first, last} (absent: none)
 
-    def speedup(self, variant: str, split: int, tail: int) -> float | None:
+    def speedup(self, variant: str, split: int, tail: int, window: dict | None = None) -> float | None:
         """FLOPs of exact prefill over those of the filled one (None for a model whose FLOPs are not counted:
-        hybrid layers, or no MLP width)."""
+        hybrid layers, or no MLP width); window {size, first, last}: the filled rows' window (default: the maps')."""
         import torch
 
+        from ridgefill.engine import FilledWindow
         from ridgefill.engine.prefill import full_positions
         from ridgefill.evals.flops import prefill_flops
 
         if not self.shape.dense or self.shape.intermediate is None:
             return None
+        window = window or self.windows.get(split)
         full = full_positions(torch.arange(self.length), self.length, tail, self.keep_first).numpy()
         filled = prefill_flops(self.shape, self.length, full, split,
                                map_flops(self.shape, variant, split, self.ranks.get(split),
-                                         self.lookbacks.get(split, 0)), variant == "drop")
+                                         self.lookbacks.get(split, 0)), variant == "drop",
+                               FilledWindow(**window, sinks=self.keep_first) if window else None)
         return prefill_flops(self.shape, self.length) / filled
 
 

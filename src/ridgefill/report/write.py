@@ -173,7 +173,8 @@ def flop_model(manifest: dict | None, results: list[Result]) -> FlopModel | None
     fits = _of(results, "fit")
     ranks = {r.doc["split"]: r.doc.get("rank") for r in fits}
     lookbacks = {r.doc["split"]: r.doc.get("lookback", 0) for r in fits}
-    return FlopModel(shape, max(lengths), keep_first, ranks, lookbacks)
+    windows = {r.doc["split"]: r.doc["filled_window"] for r in fits if r.doc.get("filled_window")}
+    return FlopModel(shape, max(lengths), keep_first, ranks, lookbacks, windows)
 
 
 def model_shape(model: dict):
