@@ -130,7 +130,20 @@ def one_thread():
 VLLM_FIXTURES = {"vllm_tiny", "vllm_lookback", "smollm2_maps", "engines", "vllm_tuned"}
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the marks (it names the groups from them)
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if VLLM_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.xdist_group("vllm"))
+
+
+def pytest_collection_finish(session):
+    """Under --dist loadgroup, every grouped test must carry its group in its nodeid (pytest-xdist routes by it):
+    a pytest that ignores xdist's rewrite would silently spread the vLLM tests over every worker."""
+    if not session.config.getvalue("loadgroup"):
+        return
+    lost = [i.nodeid for i in session.items if any(i.iter_markers("xdist_group")) and "@" not in i.nodeid]
+    if lost:
+        pytest.exit(f"pytest-xdist's --dist loadgroup did not group {lost[0]} (pytest {pytest.__version__}): install "
+                    "the pytest that pyproject.toml's dev extra pins", returncode=3)
+
