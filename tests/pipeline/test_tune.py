@@ -2,7 +2,8 @@
 bisect agrees with a full descent when quality is monotone; the NLL check steps up from the RULER choice), the
 verdict and the choice between variants, bad input in one line, and the command on the tiny checkpoint: the
 serving config's fields, the report's frontier, the check runs (linked calibration), caching on rerun,
---no-nll-check."""
+--no-nll-check, and --windows (a run folder per window, its windowed maps and FLOP count, the choice between
+windows and the serving config's window)."""
 
 import json
 import os
@@ -99,12 +100,20 @@ def test_candidate_splits():
     ({"short_stride": 0}, "--short-stride 0 must be at least 1"),
     ({"tail": 2048}, "tune: [ruler] (tail 2048): --tail 2048 plus --keep-first 1 leave no filled row"),
     ({"tasks": "niah_single_9"}, "unknown RULER task(s) niah_single_9"),
+    ({"windows": "x"}, "--windows 'x' is not a comma-separated list of filled windows of at least 0"),
+    ({"windows": "-1"}, "--windows '-1' is not a comma-separated list of filled windows of at least 0"),
+    ({"windows": "0,16.5"}, "--windows '0,16.5' is not a comma-separated list"),
 ])
 def test_bad_input_is_one_line_before_any_model_work(tmp_path, values, expected):
     with pytest.raises(RidgefillError) as info:
         tune_command(out_dir=tmp_path / "run", **values)  # the embedded model is never loaded
     assert expected in str(info.value) and "\n" not in str(info.value)
     assert not (tmp_path / "run").exists()
+
+
+def test_windows_are_parsed_sorted_without_repeats():
+    assert tune.parse_windows("16, 0,16") == [0, 16] and tune.parse_windows("0") == [0]
+    assert tune.window_of(16, [3, 4]) == {"size": 16, "first": 0, "last": 2} and tune.window_of(0, [3, 4]) is None
 
 
 def test_bad_input_on_the_command_line_is_one_line_exit_2(monkeypatch, capsys):
@@ -306,3 +315,101 @@ def test_generate_and_bench_ttft_take_the_serving_config_tune_wrote(variant, tun
                        data="random", out=tmp_path / "ttft.json")
     assert timed["variants"] == ["exact", variant] and timed["split"] == 3 and timed["config"]["tail"] == 32
     assert timed["results"][0]["fill"][variant]["filled_rows"] == 96 - 33
+
+
+# --- --windows: the search once per filled window ---------------------------------------------------------
+@pytest.fixture(scope="module")
+def windowed(tiny_checkpoint, texts, tmp_path_factory) -> tuple[dict, Path]:
+    """A tune of the tiny model at full attention and filled window 16 (windowed layers 0-2, below both
+    candidates)."""
+    run_dir = tmp_path_factory.mktemp("tune-windows") / "run"
+    return tune_command(**tiny_options(tiny_checkpoint, texts, run_dir, windows="0,16")), run_dir
+
+
+def frontier_speedups(run_dir: Path) -> dict:
+    """(variant, split) -> FLOP-limit speedup of a run folder's points, as its report counts them."""
+    from ridgefill.report.frontier import frontier
+    from ridgefill.report.write import collect, flop_model
+
+    manifest, results = collect(run_dir)
+    points = frontier([r for r in results if r.command == "ruler"], [], [], 5.0, flop_model(manifest, results)).points
+    return {(p.variant, p.split): p.flop_speedup for p in points}
+
+
+def test_each_window_is_a_run_folder_of_its_own(windowed):
+    from ridgefill.runtime.artifacts import read_meta
+
+    doc, run_dir = windowed
+    window = run_dir / "window-16"
+    for folder in (run_dir, window):  # full attention keeps the folder layout of a tune without --windows
+        assert (folder / "recipe.toml").is_file() and (folder / "report.md").is_file()
+        assert labels(folder) == ["calibrate", "fit-s3", "fit-s4", "ruler-s3-t32-seed0", "ruler-s4-t32-seed0"]
+    assert not (run_dir / "window-0").exists()
+    stored = {"size": 16, "first": 0, "last": 2}  # below the lowest candidate, 3
+    artifacts = {s["label"]: window / s["artifact"] for s in steps(window)}
+    assert read_meta(artifacts["calibrate"], "stats")["filled_window"] == stored
+    assert all(read_meta(artifacts[f"fit-s{s}"], "maps")["filled_window"] == stored for s in (3, 4))
+    assert "filled_window" not in read_meta(run_dir / steps(run_dir)[0]["artifact"], "stats")
+    assert json.loads(Path(f"{artifacts['fit-s3']}.json").read_text())["filled_window"] == stored
+    ruler = json.loads(artifacts["ruler-s3-t32-seed0"].read_text())["config"]
+    assert (ruler["filled_window"], ruler["filled_window_layers"]) == (16, "0-2")
+    # exact prefill has no window: the windowed run's exact RULER answers are the full-attention run's
+    assert not (window / "artifacts" / "exact").exists() and any((run_dir / "artifacts" / "exact").iterdir())
+    assert (window / "check" / "identity" / "report.md").is_file() and not (window / "check" / "exact").exists()
+
+
+def test_the_window_raises_the_flop_limit_speedup_at_every_point(windowed):
+    doc, run_dir = windowed
+    full, windowed_ = frontier_speedups(run_dir), frontier_speedups(run_dir / "window-16")
+    assert set(full) == set(windowed_) == {(v, s) for v in ("identity", "ridge") for s in (3, 4)}
+    assert all(windowed_[k] > full[k] > 1 for k in full)
+    choices = doc["choices"]  # several windows: keyed by window, then by variant
+    assert set(choices) == {"0", "16"} and doc["tune"]["windows"] == [0, 16]
+    assert choices["16"]["identity"]["flop_limit_speedup"] == pytest.approx(windowed_[("identity", 3)])
+    assert choices["0"]["identity"]["flop_limit_speedup"] == pytest.approx(full[("identity", 3)])
+    assert doc["tune"]["ruler_choices"] == {"0": {"identity": 3, "ridge": 3}, "16": {"identity": 3, "ridge": 3}}
+    assert doc["tune"]["run_dir"] == str(run_dir.resolve())
+    assert doc["tune"]["recipe"]["16"] == str((run_dir / "window-16" / "recipe.toml").resolve())
+
+
+def test_the_serving_config_carries_the_chosen_window(windowed, tiny_checkpoint):
+    from ridgefill.evals.flops import prefill_flops
+    from ridgefill.method.fill import load_serving
+    from ridgefill.runtime.session import open_session
+
+    doc, run_dir = windowed
+    # quality is flat on a random model, so every window passes at split 3 and the window's speedup wins
+    assert (doc["variant"], doc["split"], doc["filled_window"], doc["filled_window_layers"]) == \
+        ("identity", 3, 16, "0-2")
+    fill = load_serving(run_dir / "serving.json").fill
+    assert (fill.filled_window, fill.filled_window_layers) == (16, "0-2")
+    session = open_session(str(tiny_checkpoint))
+    plan, _ = fill.plan(session)
+    assert (plan.window.size, plan.window.first, plan.window.last, plan.window.sinks) == (16, 0, 2, 1)
+    shape = session.engine.shape
+    expected = prefill_flops(shape, 320) / prefill_flops(shape, 320, plan.full_rows(320).numpy(), 3, 0,
+                                                         window=plan.window)
+    assert np.isclose(doc["expected_speedup"]["flop_limit"], expected)
+    assert doc["quality"]["nll"]["scored_tail"] == 64  # the window's own NLL check
+
+
+def test_a_tie_between_windows_keeps_full_attention():
+    def run(window, speedup):
+        return tune.WindowRun(window, None, {}, {}, {"identity": 3}, [point("identity", 3, speedup=speedup)])
+
+    assert tune.best_window([run(0, 1.5), run(16, 1.5), run(64, 1.5)])[0].window == 0
+    assert tune.best_window([run(16, 1.5), run(64, 1.5)])[0].window == 64  # then the larger window
+    assert tune.best_window([run(0, 1.4), run(16, 1.5)])[0].window == 16
+    assert tune.best_window([tune.WindowRun(0, None, {}, {}, {"identity": None}, [point("identity", 3)])]) is None
+
+
+def test_no_window_within_bounds_names_the_windows(windowed, tiny_checkpoint, texts, tmp_path, monkeypatch):
+    _, run_dir = windowed
+    copy = Path(shutil.copytree(run_dir, tmp_path / "copy"))
+    monkeypatch.setattr(tune, "verdict", lambda point, tolerance, gap, judged: "RULER -50.0 points")
+    with pytest.raises(RidgefillError, match=r"^no split of 3..4 keeps .* of exact \(identity, ridge; full "
+                                             r"attention, window 16\): try higher --splits, a longer --tail, a wider "
+                                             r"--windows or looser bounds; the measurements are in .*report.md and "
+                                             r".*window-16/report.md$") as info:
+        tune_command(**tiny_options(tiny_checkpoint, texts, copy, windows="0,16"))
+    assert "\n" not in str(info.value)

@@ -20,6 +20,12 @@ calibration for all candidates, then per measured split its fit and ruler tasks;
 recipe.toml would measure every candidate) and one check recipe per variant in check/<variant>/ (its loss tasks,
 the ridge check's calibration and fits linked from the run folder, exact NLLs shared in check/exact). The model's
 identity is read without its weights (runtime.models.model_identity); the searches are pipeline/search.py's.
+
+--windows W,...: the same search and check once per filled window, W = 0 (full attention) in the run folder itself,
+W > 0 in window-W/ below it, where the filled rows of layers 0..min(candidates)-1 attend only to the kept first rows
+and the W rows before them (engine/window.py: every candidate's maps share those windowed layers) and the FLOP
+count is the windowed one; exact results are shared across windows. Of the windows' served points, the one with the
+highest FLOP-limit speedup is served (on a tie full attention, then the larger window).
 """
 
 from __future__ import annotations
@@ -89,6 +95,10 @@ class TuneConfig(ModelConfig):
                                "token, exact but slow).")
     passages: int = option(20, "Passages the NLL check scores per split (SmolLM2: 333 distant-context tokens in "
                            "20).")
+    windows: str = option("0", "Filled windows W to search (comma-separated; 0: full attention): each runs the "
+                          "search and the check in its own run folder (W > 0: <out-dir>/window-W), its filled rows "
+                          "attending only to the kept first rows and the W rows before them below the lowest "
+                          "candidate split; the fastest passing (window, variant, split) is served.", listed=int)
     length: int | None = option(None, "Prompt length the expected FLOP-limit speedup is stated at (default: the "
                                 "longest measured prompt: a RULER length, or --context with the check).")
     seed: int = option(0, "Sample and bootstrap seed.")
@@ -104,6 +114,7 @@ class TuneConfig(ModelConfig):
             raise RidgefillError(f"unknown --search '{self.search}': use {', '.join(SEARCHES)}")
         fills(self.variants)
         parse_lengths(self.lengths)
+        parse_windows(self.windows)
         if self.splits is not None and split_values(self.splits)[0] < 1:
             raise RidgefillError(f"--splits {self.splits}: split 0 is out of range: a split is 1 or more")
         if self.nll_check and self.nll_tail + self.keep_first >= self.context:
@@ -126,6 +137,10 @@ class TuneConfig(ModelConfig):
         return parse_lengths(self.lengths)
 
     @property
+    def window_sizes(self) -> list[int]:
+        return parse_windows(self.windows)
+
+    @property
     def flop_length(self) -> int:
         return self.length or max(self.ruler_lengths + ([self.context] if self.nll_check else []))
 
@@ -139,6 +154,40 @@ def fills(text: str) -> list[str]:
     if not names or any(v not in FILLS for v in names):
         raise RidgefillError(f"--variants '{text}': tune any of {', '.join(FILLS)} (exact is always measured)")
     return [v for v in FILLS if v in names]
+
+
+def parse_windows(text: str) -> list[int]:
+    """--windows: comma-separated filled windows W >= 0 (0: full attention), sorted, without repeats."""
+    try:
+        values = sorted({int(v) for v in str(text).split(",") if v.strip()})
+    except ValueError:
+        values = []
+    if not values or values[0] < 0:
+        raise RidgefillError(f"--windows '{text}' is not a comma-separated list of filled windows of at least 0 "
+                             "(0: full attention), e.g. --windows 0,256")
+    return values
+
+
+def window_dir(c: TuneConfig, window: int) -> Path:
+    """A window's run folder: the run folder itself for full attention (0), else window-W below it."""
+    return c.run_dir if not window else c.run_dir / f"window-{window}"
+
+
+def window_of(window: int, candidates: list[int]) -> dict | None:
+    """Filled window `window` as tune runs it, {size, first, last}: in layers 0..min(candidates)-1, below every
+    candidate split (so one windowed calibration serves them all); None for 0 (full attention)."""
+    return {"size": window, "first": 0, "last": min(candidates) - 1} if window else None
+
+
+def window_layers(window: int, candidates: list[int]) -> str | None:
+    """The --filled-window-layers text of window_of (None for full attention)."""
+    found = window_of(window, candidates)
+    return None if found is None else f"{found['first']}-{found['last']}"
+
+
+def describe_windows(windows: list[int]) -> str:
+    """The windows in words, e.g. 'full attention, window 256'."""
+    return ", ".join("full attention" if not w else f"window {w}" for w in windows)
 
 
 def split_values(text: str) -> list[int]:
@@ -168,31 +217,59 @@ def _slug(model: str) -> str:
 CHECK_FOLDER = "check"  # under the run folder: check/<variant>/ per variant, check/exact the exact NLLs they share
 
 
-def search_tables(c: TuneConfig, splits: list[int]) -> dict:
-    """The search's recipe: top-level settings, then [calibrate] and [fit] (for ridge) and [ruler]."""
+def search_tables(c: TuneConfig, splits: list[int], window: int = 0) -> dict:
+    """The search's recipe: top-level settings, then [calibrate] and [fit] (for ridge) and [ruler], with filled
+    window `window` (0: full attention)."""
     variants = ["exact", *c.fill_names]
-    tables = _fit_tables(c) if any(v in FROM_MAPS for v in variants) else {}
+    tables = _fit_tables(c, splits, window) if any(v in FROM_MAPS for v in variants) else {}
     tables["ruler"] = {"lengths": c.ruler_lengths,
                        "tasks": [t.strip() for t in str(c.tasks).split(",") if t.strip()], "samples": c.samples,
                        "max-new-tokens": c.max_new_tokens, "region": "filled", "keep-first": c.keep_first,
-                       "variants": variants}
-    return _tables(c, f"tune-{_slug(c.model)}", f"ridgefill tune: splits {splits[0]}..{splits[-1]}, tail {c.tail}",
-                   splits, c.tail, tables)
+                       "variants": variants, **_window_keys(splits, window), **_shared_answers(c, window)}
+    return _tables(c, _name(c, window), f"ridgefill tune: splits {splits[0]}..{splits[-1]}, tail {c.tail}"
+                   f"{_window_note(window)}", splits, c.tail, tables)
 
 
-def check_tables(c: TuneConfig, splits: list[int], variant: str, exact_store: Path) -> dict:
+def check_tables(c: TuneConfig, splits: list[int], variant: str, window: int = 0) -> dict:
     """A variant's NLL check: for ridge the search's [calibrate] and [fit] (the same tasks, so the same
-    artifacts), then [loss] on the check's passages at the check's own tail."""
-    tables = _fit_tables(c) if variant in FROM_MAPS else {}
+    artifacts), then [loss] on the check's passages at the check's own tail (exact NLLs in the run folder's
+    check/exact, whatever the window)."""
+    tables = _fit_tables(c, splits, window) if variant in FROM_MAPS else {}
     tables["loss"] = {"data": _local(c.eval_data), "context": c.context, "short": c.short,
                       "short-stride": c.short_stride, "samples": c.passages, "keep-first": c.keep_first,
-                      "variants": ["exact", variant], "exact-cache": str(exact_store.resolve())}
-    return _tables(c, f"tune-{_slug(c.model)}-check-{variant}", f"ridgefill tune: the NLL check of {variant} fill, "
-                   f"tail {c.nll_tail}", splits, c.nll_tail, tables)
+                      "variants": ["exact", variant],
+                      "exact-cache": str((c.run_dir / CHECK_FOLDER / "exact").resolve()),
+                      **_window_keys(splits, window)}
+    return _tables(c, f"{_name(c, window)}-check-{variant}", f"ridgefill tune: the NLL check of {variant} fill, "
+                   f"tail {c.nll_tail}{_window_note(window)}", splits, c.nll_tail, tables)
 
 
-def _fit_tables(c: TuneConfig) -> dict:
-    return {"calibrate": {"tokens": c.tokens, "seq-len": c.seq_len, "holdout": c.holdout}, "fit": {}}
+def _fit_tables(c: TuneConfig, splits: list[int], window: int) -> dict:
+    calibrate = {"tokens": c.tokens, "seq-len": c.seq_len, "holdout": c.holdout}
+    if window:  # the windowed forward's sinks are the kept first rows, as when the maps fill
+        calibrate["skip-first"] = c.keep_first
+    return {"calibrate": {**calibrate, **_window_keys(splits, window)}, "fit": {}}
+
+
+def _window_keys(splits: list[int], window: int) -> dict:
+    """A step table's filled window (nothing for full attention)."""
+    return {"filled-window": window, "filled-window-layers": window_layers(window, splits)} if window else {}
+
+
+def _shared_answers(c: TuneConfig, window: int) -> dict:
+    """For a window, the exact RULER answers of the full-attention run folder (exact prefill has no window, so
+    every window shares them); nothing for full attention (its runner sets its own folder, the same one)."""
+    from ridgefill.pipeline.run import exact_store
+
+    return {"exact-cache": str(exact_store(c.run_dir).resolve())} if window else {}
+
+
+def _name(c: TuneConfig, window: int) -> str:
+    return f"tune-{_slug(c.model)}" + (f"-window-{window}" if window else "")
+
+
+def _window_note(window: int) -> str:
+    return f", filled window {window}" if window else ""
 
 
 def _tables(c: TuneConfig, name: str, description: str, splits: list[int], tail: int, tables: dict) -> dict:
@@ -210,21 +287,21 @@ def _local(spec: str) -> str:
 RECORD = "Generated by `ridgefill tune` (every candidate split; tune measures the ones its search needs)."
 
 
-def recipes(c: TuneConfig, splits: list[int], run_dir: Path) -> tuple["Recipe", dict[str, "Recipe"]]:
-    """The search's recipe (recorded as run_dir/recipe.toml when it runs) and, with the check, each variant's check
-    recipe (run_dir/check/<variant>/recipe.toml): built in memory and validated (every step's own checks, no model),
-    errors in one line starting `tune: `."""
+def recipes(c: TuneConfig, splits: list[int], window: int = 0) -> tuple["Recipe", dict[str, "Recipe"]]:
+    """Filled window `window`'s search recipe (recorded as <its run folder>/recipe.toml when it runs) and, with
+    the check, each variant's check recipe (<its run folder>/check/<variant>/recipe.toml): built in memory and
+    validated (every step's own checks, no model), errors in one line starting `tune: `."""
     from ridgefill.pipeline.recipe import recipe_from, toml_text
 
     def built(tables: dict, path: Path):
         return recipe_from(tables, path, toml_text(tables, RECORD), where="tune")
 
-    search_recipe = built(search_tables(c, splits), run_dir / "recipe.toml")
+    run_dir = window_dir(c, window)
+    search_recipe = built(search_tables(c, splits, window), run_dir / "recipe.toml")
     checks = {}
     if c.nll_check:
         for v in c.fill_names:
-            checks[v] = built(check_tables(c, splits, v, run_dir / CHECK_FOLDER / "exact"),
-                              run_dir / CHECK_FOLDER / v / "recipe.toml")
+            checks[v] = built(check_tables(c, splits, v, window), run_dir / CHECK_FOLDER / v / "recipe.toml")
     return search_recipe, checks
 
 
@@ -318,22 +395,33 @@ def merged_points(sweep: Sweep, checks: dict[str, Sweep]) -> list[Point]:
     return out
 
 
-# --- the command ----------------------------------------------------------------------------------------------
-def run(c: TuneConfig) -> dict:
-    """Search the splits, check the choices, print the frontier, write the reports and the serving config;
-    returns the config. No split within bounds for any variant: the reports are written, then a one-line error
-    says what to change."""
-    from ridgefill.report.write import write_report
+# --- one window's search and check -------------------------------------------------------------------------
+@dataclass
+class WindowRun:
+    """One filled window's tune (0: full attention) in its run folder: the search's sweep, each variant's NLL
+    check, the search's RULER choices (`searched`), the choices after the check (`chosen`) and the points."""
 
-    run_dir = c.run_dir
-    recipes(c, split_values(c.splits) if c.splits is not None else [1], run_dir)  # the steps' checks, no model
-    facts = model_identity(_local(c.model))  # the model's identity, without its weights
-    check_fits(c, facts.context_length)
-    candidates = candidate_splits(c.splits, facts.n_layers)
-    search_recipe, check_recipes = recipes(c, candidates, run_dir)
+    window: int
+    sweep: Sweep
+    checks: dict[str, Sweep]
+    searched: dict[str, int | None]
+    chosen: dict[str, int | None]
+    points: list[Point]
+
+    @property
+    def best(self) -> Point | None:
+        return best_choice(self.points, self.chosen)
+
+
+def tune_window(c: TuneConfig, window: int, facts: ModelIdentity, candidates: list[int]) -> WindowRun:
+    """Search the candidates with filled window `window` in its run folder, then check the choices."""
+    if window:
+        note(f"tune: filled window {window} (layers {window_layers(window, candidates)}) in {window_dir(c, window)}")
+    search_recipe, check_recipes = recipes(c, candidates, window)
     for recipe in [search_recipe, *check_recipes.values()]:
         record(recipe)
-    flops = FlopModel(facts.shape, c.flop_length, c.keep_first)
+    run_dir = window_dir(c, window)
+    flops = window_flops(c, facts, window, candidates)
     sweep = Sweep(search_recipe, run_dir, facts, flops, c.fill_names, c.tolerance, c.max_distant_gap)
     searched = chosen = search(c.search, candidates, sweep.judge, c.fill_names)
     checks = {v: Sweep(r, run_dir / CHECK_FOLDER / v, facts, flops, [v], c.tolerance, c.max_distant_gap,
@@ -341,30 +429,59 @@ def run(c: TuneConfig) -> dict:
     if checks:
         chosen = step_up(candidates, chosen, sweep.judge, {v: check.judge for v, check in checks.items()},
                          lambda v, split: _speedup_at(sweep, v, split))
-    points = merged_points(sweep, checks)
-    print_frontier(sweep, checks, points, chosen, searched, c.tail)
-    check_results = [r for check in checks.values() for r in check.results()[1]]
-    warning = distant_warning(check_results) if checks else ("tune: --no-nll-check: the split was judged on RULER "
-                                                             "alone; the distant-context NLL was not measured")
+    return WindowRun(window, sweep, checks, searched, chosen, merged_points(sweep, checks))
+
+
+def window_flops(c: TuneConfig, facts: ModelIdentity, window: int, candidates: list[int]) -> FlopModel:
+    """The FLOP count of a window's points: every candidate split's filled rows windowed as window_of says."""
+    found = window_of(window, candidates)
+    return FlopModel(facts.shape, c.flop_length, c.keep_first,
+                     windows={s: found for s in candidates} if found else {})
+
+
+# --- the command ----------------------------------------------------------------------------------------------
+def run(c: TuneConfig) -> dict:
+    """Per window, search the splits and check the choices; print the frontier, write the reports and the serving
+    config; returns the config. No split within bounds for any variant and window: the reports are written, then
+    a one-line error says what to change."""
+    from ridgefill.report.write import write_report
+
+    for window in c.window_sizes:  # the steps' checks, no model
+        recipes(c, split_values(c.splits) if c.splits is not None else [1], window)
+    facts = model_identity(_local(c.model))  # the model's identity, without its weights
+    check_fits(c, facts.context_length)
+    candidates = candidate_splits(c.splits, facts.n_layers)
+    runs = [tune_window(c, window, facts, candidates) for window in c.window_sizes]
+    served = best_window(runs)
+    print_frontier(runs, served, c.tail)
+    checks = [check for r in runs for check in r.checks.values()]
+    warning = distant_warning([res for check in checks for res in check.results()[1]]) if checks else (
+        "tune: --no-nll-check: the split was judged on RULER alone; the distant-context NLL was not measured")
     if warning:
         note(warning)
-    for folder in [run_dir, *(check.run_dir for check in checks.values() if check.measured)]:
+    for folder in [r.sweep.run_dir for r in runs] + [check.run_dir for check in checks if check.measured]:
         write_report(folder)
-    best = best_choice(points, chosen)
-    if best is None:
-        bound = f" and the distant-context NLL within {c.max_distant_gap:g} nats" if checks else ""
-        raise RidgefillError(f"no split of {candidates[0]}..{candidates[-1]} keeps filled-region RULER within "
-                             f"{c.tolerance:g} points{bound} of exact ({', '.join(c.fill_names)}): try higher "
-                             f"--splits, a longer --tail or looser bounds; the measurements are in "
-                             f"{run_dir / 'report.md'}")
-    doc = serving_config(c, sweep, checks, best, chosen, searched, candidates)
-    path = c.config_out or run_dir / "serving.json"
+    if served is None:
+        raise nothing_passes(c, candidates)
+    doc = serving_config(c, runs, *served, candidates)
+    path = c.config_out or c.run_dir / "serving.json"
     write_json(path, doc)
     print(path)
     return doc
 
 
 COMMAND = Command("tune", TuneConfig, run)
+
+
+def nothing_passes(c: TuneConfig, candidates: list[int]) -> RidgefillError:
+    """The one-line error when no (window, variant, split) is within bounds: what was asked, what to change."""
+    bound = f" and the distant-context NLL within {c.max_distant_gap:g} nats" if c.nll_check else ""
+    wider = ", a wider --windows" if any(c.window_sizes) else ""
+    reports = " and ".join(str(window_dir(c, w) / "report.md") for w in c.window_sizes)
+    return RidgefillError(f"no split of {candidates[0]}..{candidates[-1]} keeps filled-region RULER within "
+                          f"{c.tolerance:g} points{bound} of exact ({', '.join(c.fill_names)}; "
+                          f"{describe_windows(c.window_sizes)}): try higher --splits, a longer --tail{wider} or "
+                          f"looser bounds; the measurements are in {reports}")
 
 
 def best_choice(points: list[Point], chosen: dict[str, int | None]) -> Point | None:
@@ -376,22 +493,37 @@ def best_choice(points: list[Point], chosen: dict[str, int | None]) -> Point | N
     return max(found, key=lambda p: (p.flop_speedup or 0.0, -p.split, p.variant == "identity"))
 
 
-def print_frontier(sweep: Sweep, checks: dict[str, Sweep], points: list[Point], chosen: dict, searched: dict,
-                   tail: int) -> None:
-    rows = []
-    for p in sorted(points, key=lambda p: (-p.split, p.variant)):
-        check = checks[p.variant].verdicts.get((p.variant, p.split), "") if p.variant in checks else ""
-        rows.append([p.split, p.variant, p.flop_speedup, p.retrieval, p.retrieval_exact,
-                     None if p.retrieval_drop is None else p.retrieval - p.retrieval_exact, p.distant_gap,
-                     sweep.verdicts.get((p.variant, p.split), ""), check,
-                     "yes" if chosen.get(p.variant) == p.split else
-                     "RULER's" if searched.get(p.variant) == p.split else ""])
-    length = next((p.length for p in points if p.length), sweep.flops.length)
-    nll = f", NLL within {sweep.max_gap:g} nats" if checks else ""
+def best_window(runs: list[WindowRun]) -> tuple[WindowRun, Point] | None:
+    """Of each window's best choice, the one with the highest FLOP-limit speedup; on a tie full attention, then
+    the larger window (closer to exact)."""
+    found = [(r, r.best) for r in runs if r.best is not None]
+    if not found:
+        return None
+    return max(found, key=lambda pair: (pair[1].flop_speedup or 0.0, pair[0].window == 0, pair[0].window))
+
+
+def print_frontier(runs: list[WindowRun], served: tuple[WindowRun, Point] | None, tail: int) -> None:
+    rows = [frontier_row(r, p, served) for r in runs for p in sorted(r.points, key=lambda p: (-p.split, p.variant))]
+    sweep = runs[0].sweep
+    length = next((p.length for r in runs for p in r.points if p.length), sweep.flops.length)
+    nll = f", NLL within {sweep.max_gap:g} nats" if runs[0].checks else ""
     table(f"tune: FLOP-limit speedup at {length} tokens vs quality (tail {tail}; RULER within "
           f"{sweep.tolerance:g} points{nll} of exact)",
-          ["split", "variant", "FLOP-limit speedup", "RULER", "exact RULER", "Δ RULER", "Δ NLL (nats)", "RULER verdict",
-           "NLL check", "chosen"], rows)
+          ["window", "split", "variant", "FLOP-limit speedup", "RULER", "exact RULER", "Δ RULER", "Δ NLL (nats)",
+           "RULER verdict", "NLL check", "chosen"], rows)
+
+
+def frontier_row(run: WindowRun, p: Point, served: tuple[WindowRun, Point] | None) -> list:
+    """A point's row of the frontier table; chosen: `served`, `yes` (its window's choice) or `RULER's` (the
+    search's choice the check moved up from)."""
+    key = (p.variant, p.split)
+    check = run.checks[p.variant].verdicts.get(key, "") if p.variant in run.checks else ""
+    is_served = served is not None and served[0] is run and (served[1].variant, served[1].split) == key
+    chosen = "served" if is_served else "yes" if run.chosen.get(p.variant) == p.split else \
+        "RULER's" if run.searched.get(p.variant) == p.split else ""
+    return [run.window or "full", p.split, p.variant, p.flop_speedup, p.retrieval, p.retrieval_exact,
+            None if p.retrieval_drop is None else p.retrieval - p.retrieval_exact, p.distant_gap,
+            run.sweep.verdicts.get(key, ""), check, chosen]
 
 
 def distant_warning(results: list) -> str | None:
@@ -411,14 +543,16 @@ def distant_warning(results: list) -> str | None:
 
 
 # --- the serving config -------------------------------------------------------------------------------------
-def serving_config(c: TuneConfig, sweep: Sweep, checks: dict[str, Sweep], best: Point, chosen: dict,
-                   searched: dict, candidates: list[int]) -> dict:
-    """What a server needs to fill as tuned (split, tail, keep_first, variant, maps), what it should expect
-    (quality with intervals, FLOP-limit speedup at a stated length) and where it came from."""
+def serving_config(c: TuneConfig, runs: list[WindowRun], served: WindowRun, best: Point,
+                   candidates: list[int]) -> dict:
+    """What a server needs to fill as tuned (split, tail, keep_first, variant, maps, filled window), what it should
+    expect (quality with intervals, FLOP-limit speedup at a stated length) and where it came from (per_window)."""
+    sweep = served.sweep
     manifest, results = sweep.results()
-    check = checks.get(best.variant)
+    check = served.checks.get(best.variant)
     maps = _maps_of(manifest, sweep.run_dir, best.split) if best.variant in FROM_MAPS else None
-    fill = FillSettings(best.variant, best.split, maps, c.tail, c.keep_first, OUTLIER_FACTOR)  # as it was measured
+    fill = FillSettings(best.variant, best.split, maps, c.tail, c.keep_first, OUTLIER_FACTOR,  # as it was measured
+                        filled_window=served.window, filled_window_layers=window_layers(served.window, candidates))
     info = sweep.facts.info
     return {
         "kind": SERVING_KIND, "version": 2,  # what method/fill.load_serving reads
@@ -428,18 +562,40 @@ def serving_config(c: TuneConfig, sweep: Sweep, checks: dict[str, Sweep], best: 
         "expected_speedup": {"flop_limit": best.flop_speedup, "prompt_length": best.length or sweep.flops.length},
         "quality": {"ruler": ruler_quality(best, results, c),
                     "nll": None if check is None else nll_quality(best, check.results()[1], c)},
-        "choices": {v: None if s is None else {"split": s, "flop_limit_speedup": _speedup_at(sweep, v, s)}
-                    for v, s in chosen.items()},
-        "tune": {"run_dir": str(sweep.run_dir.resolve()), "recipe": str((sweep.run_dir / "recipe.toml").resolve()),
-                 "search": c.search, "candidates": candidates, "measured": sweep.measured,
-                 "ruler_choices": searched,
+        "choices": per_window(runs, _choices),
+        "tune": {"run_dir": str(c.run_dir.resolve()), "windows": [r.window for r in runs],
+                 "recipe": per_window(runs, lambda r: str((r.sweep.run_dir / "recipe.toml").resolve())),
+                 "search": c.search, "candidates": candidates,
+                 "measured": per_window(runs, lambda r: r.sweep.measured),
+                 "ruler_choices": per_window(runs, lambda r: r.searched),
                  "tolerance": c.tolerance, "max_distant_gap": c.max_distant_gap,
-                 "verdicts": [{"variant": v, "split": s, "verdict": x} for (v, s), x in sweep.verdicts.items()],
-                 "checks": [{"variant": v, "split": s, "verdict": x, "recipe": str(k.recipe.path.resolve())}
-                            for k in checks.values() for (v, s), x in k.verdicts.items()]},
+                 "verdicts": per_window(runs, _verdicts), "checks": per_window(runs, _checks)},
         "ridgefill_version": __version__,
         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
+
+
+def per_window(runs: list[WindowRun], value):
+    """value(run) of the one window searched (the shape without --windows), or {"W": value(run)} per window when
+    several were."""
+    if len(runs) == 1:
+        return value(runs[0])
+    return {str(r.window): value(r) for r in runs}
+
+
+def _choices(run: WindowRun) -> dict:
+    """Per variant its chosen split and FLOP-limit speedup (None: none passed)."""
+    return {v: None if s is None else {"split": s, "flop_limit_speedup": _speedup_at(run.sweep, v, s)}
+            for v, s in run.chosen.items()}
+
+
+def _verdicts(run: WindowRun) -> list[dict]:
+    return [{"variant": v, "split": s, "verdict": x} for (v, s), x in run.sweep.verdicts.items()]
+
+
+def _checks(run: WindowRun) -> list[dict]:
+    return [{"variant": v, "split": s, "verdict": x, "recipe": str(check.recipe.path.resolve())}
+            for check in run.checks.values() for (v, s), x in check.verdicts.items()]
 
 
 def _speedup_at(sweep: Sweep, variant: str, split: int) -> float | None:

@@ -161,7 +161,9 @@ def write_report(run_dir: str | Path, tolerance: float | None = None) -> Path:
 # --- the FLOP count of a sweep without bench-ttft ----------------------------------------------------------------
 def flop_model(manifest: dict | None, results: list[Result]) -> FlopModel | None:
     """The model's shapes and the sweep's longest measured prompt (RULER length or loss context), so the frontier
-    can count the FLOP-limit speedup of points that bench-ttft did not time; None when the shapes are unknown."""
+    can count the FLOP-limit speedup of points that bench-ttft did not time, with the maps' rank, lookback and
+    filled window per split (the window: the maps', else the one the split's results asked for); None when the
+    shapes are unknown."""
     models = [(manifest or {}).get("model")] + [r.doc.get("model") for r in results]
     shape = next((model_shape(m) for m in models if isinstance(m, dict)), None)
     measured = [r for r in results if r.command in ("ruler", "loss")]
@@ -173,8 +175,18 @@ def flop_model(manifest: dict | None, results: list[Result]) -> FlopModel | None
     fits = _of(results, "fit")
     ranks = {r.doc["split"]: r.doc.get("rank") for r in fits}
     lookbacks = {r.doc["split"]: r.doc.get("lookback", 0) for r in fits}
-    windows = {r.doc["split"]: r.doc["filled_window"] for r in fits if r.doc.get("filled_window")}
+    windows = {r.split: measured_window(r) for r in measured if r.split is not None and r.config.get("filled_window")}
+    windows.update({r.doc["split"]: r.doc["filled_window"] for r in fits if r.doc.get("filled_window")})
     return FlopModel(shape, max(lengths), keep_first, ranks, lookbacks, windows)
+
+
+def measured_window(result: Result) -> dict:
+    """The filled window a ruler or loss result asked for (--filled-window, --filled-window-layers), as FlopModel
+    takes it: so points without windowed maps (identity fill) are counted with it too."""
+    from ridgefill.engine import parse_layers
+
+    first, last = parse_layers(result.config.get("filled_window_layers"), result.split)
+    return {"size": result.config["filled_window"], "first": first, "last": last}
 
 
 def model_shape(model: dict):
