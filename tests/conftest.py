@@ -140,7 +140,7 @@ def pytest_collection_modifyitems(config, items):
 def pytest_collection_finish(session):
     """Under --dist loadgroup, every grouped test must carry its group in its nodeid (pytest-xdist routes by it):
     a pytest that ignores xdist's rewrite would silently spread the vLLM tests over every worker."""
-    if not session.config.getvalue("loadgroup"):
+    if not getattr(session.config.option, "loadgroup", False):
         return
     lost = [i.nodeid for i in session.items if any(i.iter_markers("xdist_group")) and "@" not in i.nodeid]
     if lost:

@@ -115,12 +115,18 @@ class Measurement:
                 note(f"note: rows run in full {reason}: " + ", ".join(f"{n} {k}" for n, k in counts.items()))
         return tallies
 
+    def filled_window(self) -> dict | None:
+        """The filled rows' window the fills ran with ({size, first, last, sinks}; None: full attention), whether
+        asked for or carried by the maps."""
+        window = next((plan.window for plan in self.plans.values() if plan is not None), None)
+        return None if window is None else {**window.to_meta(), "sinks": window.sinks}
+
     def write(self, results, intervals: dict, variants: list[str] | None = None, **extra) -> dict:
         """The result document, written atomically to --out (with the exact store's hits and misses). variants:
         the names its results hold (default: the plans measured)."""
         if hasattr(self.config, "exact_cache"):  # a command that keeps exact results says how many it reused
             extra = {"exact_store": self.store.summary(), **extra}
-        extra = {"fill_rows": self.fill_rows(), **extra}
+        extra = {"fill_rows": self.fill_rows(), "filled_window": self.filled_window(), **extra}
         info = maps_info(self.config.maps, self.maps_meta)
         return self.writer.write(self.config.out, self.session.loaded.info(), info,
                                  list(self.plans) if variants is None else variants, results, intervals, **extra)
