@@ -28,7 +28,7 @@ def test_every_registered_command_is_one_definition(name):
 
 @pytest.mark.parametrize("name", [n for n in REGISTRY if n != "lm-eval"])
 def test_help_lists_every_option_of_the_config(name):
-    r = CliRunner().invoke(app, [name, "--help"], terminal_width=200)
+    r = CliRunner().invoke(app, [name, "--help"], terminal_width=200, env={"COLUMNS": "200"})  # rich reads COLUMNS
     assert r.exit_code == 0, r.output
     cmd = command(name)
     for o in cmd.options.values():

@@ -72,6 +72,7 @@ def test_options_and_defaults_are_those_of_the_command_line_before_the_registry(
         "outlier-factor": 20.0,  # issue #12: outlier rows run in full by default
         "serving-config": None,  # issue #13: the settings `ridgefill tune` chose
         "engine": "ridgefill",  # issue #11: vllm times stock vLLM against the plugin
+        "filled-window": 0, "filled-window-layers": None,  # issue #27: local attention below the split, off
     }
     helps = {flag: o.help for flag, o in bench_ttft_command.options.items()}
     assert helps["split"] == "Split S (the maps carry it; identity needs it)."
