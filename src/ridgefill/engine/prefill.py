@@ -519,10 +519,8 @@ class _Rows:
         if self._block:
             return lower_right_causal(q, keys, values, scale)
         if self._mask is None:
-            later = torch.arange(n_keys, device=q.device).unsqueeze(0) > self.positions_run.unsqueeze(1)
-            self._mask = torch.zeros(later.shape, dtype=q.dtype, device=q.device).masked_fill_(later, float("-inf"))
+            self._mask = _causal_mask(self.positions_run, n_keys, q.dtype)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=self._mask, scale=scale, enable_gqa=gqa)
-
 
     def attend_locally(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                        scale: float) -> torch.Tensor:
@@ -532,14 +530,18 @@ class _Rows:
         windowed_attention(q, keys, values, self._local, scale, out)
         if len(self._others):
             if self._others_mask is None:
-                later = torch.arange(keys.shape[2], device=q.device) > self.positions[self._others].unsqueeze(1)
-                self._others_mask = torch.zeros(later.shape, dtype=q.dtype, device=q.device).masked_fill_(
-                    later, float("-inf"))
+                self._others_mask = _causal_mask(self.positions[self._others], keys.shape[2], q.dtype)
             attn = F.scaled_dot_product_attention(q.index_select(2, self._others), keys, values,
                                                   attn_mask=self._others_mask, scale=scale,
                                                   enable_gqa=q.shape[1] != keys.shape[1])
             out.index_copy_(2, self._others, attn)
         return out
+
+
+def _causal_mask(positions: torch.Tensor, n_keys: int, dtype: torch.dtype) -> torch.Tensor:
+    """[n, n_keys] additive mask of query rows at `positions` [n] over keys 0..n_keys-1: -inf after each row."""
+    later = torch.arange(n_keys, device=positions.device).unsqueeze(0) > positions.unsqueeze(1)
+    return torch.zeros(later.shape, dtype=dtype, device=positions.device).masked_fill_(later, float("-inf"))
 
 
 def _token_set(ids: int | Sequence[int] | None) -> set[int]:

@@ -30,7 +30,7 @@ from ridgefill import __version__
 from ridgefill.commands import REQUIRED, Command, options, option
 from ridgefill.engine import Engine
 from ridgefill.errors import RidgefillError
-from ridgefill.method.fill import check_window_values
+from ridgefill.method.fill import check_window_values, resolve_window
 from ridgefill.method.statistics import HELD_OUT, OUTLIER_FACTOR, Calibration, accumulate, check_fittable
 from ridgefill.runtime.artifacts import load_artifact, save_artifact
 from ridgefill.runtime.console import note, progress_bar, table
@@ -359,11 +359,7 @@ def calibration_window(size: int, layers: str | None, splits: list[int], sinks: 
     """The window calibration's rows attend in (engine.FilledWindow, None: full attention): layers `layers`
     (default every layer below the lowest split, which every split's maps then share), the first `sinks` rows
     (--skip-first) as sinks."""
-    from ridgefill.engine import FilledWindow, parse_layers
-
-    if not size:
-        return None
-    return FilledWindow(size, *parse_layers(layers, min(splits)), sinks)
+    return resolve_window(size, layers, min(splits), sinks, None)
 
 
 def calibration_sequences(session, data: str, seq_len: int, tokens: int):
