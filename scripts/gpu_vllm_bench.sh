@@ -23,3 +23,14 @@ mkdir -p "$WORK" "$OUT"
 .venv/bin/ridgefill bench-ttft --engine vllm --model "$WORK/llama-8b-random" --maps "$WORK/maps-s$SPLIT.safetensors" \
   --variants exact,ridge --tail 256 --lengths "$LENGTHS" --repeats "$REPEATS" --warmup 1 --dtype bf16 \
   --data random --chunk 8192 --out "$OUT/ttft-vllm-llama8b-bf16-s$SPLIT.json"
+
+# The paper's vLLM model family: a hybrid Qwen3-Next-80B-A3B-shape checkpoint (48 layers: 3 Gated DeltaNet, 1 gated
+# attention, repeated; 64 experts instead of 512 so it fits one GPU, the same active experts per token), bf16,
+# random maps at half depth, prefix caching off (the plugin refuses it for hybrids). NEVER RUN: written beside the
+# CPU run of docs/performance.md ("A hybrid model in vLLM"), which is the only hybrid run so far.
+HSPLIT=${HSPLIT:-24}  # of 48 layers
+"$PY" scripts/random_checkpoint.py "$WORK" "$HSPLIT" qwen3-next-a3b
+.venv/bin/ridgefill bench-ttft --engine vllm --model "$WORK/qwen3-next-a3b-random" \
+  --maps "$WORK/maps-qwen3-next-a3b-s$HSPLIT.safetensors" --variants exact,ridge --tail 256 --lengths "$LENGTHS" \
+  --repeats "$REPEATS" --warmup 1 --dtype bf16 --data random --chunk 8192 \
+  --out "$OUT/ttft-vllm-qwen3next-a3b-bf16-s$HSPLIT.json"

@@ -79,8 +79,9 @@ def tiny_hybrid_config(family: str, **overrides):
     if family == "qwen3_5":
         return Qwen3_5TextConfig(**common)
     if family == "qwen3_next":
-        return Qwen3NextConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                               shared_expert_intermediate_size=48, mlp_only_layers=[1], **common)
+        moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                   mlp_only_layers=[1])
+        return Qwen3NextConfig(**{**moe, **common})
     raise ValueError(family)
 
 
@@ -127,7 +128,7 @@ def one_thread():
 # all go to one worker (`--dist loadgroup`): each engine of the shared pool starts once, the fixtures are built once,
 # and no two vLLM engines (each binding its threads to every core) run at the same time; measured: two vLLM groups
 # side by side made the suite slower, not faster.
-VLLM_FIXTURES = {"vllm_tiny", "vllm_lookback", "smollm2_maps", "engines", "vllm_tuned"}
+VLLM_FIXTURES = {"vllm_tiny", "vllm_lookback", "vllm_hybrid", "smollm2_maps", "engines", "vllm_tuned"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the marks (it names the groups from them)

@@ -31,13 +31,14 @@ def write_corpus(path: Path, seed: int, lines_per_document: int, n: int = 600) -
     return path
 
 
-def save_tiny_checkpoint(path: Path, family: str = "llama", vocab: int = 512, **overrides) -> Path:
-    """Write config, weights and tokenizer of a tiny model of `family` into `path`."""
+def save_tiny_checkpoint(path: Path, family: str = "llama", vocab: int = 512, dtype=None, **overrides) -> Path:
+    """Write config, weights and tokenizer of a tiny model of `family` (a dense family, or a hybrid one:
+    conftest.HYBRID_FAMILIES) into `path`, its weights in `dtype` (None: float32)."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from conftest import tiny_model
+    from conftest import HYBRID_FAMILIES, tiny_hybrid_model, tiny_model
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -49,7 +50,9 @@ def save_tiny_checkpoint(path: Path, family: str = "llama", vocab: int = 512, **
     settings = dict(vocab_size=len(fast), max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
                     pad_token_id=0)
     settings.update(overrides)
-    model = tiny_model(family, **settings)
+    model = (tiny_hybrid_model if family in HYBRID_FAMILIES else tiny_model)(family, **settings)
+    if dtype is not None:
+        model = model.to(dtype)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     fast.save_pretrained(path)

@@ -13,7 +13,6 @@ import pytest
 
 from ridgefill.errors import RidgefillError
 from ridgefill.evals.bench_serve import BenchServeConfig, request_prompts
-from vllm_fixtures import vllm_tiny  # noqa: F401  (fixture)
 
 pytest.importorskip("vllm")
 

@@ -29,8 +29,7 @@ from ridgefill.errors import RidgefillError
 from ridgefill.serve import serve
 from ridgefill.serve.vllm_config import ENV, VLLM_VERSION
 from tiny_checkpoint import write_corpus
-from vllm_fixtures import (prompts, reference, smollm2_maps, vllm_tiny, vllm_tuned,  # noqa: F401  (fixtures)
-                           vocab_of)
+from vllm_fixtures import prompts, reference, vocab_of
 
 RIDGEFILL = [sys.executable, "-m", "ridgefill"]
 START_TIMEOUT = 300.0  # seconds for vLLM to load a tiny model on a busy 2-core machine (~40 s when quiet)

@@ -13,7 +13,6 @@ import torch
 from ridgefill.commands import command
 from ridgefill.errors import RidgefillError
 from ridgefill.runtime.session import open_session
-from vllm_fixtures import vllm_tiny, vllm_tuned  # noqa: F401  (fixtures)
 
 pytest.importorskip("vllm")
 

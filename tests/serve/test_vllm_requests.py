@@ -233,3 +233,57 @@ def test_exposed_hosts_without_a_key_are_warned_about(capsys, monkeypatch):
         assert (err.startswith("warning: --host") and err.count("\n") == 1) == warned, (host, args, err)
     assert serve.health_url("0.0.0.0", 8000) == "http://127.0.0.1:8000/health"
     assert serve.health_url("::", 8000) == "http://[::1]:8000/health"
+
+
+# --- hybrid models (Qwen3-Next) --------------------------------------------------------------------------------
+HYBRID_CONFIG = {"architectures": ["Qwen3NextForCausalLM"], "num_hidden_layers": 8, "num_attention_heads": 4,
+                 "num_key_value_heads": 2, "head_dim": 64, "hidden_size": 128, "max_position_embeddings": 4096,
+                 "layer_types": ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3
+                 + ["full_attention"], "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                 "linear_key_head_dim": 64, "linear_value_head_dim": 64, "linear_conv_kernel_dim": 4,
+                 "torch_dtype": "bfloat16"}
+
+
+def test_a_hybrid_kv_cache_counts_attention_layers_per_token_and_linear_states_per_request():
+    assert serve.kv_bytes_per_token(HYBRID_CONFIG, "bf16") == 2 * 2 * 2 * 64 * 2  # 2 attention layers
+    conv, recurrent = (2 * 128 + 256) * 3, 4 * 64 * 64
+    assert serve.state_bytes_per_request(HYBRID_CONFIG, "bf16") == 6 * (conv + recurrent) * 2
+    assert serve.state_bytes_per_request(CONFIG, "fp32") == 0
+    c = serve.ServeConfig(maps="m.safetensors", dtype="bf16", vllm_args=["--max-model-len", "1000"])
+    one = 1000 * serve.kv_bytes_per_token(HYBRID_CONFIG, "bf16") + serve.state_bytes_per_request(HYBRID_CONFIG,
+                                                                                                "bf16")
+    assert serve.kv_cache_plan(c, HYBRID_CONFIG, 20 << 30, True, {}).args[1] == str(4 * one)
+
+
+def test_a_hybrid_is_served_in_bf16_without_prefix_caching_on_a_cpu(tmp_path, monkeypatch):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(HYBRID_CONFIG))
+    monkeypatch.setattr(serve, "on_cpu", lambda: True)
+    c = serve.ServeConfig(maps="m.safetensors", dtype="bf16")
+    serve.check_hybrid(c, HYBRID_CONFIG)
+    assert "--no-enable-prefix-caching" in serve.vllm_command(c, str(folder))
+    with pytest.raises(RidgefillError, match=r"^a hybrid model \(Qwen3NextForCausalLM\) runs in vLLM on a CPU in bf16 "
+                                             r"only .*: pass --dtype bf16$"):
+        serve.check_hybrid(serve.ServeConfig(maps="m.safetensors"), HYBRID_CONFIG)  # serve's default: fp32
+    serve.check_hybrid(serve.ServeConfig(maps="m.safetensors", dtype="auto"), HYBRID_CONFIG)  # the checkpoint's bf16
+    for args in (["--enable-prefix-caching"], ["--no-enable-prefix-caching", "--enable-prefix-caching=true"]):
+        with pytest.raises(RidgefillError, match="^--enable-prefix-caching: prefix caching is not supported with "
+                                                 "RidgeFill on a hybrid model"):
+            serve.check_hybrid(serve.ServeConfig(maps="m.safetensors", dtype="bf16", vllm_args=args), HYBRID_CONFIG)
+    serve.check_hybrid(serve.ServeConfig(maps="m.safetensors", dtype="bf16",
+                                         vllm_args=["--enable-prefix-caching", "--no-enable-prefix-caching"]),
+                       HYBRID_CONFIG)
+    dense = {**CONFIG, "architectures": ["LlamaForCausalLM"]}
+    (folder / "config.json").write_text(json.dumps(dense))
+    assert "--no-enable-prefix-caching" not in serve.vllm_command(serve.ServeConfig(maps="m.safetensors"),
+                                                                   str(folder))
+
+
+def test_a_hybrid_with_layers_the_plugin_does_not_know_is_refused():
+    from ridgefill.serve.vllm_config import check_architecture
+
+    check_architecture(["Qwen3NextForCausalLM"], "qwen3_next", "m", HYBRID_CONFIG["layer_types"])
+    with pytest.raises(RidgefillError, match=r"^m has layers of kind sliding_attention, which ridgefill's vLLM plugin "
+                                             r"does not fill .*: serve this model with stock vLLM"):
+        check_architecture(["Qwen3NextForCausalLM"], "qwen3_next", "m", ["linear_attention", "sliding_attention"])

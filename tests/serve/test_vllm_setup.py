@@ -14,7 +14,6 @@ import sys
 
 import pytest
 
-from vllm_fixtures import vllm_tiny  # noqa: F401  (fixture)
 
 pytest.importorskip("vllm")
 
@@ -92,3 +91,12 @@ def test_a_configured_plugin_makes_vllm_use_the_runner_it_hooks_and_refuses_what
     for case, match in expected.items():
         error = cases[case].get("error", "")
         assert error.startswith("RidgefillError: ") and match in error and "\n" not in error, (case, cases[case])
+
+
+def test_a_configured_plugin_refuses_prefix_caching_for_a_hybrid_model(vllm_hybrid):
+    """vLLM turns prefix caching on for Qwen3-Next by default; the plugin refuses it there with one line (its rules
+    cover attention K/V only), before any engine process starts."""
+    folder, maps = vllm_hybrid
+    error = probe(folder, maps)["plain"].get("error", "")
+    assert error.startswith("RidgefillError: prefix caching is not supported with RidgeFill on a hybrid model")
+    assert "--no-enable-prefix-caching" in error and "\n" not in error

@@ -29,15 +29,17 @@ def vocab_of(folder) -> int:
     return json.loads((folder / "config.json").read_text())["vocab_size"]
 
 
-def reference(folder, maps, tail: int, batch: list[list[int]], new: int, keep_first: int = 1, chunk: int = 2048):
-    """ridgefill's own engine (what `ridgefill generate` runs): greedy tokens and first-token log-probs [V]."""
+def reference(folder, maps, tail: int, batch: list[list[int]], new: int, keep_first: int = 1, chunk: int = 2048,
+              dtype: str = "fp32"):
+    """ridgefill's own engine (what `ridgefill generate` runs): greedy tokens and first-token log-probs [V]
+    (maps None: exact)."""
     import torch
 
     from ridgefill.method.fill import FillSettings
     from ridgefill.runtime.session import open_session
 
-    session = open_session(str(folder), chunk=chunk)
-    plan, _ = FillSettings("ridge", None, Path(maps), tail, keep_first).plan(session)
+    session = open_session(str(folder), chunk=chunk, dtype=dtype)
+    plan = None if maps is None else FillSettings("ridge", None, Path(maps), tail, keep_first).plan(session)[0]
     tokens, first = [], []
     for p in batch:
         ids = torch.tensor([p])
@@ -56,14 +58,15 @@ def fit_maps(model: str, data: Path, out: Path, split: int, tokens: int, seq_len
     return out / "maps.safetensors"
 
 
-def sharpen(folder: Path, scale: float = 12.0) -> Path:
+def sharpen(folder: Path, scale: float = 12.0, offset: float = 0.0) -> Path:
     """Scale the final norm of a random-init checkpoint: its next-token distribution is otherwise so flat that
-    greedy decoding hangs on near-ties that any change of summation order flips."""
+    greedy decoding hangs on near-ties that any change of summation order flips. offset: the norm's own (Qwen3-Next
+    scales by 1 + weight: offset 1)."""
     from safetensors.torch import load_file, save_file
 
     path = folder / "model.safetensors"
     tensors = load_file(path)
-    tensors["model.norm.weight"] = tensors["model.norm.weight"] * scale
+    tensors["model.norm.weight"] = (tensors["model.norm.weight"] + offset) * scale - offset
     save_file(tensors, path, metadata={"format": "pt"})
     return folder
 
@@ -82,6 +85,47 @@ def vllm_tiny(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
         work = root / f"{family}-maps"
         work.mkdir()
         out[family] = (folder, fit_maps(str(folder), data, work, SPLIT, tokens=4096, seq_len=256))
+    return out
+
+
+HYBRID_SPLIT = 4  # of 8 layers (linear, linear, linear, attention, twice): the late layers hold both kinds
+
+
+@pytest.fixture(scope="session")
+def vllm_hybrid(tmp_path_factory) -> tuple[Path, Path]:
+    """(a tiny Qwen3-Next checkpoint in bf16 with shapes vLLM's CPU kernels take: head_dim 64, Gated DeltaNet head
+    dims 64; untied embeddings, as vLLM's Qwen3-Next loads them; maps at split 4 of 8, fitted, then perturbed: on
+    this random model the fitted maps' fill is within bf16 rounding of exact prefill, so it would hide a wrong fill;
+    the perturbed maps move the first token's log-probs by 1-2.3 nats at tail 4, measured)."""
+    pytest.importorskip("vllm")
+    import torch
+
+    from conftest import A, L
+
+    root = tmp_path_factory.mktemp("vllm-hybrid")
+    folder = sharpen(save_tiny_checkpoint(root / "qwen3_next", "qwen3_next", dtype=torch.bfloat16, hidden_size=128,
+                                          intermediate_size=256, layer_types=[L, L, L, A] * 2, head_dim=64,
+                                          linear_key_head_dim=64, linear_value_head_dim=64, moe_intermediate_size=64,
+                                          shared_expert_intermediate_size=96, tie_word_embeddings=False), offset=1.0)
+    data = write_corpus(root / "corpus.txt", seed=3, lines_per_document=30)
+    work = root / "maps"
+    work.mkdir()
+    fitted = fit_maps(str(folder), data, work, HYBRID_SPLIT, tokens=4096, seq_len=256)
+    return folder, perturbed(fitted, work / "perturbed.safetensors")
+
+
+def perturbed(maps: Path, out: Path) -> Path:
+    """The maps with a random term (std 2/sqrt(H)) added to every weight: predictions that still depend on the row,
+    far from the fitted ones."""
+    import torch
+
+    from ridgefill.runtime.artifacts import load_artifact, save_artifact
+
+    tensors, meta = load_artifact(maps, "maps")
+    weight = tensors["weight"]
+    g = torch.Generator().manual_seed(0)
+    tensors["weight"] = weight + 2 * torch.randn(weight.shape, generator=g) / weight.shape[-1] ** 0.5
+    save_artifact(out, tensors, meta)
     return out
 
 

@@ -130,10 +130,7 @@ def run(config: BenchConfig) -> dict:
         serving.check_model(m.session.loaded.fingerprint, c.serving_config)
     _check_model(m, c.sizes()[-1])
     prompts = _prompts(m.session, c.data, c.sizes(), c.seed)
-    shape = m.session.shape
-    if not shape.dense:
-        note("note: a hybrid model: the FLOP count covers attention layers only, so no FLOP limit is reported")
-    flops_shape = shape if shape.dense else None
+    flops_shape = m.session.shape
     extra = {}
     if c.engine == "vllm":
         from ridgefill.evals import bench_ttft_vllm

@@ -34,6 +34,7 @@ from ridgefill.runtime.stats import ratio_of_medians
 from ridgefill.runtime.console import progress_bar
 from ridgefill.runtime.models import model_folder
 from ridgefill.method.fill import FillSettings
+from ridgefill.serve.vllm_config import check_hybrid_dtype, read_model_config
 from ridgefill.serve.vllm_engine import EngineSettings, VllmWorker, vllm_dtype
 
 KV_CACHE_GIB = 2
@@ -43,6 +44,7 @@ def bench_lengths(m, prompts: dict, add_flops, scratch: Path) -> tuple[list[dict
     """Every length's timings and speedups (FLOPs added by `add_flops(entry, plans, names, length)`), their
     intervals, and the engines' settings and fill tallies."""
     c = m.config
+    check_hybrid_dtype(read_model_config(model_folder(c.model)), c.dtype, not torch.cuda.is_available())
     names = list(m.plans)
     fills = names[1:]
     longest = max(len(ids[0]) for ids, _ in prompts.values())
@@ -80,7 +82,7 @@ def bench_lengths(m, prompts: dict, add_flops, scratch: Path) -> tuple[list[dict
         m.plans[name].tally.unwindowed += tally["lookback_rows_run_full"]
     engines = {name: {"plugin": s.plugin, "fill": s.fill.describe() if s.fill else None, "dtype": s.dtype,
                       "threads_bind": s.threads, "max_model_len": s.max_model_len, **s.engine_args,
-                      "enforce_eager": not s.compiled, "enable_prefix_caching": s.prefix_caching, "env": s.env,
+                      "enforce_eager": not s.compiled, "enable_prefix_caching": s.enable_prefix_caching, "env": s.env,
                       **({"tally": tallies[name]} if name in tallies else {})}
                for name, s in settings.items()}
     return results, intervals, engines

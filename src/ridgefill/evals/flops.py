@@ -1,16 +1,21 @@
 """The FLOP count of a prefill and its first token, which bounds the speedup a fill can reach (bench-ttft).
 
-FLOPs are multiply-adds × 2, from the model's shapes (engine.ModelShape); norms, RoPE, softmax and other
-elementwise work are not counted. Per row and layer: Q, K, V, O projections and the MLP (gate, up, down);
-attention 4·Hq·D·(p+1) for a row at position p (QKᵀ and AV over its p+1 causal keys); the LM head of the last
-row. A filled row skips attention, MLP and the Q and O projections in layers S..L-1 but keeps their K and V
-projections, and adds its maps (the filler's `flops_per_row`, engine.maps_flops: 2·F·H per late layer S+1..L-1
-for full-rank maps of F = (K+1)·H inputs (lookback K; F = H without), 2·r·(F+H) for rank r, none for identity
-fill; none for the mean control, whose inputs are constants). The drop control's filled rows cost nothing in
-layers S..L-1 (no K/V) and the full rows there attend only to full rows. With a filled window (engine/window.py),
-a filled row in a windowed layer below the split attends to keys_per_row(p) keys (itself, the W rows before it,
-the sinks) instead of p+1. The count covers attention layers only (a hybrid model's linear layers have no count
-here).
+FLOPs are multiply-adds × 2, from the model's shapes (engine.ModelShape); norms, RoPE, softmax, gates, the delta
+rule's decays and other elementwise work are not counted. Per row and layer:
+- an attention layer: Q (with a hybrid's output gate: 2·Hq·D outputs), K, V, O projections, and attention
+  4·Hq·D·(p+1) for a row at position p (QKᵀ and AV over its p+1 causal keys);
+- a linear (Gated DeltaNet) layer: its mixer's input projections (q, k, v, z; beta, decay), the depthwise conv,
+  the delta rule (per value head: kᵀS, the rank-1 update and qᵀS, 3 × 2·Dk·Dv) and, the mixer's output, out_proj;
+- the MLP: gate, up, down of the dense MLP, or a sparse MoE's router, its top-k experts and the shared expert;
+plus the LM head of the last row. A filled row skips attention, the MLP and the Q and O projections in the
+attention layers S..L-1 but keeps their K and V projections; in the linear layers S..L-1 it runs the mixer's
+input projections, conv and delta rule (its state update) but not out_proj or the MLP. It adds its maps (the
+filler's `flops_per_row`, engine.maps_flops: 2·F·H per late layer S+1..L-1 for full-rank maps of F = (K+1)·H
+inputs (lookback K; F = H without), 2·r·(F+H) for rank r, none for identity fill; none for the mean control,
+whose inputs are constants). The drop control's filled rows cost nothing in layers S..L-1 (no K/V, no state
+update) and the full rows there attend only to full rows. With a filled window (engine/window.py), a filled row
+in a windowed attention layer below the split attends to keys_per_row(p) keys (itself, the W rows before it, the
+sinks) instead of p+1.
 """
 
 from __future__ import annotations
@@ -21,9 +26,31 @@ from ridgefill.engine import FilledWindow, ModelShape
 
 
 def row_flops(shape: ModelShape) -> dict[str, int]:
-    """FLOPs of one row through one layer's projections and MLP (gate, up, down)."""
+    """FLOPs of one row through one attention layer's projections and a dense MLP (gate, up, down)."""
     h, q, kv = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    return {"q": 2 * h * q, "k": 2 * h * kv, "v": 2 * h * kv, "o": 2 * q * h, "mlp": 3 * 2 * h * shape.intermediate}
+    gate = q if shape.hybrid is not None and shape.hybrid.q_gate else 0
+    return {"q": 2 * h * (q + gate), "k": 2 * h * kv, "v": 2 * h * kv, "o": 2 * q * h,
+            "mlp": 3 * 2 * h * (shape.intermediate or 0)}
+
+
+def mlp_flops(shape: ModelShape, layer: int) -> int:
+    """One row through layer `layer`'s MLP: dense, or a sparse MoE (router, top-k experts, shared expert)."""
+    hy, h = shape.hybrid, shape.hidden
+    if hy is None or not hy.moe_layers or not hy.moe_layers[layer]:
+        return row_flops(shape)["mlp"]
+    shared = 6 * h * hy.shared_intermediate + (2 * h if hy.shared_intermediate else 0)  # + its sigmoid gate
+    return 2 * h * hy.experts + hy.experts_per_token * 6 * h * hy.expert_intermediate + shared
+
+
+def linear_mixer_flops(shape: ModelShape) -> dict[str, int]:
+    """One row through a Gated DeltaNet layer's mixer: `state` (what updates the recurrent and conv states: input
+    projections, conv, delta rule) and `out` (out_proj)."""
+    hy, h = shape.hybrid, shape.hidden
+    key, value = hy.key_heads * hy.key_dim, hy.value_heads * hy.value_dim
+    project = 2 * h * (2 * key + 2 * value + 2 * hy.value_heads)  # q, k, v, z; beta and decay per value head
+    conv = 2 * (2 * key + value) * hy.conv_kernel
+    delta = 3 * 2 * hy.value_heads * hy.key_dim * hy.value_dim
+    return {"state": project + conv + delta, "out": 2 * value * h}
 
 
 def attention_flops(shape: ModelShape, positions: np.ndarray) -> int:
@@ -37,19 +64,38 @@ def prefill_flops(shape: ModelShape, length: int, full: np.ndarray | None = None
     layer of a filled prefill at `split` (None: exact); map_flops: one filled row's maps; drops: the drop control
     (filled rows write nothing in the late layers, whose full rows attend to full rows only); window: the filled
     rows' local attention below the split."""
-    row = row_flops(shape)
     every = np.arange(length)
-    exact_layer = length * sum(row.values()) + attention_flops(shape, every)
     lm_head = 2 * shape.hidden * shape.vocab
     if full is None or split is None or split >= shape.layers or full.all():
-        return shape.layers * exact_layer + lm_head
-    full_pos, n_fill = every[full], int((~full).sum())
-    if window is not None:  # the windowed layers' filled rows attend to fewer keys
-        filled = every[~full]
-        saved = 4 * shape.heads * shape.head_dim * int((filled + 1 - window.keys_per_row(filled)).sum())
-        return prefill_flops(shape, length, full, split, map_flops, drops) - len(window.layers(split)) * saved
-    if drops:  # the late caches hold full rows only: the i-th full row attends to i+1 keys
-        late = len(full_pos) * sum(row.values()) + attention_flops(shape, np.arange(len(full_pos)))
-        return split * exact_layer + (shape.layers - split) * late + lm_head
-    late = len(full_pos) * sum(row.values()) + attention_flops(shape, full_pos) + n_fill * (row["k"] + row["v"])
-    return split * exact_layer + (shape.layers - split) * late + n_fill * map_flops + lm_head
+        return sum(_layer_flops(shape, layer, length, every) for layer in range(shape.layers)) + lm_head
+    full_pos, filled = every[full], every[~full]
+    windowed = set(window.layers(split)) if window is not None else set()
+    n_fill, total = len(filled), 0
+    for layer in range(shape.layers):
+        if layer < split:
+            total += _layer_flops(shape, layer, length, every)
+            if layer in windowed and shape.layer_kinds[layer] == "attention":  # filled rows attend to fewer keys
+                total -= 4 * shape.heads * shape.head_dim * int((filled + 1 - window.keys_per_row(filled)).sum())
+        elif drops:  # the late layers hold full rows only: the i-th full row attends to i+1 keys
+            total += _layer_flops(shape, layer, len(full_pos), np.arange(len(full_pos)))
+        else:
+            total += _layer_flops(shape, layer, len(full_pos), full_pos) + n_fill * _filled_row_flops(shape, layer)
+    return total + (0 if drops else n_fill * map_flops) + lm_head
+
+
+def _layer_flops(shape: ModelShape, layer: int, rows: int, positions: np.ndarray) -> int:
+    """`rows` full rows at `positions` through one layer."""
+    row = row_flops(shape)
+    if shape.layer_kinds[layer] == "linear":
+        mixer = linear_mixer_flops(shape)
+        return rows * (mixer["state"] + mixer["out"] + mlp_flops(shape, layer))
+    return rows * (row["q"] + row["k"] + row["v"] + row["o"] + mlp_flops(shape, layer)) + \
+        attention_flops(shape, positions)
+
+
+def _filled_row_flops(shape: ModelShape, layer: int) -> int:
+    """A filled row in a late layer: its K and V (attention), or its mixer's state update (linear)."""
+    if shape.layer_kinds[layer] == "linear":
+        return linear_mixer_flops(shape)["state"]
+    row = row_flops(shape)
+    return row["k"] + row["v"]

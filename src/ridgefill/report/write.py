@@ -194,6 +194,7 @@ def model_shape(model: dict):
     vocabulary from the model's own config.json where it is on this machine (never loaded or downloaded); None
     when any of them is unknown."""
     from ridgefill.engine import ModelShape
+    from ridgefill.engine.shape import HybridShape
 
     names = ("layers", "hidden_size", "heads", "kv_heads", "head_dim")
     if not all(isinstance(model.get(k), int) for k in names):
@@ -204,7 +205,14 @@ def model_shape(model: dict):
     vocab = model.get("vocab_size") or config.get("vocab_size")
     if not isinstance(intermediate, int) or not isinstance(vocab, int):
         return None
-    return ModelShape(*(model[k] for k in names), intermediate, vocab, tuple(model.get("layer_kinds") or ()))
+    kinds = tuple(model.get("layer_kinds") or ())
+    hybrid = None
+    if any(kind != "attention" for kind in kinds):  # a hybrid: its linear layers and MLPs from its config.json
+        try:
+            hybrid = HybridShape.from_config(config, model["layers"])
+        except KeyError:
+            return None
+    return ModelShape(*(model[k] for k in names), intermediate, vocab, kinds, hybrid)
 
 
 def _model_config(model_id: str) -> dict:

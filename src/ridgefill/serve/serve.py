@@ -39,7 +39,9 @@ from pathlib import Path
 from ridgefill.commands import Command, option
 from ridgefill.errors import RidgefillError
 from ridgefill.method.fill import V2_RUNNER, FillOptions, FillSettings
-from ridgefill.serve.vllm_config import VLLM_DTYPES, VLLM_PIN, check_fill, check_vllm_version, read_model_config
+from ridgefill.serve.vllm_config import (PREFIX_CACHING_HYBRID, VLLM_DTYPES, VLLM_PIN, check_fill,
+                                         check_hybrid_dtype, check_vllm_version, read_model_config,
+                                         served_prefix_caching)
 
 DTYPES = VLLM_DTYPES
 PLUGIN = "ridgefill"  # the plugin's name in the vllm.general_plugins entry points (and in VLLM_PLUGINS)
@@ -219,7 +221,7 @@ def kv_cache_plan(c: ServeConfig, config: dict, available: int, cpu: bool, envir
     if not cpu or named & set(KV_OPTIONS) or environ.get("VLLM_CPU_KVCACHE_SPACE", "").strip():
         return KvPlan([], "KV cache sized by vLLM")
     per_token = kv_bytes_per_token(config, c.dtype)
-    one = per_token * length
+    one = per_token * length + state_bytes_per_request(config, c.dtype)
     if c.kv_cache_gib is not None:
         size = int(c.kv_cache_gib * GIB)
         if size < one:
@@ -240,15 +242,43 @@ def kv_cache_plan(c: ServeConfig, config: dict, available: int, cpu: bool, envir
 
 
 def kv_bytes_per_token(config: dict, dtype: str) -> int:
-    """Bytes of K and V per token over every layer, for a dense checkpoint's config.json served in `dtype`."""
+    """Bytes of K and V per token over every attention layer (a hybrid's full-attention layers), for a
+    checkpoint's config.json served in `dtype`."""
     text = config.get("text_config", config)
     heads = text["num_attention_heads"]
     kv_heads = text.get("num_key_value_heads") or heads
     head_dim = text.get("head_dim") or text["hidden_size"] // heads
+    return 2 * _layers_of(text, "full_attention") * kv_heads * head_dim * _dtype_bytes(config, dtype)
+
+
+def state_bytes_per_request(config: dict, dtype: str) -> int:
+    """Bytes of one request's Gated DeltaNet states over a hybrid's linear layers (the conv state's last
+    kernel-1 inputs and the recurrent state [value heads, key dim, value dim]); 0 for a dense model."""
+    text = config.get("text_config", config)
+    linear = _layers_of(text, "linear_attention")
+    if not linear:
+        return 0
+    key = text["linear_num_key_heads"] * text["linear_key_head_dim"]
+    value = text["linear_num_value_heads"] * text["linear_value_head_dim"]
+    conv = (2 * key + value) * (text["linear_conv_kernel_dim"] - 1)
+    recurrent = text["linear_num_value_heads"] * text["linear_key_head_dim"] * text["linear_value_head_dim"]
+    return linear * (conv + recurrent) * _dtype_bytes(config, dtype)
+
+
+def _layers_of(text: dict, kind: str) -> int:
+    """How many layers are of `kind` (config.json's layer_types; without it every layer is full attention)."""
+    types = text.get("layer_types")
+    if not types:
+        return text["num_hidden_layers"] if kind == "full_attention" else 0
+    return sum(t == kind for t in types)
+
+
+def _dtype_bytes(config: dict, dtype: str) -> int:
     size = {"fp32": 4, "bf16": 2, "fp16": 2}.get(dtype)
     if size is None:  # auto: the checkpoint's own
+        text = config.get("text_config", config)
         size = 4 if str(text.get("torch_dtype", config.get("torch_dtype", "float32"))).endswith("32") else 2
-    return 2 * text["num_hidden_layers"] * kv_heads * head_dim * size
+    return size
 
 
 def served_length(vllm_args: list[str], config: dict) -> int:
@@ -291,9 +321,10 @@ def vllm_command(c: ServeConfig, folder: str, extra: list[str] = ()) -> list[str
     unless they name it."""
     named = {_option_name(a) for a in c.vllm_args}
     name = [] if "--served-model-name" in named else ["--served-model-name", c.model]
+    caching = [] if served_prefix_caching(read_model_config(folder)) else ["--no-enable-prefix-caching"]
     return [sys.executable, "-m", VLLM_SERVER, "--model", folder, *name, "--host", c.host, "--port", str(c.port),
             "--dtype", DTYPES[c.dtype], "--middleware", MIDDLEWARE,
-            *extra, *c.vllm_args]
+            *caching, *extra, *c.vllm_args]
 
 
 @dataclass(frozen=True)
@@ -322,7 +353,9 @@ def serve_plan(c: ServeConfig, scratch: Path) -> Launch:
     folder = model_folder(c.model)
     check_vllm()
     fill, meta = check_fill(served_fill(c, folder, scratch), folder)
-    kv = kv_cache_plan(c, read_model_config(folder), available_memory(), on_cpu())
+    config = read_model_config(folder)
+    check_hybrid(c, config)
+    kv = kv_cache_plan(c, config, available_memory(), on_cpu())
     check_port(c.host, c.port)
     warn_if_exposed(c)
     metrics = scratch / "prometheus"
@@ -334,6 +367,26 @@ def serve_plan(c: ServeConfig, scratch: Path) -> Launch:
               f"{meta.get('n_layers')} layers), tail {fill.tail}, keep-first {fill.keep_first}, outlier factor "
               f"{fill.outlier_factor:g}; {kv.summary}; vLLM's log: {log}")
     return Launch(vllm_command(c, folder, kv.args), env, health_url(c.host, c.port), banner, Path(log))
+
+
+def check_hybrid(c: ServeConfig, config: dict) -> None:
+    """A hybrid model is served in bf16 on a CPU, and without prefix caching (serve turns it off)."""
+    check_hybrid_dtype(config, c.dtype, on_cpu())
+    if not served_prefix_caching(config) and _option_value_flag(c.vllm_args, "--enable-prefix-caching"):
+        raise RidgefillError(f"--enable-prefix-caching: {PREFIX_CACHING_HYBRID}")
+
+
+def _option_value_flag(args: list[str], name: str) -> bool:
+    """Whether a boolean option `name` is on among `args` (`--name`, or `--name=true`), the last one winning
+    over its `--no-` form."""
+    on = False
+    for arg in args:
+        option = _option_name(arg)
+        if option == name:
+            on = "=" not in arg or arg.split("=", 1)[1].strip().lower() not in ("false", "0", "no")
+        elif option == "--no-" + name[2:]:
+            on = False
+    return on
 
 
 def stock_plan(plan: Launch, log: Path) -> Launch:

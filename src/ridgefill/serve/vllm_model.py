@@ -1,4 +1,5 @@
-"""vLLM's Llama, Qwen2 and Qwen3 models with RidgeFill's filled prefill (imported only inside vLLM processes).
+"""vLLM's Llama, Qwen2, Qwen3 and Qwen3-Next models with RidgeFill's filled prefill (imported only inside vLLM
+processes).
 
 Each class is the stock vLLM class plus `ridgefill` state: the fitted maps and, per late layer, its own K/V
 projection rows copied at weight-loading time (vLLM's CPU linear layers repack and drop `weight` afterwards).
@@ -11,8 +12,12 @@ forward unchanged. A step with filled tokens (the model runner passes a FillBatc
   not among this step's tokens of their request (the first K of a prefill chunk) or holds an outlier;
 - for each late layer l = S..L-1 the filled rows' K/V come from the predicted input (x for l = S, the map's
   prediction after) through that layer's own input norm, K/V rows of its (tensor-parallel shard of) qkv_proj,
-  k-norm (Qwen3) and RoPE at the true positions, and are written into the paged cache;
+  k-norm (Qwen3, Qwen3-Next) and RoPE (partial in Qwen3-Next) at the true positions, and are written into the
+  paged cache;
 - the full rows alone run layers S..L-1 (attention over every cached key up to their position, then the MLP);
+- a hybrid's late Gated DeltaNet layers (Qwen3-Next) run their mixer over every row of the step in position order,
+  filled rows bringing their predicted input, so the request's recurrent and conv states advance over all of them;
+  the full rows alone keep the mixer's output and run the MLP (`linear_layer`);
 - hidden states come back for full rows only (filled rows get zeros: vLLM samples only from a request's last
   scheduled token, and a chunk that ends on a filled row is not the prompt's last, so its sample is dropped).
 
@@ -33,6 +38,7 @@ from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_pa
 from vllm.model_executor.models.llama import LlamaForCausalLM
 from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
+from vllm.model_executor.models.qwen3_next import Qwen3NextForCausalLM
 
 from ridgefill.engine import Filler
 from ridgefill.engine.lookback import lookback_windows, window_states
@@ -74,7 +80,7 @@ class FillState:
     fill: FillSettings
     filler: Filler
     split: int
-    late: list[LateKV]  # layers S..L-1
+    late: list[LateKV | None]  # layers S..L-1 (None: a linear layer)
     counters: FillCounters  # what every step since loading did (the tally, and /metrics on rank 0)
     log: StepLog = field(default_factory=StepLog)  # requests whose prefill is under way
 
@@ -109,9 +115,13 @@ class RidgeFillMixin:
             raise RidgefillError(f"{fill.maps} holds maps for {meta['n_layers']} layers, the model has {len(layers)}")
         late = []
         for j, layer in enumerate(layers[filler.split:]):
+            if layer_kind(layer) != "attention":  # a linear layer: no K/V, its mixer runs over the filled rows
+                late.append(None)
+                continue
             attn = layer.self_attn
             qkv = attn.qkv_proj
-            rows = slice(attn.q_size, attn.q_size + 2 * attn.kv_size)
+            q_rows = attn.q_size * (2 if getattr(attn, "attn_output_gate", False) else 1)  # Qwen3-Next: + gate
+            rows = slice(q_rows, q_rows + 2 * attn.kv_size)
             bias = None if getattr(qkv, "bias", None) is None else qkv.bias[rows].detach().clone()
             scale = None if filler.key_scale is None else local_heads(filler.key_scale[j], attn)
             late.append(LateKV(linear(qkv.weight[rows].detach().clone(), bias), attn.kv_size, scale))
@@ -131,7 +141,7 @@ def filled_forward(model, state: FillState, batch, input_ids, positions, inputs_
     residual = None
     layers, s = model.layers, state.split
     for layer in layers[:s]:
-        h, residual = layer(positions, h, residual)
+        h, residual = layer(positions=positions, hidden_states=h, residual=residual)
     x = h if residual is None else h + residual  # [N, H] the split state
     norms = torch.linalg.vector_norm(x.float(), dim=-1).cpu()  # [N]
     outliers = outlier_tokens(norms, batch.request, batch.full, state.fill.outlier_factor)
@@ -142,26 +152,102 @@ def filled_forward(model, state: FillState, batch, input_ids, positions, inputs_
     batch.filled, batch.outliers, batch.unwindowed = ~full, outliers, unwindowed  # what the runner counts
     filled_cpu = torch.nonzero(~full).flatten()
     filled = filled_cpu.to(x.device)  # [nF]
+    late = None  # [L-S, nF, H] each late layer's predicted input for the filled rows (late[0]: x itself)
     if filled.numel():
         previous = None
         if state.filler.lookback:  # [1, nF, K·H] the split states of each filled row's window
             previous = window_states(x.unsqueeze(0), windows[filled_cpu].to(x.device))
-        late = state.filler.late_inputs(x[filled].unsqueeze(0), positions[filled], previous)  # [L-S, nF, H]
-        for j, layer in enumerate(layers[s:]):
-            write_filled_kv(layer, state.late[j], late[j], positions[filled], batch, filled)
+        late = state.filler.late_inputs(x[filled].unsqueeze(0), positions[filled], previous)
     out = torch.zeros_like(h)  # [N, H]
     seg = segments(full, batch.request, positions.cpu())
-    if seg.rows.numel() == 0:
-        return out
-    rows = seg.rows.to(x.device)
+    rows = seg.rows.to(x.device)  # [F] the full rows
     hf, pf = h[rows], positions[rows]
     rf = None if residual is None else residual[rows]
+    filled_rows = FilledRows(filled, positions[filled], late)
     with batch.attend(seg, pf):
-        for layer in layers[s:]:
-            hf, rf = layer(pf, hf, rf)
+        for j, layer in enumerate(layers[s:]):
+            kind = layer_kind(layer)
+            if kind == "attention":
+                if filled.numel():
+                    write_filled_kv(layer, state.late[j], late[j], filled_rows.positions, batch, filled)
+                if rows.numel():
+                    hf, rf = layer(positions=pf, hidden_states=hf, residual=rf)
+            else:  # linear: the mixer runs over every row of the step, so its recurrent and conv states see them all
+                hf, rf = linear_layer(layer, x, hf, rf, rows, filled_rows.inputs(j))
+    if rows.numel() == 0:
+        return out
     normed = model.norm(hf, rf)
     out[rows] = normed[0] if isinstance(normed, tuple) else normed
     return out
+
+
+@dataclass
+class FilledRows:
+    rows: torch.Tensor  # [nF] indices of the filled rows in the step
+    positions: torch.Tensor  # [nF]
+    late: torch.Tensor | None  # [L-S, nF, H] their predicted inputs (None: no filled row)
+
+    def inputs(self, j: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows, predicted input [nF, H]) of late layer S+j; None without filled rows."""
+        return None if self.late is None else (self.rows, self.late[j])
+
+
+def layer_kind(layer) -> str:
+    """"attention" (a layer with `self_attn`) or "linear" (a Gated DeltaNet layer with `linear_attn`)."""
+    if getattr(layer, "layer_type", "full_attention") == "linear_attention":
+        return "linear"
+    return "attention"
+
+
+def linear_layer(layer, x: torch.Tensor, hf: torch.Tensor, rf: torch.Tensor | None, rows: torch.Tensor,
+                 filled) -> tuple[torch.Tensor, torch.Tensor]:
+    """One late Gated DeltaNet layer (Qwen3-Next's decoder layer, its steps as vLLM's forward takes them): the
+    layer's input for every row of the step (full rows: their true input hf + rf; filled rows: the predicted
+    input; any other row, i.e. padding: the split state x [N, H]) goes through its input norm and mixer, so the
+    request's recurrent and conv states advance over every row in position order; the full rows alone keep the
+    mixer's output and run the MLP. Returns the full rows' (hidden, residual) [F, H] each."""
+    u = x.clone()  # [N, H]
+    if filled is not None:
+        u[filled[0]] = filled[1].to(u.dtype)
+    normed = layer.input_layernorm(u)  # [N, H]; the full rows' are replaced next
+    if rf is None:
+        full_in = hf
+        normed[rows] = layer.input_layernorm(hf)
+    else:  # the fused add-norm, as the stock layer runs it: the full rows' input and residual bit for bit
+        normed[rows], full_in = layer.input_layernorm(hf, rf)
+    mixed = mixer_rows(layer.linear_attn, normed, rows)  # [F, H]
+    if rows.numel() == 0:  # every row of the step filled: only the states moved
+        return hf, rf if rf is not None else full_in
+    if getattr(layer, "layer_scale", False):
+        mixed = mixed * (layer.attn_layer_scale.to(mixed.dtype)[0] + 1)
+    hf, rf = layer.post_attention_layernorm(mixed, full_in)
+    hf = layer.mlp(hf)
+    if getattr(layer, "layer_scale", False):
+        hf = hf * (layer.ffn_layer_scale.to(hf.dtype)[0] + 1)
+    return hf, rf
+
+
+def mixer_rows(attn, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """A Gated DeltaNet mixer over every row of the step (hidden [N, H], its state caches updated by all of them),
+    its output [F, H] for `rows` only. On a CPU the output gate's norm and out_proj run for those rows alone
+    (vLLM 0.32's forward_cpu, split before its output projection); elsewhere vLLM's own forward runs over every
+    row and the rows are taken from its output."""
+    if attn._forward_method.__name__ != "forward_cpu" or attn.gqa_interleaved_layout is False:
+        return attn(hidden)[rows]
+    from einops import rearrange
+    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import _encode_layer_name
+
+    mixed_qkvz, _ = attn.in_proj_qkvz(hidden)
+    ba, _ = attn.in_proj_ba(hidden)
+    query, key, value, z, b, a = attn.fix_query_key_value_ordering(mixed_qkvz, ba)
+    query, key, value = (rearrange(t, "l p d -> l (p d)") for t in (query, key, value))
+    core = torch.zeros((hidden.size(0), attn.num_v_heads // attn.tp_size, attn.head_v_dim), dtype=hidden.dtype,
+                       device=hidden.device)  # [N, Hv, Dv]
+    torch.ops.vllm.cpu_gdn_attention_core(torch.cat((query, key, value), dim=-1), b, a, core,
+                                          _encode_layer_name(attn.prefix))
+    if rows.numel() == 0:
+        return hidden[:0]
+    return attn._output_projection(core[rows], z[rows])
 
 
 def local_heads(per_head: torch.Tensor, attn) -> torch.Tensor:
@@ -205,3 +291,11 @@ class RidgeFillQwen3ForCausalLM(RidgeFillMixin, Qwen3ForCausalLM):
         super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
         self._ridgefill_setup(vllm_config)
 
+
+
+class RidgeFillQwen3NextForCausalLM(RidgeFillMixin, Qwen3NextForCausalLM):
+    """Qwen3-Next: Gated DeltaNet layers between gated full-attention layers, MoE MLPs (docs/hybrid.md)."""
+
+    def __init__(self, *, vllm_config, prefix: str = "", **kwargs):
+        super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
+        self._ridgefill_setup(vllm_config)

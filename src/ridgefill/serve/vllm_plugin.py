@@ -4,7 +4,7 @@ vLLM calls `register()` in every process it starts (API server, engine core, wor
 Unconfigured (RIDGEFILL_MAPS unset) it does nothing: vLLM runs exactly as stock. Configured, it
 1. refuses any vLLM other than the release it was written for (serve/vllm_config.VLLM_VERSION);
 2. makes vLLM use its V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0 unless set), the one the plugin hooks;
-3. registers RidgeFill's Llama / Qwen2 / Qwen3 classes (serve/vllm_model.py) for those architectures;
+3. registers RidgeFill's Llama / Qwen2 / Qwen3 / Qwen3-Next classes (serve/vllm_model.py) for those architectures;
 4. wraps the model runner's forward call so the model learns which tokens of each step are filled
    (serve/vllm_runner.py);
 5. makes prefix caching safe (serve/vllm_prefix.py): filled requests get a cache salt of their fill, and their

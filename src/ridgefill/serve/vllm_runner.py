@@ -15,6 +15,7 @@ FillBatch gives the model two things the stock layers cannot do:
 - `attend(segments, positions)`: for the late layers, swap the step's attention metadata and slot mappings for
   ones that describe only the full rows (built by each attention group's own metadata builder, with the block
   tables of the step's metadata), so that stock layer code runs attention for those rows over every cached key.
+  A hybrid model's Gated DeltaNet layers keep the step's own metadata: their mixer runs over every row.
 The model reports back which rows it filled (`FillBatch.filled`, `.outliers`, `.unwindowed`).
 
 Only V1's model runner is hooked: the plugin makes vLLM use it (serve/vllm_plugin.py) and refuses to start where
@@ -46,12 +47,15 @@ class FillBatch:
     filled: torch.Tensor | None = None
     outliers: torch.Tensor | None = None
     unwindowed: torch.Tensor | None = None
+    step_slots: dict | None = None  # the step's own slot mappings, while `attend` has swapped them
+
 
     def write_kv(self, attn, key: torch.Tensor, value: torch.Tensor, rows: torch.Tensor) -> None:
-        """key, value [n, kv_heads, head_dim] of the batch rows `rows` [n] -> attention layer `attn`'s cache."""
+        """key, value [n, kv_heads, head_dim] of the batch rows `rows` [n] -> attention layer `attn`'s cache (also
+        within `attend`: the rows index the step's batch)."""
         from vllm.forward_context import get_forward_context
 
-        slots = get_forward_context().slot_mapping[attn.layer_name][rows]
+        slots = (self.step_slots or get_forward_context().slot_mapping)[attn.layer_name][rows]
         attn.impl.do_kv_cache_update(attn, key, value, attn.kv_cache, slots)
 
     @contextmanager
@@ -60,10 +64,17 @@ class FillBatch:
         from vllm.forward_context import get_forward_context
         from vllm.v1.attention.backend import CommonAttentionMetadata
 
+        from vllm.v1.kv_cache_interface import AttentionSpec
+
         ctx = get_forward_context()
         stock_meta, stock_slots = ctx.attn_metadata, ctx.slot_mapping
+        if seg.n == 0:  # no full row: no attention layer runs (linear layers keep the step's own metadata)
+            yield
+            return
         meta, slots = dict(stock_meta), dict(stock_slots)
         for group in self.groups:
+            if not isinstance(group.kv_cache_spec, AttentionSpec):  # Gated DeltaNet layers run over every row
+                continue
             names = [n for n in group.layer_names if n in stock_meta]
             if not names:
                 continue
@@ -79,11 +90,11 @@ class FillBatch:
             built = group.get_metadata_builder().build(common_prefix_len=0, common_attn_metadata=common)
             for name in names:
                 meta[name], slots[name] = built, stock_slots[name][rows]
-        ctx.attn_metadata, ctx.slot_mapping = meta, slots
+        ctx.attn_metadata, ctx.slot_mapping, self.step_slots = meta, slots, stock_slots
         try:
             yield
         finally:
-            ctx.attn_metadata, ctx.slot_mapping = stock_meta, stock_slots
+            ctx.attn_metadata, ctx.slot_mapping, self.step_slots = stock_meta, stock_slots, None
 
 
 @dataclass
