@@ -317,26 +317,20 @@ def test_the_mean_control_is_served_as_ridgefills_engine_runs_it(vllm_tiny, engi
     assert_served_as_engine("llama mean control", worker, folder, means, maps, batch)
 
 
-@pytest.mark.parametrize("family", ("qwen3",))
+@pytest.mark.parametrize("family", FAMILIES)
 def test_filled_prefill_in_bf16_matches_ridgefills_engine_in_bf16(vllm_tiny, engines, family):
-    """bf16 inside vLLM (the fp32 tests above, in bf16): the filled engine against ridgefill's own engine in bf16 on
-    8 prompts. Tolerance: first-token top-5 log-probs within BF16_DENSE_TOL of the engine, at least 7 of 8 greedy
-    16-token continuations equal; the same comparison for exact prefill (stock vLLM in bf16 against the engine) is
-    printed beside it, and the fill must agree at least as often, less one."""
+    """bf16 inside vLLM (the fp32 tests above, in bf16), each dense family: the filled engine against ridgefill's own
+    engine in bf16 on 8 prompts: first-token top-5 log-probs within BF16_DENSE_TOL (bf16 rounding: stock vLLM's exact
+    prefill against the engine's differs by 0.084 on qwen3, measured) and at least 7 of 8 greedy 16-token
+    continuations equal."""
     folder, maps = vllm_tiny[family]
     batch = prompts(8, [200, 333, 90, 512], vocab_of(folder), seed=3)
-    bf16 = dict(dtype="bfloat16")
-    worker = engines.get(replace(filled(folder, maps), **bf16))
+    worker = engines.get(replace(filled(folder, maps), dtype="bfloat16"))
     got, counted = tally_delta(worker, lambda: worker.generate(batch, 16, logprobs=5))
     assert counted["filled_rows"] > 0
-    stock = engines.get(replace(settings(folder, plugin=False), **bf16)).generate(batch, 16, logprobs=5)
     tokens, first = reference(folder, maps, SERVED_TAIL, batch, 16, dtype="bf16")
-    exact_tokens, exact_first = reference(folder, None, SERVED_TAIL, batch, 16, dtype="bf16")
     gaps = [max_logprob_gap(c, f) for c, f in zip(got, first)]
     same = sum(c.tokens == t for c, t in zip(got, tokens))
-    exact_same = sum(c.tokens == t for c, t in zip(stock, exact_tokens))
-    exact_gap = max(max_logprob_gap(c, f) for c, f in zip(stock, exact_first))
-    print(f"{family} bf16 against ridgefill's engine: filled: first-token gap {max(gaps):.3g}, {same} of 8 "
-          f"continuations equal; exact (stock vLLM): {exact_gap:.3g}, {exact_same} of 8")
+    print(f"{family} bf16 against ridgefill's engine: first-token gap {max(gaps):.3g}, {same} of 8 continuations equal")
     assert max(gaps) < BF16_DENSE_TOL, gaps
-    assert same >= 7 and same >= exact_same - 1
+    assert same >= 7

@@ -163,17 +163,16 @@ def filled_forward(model, state: FillState, batch, input_ids, positions, inputs_
     rows = seg.rows.to(x.device)  # [F] the full rows
     hf, pf = h[rows], positions[rows]
     rf = None if residual is None else residual[rows]
-    filled_rows = FilledRows(filled, positions[filled], late)
     with batch.attend(seg, pf):
         for j, layer in enumerate(layers[s:]):
-            kind = layer_kind(layer)
-            if kind == "attention":
-                if filled.numel():
-                    write_filled_kv(layer, state.late[j], late[j], filled_rows.positions, batch, filled)
+            predicted = None if late is None else late[j]  # [nF, H]
+            if layer_kind(layer) == "attention":
+                if predicted is not None:
+                    write_filled_kv(layer, state.late[j], predicted, positions[filled], batch, filled)
                 if rows.numel():
                     hf, rf = layer(positions=pf, hidden_states=hf, residual=rf)
             else:  # linear: the mixer runs over every row of the step, so its recurrent and conv states see them all
-                hf, rf = linear_layer(layer, x, hf, rf, rows, filled_rows.inputs(j))
+                hf, rf = linear_layer(layer, x, hf, rf, rows, filled, predicted)
     if rows.numel() == 0:
         return out
     normed = model.norm(hf, rf)
@@ -181,34 +180,23 @@ def filled_forward(model, state: FillState, batch, input_ids, positions, inputs_
     return out
 
 
-@dataclass
-class FilledRows:
-    rows: torch.Tensor  # [nF] indices of the filled rows in the step
-    positions: torch.Tensor  # [nF]
-    late: torch.Tensor | None  # [L-S, nF, H] their predicted inputs (None: no filled row)
-
-    def inputs(self, j: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(rows, predicted input [nF, H]) of late layer S+j; None without filled rows."""
-        return None if self.late is None else (self.rows, self.late[j])
-
-
 def layer_kind(layer) -> str:
-    """"attention" (a layer with `self_attn`) or "linear" (a Gated DeltaNet layer with `linear_attn`)."""
+    """A decoder layer's kind: `attention` (it has `self_attn`) or `linear` (a Gated DeltaNet layer)."""
     if getattr(layer, "layer_type", "full_attention") == "linear_attention":
         return "linear"
     return "attention"
 
 
 def linear_layer(layer, x: torch.Tensor, hf: torch.Tensor, rf: torch.Tensor | None, rows: torch.Tensor,
-                 filled) -> tuple[torch.Tensor, torch.Tensor]:
+                 filled: torch.Tensor, predicted: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """One late Gated DeltaNet layer (Qwen3-Next's decoder layer, its steps as vLLM's forward takes them): the
-    layer's input for every row of the step (full rows: their true input hf + rf; filled rows: the predicted
-    input; any other row, i.e. padding: the split state x [N, H]) goes through its input norm and mixer, so the
-    request's recurrent and conv states advance over every row in position order; the full rows alone keep the
-    mixer's output and run the MLP. Returns the full rows' (hidden, residual) [F, H] each."""
+    layer's input for every row of the step (the full rows `rows`: their true input hf + rf [F, H]; the filled rows
+    `filled`: their predicted input [nF, H]; any other row, i.e. padding: the split state x [N, H]) goes through its
+    input norm and mixer, so the request's recurrent and conv states advance over every row in position order; the
+    full rows alone keep the mixer's output and run the MLP. Returns the full rows' (hidden, residual) [F, H] each."""
     u = x.clone()  # [N, H]
-    if filled is not None:
-        u[filled[0]] = filled[1].to(u.dtype)
+    if predicted is not None:
+        u[filled] = predicted.to(u.dtype)
     normed = layer.input_layernorm(u)  # [N, H]; the full rows' are replaced next
     if rf is None:
         full_in = hf
@@ -217,7 +205,7 @@ def linear_layer(layer, x: torch.Tensor, hf: torch.Tensor, rf: torch.Tensor | No
         normed[rows], full_in = layer.input_layernorm(hf, rf)
     mixed = mixer_rows(layer.linear_attn, normed, rows)  # [F, H]
     if rows.numel() == 0:  # every row of the step filled: only the states moved
-        return hf, rf if rf is not None else full_in
+        return hf, full_in
     if getattr(layer, "layer_scale", False):
         mixed = mixed * (layer.attn_layer_scale.to(mixed.dtype)[0] + 1)
     hf, rf = layer.post_attention_layernorm(mixed, full_in)
