@@ -111,6 +111,10 @@ def random_ids(n: int, batch: int = 1, seed: int = 1) -> torch.Tensor:
 
 
 from tiny_checkpoint import long_docs, tiny_checkpoint  # noqa: E402,F401  (fixtures: a tiny model, long text)
+# the vLLM tests' shared fixtures, registered here once: a session fixture imported into several test modules is a
+# fixture of each module, and was built once per module (the tiny checkpoints and their maps five times)
+from vllm_fixtures import (engines, smollm2_maps, vllm_hybrid, vllm_lookback, vllm_tiny,  # noqa: E402,F401
+                           vllm_tuned)
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +128,7 @@ def one_thread():
 
 
 # --- running in parallel (pytest-xdist: `make test` runs two workers) ----------------------------------------------
-# The tests that start vLLM engines, or use the session fixtures that fit maps for them (tests/serve/vllm_fixtures.py),
+# The tests that start vLLM engines, or use the session fixtures that fit maps for them (tests/vllm_fixtures.py),
 # all go to one worker (`--dist loadgroup`): each engine of the shared pool starts once, the fixtures are built once,
 # and no two vLLM engines (each binding its threads to every core) run at the same time; measured: two vLLM groups
 # side by side made the suite slower, not faster.
