@@ -42,7 +42,7 @@ demo: install
 # Two pytest workers (pytest-xdist); tests that share vLLM engines run on one of them (tests/conftest.py).
 TEST_WORKERS ?= 2
 test: install
-	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadgroup
+	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=25
 
 clean:
 	rm -rf $(VENV)

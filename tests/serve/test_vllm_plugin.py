@@ -317,9 +317,11 @@ def test_the_mean_control_is_served_as_ridgefills_engine_runs_it(vllm_tiny, engi
     assert_served_as_engine("llama mean control", worker, folder, means, maps, batch)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ("qwen2", "qwen3"))
 def test_filled_prefill_in_bf16_matches_ridgefills_engine_in_bf16(vllm_tiny, engines, family):
-    """bf16 inside vLLM (the fp32 tests above, in bf16), each dense family: the filled engine against ridgefill's own
+    """bf16 inside vLLM (the fp32 tests above, in bf16), the dense families whose K/V path covers the others'
+    (qwen2: K/V biases; qwen3: k-norm; llama's is qwen2's without the bias; it passed too, 2026-12-03, and runs here
+    no more to keep CI under 25 minutes): the filled engine against ridgefill's own
     engine in bf16 on 8 prompts: first-token top-5 log-probs within BF16_DENSE_TOL (bf16 rounding: stock vLLM's exact
     prefill against the engine's differs by 0.084 on qwen3, measured) and at least 7 of 8 greedy 16-token
     continuations equal."""
