@@ -34,7 +34,7 @@ from ridgefill.runtime.stats import ratio_of_medians
 from ridgefill.runtime.console import progress_bar
 from ridgefill.runtime.models import model_folder
 from ridgefill.method.fill import FillSettings
-from ridgefill.serve.vllm_config import check_hybrid_dtype, read_model_config
+from ridgefill.serve.vllm_config import check_engine_dtype
 from ridgefill.serve.vllm_engine import EngineSettings, VllmWorker, vllm_dtype
 
 KV_CACHE_GIB = 2
@@ -44,7 +44,7 @@ def bench_lengths(m, prompts: dict, add_flops, scratch: Path) -> tuple[list[dict
     """Every length's timings and speedups (FLOPs added by `add_flops(entry, plans, names, length)`), their
     intervals, and the engines' settings and fill tallies."""
     c = m.config
-    check_hybrid_dtype(read_model_config(model_folder(c.model)), c.dtype, not torch.cuda.is_available())
+    check_engine_dtype(model_folder(c.model), c.dtype)
     names = list(m.plans)
     fills = names[1:]
     longest = max(len(ids[0]) for ids, _ in prompts.values())

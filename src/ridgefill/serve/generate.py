@@ -132,13 +132,11 @@ def vllm_runs(c: GenerateConfig, session, ids: list[int], plan, exact: bool) -> 
     import tempfile
 
     from ridgefill.runtime.models import model_folder
-    import torch
-
-    from ridgefill.serve.vllm_config import check_hybrid_dtype, read_model_config
+    from ridgefill.serve.vllm_config import check_engine_dtype
     from ridgefill.serve.vllm_engine import EngineSettings, vllm_dtype
 
     folder = model_folder(c.model)
-    check_hybrid_dtype(read_model_config(folder), c.dtype, not torch.cuda.is_available())
+    check_engine_dtype(folder, c.dtype)
     base = dict(dtype=vllm_dtype(c.dtype), max_model_len=len(ids) + c.max_new_tokens)
     runs = {}
     if exact:

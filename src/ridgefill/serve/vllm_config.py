@@ -101,6 +101,13 @@ def check_hybrid_dtype(config: dict, dtype: str, cpu: bool) -> None:
                          f"only (vLLM's CPU Gated DeltaNet kernel), not {dtype}: pass --dtype bf16")
 
 
+def check_engine_dtype(model_folder: str | Path, dtype: str) -> None:
+    """check_hybrid_dtype for the checkpoint folder an engine will load, on this machine's device."""
+    import torch
+
+    check_hybrid_dtype(read_model_config(model_folder), dtype, not torch.cuda.is_available())
+
+
 PREFIX_CACHING_HYBRID = (
     "prefix caching is not supported with RidgeFill on a hybrid model (vLLM caches its Gated DeltaNet states per "
     "block, and the plugin's prefix-cache rules cover attention K/V only): pass --no-enable-prefix-caching "
@@ -125,6 +132,9 @@ REFUSED = (
      "unquantized checkpoint"),
     (lambda c: c.cache_config.kv_sharing_fast_prefill,
      "--kv-sharing-fast-prefill is not supported with RidgeFill (it skips layers for prompt rows itself): drop it"),
+    (lambda c: c.cache_config.enable_prefix_caching and is_hybrid(getattr(c.model_config.hf_config, "architectures",
+                                                                            None)),
+     PREFIX_CACHING_HYBRID),
     (lambda c: c.use_v2_model_runner,
      f"vLLM picked its Model Runner V2, which the RidgeFill plugin does not hook (it would serve stock vLLM): set "
      f"{V2_RUNNER}=0 and drop what needs V2 (watermarking, HiSparse)"),
@@ -134,11 +144,9 @@ REFUSED = (
 def check_engine_config(vllm_config, fill: FillSettings) -> None:
     """Refuse, with one line, an engine configuration the fill cannot run under (vLLM's VllmConfig; read only)."""
     model = vllm_config.model_config
-    architectures = list(getattr(model.hf_config, "architectures", None) or [])
-    check_architecture(architectures, getattr(model.hf_config, "model_type", None), model.model,
+    check_architecture(list(getattr(model.hf_config, "architectures", None) or []),
+                       getattr(model.hf_config, "model_type", None), model.model,
                        getattr(model.hf_text_config, "layer_types", None))
-    if is_hybrid(architectures) and vllm_config.cache_config.enable_prefix_caching:
-        raise RidgefillError(PREFIX_CACHING_HYBRID)
     for refused, reason in REFUSED:
         if refused(vllm_config):
             raise RidgefillError(reason)

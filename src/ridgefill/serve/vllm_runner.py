@@ -49,7 +49,6 @@ class FillBatch:
     unwindowed: torch.Tensor | None = None
     step_slots: dict | None = None  # the step's own slot mappings, while `attend` has swapped them
 
-
     def write_kv(self, attn, key: torch.Tensor, value: torch.Tensor, rows: torch.Tensor) -> None:
         """key, value [n, kv_heads, head_dim] of the batch rows `rows` [n] -> attention layer `attn`'s cache (also
         within `attend`: the rows index the step's batch)."""
@@ -63,7 +62,6 @@ class FillBatch:
         """Within: attention layers see a batch of only the full rows `seg.rows` (at `positions` [F])."""
         from vllm.forward_context import get_forward_context
         from vllm.v1.attention.backend import CommonAttentionMetadata
-
         from vllm.v1.kv_cache_interface import AttentionSpec
 
         ctx = get_forward_context()
