@@ -469,14 +469,26 @@ BAD = [  # (id, model, maps, more arguments, the error names)
 
 @pytest.mark.parametrize("model,maps,args,match", [pytest.param(*case[1:], id=case[0]) for case in BAD])
 def test_a_bad_configuration_is_one_line_and_exit_2_without_starting_vllm(model, maps, args, match, vllm_tiny,
-                                                                         tmp_path):
+                                                                         vllm_ok, tmp_path, monkeypatch, capfd):
+    """In process, through the console entry point (a launch would be recorded, and fail the test)."""
     cwd = tmp_path / "cwd"
     cwd.mkdir()
-    r = subprocess.run([*RIDGEFILL, "serve", "--model", str(model(tmp_path, vllm_tiny)), "--maps",
-                        str(maps(tmp_path, vllm_tiny)), "--port", str(free_port()), *args],
-                       capture_output=True, text=True, timeout=300, cwd=cwd)
+    monkeypatch.chdir(cwd)
+    code, err = main(monkeypatch, capfd, "serve", "--model", model(tmp_path, vllm_tiny), "--maps",
+                     maps(tmp_path, vllm_tiny), "--port", free_port(), *args)
+    assert code == 2 and "argv" not in vllm_ok, err
+    assert err.count("\n") == 1 and err.startswith("error: ") and match in err, err
+    assert "Traceback" not in err and not any(cwd.iterdir())
+
+
+def test_a_bad_configuration_in_a_real_process_is_one_line_and_exit_2(vllm_tiny, tmp_path):
+    """The same through `python -m ridgefill` (one case: each process pays ridgefill's imports)."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    r = subprocess.run([*RIDGEFILL, "serve", "--model", str(vllm_tiny["qwen2"][0]), "--maps", str(vllm_tiny["llama"][1]),
+                        "--port", str(free_port())], capture_output=True, text=True, timeout=300, cwd=cwd)
     assert r.returncode == 2, r.stderr
-    assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: ") and match in r.stderr, r.stderr
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: ") and "fitted for another model" in r.stderr
     assert "Traceback" not in r.stderr and not any(cwd.iterdir())
 
 

@@ -135,6 +135,8 @@ def plan_step(runner, positions: torch.Tensor, served_tail: int, served_keep: in
     """The step the runner is about to run, or None when it holds no prompt token (decode only)."""
     batch = runner.input_batch
     n_reqs = batch.num_reqs
+    if not (batch.num_computed_tokens_cpu[:n_reqs] < batch.num_prompt_tokens[:n_reqs]).any():
+        return None  # every request has its prompt computed: a decode step (numpy over [R], no tensor work)
     query_start = torch.from_numpy(runner.query_start_loc.np[: n_reqs + 1].astype("int64"))
     request = token_requests(query_start, positions.shape[0])
     prompt = torch.from_numpy(batch.num_prompt_tokens[:n_reqs].astype("int64"))
