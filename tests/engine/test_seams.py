@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from conftest import random_ids, tiny_hybrid_model, tiny_model
-from ridgefill.engine import Engine, FillPlan, IdentityFiller, MapFiller, OracleFiller, Stopwatch, adapter_for
+from ridgefill.engine import (Engine, FillPlan, IdentityFiller, MapFiller, OracleFiller, Stopwatch, adapter_for,
+                              late_inputs_by_layer)
 from ridgefill.engine.projection import FillProjection
 
 TOL = 1e-5
@@ -38,6 +39,45 @@ def test_late_inputs_are_x_then_the_predictions(name):
     assert torch.equal(y[0], x.reshape(6, H))
     predicted = filler.predict(x, positions)  # [B, n, L-S-1, H]
     assert (y[1:] - predicted.permute(2, 0, 1, 3).reshape(L - S - 1, 6, H)).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("name", ["identity", "full", "rank-1", "oracle"])
+def test_late_inputs_by_layer_are_late_inputs_with_or_without_prepared_gemms(name):
+    """The serving engine's order (x, then each map as it is asked for) gives late_inputs' rows, whether or not the
+    full-rank maps run through prepared per-layer GEMMs (use_gemm; low-rank maps keep their products)."""
+    filler = tiny_fillers()[name]
+    x, positions = torch.randn(2, 3, H, generator=torch.Generator().manual_seed(2)), torch.tensor([1, 4, 6])
+    want = filler.late_inputs(x, positions)  # [L-S, B*n, H]
+    if isinstance(filler, MapFiller):
+        filler.use_gemm(lambda w, b: (lambda f: torch.nn.functional.linear(f, w, b)))
+    got = list(late_inputs_by_layer(filler, x, positions))
+    assert len(got) == L - S and all(g.shape == (6, H) for g in got)
+    assert torch.equal(got[0], x.reshape(6, H))
+    assert max((g - w).abs().max() for g, w in zip(got, want)) <= TOL
+    if isinstance(filler, MapFiller):  # the prepared path agrees in late_inputs too
+        assert (filler.late_inputs(x, positions) - want).abs().max() <= TOL
+
+
+def test_prepared_maps_run_one_layer_at_a_time():
+    """With prepared GEMMs, map j runs only when layer S+1+j's input is asked for: a filled step never holds every
+    late layer's input at once."""
+    filler, calls = tiny_fillers()["full"], []
+
+    def make(w, b):
+        def gemm(f):
+            calls.append(len(calls))
+            return torch.nn.functional.linear(f, w, b)
+        return gemm
+
+    filler.use_gemm(make)
+    stream = late_inputs_by_layer(filler, torch.randn(1, 5, H), torch.arange(5))
+    next(stream)  # x itself: no map has run
+    assert calls == []
+    next(stream)
+    assert calls == [0]
+    next(stream)
+    assert calls == [0, 1]
+    assert next(stream, None) is None
 
 
 def test_identity_late_inputs_are_a_view_of_x():

@@ -28,6 +28,7 @@ from ridgefill import cli
 from ridgefill.errors import RidgefillError
 from ridgefill.serve import serve
 from ridgefill.serve.vllm_config import ENV, VLLM_VERSION
+from ridgefill.serve.vllm_malloc import TUNABLES
 from tiny_checkpoint import write_corpus
 from vllm_fixtures import prompts, reference, vocab_of
 
@@ -80,7 +81,8 @@ def main(monkeypatch, capfd, *args) -> tuple[int, str]:
 def test_serve_runs_the_vllm_server_with_the_fill_and_hands_on_undeclared_options(
         tiny_checkpoint, fitted, vllm_ok, monkeypatch, capfd):
     monkeypatch.setattr(serve, "on_cpu", lambda: True)
-    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    for name in ("VLLM_CPU_KVCACHE_SPACE", "GLIBC_TUNABLES", "LD_PRELOAD"):
+        monkeypatch.delenv(name, raising=False)
     code, err = main(monkeypatch, capfd, "serve", "--model", tiny_checkpoint, "--maps", fitted, "--tail", 16,
                      "--max-model-len", 256, "-tp", 1, "--max_num_seqs=4", "--port", 8123, "--seed", 3,
                      "--no-enable-log-requests", "--concurrency", 3)
@@ -98,6 +100,9 @@ def test_serve_runs_the_vllm_server_with_the_fill_and_hands_on_undeclared_option
     assert env[ENV["maps_sha256"]] == hashlib.sha256(fitted.read_bytes()).hexdigest()
     assert env["VLLM_USE_V2_MODEL_RUNNER"] == "0" and env["PROMETHEUS_MULTIPROC_DIR"]
     assert env["PATH"] == os.environ["PATH"]  # the rest of the environment is inherited
+    assert env["GLIBC_TUNABLES"] == TUNABLES  # vLLM's processes keep freed memory (serve/vllm_malloc.py)
+    launched = serve.Launch(vllm_ok["argv"], env, vllm_ok["health"], vllm_ok["banner"], Path("serve.log"))
+    assert serve.stock_plan(launched, Path("stock.log")).env["GLIBC_TUNABLES"] == TUNABLES  # bench-serve's stock
     assert vllm_ok["banner"].startswith("ridgefill serve: ") and "split 3 of 6 layers" in vllm_ok["banner"]
     assert "KV cache 0.00 GiB: 3 requests of 256 tokens" in vllm_ok["banner"]
     assert vllm_ok["health"] == "http://127.0.0.1:8123/health"

@@ -3,7 +3,7 @@
 from ridgefill.engine.cache import AttentionCache, Cache, StateCache
 from ridgefill.engine.families import Adapter, HybridAdapter, adapter_for, supported_families
 from ridgefill.engine.fillers import (DropFiller, Filler, IdentityFiller, MapFiller, MeanFiller, OracleFiller,
-                                      maps_flops)
+                                      late_inputs_by_layer, maps_flops)
 from ridgefill.engine.prefill import Engine, FillPlan, PrefillResult
 from ridgefill.engine.projection import BACKENDS
 from ridgefill.engine.shape import ModelShape
@@ -12,7 +12,7 @@ from ridgefill.engine.window import FilledWindow, parse_layers
 
 __all__ = [
     "Adapter", "adapter_for", "supported_families", "AttentionCache", "Cache", "StateCache", "DropFiller", "Filler",
-    "IdentityFiller", "MeanFiller", "MapFiller", "OracleFiller", "maps_flops", "Engine", "FillPlan", "PrefillResult",
+    "IdentityFiller", "MeanFiller", "MapFiller", "OracleFiller", "late_inputs_by_layer", "maps_flops", "Engine", "FillPlan", "PrefillResult",
     "HybridAdapter",
     "BACKENDS", "ModelShape", "Stopwatch", "FilledWindow", "parse_layers",
 ]

@@ -16,7 +16,7 @@ filled row whose window it cannot give.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Iterator, Protocol
 
 import torch
 
@@ -59,6 +59,15 @@ def maps_flops(hidden: int, maps: int, rank: int | None = None, lookback: int = 
     outputs: f·W at full rank, f·U then z·V at rank r."""
     f = hidden * (lookback + 1)
     return maps * (2 * f * hidden if rank is None else 2 * rank * (f + hidden))
+
+
+def late_inputs_by_layer(filler: Filler, x: torch.Tensor, positions: torch.Tensor,
+                         previous: torch.Tensor | None = None) -> Iterator[torch.Tensor]:
+    """Each late layer's input [B·n, H], in layer order S..L-1 (x first), one at a time: a MapFiller computes each
+    when asked (MapFiller.layer_inputs); any other filler yields the rows of its late_inputs."""
+    if isinstance(filler, MapFiller):
+        return filler.layer_inputs(x, positions, previous)
+    return iter(filler.late_inputs(x, positions, previous))
 
 
 def _n_maps(filler) -> int:
@@ -196,16 +205,33 @@ class MapFiller:
             raise ValueError(f"map inputs of width {features} are not a whole number of {hidden}-wide split states")
         self.lookback = features // hidden - 1
         self.lookback_start = lookback_start
-        self._gemm = None  # use_gemm: the full-rank maps as one prepared GEMM, f [R, F] -> [R, (L-S-1)*H] + biases
+        self._gemms = None  # use_gemm: one prepared GEMM per full-rank map, f [R, F] -> f·W_l + b_l [R, H]
 
     def use_gemm(self, make) -> None:
-        """Apply full-rank maps through `make(weight [(L-S-1)*H, F], bias [(L-S-1)*H])`, a callable x [R, F] ->
-        x·weightᵀ + bias (e.g. a serving engine's prepacked GEMM); low-rank maps keep their two products."""
+        """Apply full-rank maps one per layer through `make(weight [H, F], bias [H])`, a callable x [R, F] ->
+        x·weightᵀ + bias (e.g. a serving engine's prepacked GEMM), when `layer_inputs` asks for each; low-rank maps
+        keep their two products."""
         if self._stacked is not None and _n_maps(self):
-            self._gemm = make(self._stacked.t().contiguous(), self._biases.reshape(-1).contiguous())
+            h = self._biases.shape[-1]
+            self._gemms = [make(self._stacked[:, j * h:(j + 1) * h].t().contiguous(), self._biases[j].contiguous())
+                           for j in range(_n_maps(self))]
+
+    def layer_inputs(self, x: torch.Tensor, positions: torch.Tensor,
+                     previous: torch.Tensor | None = None) -> Iterator[torch.Tensor]:
+        """late_inputs one layer at a time, x first: with use_gemm's per-layer GEMMs each [B·n, H] is computed only
+        when the next is asked for, so nothing of size [L-S, B·n, H] is allocated (a serving engine's filled step
+        writes each layer's K/V from it and drops it); otherwise the rows of late_inputs."""
+        if self._gemms is None:
+            yield from self.late_inputs(x, positions, previous)
+            return
+        b, n, h = x.shape
+        yield x.reshape(b * n, h)
+        f = self._inputs(x, previous)  # [B·n, F]
+        for gemm in self._gemms:
+            yield gemm(f)
 
     def _tensors(self) -> dict[str, torch.Tensor]:
-        names = ("_stacked", "_stacked_u", "_v", "_biases", "key_scale")  # _gemm's prepared weights are its own
+        names = ("_stacked", "_stacked_u", "_v", "_biases", "key_scale")  # _gemms' prepared weights are their own
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
     def to(self, device: torch.device, dtype: torch.dtype) -> "MapFiller":
@@ -254,8 +280,9 @@ class MapFiller:
             return out
         h = flat.shape[1]
         f = self._inputs(x, previous)  # [R, F]
-        if self._gemm is not None:
-            out[1:] = self._gemm(f).view(flat.shape[0], m, h).transpose(0, 1)  # [R, m*H] -> layer-major, biases in
+        if self._gemms is not None:
+            for j, gemm in enumerate(self._gemms):
+                out[1 + j] = gemm(f)
             return out
         if self._v is None:
             weights = self._stacked.view(f.shape[1], m, h).transpose(0, 1)  # [m, F, H], a view: block j is map j

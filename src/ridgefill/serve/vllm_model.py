@@ -40,7 +40,7 @@ from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 from vllm.model_executor.models.qwen3_next import Qwen3NextForCausalLM
 
-from ridgefill.engine import Filler
+from ridgefill.engine import Filler, late_inputs_by_layer
 from ridgefill.engine.lookback import lookback_windows, window_states
 from ridgefill.errors import RidgefillError
 from ridgefill.method.maps import load_filler
@@ -125,7 +125,7 @@ class RidgeFillMixin:
             bias = None if getattr(qkv, "bias", None) is None else qkv.bias[rows].detach().clone()
             scale = None if filler.key_scale is None else local_heads(filler.key_scale[j], attn)
             late.append(LateKV(linear(qkv.weight[rows].detach().clone(), bias), attn.kv_size, scale))
-        if hasattr(filler, "use_gemm"):  # the maps as vLLM runs a linear layer (prepacked on a CPU)
+        if hasattr(filler, "use_gemm"):  # each map as vLLM runs a linear layer (prepacked on a CPU), layer by layer
             filler.use_gemm(linear)
         return FillState(fill, filler, filler.split, late, FillCounters(publish=get_tensor_model_parallel_rank() == 0))
 
@@ -152,12 +152,12 @@ def filled_forward(model, state: FillState, batch, input_ids, positions, inputs_
     batch.filled, batch.outliers, batch.unwindowed = ~full, outliers, unwindowed  # what the runner counts
     filled_cpu = torch.nonzero(~full).flatten()
     filled = filled_cpu.to(x.device)  # [nF]
-    late = None  # [L-S, nF, H] each late layer's predicted input for the filled rows (late[0]: x itself)
+    late = None  # each late layer's predicted input for the filled rows [nF, H] in turn (x itself first)
     if filled.numel():
         previous = None
         if state.filler.lookback:  # [1, nF, K·H] the split states of each filled row's window
             previous = window_states(x.unsqueeze(0), windows[filled_cpu].to(x.device))
-        late = state.filler.late_inputs(x[filled].unsqueeze(0), positions[filled], previous)
+        late = late_inputs_by_layer(state.filler, x[filled].unsqueeze(0), positions[filled], previous)
     out = torch.zeros_like(h)  # [N, H]
     seg = segments(full, batch.request, positions.cpu())
     rows = seg.rows.to(x.device)  # [F] the full rows
@@ -165,7 +165,7 @@ def filled_forward(model, state: FillState, batch, input_ids, positions, inputs_
     rf = None if residual is None else residual[rows]
     with batch.attend(seg, pf):
         for j, layer in enumerate(layers[s:]):
-            predicted = None if late is None else late[j]  # [nF, H]
+            predicted = None if late is None else next(late)  # [nF, H]
             if layer_kind(layer) == "attention":
                 if predicted is not None:
                     write_filled_kv(layer, state.late[j], predicted, positions[filled], batch, filled)
