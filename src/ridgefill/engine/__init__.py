@@ -12,7 +12,7 @@ from ridgefill.engine.window import FilledWindow, parse_layers
 
 __all__ = [
     "Adapter", "adapter_for", "supported_families", "AttentionCache", "Cache", "StateCache", "DropFiller", "Filler",
-    "IdentityFiller", "MeanFiller", "MapFiller", "OracleFiller", "late_inputs_by_layer", "maps_flops", "Engine", "FillPlan", "PrefillResult",
-    "HybridAdapter",
+    "IdentityFiller", "MeanFiller", "MapFiller", "OracleFiller", "late_inputs_by_layer", "maps_flops", "Engine",
+    "FillPlan", "PrefillResult", "HybridAdapter",
     "BACKENDS", "ModelShape", "Stopwatch", "FilledWindow", "parse_layers",
 ]
