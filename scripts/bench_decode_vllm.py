@@ -11,6 +11,7 @@ Prints per-round times and the plugin/stock tokens-per-second ratio of medians w
 import argparse
 import json
 import random
+import statistics
 import time
 from pathlib import Path
 
@@ -56,7 +57,7 @@ def main() -> None:
     ratio = ratio_of_medians(times["stock"], times["plugin"])  # plugin tokens/s over stock's
     tokens = a.batch * a.tokens
     doc = {"rounds": a.rounds, "batch": a.batch, "prompt_tokens": a.prompt, "generated_tokens": a.tokens,
-           "times_s": times, "tokens_per_s": {n: tokens / sorted(t)[len(t) // 2] for n, t in times.items()},
+           "times_s": times, "tokens_per_s": {n: tokens / statistics.median(t) for n, t in times.items()},
            "plugin_over_stock": ratio.to_dict(), "plugin_tally": tally}
     print(f"decode tokens/s, plugin / stock (median of {a.rounds}): {ratio.estimate:.3f} "
           f"[{ratio.low:.3f}, {ratio.high:.3f}]; filled rows {tally.get('filled_rows')}")
