@@ -20,17 +20,19 @@ pytest.importorskip("vllm")
 
 MAX_LEN = 2048
 NEW = 160  # tokens generated per request in test 3 (long enough that running requests outgrow the KV budget)
+STEPPED_MAX_LEN = 1536  # test 3's engine: its longest request is 1,200 + 160 tokens
 TAIL = 24
 SHORT_TAIL = 4  # test 2: the last rows see the filled rows' K/V and states closely (with 24 the states forget them)
 FILL_DOMINATED_TOL = 0.45  # nats, at tail 4 (measured 0.39 on one prompt, 0.05-0.17 on the others)
 BF16_LOGPROB_TOL = 0.35  # nats, first token's top-5 (bf16: engine vs itself in fp32 0.28, vLLM vs engine 0.29)
 
 
-def settings(folder, fill: FillSettings | None = None, plugin: bool = True, **engine_args) -> EngineSettings:
+def settings(folder, fill: FillSettings | None = None, plugin: bool = True, max_model_len: int = MAX_LEN,
+             **engine_args) -> EngineSettings:
     """An engine as `ridgefill serve` runs a hybrid: bf16, prefix caching off (vllm_config.PREFIX_CACHING_HYBRID);
     eager (compiling costs minutes here)."""
-    return EngineSettings(str(folder), fill, plugin=plugin, dtype="bfloat16", max_model_len=MAX_LEN, kv_cache_gib=1,
-                          compiled=False, engine_args=engine_args)
+    return EngineSettings(str(folder), fill, plugin=plugin, dtype="bfloat16", max_model_len=max_model_len,
+                          kv_cache_gib=1, compiled=False, engine_args=engine_args)
 
 
 def filled(folder, maps) -> EngineSettings:
@@ -39,10 +41,12 @@ def filled(folder, maps) -> EngineSettings:
 
 def stepped(folder, maps) -> EngineSettings:
     """The fill over 128-token steps (chunked prefill beside other requests' decode steps), 8
-    requests at once, KV blocks for one 2,048-token request (16: vLLM needs two per 256 tokens here; a long batch
-    gets preempted and recomputed)."""
-    return settings(folder, FillSettings("ridge", maps=maps, tail=TAIL), max_num_batched_tokens=128,
-                    enable_chunked_prefill=True, max_num_seqs=8, num_gpu_blocks_override=16)
+    requests at once, KV blocks for one request of the longest length test 3 needs (1,536 tokens: 12 attention
+    blocks of 128 tokens, one state block for each of the 3 Gated DeltaNet groups, and the null block vLLM 0.32
+    holds back = 16; its start-up check refuses fewer); a long batch gets preempted and recomputed."""
+    return settings(folder, FillSettings("ridge", maps=maps, tail=TAIL), max_model_len=STEPPED_MAX_LEN,
+                    max_num_batched_tokens=128, enable_chunked_prefill=True, max_num_seqs=8,
+                    num_gpu_blocks_override=16)
 
 
 def first_gap(completion, first) -> float:
