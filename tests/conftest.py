@@ -128,18 +128,45 @@ def one_thread():
 
 
 # --- running in parallel (pytest-xdist: `make test` runs two workers) ----------------------------------------------
-# The tests that start vLLM engines, or use the session fixtures that fit maps for them (tests/vllm_fixtures.py),
-# all go to one worker (`--dist loadgroup`): each engine of the shared pool starts once, the fixtures are built once,
-# and no two vLLM engines (each binding its threads to every core) run at the same time; measured: two vLLM groups
-# side by side made the suite slower, not faster.
+# The tests that start vLLM engines, or use the session fixtures that fit maps for them (tests/vllm_fixtures.py), go
+# to two groups (`--dist loadgroup`), each on one worker: the engine-pool tests (the pool's engines start once) and
+# the tests that start `ridgefill serve` / bench-serve servers as processes. vLLM's CPU worker binds its threads to
+# one core by default (x86: the last logical CPU of the node), so two engines side by side shared one core and ran
+# slower than one group alone (measured); each xdist worker's engines and servers get cores of their own instead
+# (vllm_cores). The session
+# fixtures are built once per worker that uses them. Measured on 2 cores (a fresh clone, cold compile cache): one
+# vLLM group 24 min 41 s of pytest; two groups, one core each: see CHANGELOG.
 VLLM_FIXTURES = {"vllm_tiny", "vllm_lookback", "vllm_hybrid", "smollm2_maps", "engines", "vllm_tuned"}
+SERVER_MODULES = ("test_serve.py", "test_bench_serve.py")  # the "vllm-serve" group; the others are "vllm"
+
+
+def vllm_cores(worker: str, workers: int, cpus: list[int]) -> str | None:
+    """VLLM_CPU_OMP_THREADS_BIND for xdist worker `worker` ("gw0", ...) of `workers`: its contiguous share of `cpus`
+    ("0", "2,3"), or None when there are fewer cores than workers (vLLM's own binding then)."""
+    if workers < 2 or len(cpus) < workers:
+        return None
+    index = int(worker.removeprefix("gw"))
+    share = cpus[index * len(cpus) // workers:(index + 1) * len(cpus) // workers]
+    return ",".join(map(str, share))
+
+
+def pytest_configure(config):
+    """In an xdist worker, vLLM engines and servers started from it bind to that worker's cores (unless the
+    environment already says how: an operator's VLLM_CPU_OMP_THREADS_BIND wins)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is None or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return
+    cores = vllm_cores(worker, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), sorted(os.sched_getaffinity(0)))
+    if cores is not None:
+        os.environ.update(VLLM_CPU_OMP_THREADS_BIND=cores, VLLM_CPU_NUM_OF_RESERVED_CPU="0")
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the marks (it names the groups from them)
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if VLLM_FIXTURES & set(getattr(item, "fixturenames", ())):
-            item.add_marker(pytest.mark.xdist_group("vllm"))
+            group = "vllm-serve" if item.path.name in SERVER_MODULES else "vllm"
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 def pytest_collection_finish(session):
