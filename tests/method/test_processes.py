@@ -29,7 +29,7 @@ TIMEOUT = 300
 @pytest.fixture(scope="module")
 def calibrate_args(tiny_checkpoint, long_docs) -> list[str]:
     return ["calibrate", "--model", str(tiny_checkpoint), "--data", str(long_docs), "--split", "2,3",
-            "--seq-len", "32", "--tokens", "16000", "--holdout", "0.2", "--checkpoint-seconds", "0"]
+            "--seq-len", "32", "--tokens", "6400", "--holdout", "0.2", "--checkpoint-seconds", "0"]
 
 
 def cli(*args, env=ONE_THREAD) -> subprocess.CompletedProcess:
