@@ -20,6 +20,7 @@ pytest.importorskip("vllm")
 
 MAX_LEN = 2048
 NEW = 160  # tokens generated per request in test 3 (long enough that running requests outgrow the KV budget)
+HELD = 16  # test 3: the tokens of each batched request checked against the same request run alone
 STEPPED_MAX_LEN = 1536  # test 3's engine: its longest request is 1,200 + 160 tokens
 TAIL = 24
 SHORT_TAIL = 4  # test 2: the last rows see the filled rows' K/V and states closely (with 24 the states forget them)
@@ -124,27 +125,27 @@ def test_hybrid_filled_prefill_matches_ridgefills_engine_in_bf16(vllm_hybrid, en
 def test_hybrid_chunked_batched_and_preempted_requests(vllm_hybrid, engines):
     """Test 3: the fill over 128-token steps (the states carried from step to step) gives exactly what one
     unchunked prefill gives. 8 concurrent mixed requests (some shorter than the tail, one with its own tail) in
-    128-token steps with KV blocks for one 2,048-token request, 160 new tokens each (vLLM preempts and recomputes
+    128-token steps with KV blocks for one 1,536-token request, 160 new tokens each (vLLM preempts and recomputes
     some): stock vLLM itself is not batch-invariant on this model in bf16 (measured on these requests: 6 of 8
     decode the same 160 tokens batched as alone, the others part at tokens 39 and 45; with the fill 4 of 8, parting
     at tokens 8, 22, 110 and 116), so every request's first token and its log-probs must be as alone (within
-    BF16_LOGPROB_TOL) and its first 4 tokens equal; the counts are printed. Alone, each request runs 16 tokens
+    BF16_LOGPROB_TOL) and its first 4 tokens equal; the counts are printed. Alone, each request runs HELD = 16 tokens
     (what the batch is held to; the 160 are what makes the batch outgrow its KV blocks)."""
     folder, maps = vllm_hybrid
     batch = prompts(8, [900, 20, 800, 48, 1000, 33, 700, 1200], vocab_of(folder), seed=5)
     tails = [None] * 7 + [100]
     whole = engines.get(filled(folder, maps))
-    want = [whole.generate([p], 16, logprobs=1, tails=[t])[0] for p, t in zip(batch, tails)]
+    want = [whole.generate([p], HELD, logprobs=1, tails=[t])[0] for p, t in zip(batch, tails)]
     worker = engines.get(stepped(folder, maps))
-    alone = [worker.generate([p], 16, logprobs=1, tails=[t])[0] for p, t in zip(batch, tails)]
+    alone = [worker.generate([p], HELD, logprobs=1, tails=[t])[0] for p, t in zip(batch, tails)]
     assert [c.tokens for c in alone] == [c.tokens for c in want]
-    assert max_gap(alone, want) < BF16_LOGPROB_TOL  # over the first 16 tokens (zip stops there)
+    assert max_gap(alone, want) < BF16_LOGPROB_TOL  # over the first HELD tokens (zip stops there)
     together = worker.generate(batch, NEW, logprobs=1, tails=tails)
     preempted = sum(c.preemptions for c in together)
     first = max(abs(a.logprobs[0] - b.logprobs[0]) for a, b in zip(together, alone))
     print(f"qwen3_next bf16: chunked vs whole max log-prob gap {max_gap(alone, want):.3g}; batched vs alone: "
-          f"{preempted} preemptions, first-token gap {first:.3g}, first differing token of 16 per request (-1: none) "
-          f"{[diverge(a, b) for a, b in zip(together, alone)]}")
+          f"{preempted} preemptions, first-token gap {first:.3g}, first differing token of {HELD} per request "
+          f"(-1: none) {[diverge(a, b) for a, b in zip(together, alone)]}")
     assert preempted > 0, "the KV budget did not force a preemption"
     assert [c.tokens[0] for c in together] == [c.tokens[0] for c in alone] and first < BF16_LOGPROB_TOL
     assert agree(together, [c.tokens for c in alone], 4) == 8  # a wrong fill of the prefill shows from the start
