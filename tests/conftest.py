@@ -133,8 +133,9 @@ def one_thread():
 # the tests that start `ridgefill serve` / bench-serve servers as processes. vLLM's automatic CPU binding is
 # deterministic (here: 2 cores, one kept for its scheduler), so two engines side by side got the same core and ran
 # slower than one group alone (measured); each xdist worker's engines and servers get cores of their own instead
-# (vllm_cores). The session fixtures are built once per worker that uses them. Measured on 2 cores (a fresh clone, cold compile cache): one
-# vLLM group 24 min 41 s of pytest; two groups, one core each, 21 min 49 s.
+# (vllm_cores). The session fixtures are built once per worker that uses them. Measured on 2 cores (a fresh clone,
+# cold compile cache): one vLLM group 24 min 41 s of pytest; two groups, one core each, 21 min 49 s; the same after
+# three tests were trimmed (CHANGELOG), 15 min 39 s.
 VLLM_FIXTURES = {"vllm_tiny", "vllm_lookback", "vllm_hybrid", "smollm2_maps", "engines", "vllm_tuned"}
 SERVER_MODULES = ("test_serve.py", "test_bench_serve.py")  # the "vllm-serve" group; the others are "vllm"
 
