@@ -17,9 +17,11 @@ import pytest
 
 from ridgefill.cli import main
 from ridgefill.errors import RidgefillError
-from ridgefill.pipeline import tune
 from ridgefill.pipeline.tune import COMMAND as tune_command
-from ridgefill.pipeline.tune import PASS, best_choice, candidate_splits, verdict
+from ridgefill.pipeline.tune import sweep as sweeping
+from ridgefill.pipeline.tune.options import candidate_splits, parse_windows, window_of
+from ridgefill.pipeline.tune.verdict import MIN_DISTANT_TOKENS, PASS, best_choice, distant_warning, verdict
+from ridgefill.pipeline.tune.windows import WindowRun, best_window
 from ridgefill.report.frontier import Point
 from tiny_checkpoint import write_corpus
 
@@ -60,12 +62,12 @@ def loss_result(counts: list[int]):
 
 
 def test_too_few_distant_tokens_are_called_a_rough_screen():
-    warning = tune.distant_warning([loss_result([0, 4, 0, 12, 1, 0])])
+    warning = distant_warning([loss_result([0, 4, 0, 12, 1, 0])])
     assert warning.startswith("tune: the NLL check rests on 17 distant-context tokens in 3 of 6 passages")
-    assert f"fewer than {tune.MIN_DISTANT_TOKENS} cannot separate fills" in warning and "--nll-tail" in warning
-    assert "judged on the tail NLL" in tune.distant_warning([loss_result([0, 0])])
-    assert tune.distant_warning([loss_result([150, 150])]) is None  # enough to judge
-    assert tune.distant_warning([]) is None  # no loss measured
+    assert f"fewer than {MIN_DISTANT_TOKENS} cannot separate fills" in warning and "--nll-tail" in warning
+    assert "judged on the tail NLL" in distant_warning([loss_result([0, 0])])
+    assert distant_warning([loss_result([150, 150])]) is None  # enough to judge
+    assert distant_warning([]) is None  # no loss measured
 
 
 def test_the_served_variant_is_the_faster_choice():
@@ -112,8 +114,8 @@ def test_bad_input_is_one_line_before_any_model_work(tmp_path, values, expected)
 
 
 def test_windows_are_parsed_sorted_without_repeats():
-    assert tune.parse_windows("16, 0,16") == [0, 16] and tune.parse_windows("0") == [0]
-    assert tune.window_of(16, [3, 4]) == {"size": 16, "first": 0, "last": 2} and tune.window_of(0, [3, 4]) is None
+    assert parse_windows("16, 0,16") == [0, 16] and parse_windows("0") == [0]
+    assert window_of(16, [3, 4]) == {"size": 16, "first": 0, "last": 2} and window_of(0, [3, 4]) is None
 
 
 def test_bad_input_on_the_command_line_is_one_line_exit_2(monkeypatch, capsys):
@@ -226,7 +228,7 @@ def test_no_split_within_bounds_writes_the_report_and_no_config(tuned, tiny_chec
     _, run_dir = tuned
     copy = Path(shutil.copytree(run_dir, tmp_path / "copy"))
     (copy / "serving.json").unlink()
-    monkeypatch.setattr(tune, "verdict", lambda point, tolerance, gap, judged: "RULER -50.0 points")
+    monkeypatch.setattr(sweeping, "verdict", lambda point, tolerance, gap, judged: "RULER -50.0 points")
     with pytest.raises(RidgefillError, match=r"^no split of 3..4 keeps filled-region RULER within 5 points and the "
                                              r"distant-context NLL within 100 nats of exact") as info:
         tune_command(**tiny_options(tiny_checkpoint, texts, copy))
@@ -239,14 +241,14 @@ def test_a_failing_check_moves_the_choice_up_without_calibrating_again(tuned, ti
                                                                         monkeypatch):
     _, run_dir = tuned
     copy = Path(shutil.copytree(run_dir, tmp_path / "copy"))
-    judge = tune.verdict
+    judge = verdict
 
     def strict(point, tolerance, gap, judged):  # the NLL check fails at split 3
         if "nll" in judged and point is not None and point.split == 3:
             return "distant NLL +9.000 nats"
         return judge(point, tolerance, gap, judged)
 
-    monkeypatch.setattr(tune, "verdict", strict)
+    monkeypatch.setattr(sweeping, "verdict", strict)
     doc = tune_command(**tiny_options(tiny_checkpoint, texts, copy))
     # fastest first: identity 3, ridge 3 (both fail), identity 4 (passes: served; ridge 4 is slower, never checked)
     assert [(v["variant"], v["split"], v["verdict"]) for v in doc["tune"]["checks"]] == [
@@ -395,18 +397,18 @@ def test_the_serving_config_carries_the_chosen_window(windowed, tiny_checkpoint)
 
 def test_a_tie_between_windows_keeps_full_attention():
     def run(window, speedup):
-        return tune.WindowRun(window, None, {}, {}, {"identity": 3}, [point("identity", 3, speedup=speedup)])
+        return WindowRun(window, None, {}, {}, {"identity": 3}, [point("identity", 3, speedup=speedup)])
 
-    assert tune.best_window([run(0, 1.5), run(16, 1.5), run(64, 1.5)])[0].window == 0
-    assert tune.best_window([run(16, 1.5), run(64, 1.5)])[0].window == 64  # then the larger window
-    assert tune.best_window([run(0, 1.4), run(16, 1.5)])[0].window == 16
-    assert tune.best_window([tune.WindowRun(0, None, {}, {}, {"identity": None}, [point("identity", 3)])]) is None
+    assert best_window([run(0, 1.5), run(16, 1.5), run(64, 1.5)])[0].window == 0
+    assert best_window([run(16, 1.5), run(64, 1.5)])[0].window == 64  # then the larger window
+    assert best_window([run(0, 1.4), run(16, 1.5)])[0].window == 16
+    assert best_window([WindowRun(0, None, {}, {}, {"identity": None}, [point("identity", 3)])]) is None
 
 
 def test_no_window_within_bounds_names_the_windows(windowed, tiny_checkpoint, texts, tmp_path, monkeypatch):
     _, run_dir = windowed
     copy = Path(shutil.copytree(run_dir, tmp_path / "copy"))
-    monkeypatch.setattr(tune, "verdict", lambda point, tolerance, gap, judged: "RULER -50.0 points")
+    monkeypatch.setattr(sweeping, "verdict", lambda point, tolerance, gap, judged: "RULER -50.0 points")
     with pytest.raises(RidgefillError, match=r"^no split of 3..4 keeps .* of exact \(identity, ridge; full "
                                              r"attention, window 16\): try higher --splits, a longer --tail, a wider "
                                              r"--windows or looser bounds; the measurements are in .*report.md and "
