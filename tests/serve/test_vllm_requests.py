@@ -1,12 +1,12 @@
-"""A request's RidgeFill options (serve/vllm_requests.py, serve/vllm_http.py), what a step's accounting counts and
-warns about (serve/vllm_runner.account, serve/vllm_metrics.py), and serve's start-up pieces that need no server:
-the KV cache plan and the one line a failed start becomes (no vLLM needed)."""
+"""A request's RidgeFill options (serve/vllm_requests.py; the HTTP middleware's own checks are in test_vllm_http.py),
+what a step's accounting counts and warns about (serve/vllm_runner.account, serve/vllm_metrics.py), and serve's
+start-up pieces that need no server: the KV cache plan and the one line a failed start becomes (no vLLM needed)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -14,7 +14,6 @@ import torch
 
 from ridgefill.errors import RidgefillError
 from ridgefill.serve import serve
-from ridgefill.serve.vllm_http import RidgeFillRequestArgs, body_error
 from ridgefill.serve.vllm_metrics import FillCounters
 from ridgefill.serve.vllm_requests import LARGEST, check_request_args, request_rule
 from ridgefill.serve.vllm_runner import Step, StepLog, account
@@ -31,14 +30,16 @@ def test_valid_options_pass(extra):
 @pytest.mark.parametrize("extra, match", [
     ({"ridgefill_tail": 2**63}, "ridgefill_tail=9223372036854775808 is not valid: give an integer in 1..2147483647"),
     ({"ridgefill_tail": 0}, "ridgefill_tail=0 is not valid"),
-    ({"ridgefill_tail": LARGEST + 1}, "integer in 1..2147483647"),
+    ({"ridgefill_tail": LARGEST + 1}, "ridgefill_tail=2147483648 is not valid: give an integer in 1..2147483647 (last "
+                                      "prompt tokens that run the full model)"),
     ({"ridgefill_keep_first": -1}, "ridgefill_keep_first=-1 is not valid: give an integer in 0..2147483647"),
     ({"ridgefill_tail": True}, "ridgefill_tail=True"),
     ({"ridgefill_tail": 64.0}, "ridgefill_tail=64.0"),
     ({"ridgefill_tail": "64"}, "ridgefill_tail='64'"),
     ({"ridgefill_tail": [64]}, "ridgefill_tail=[64]"),
     ({"ridgefill_tail": None}, "ridgefill_tail=None"),
-    ({"ridgefill_tail": {"a": [1] * 100}}, "..."),  # long values are cut: one short line
+    ({"ridgefill_tail": {"a": [1] * 100}}, "ridgefill_tail={'a': [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, ... is not "
+                                           "valid"),  # long values are cut: one short line
     ({"ridgefill_tial": 5}, "unknown RidgeFill request option 'ridgefill_tial': use ridgefill_tail or "
                             "ridgefill_keep_first"),
     ({"ridgefill_": 5}, "unknown RidgeFill request option 'ridgefill_'"),
@@ -65,36 +66,6 @@ def test_the_engine_reads_a_request_clamped_and_never_raises():
     assert request_rule(None, 100, 24, 1) == (100, 1)
 
 
-def http(body: bytes) -> tuple[int | None, bytes, bytes | None]:
-    """(status the middleware answered, or None; its answer's body; the body the app read, or None)."""
-    seen, sent = {}, []
-
-    async def app(scope, receive, send):
-        seen["body"] = (await receive())["body"]
-
-    async def receive():
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    async def send(message):
-        sent.append(message)
-
-    asyncio.run(RidgeFillRequestArgs(app)({"type": "http", "method": "POST"}, receive, send))
-    status = sent[0]["status"] if sent else None
-    return status, b"".join(m.get("body", b"") for m in sent[1:]), seen.get("body")
-
-
-def test_the_http_check_refuses_what_the_client_wrote_and_replays_the_rest():
-    ok = json.dumps({"prompt": "hi", "vllm_xargs": {"ridgefill_tail": 3}}).encode()
-    assert http(ok) == (None, b"", ok)  # passed on, the body unchanged
-    for xargs in ({"ridgefill_tail": True}, {"ridgefill_keep_first": False}, {"ridgefill_tail": 3.0},
-                  {"ridgefill_tail": 2**64}, {"ridgefill_nope": 1}):
-        status, answer, reached = http(json.dumps({"prompt": "hi", "vllm_xargs": xargs}).encode())
-        error = json.loads(answer)["error"]
-        assert status == 400 and reached is None and error["code"] == 400 and "ridgefill_" in error["message"]
-    for body in (b"not json", b'{"vllm_xargs": [1]}', b'["ridgefill_tail"]', b'{"prompt": "ridgefill_tail"}'):
-        assert http(body)[2] == body and body_error(body) is None  # vLLM's to answer
-
-
 class FakeState:
     def __init__(self):
         self.counters = FillCounters()
@@ -113,7 +84,8 @@ def two_requests(prompt_a: int, prompt_b: int, first_a: int, n_a: int, first_b: 
     full = full_tokens(positions, request, prompt, torch.tensor([tail, tail]), torch.tensor([1, 1]))
     in_prompt = positions < prompt[request]
     last = in_prompt & (positions == prompt[request] - 1)
-    return Step(["a", "b"], prompt, [tail, tail], [1, 1], request, in_prompt, last, full)
+    return Step(["a", "b"], prompt, [tail, tail], [1, 1], request, positions, in_prompt, last, full,
+                torch.zeros_like(full))
 
 
 def test_account_counts_and_warns_for_a_request_that_filled_nothing(caplog):
@@ -124,17 +96,18 @@ def test_account_counts_and_warns_for_a_request_that_filled_nothing(caplog):
     batch = SimpleNamespace(filled=filled, outliers=torch.zeros_like(filled), unwindowed=torch.zeros_like(filled))
     with caplog.at_level(logging.WARNING, logger="ridgefill.vllm"):
         account(state, step, batch, book)
-    assert state.counters.totals == {"filled": 59, "full": 51, "outliers": 0, "unwindowed": 0, "stock_steps": 0}
+    assert state.counters.totals == {"filled": 59, "full": 51, "cached": 0, "recomputed": 0, "outliers": 0,
+                                     "unwindowed": 0, "run_bound": 0, "stock_steps": 0}
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1 and "request b (50 prompt tokens, tail 10, keep-first 1) filled none of its 39" in \
         warnings[0]
-    assert set(book.requests) == {"a"}  # b ended; a's prefill goes on
+    assert book.requests["b"].warned and not book.requests["a"].warned  # b ended; a's prefill goes on
     caplog.clear()
     rest = two_requests(100, 50, 60, 40, 50, 1, tail=10)  # a's last 40 prompt tokens; b's first decode token
     filled = ~rest.full & rest.in_prompt
     with caplog.at_level(logging.WARNING, logger="ridgefill.vllm"):
         account(state, rest, SimpleNamespace(filled=filled, outliers=None, unwindowed=None), book)
-    assert not caplog.records and book.requests == {}  # a filled 89 rows: no warning
+    assert not caplog.records and book.requests["a"].filled == 89  # a filled 89 rows: no warning
     assert state.counters.to_dict()["filled_rows"] == 59 + 30  # a's positions 60..89
     assert state.counters.to_dict()["full_prompt_rows"] == 51 + 10  # a's tail (b's token is a decode token)
 
@@ -143,7 +116,8 @@ def test_a_step_the_model_did_not_fill_counts_its_prompt_tokens_as_full():
     state, book = FakeState(), StepLog()
     step = two_requests(30, 20, 0, 30, 0, 20, tail=64)  # every row in the tail: nothing to fill
     account(state, step, None, book)
-    assert state.counters.totals["full"] == 50 and state.counters.totals["filled"] == 0 and not book.requests
+    assert state.counters.totals["full"] == 50 and state.counters.totals["filled"] == 0
+    assert book.requests["a"].rule == book.requests["b"].rule == 0
 
 
 # --- serve's start-up ------------------------------------------------------------------------------------------
@@ -215,12 +189,30 @@ def test_a_failed_start_is_one_line_with_its_root_cause_and_the_fix(tmp_path):
     assert all("\n" not in serve.startup_error(text, 1, log) for text in (VLLM_LOG, PYDANTIC_LOG, OURS_LOG))
 
 
-@pytest.mark.parametrize("arg", ["--enable-lora", "--enable_lora", "--kv-transfer-config={}", "--enable-dbo",
-                                 "--speculative-config", "-sc", "-pp", "--quantization", "-q",
-                                 "--kv-offloading-size",
-                                 "--kv-sharing-fast-prefill"])
-def test_vllm_options_that_break_the_fill_are_refused(arg):
-    with pytest.raises(RidgefillError, match=arg.split("=")[0]):
+LORA = "LoRA is not supported with RidgeFill (filled rows would take the base model's K/V, full rows the adapter's)"
+SPECULATIVE = "speculative decoding is not supported with RidgeFill: drop it"
+
+
+@pytest.mark.parametrize("arg, message", [
+    ("--enable-lora", f"--enable-lora: {LORA}: merge the adapter into the checkpoint and fit maps for it"),
+    ("--enable_lora", f"--enable_lora: {LORA}: merge the adapter into the checkpoint and fit maps for it"),
+    ("--kv-transfer-config={}", "--kv-transfer-config={}: KV-transfer connectors are not supported with RidgeFill "
+                                "(they share cached blocks across prompts): drop it"),
+    ("--enable-dbo", "--enable-dbo: micro-batching (DBO) is not supported with RidgeFill: drop it"),
+    ("--speculative-config", f"--speculative-config: {SPECULATIVE}"),
+    ("-sc", f"-sc: {SPECULATIVE}"),
+    ("-pp", "-pp: pipeline parallelism is not supported with RidgeFill: use --tensor-parallel-size"),
+    ("--quantization", "--quantization: quantization is not supported with RidgeFill (the fill reads the layers' "
+                       "K/V weights): serve an unquantized checkpoint"),
+    ("-q", "-q: quantization is not supported with RidgeFill: serve an unquantized checkpoint"),
+    ("--kv-offloading-size", "--kv-offloading-size: KV offloading is not supported with RidgeFill (it shares cached "
+                             "blocks across prompts): drop it"),
+    ("--kv-sharing-fast-prefill", "--kv-sharing-fast-prefill: --kv-sharing-fast-prefill skips layers for prompt rows "
+                                  "itself: drop it"),
+])
+def test_vllm_options_that_break_the_fill_are_refused(arg, message):
+    """Each option's own refusal, whole (every refusal names its option: matching the name alone tells nothing)."""
+    with pytest.raises(RidgefillError, match=f"^{re.escape(message)}$"):
         serve.ServeConfig(maps="m.safetensors", vllm_args=["--max-model-len", "512", arg, "1"]).check()
 
 

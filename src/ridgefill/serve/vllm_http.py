@@ -2,31 +2,120 @@
 middleware `ridgefill serve` installs with vLLM's --middleware; no vLLM import).
 
 vLLM's admission check (serve/vllm_admission.py) sees `vllm_xargs` after pydantic has coerced it: a JSON `true`
-has become the integer 1 there. This middleware reads the body of every POST whose JSON carries `vllm_xargs` and
-answers 400 in vLLM's error format for a bad `ridgefill_*` key (vllm_requests.check_request_args on the values as
-the client wrote them), so `{"ridgefill_tail": true}` is refused like any other non-integer. Everything else is
-passed on, the body replayed unchanged.
+has become the integer 1 there. This middleware reads the body of every request that may carry one and answers 400
+in vLLM's error format for a bad `ridgefill_*` key (vllm_requests.check_request_args on the values as the client
+wrote them, escapes decoded), so `{"ridgefill_tail": true}` is refused like any other non-integer.
+
+vLLM adds its --middleware classes last, and Starlette runs the last one added first: this check runs before vLLM's
+API-key check. So it authenticates first itself, as vLLM 0.32's AuthenticationMiddleware does (the same keys, paths,
+status and body): an unauthenticated request to a guarded path gets vLLM's 401 before a byte of its body is read.
+Then the body is bounded: over BODY_LIMIT bytes (RIDGEFILL_MAX_REQUEST_BYTES overrides it) it is 413, by its
+Content-Length before any byte is read, else as soon as the bytes read pass the bound. JSON nested too deeply for
+the parser and a `vllm_xargs` over XARGS_LIMIT bytes are 400. Everything else is passed on, the body replayed
+unchanged (a body that is no JSON object is vLLM's to answer).
 """
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import json
+import os
+import secrets
+from http import HTTPStatus
+from typing import Mapping
 
-from ridgefill.serve.vllm_requests import PREFIX, check_request_args
+from ridgefill.serve.vllm_requests import check_request_args
+
+API_KEY_ENV = "VLLM_API_KEY"  # vLLM's key when no --api-key is given (vllm.envs)
+BODY_LIMIT_ENV = "RIDGEFILL_MAX_REQUEST_BYTES"
+# 8 MiB: a 128K-token prompt is about 1 MiB as token ids, 0.5 to 3 MiB as text (JSON escapes included)
+BODY_LIMIT = 8 << 20
+XARGS_LIMIT = 64 << 10  # bytes of JSON in vllm_xargs (RidgeFill's own options take a few dozen)
+THREAD_PARSE = 64 << 10  # bodies over this many bytes are parsed in a worker thread, not in the event loop
+GUARDED = ("/v1", "/v2", "/inference", "/cohere")  # the paths vLLM's key guards (authenticate.GUARDED_PREFIX)
+UNAUTHORIZED = b'{"error":"Unauthorized"}'  # vLLM's JSONResponse({"error": "Unauthorized"}, 401), byte for byte
+UNREAD = ("GET", "HEAD", "OPTIONS")  # methods whose body nothing reads: passed on as they came
+NESTED = ("the request body's JSON nests too deeply to be read: send vllm_xargs and the request's other fields "
+          "as a flat object")
+
+
+def api_tokens(app, environ: Mapping[str, str]) -> list[bytes]:
+    """The sha256 digests of the API keys vLLM checks: those of vLLM's AuthenticationMiddleware found inside `app`
+    (--api-key or VLLM_API_KEY, as vLLM chose), else VLLM_API_KEY's; none when no key is set."""
+    node = app
+    for _ in range(64):  # the middleware stack Starlette built, outermost first
+        if type(node).__name__ == "AuthenticationMiddleware" and isinstance(getattr(node, "api_tokens", None), list):
+            return list(node.api_tokens)
+        node = getattr(node, "app", None)
+        if node is None:
+            break
+    key = environ.get(API_KEY_ENV, "")
+    return [hashlib.sha256(key.encode()).digest()] if key else []
+
+
+def authorized(scope, tokens: list[bytes]) -> bool:
+    """Whether vLLM's key check lets this request through (vLLM 0.32's AuthenticationMiddleware: OPTIONS and paths
+    outside GUARDED pass; else an `Authorization: Bearer KEY` header with one of the keys)."""
+    if not tokens or scope.get("method") == "OPTIONS":
+        return True
+    if not scope["path"].removeprefix(scope.get("root_path", "")).startswith(GUARDED):
+        return True
+    value = next((v.decode("latin-1") for k, v in scope.get("headers", []) if k.lower() == b"authorization"), "")
+    scheme, _, param = value.partition(" ")
+    if not value or scheme.lower() != "bearer":
+        return False
+    digest = hashlib.sha256(param.encode()).digest()
+    matched = False
+    for token in tokens:  # every key compared, in constant time
+        matched |= secrets.compare_digest(digest, token)
+    return matched
+
+
+def body_limit(environ: Mapping[str, str]) -> int:
+    """The most bytes of a request body the server reads: RIDGEFILL_MAX_REQUEST_BYTES, else BODY_LIMIT."""
+    text = environ.get(BODY_LIMIT_ENV, "").strip()
+    if not text:
+        return BODY_LIMIT
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"{BODY_LIMIT_ENV}={text!r} is not a positive number of bytes: set it to e.g. "
+                         f"{BODY_LIMIT} or unset it")
+    return int(text)
+
+
+def declared_length(scope) -> int | None:
+    """The Content-Length a request declares, or None."""
+    value = next((v for k, v in scope.get("headers", []) if k.lower() == b"content-length"), None)
+    return int(value) if value is not None and value.strip().isdigit() else None
+
+
+def too_large(limit: int) -> str:
+    return (f"the request body is over {limit:,} bytes, the most this server reads: send a shorter request, or "
+            f"start the server with {BODY_LIMIT_ENV} set higher")
 
 
 def body_error(body: bytes) -> str | None:
-    """The one-line refusal of a request body's RidgeFill options, or None (also for a body that is no JSON object:
-    vLLM answers that itself)."""
-    if PREFIX.encode() not in body:
-        return None
+    """The one-line refusal of a request body (JSON nested too deeply, or its `vllm_xargs` too large or with a bad
+    RidgeFill option), or None (also for a body that is no JSON object: vLLM answers that itself)."""
     try:
         doc = json.loads(body)
+    except RecursionError:
+        return NESTED
     except (ValueError, UnicodeDecodeError):
         return None
     extra = doc.get("vllm_xargs") if isinstance(doc, dict) else None
-    if not isinstance(extra, dict):
-        return None
+    return xargs_error(extra) if isinstance(extra, dict) else None
+
+
+def xargs_error(extra: dict) -> str | None:
+    """The one-line refusal of a request's `vllm_xargs`, or None."""
+    try:
+        size = len(json.dumps(extra).encode())
+    except RecursionError:
+        return NESTED
+    if size > XARGS_LIMIT:
+        return (f"vllm_xargs holds {size:,} bytes of JSON, over the {XARGS_LIMIT:,} this server accepts: send only "
+                "the extra options the server reads (e.g. ridgefill_tail)")
     try:
         check_request_args(extra)
     except ValueError as exc:
@@ -35,43 +124,87 @@ def body_error(body: bytes) -> str | None:
 
 
 class RidgeFillRequestArgs:
-    """Pure ASGI middleware: refuses (400) a POST whose `vllm_xargs` holds a bad RidgeFill option."""
+    """Pure ASGI middleware: vLLM's 401 for a request without a valid API key, 413 for a body over the bound, 400
+    for a body whose `vllm_xargs` is refused; anything else goes on to vLLM."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app, environ: Mapping[str, str] | None = None) -> None:
+        environ = os.environ if environ is None else environ
         self.app = app
+        self.tokens = api_tokens(app, environ)
+        self.limit = body_limit(environ)
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope.get("type") != "http" or scope.get("method") != "POST":
+        if scope.get("type") != "http":
             await self.app(scope, receive, send)
             return
-        chunks, more, first = [], True, None
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":  # the client went away: let the app see it
-                first = message
-                break
-            chunks.append(message.get("body", b""))
-            more = message.get("more_body", False)
-        body = b"".join(chunks)
-        error = None if first is not None else body_error(body)
-        if error is not None:
-            await _refuse(send, error)
+        if not authorized(scope, self.tokens):
+            await respond(send, 401, UNAUTHORIZED)
             return
-        replayed = False
+        if scope.get("method") in UNREAD:
+            await self.app(scope, receive, send)
+            return
+        declared = declared_length(scope)
+        if declared is not None and declared > self.limit:
+            await refuse(send, 413, too_large(self.limit))
+            return
+        body, first = await read_body(receive, self.limit)
+        if body is None:
+            await refuse(send, 413, too_large(self.limit))
+            return
+        error = None if first is not None else await checked(body)
+        if error is not None:
+            await refuse(send, 400, error)
+            return
+        await self.app(scope, replayed(receive, first or {"type": "http.request", "body": body, "more_body": False}),
+                       send)
 
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return first or {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
 
-        await self.app(scope, replay, send)
+async def read_body(receive, limit: int) -> tuple[bytes | None, dict | None]:
+    """(the whole body, None), or (None, None) as soon as it passes `limit` bytes, or (the bytes so far, the
+    message that ended it) when the client went away."""
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return b"".join(chunks), message
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None, None
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks), None
 
 
-async def _refuse(send, message: str) -> None:
-    payload = json.dumps({"error": {"message": message, "type": "BadRequestError", "param": None,
-                                    "code": 400}}).encode()
-    await send({"type": "http.response.start", "status": 400,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
+async def checked(body: bytes) -> str | None:
+    """body_error, in a worker thread for a large body (a few MiB of JSON take tens of milliseconds to parse)."""
+    if len(body) > THREAD_PARSE:
+        return await asyncio.to_thread(body_error, body)
+    return body_error(body)
+
+
+def replayed(receive, first: dict):
+    """A receive that gives `first`, then what `receive` gives."""
+    done = False
+
+    async def replay():
+        nonlocal done
+        if not done:
+            done = True
+            return first
+        return await receive()
+
+    return replay
+
+
+async def refuse(send, status: int, message: str) -> None:
+    """An error in vLLM's format (ErrorResponse: message, type, param, code)."""
+    kind = HTTPStatus(status).phrase.replace(" ", "") + "Error"  # BadRequestError, RequestEntityTooLargeError
+    await respond(send, status, json.dumps({"error": {"message": message, "type": kind, "param": None,
+                                                      "code": status}}).encode())
+
+
+async def respond(send, status: int, payload: bytes) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-length", str(len(payload)).encode()), (b"content-type", b"application/json")]})
     await send({"type": "http.response.body", "body": payload})

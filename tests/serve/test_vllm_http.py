@@ -1,0 +1,253 @@
+"""The request middleware `ridgefill serve` installs in vLLM (serve/vllm_http.py), as a pure ASGI app without a
+server: vLLM's 401 before any body is read, bodies bounded (413), nested, escaped and oversized `vllm_xargs`
+refused (400), everything else replayed unchanged. No vLLM needed, except where a test compares with vLLM's own
+authentication middleware."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+
+import pytest
+
+from ridgefill.serve.vllm_http import (BODY_LIMIT, NESTED, THREAD_PARSE, UNAUTHORIZED, XARGS_LIMIT,
+                                       RidgeFillRequestArgs, body_error, body_limit)
+
+KEY = "s3cret-key"
+BAD_XARGS = json.dumps({"prompt": "hi", "vllm_xargs": {"ridgefill_tail": 0}}).encode()
+
+
+class Client:
+    """One request through the middleware: what it answered, what the app behind it read, and how many of the
+    request's messages were taken from the server."""
+
+    def __init__(self, body: bytes | list[bytes] = b"", method: str = "POST", path: str = "/v1/completions",
+                 headers: dict[str, str] | None = None, disconnect: bool = False) -> None:
+        self.chunks = [body] if isinstance(body, bytes) else body
+        self.scope = {"type": "http", "method": method, "path": path, "root_path": "",
+                      "headers": [(k.lower().encode(), v.encode("latin-1")) for k, v in (headers or {}).items()]}
+        self.disconnect = disconnect
+        self.taken, self.sent, self.reached = 0, [], None
+
+    async def receive(self) -> dict:
+        self.taken += 1
+        if self.disconnect and self.taken == len(self.chunks):
+            return {"type": "http.disconnect"}
+        if self.taken > len(self.chunks):
+            await asyncio.sleep(3600)  # a server waits for the client's next bytes or its disconnect
+        return {"type": "http.request", "body": self.chunks[self.taken - 1],
+                "more_body": self.taken < len(self.chunks)}
+
+    async def send(self, message: dict) -> None:
+        self.sent.append(message)
+
+    async def app(self, scope, receive, send) -> None:
+        """vLLM behind the middleware: reads the whole body, answers 200."""
+        parts, message = [], {"more_body": True}
+        while message.get("more_body", False):
+            message = await receive()
+            parts.append(message.get("body", b""))
+        self.reached = b"".join(parts) if message["type"] == "http.request" else message
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    def run(self, environ: dict[str, str] | None = None, app=None) -> Client:
+        middleware = RidgeFillRequestArgs(app or self.app, environ={} if environ is None else environ)
+        asyncio.run(middleware(self.scope, self.receive, self.send))
+        return self
+
+    @property
+    def status(self) -> int:
+        return self.sent[0]["status"]
+
+    @property
+    def answer(self) -> bytes:
+        return b"".join(m.get("body", b"") for m in self.sent[1:])
+
+    def error(self) -> str:
+        assert self.sent[0]["headers"][1] == (b"content-type", b"application/json")
+        error = json.loads(self.answer)["error"]
+        assert error["code"] == self.status and "\n" not in error["message"], error
+        return error["message"]
+
+
+def keyed(**headers) -> dict[str, str]:
+    return {"Authorization": f"Bearer {KEY}", **headers}
+
+
+# --- authentication first ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("client", [
+    lambda: Client(BAD_XARGS),  # bad RidgeFill options: 401, not ridgefill's 400
+    lambda: Client(b"", method="GET", path="/v1/models"),
+    lambda: Client(b"x" * 100, headers={"Content-Length": str(1 << 40)}),  # over the body bound: 401, not 413
+    lambda: Client([b"[" * 10, b"]" * 10]),  # streamed: not one chunk is taken
+    lambda: Client(BAD_XARGS, headers={"Authorization": "Bearer wrong"}),
+    lambda: Client(BAD_XARGS, headers={"Authorization": f"Basic {KEY}"}),
+    lambda: Client(BAD_XARGS, headers={"Authorization": KEY}),
+    lambda: Client(BAD_XARGS, path="/v2/anything"),
+    lambda: Client(BAD_XARGS, path="/inference/v1/generate"),
+    lambda: Client(BAD_XARGS, path="/cohere/v2/rerank"),
+], ids=["bad-xargs", "models", "over-the-bound", "streamed", "wrong-key", "basic", "no-scheme", "v2", "inference",
+        "cohere"])
+@pytest.mark.parametrize("environ", [{"VLLM_API_KEY": KEY}, {"VLLM_API_KEY": KEY, "RIDGEFILL_MAX_REQUEST_BYTES": "50"}],
+                         ids=["default-bound", "small-bound"])
+def test_without_the_key_a_guarded_request_is_vllms_401_before_any_body_is_read(client, environ):
+    c = client().run(environ)
+    assert c.status == 401 and c.answer == UNAUTHORIZED and c.taken == 0 and c.reached is None
+    assert c.sent[0]["headers"] == [(b"content-length", b"24"), (b"content-type", b"application/json")]
+
+
+def test_with_the_key_or_off_the_guarded_paths_the_request_goes_on():
+    environ = {"VLLM_API_KEY": KEY}
+    ok = json.dumps({"prompt": "hi", "vllm_xargs": {"ridgefill_tail": 3}}).encode()
+    assert Client(ok, headers=keyed()).run(environ).reached == ok
+    assert Client(ok, headers={"Authorization": f"bearer {KEY}"}).run(environ).reached == ok  # the scheme's case
+    assert Client(b"", method="GET", path="/health").run(environ).reached == b""  # vLLM leaves these open
+    assert Client(ok, path="/tokenize").run(environ).reached == ok
+    assert Client(b"", method="OPTIONS").run(environ).reached == b""  # CORS preflight
+    assert Client(ok, path="/api/v1/completions", headers=keyed()).run(environ).reached == ok
+    rooted = Client(BAD_XARGS, path="/api/v1/completions")
+    rooted.scope["root_path"] = "/api"  # the path vLLM checks is under the root path
+    assert rooted.run(environ).status == 401
+    assert Client(ok).run({}).reached == ok  # no key set: nothing to check
+    assert Client(ok).run({"VLLM_API_KEY": ""}).reached == ok
+
+
+def test_the_401_and_the_keys_are_vllms_own():
+    """vLLM's AuthenticationMiddleware answers the same bytes; when vLLM's stack holds one (keys from --api-key),
+    its keys are checked, not VLLM_API_KEY's."""
+    pytest.importorskip("vllm")
+    from vllm.entrypoints.serve.middleware.authenticate import GUARDED_PREFIX, AuthenticationMiddleware
+
+    from ridgefill.serve.vllm_http import GUARDED
+
+    assert GUARDED == GUARDED_PREFIX
+    for client in (Client(BAD_XARGS), Client(b"", method="GET", path="/v1/models")):
+        ours, theirs = client, Client(client.chunks[0], client.scope["method"], client.scope["path"])
+        ours.run({"VLLM_API_KEY": KEY})
+        asyncio.run(AuthenticationMiddleware(theirs.app, [KEY])(theirs.scope, theirs.receive, theirs.send))
+        assert [ours.status, ours.sent[0]["headers"], ours.answer] == [
+            theirs.status, theirs.sent[0]["headers"], theirs.answer]
+    c = Client(BAD_XARGS)  # an argv key, a stack between the two middlewares, and another key in the environment
+    stack = type("XRequestIdMiddleware", (), {})()
+    stack.app = AuthenticationMiddleware(c.app, ["argv-key", "second-key"])
+    for key, status in (("argv-key", 400), ("second-key", 400), ("env-key", 401)):
+        c = Client(BAD_XARGS, headers={"Authorization": f"Bearer {key}"})
+        assert c.run({"VLLM_API_KEY": "env-key"}, app=stack).status == status
+
+
+# --- the body bound ------------------------------------------------------------------------------------------------
+def test_a_body_over_the_bound_is_413_by_its_length_before_it_is_read():
+    c = Client(b"x" * 10, headers=keyed(**{"Content-Length": str(BODY_LIMIT + 1)})).run({"VLLM_API_KEY": KEY})
+    assert c.status == 413 and c.taken == 0 and c.reached is None
+    assert c.error() == ("the request body is over 8,388,608 bytes, the most this server reads: send a shorter "
+                         "request, or start the server with RIDGEFILL_MAX_REQUEST_BYTES set higher")
+    assert json.loads(c.answer)["error"]["type"] == "RequestEntityTooLargeError"
+    exact = Client(b"x" * 100, headers={"Content-Length": "100"}).run({"RIDGEFILL_MAX_REQUEST_BYTES": "100"})
+    assert exact.reached == b"x" * 100  # at the bound: read and passed on
+
+
+def test_a_streamed_body_is_413_as_soon_as_it_passes_the_bound():
+    chunks = [b"y" * 40] * 100  # 4,000 bytes without a Content-Length
+    c = Client(chunks).run({"RIDGEFILL_MAX_REQUEST_BYTES": "100"})
+    assert c.status == 413 and c.taken == 3 and c.reached is None  # the third chunk passes 100: none after it
+    assert "over 100 bytes" in c.error()
+    assert Client(chunks[:2]).run({"RIDGEFILL_MAX_REQUEST_BYTES": "100"}).reached == b"y" * 80
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "8MiB", "1e6", " x "])
+def test_a_bad_bound_in_the_environment_is_one_line(value):
+    with pytest.raises(ValueError, match=rf"^RIDGEFILL_MAX_REQUEST_BYTES='{value.strip()}' is not a positive number "
+                                         r"of bytes: set it to e\.g\. 8388608 or unset it$"):
+        body_limit({"RIDGEFILL_MAX_REQUEST_BYTES": value})
+    assert body_limit({}) == BODY_LIMIT and body_limit({"RIDGEFILL_MAX_REQUEST_BYTES": " 4096 "}) == 4096
+
+
+# --- what the body holds -------------------------------------------------------------------------------------------
+def nested(depth: int, inner: bytes = b"1") -> bytes:
+    return b"[" * depth + inner + b"]" * depth
+
+
+@pytest.mark.parametrize("body", [
+    b'{"vllm_xargs": {"ridgefill_tail": ' + nested(100_000) + b"}}",
+    b'{"prompt": "ridgefill_tail", "x": ' + nested(5_000) + b"}",
+    nested(100_000, b'{"vllm_xargs": {"ridgefill_tail": 1}}'),
+], ids=["in-xargs", "beside", "around"])
+def test_json_nested_too_deeply_is_400_not_a_recursion_error(body):
+    c = Client(body).run()
+    assert c.status == 400 and c.error() == NESTED and c.reached is None
+
+
+@pytest.mark.parametrize("body, match", [
+    (b'{"vllm_xargs": {"ridgefill\\u005ftail": true}}', "ridgefill_tail=True is not valid"),
+    (b'{"vllm_xargs": {"\\u0072idgefill_tail": 0}}', "ridgefill_tail=0 is not valid"),
+    (b'{"vllm\\u005fxargs": {"ridgefill_keep_first": -1}}', "ridgefill_keep_first=-1 is not valid"),
+    (b'{"vllm_xargs": {"ridgefill\\u005fsplit": 3}}', "unknown RidgeFill request option 'ridgefill_split'"),
+    ('{"vllm_xargs": {"ridgefill_tail": 1.5}}'.encode("utf-16"), "ridgefill_tail=1.5 is not valid"),
+    ('{"vllm_xargs": {"ridgefill_tail": false}}'.encode("utf-32-le"), "ridgefill_tail=False is not valid"),
+], ids=["escaped-underscore", "escaped-letter", "escaped-field", "escaped-unknown", "utf-16", "utf-32"])
+def test_options_the_client_escaped_or_encoded_are_checked_as_json_reads_them(body, match):
+    c = Client(body).run()
+    assert c.status == 400 and c.error().startswith(match) and c.reached is None
+
+
+def test_an_oversized_vllm_xargs_is_400_and_a_large_body_is_parsed_off_the_event_loop():
+    padded = json.dumps({"prompt": "hi", "vllm_xargs": {"ridgefill_tail": 4, "pad": "p" * XARGS_LIMIT}}).encode()
+    c = Client(padded).run()
+    assert c.status == 400 and c.reached is None
+    assert c.error() == (f"vllm_xargs holds {XARGS_LIMIT + 32:,} bytes of JSON, over the 65,536 this server accepts: "
+                         "send only the extra options the server reads (e.g. ridgefill_tail)")
+    big = json.dumps({"prompt": "w " * THREAD_PARSE, "vllm_xargs": {"ridgefill_tail": True}}).encode()
+    threads = []
+
+    async def watched(client: Client):  # the loop's default executor runs the parse
+        loop = asyncio.get_running_loop()
+        original = loop.run_in_executor
+
+        def run_in_executor(executor, func, *args):
+            threads.append(func)
+            return original(executor, func, *args)
+
+        loop.run_in_executor = run_in_executor
+        await RidgeFillRequestArgs(client.app, environ={})(client.scope, client.receive, client.send)
+
+    large = Client(big)
+    asyncio.run(watched(large))
+    assert large.status == 400 and large.error().startswith("ridgefill_tail=True") and len(threads) == 1
+    small = Client(BAD_XARGS)
+    asyncio.run(watched(small))
+    assert small.status == 400 and len(threads) == 1  # a small body is parsed in the loop
+
+
+def test_the_check_refuses_what_the_client_wrote_and_replays_the_rest():
+    ok = json.dumps({"prompt": "hi", "vllm_xargs": {"ridgefill_tail": 3, "other": [1, "a"]}}).encode()
+    assert Client(ok).run().reached == ok  # passed on, the body unchanged
+    assert Client([ok[:5], ok[5:9], ok[9:]]).run().reached == ok  # a streamed body, reassembled
+    for xargs, match in [({"ridgefill_tail": True}, "ridgefill_tail=True is not valid"),
+                         ({"ridgefill_keep_first": False}, "ridgefill_keep_first=False is not valid"),
+                         ({"ridgefill_tail": 3.0}, "ridgefill_tail=3.0 is not valid"),
+                         ({"ridgefill_tail": 2**64}, "ridgefill_tail=18446744073709551616 is not valid"),
+                         ({"ridgefill_nope": 1}, "unknown RidgeFill request option 'ridgefill_nope'")]:
+        c = Client(json.dumps({"prompt": "hi", "vllm_xargs": xargs}).encode()).run()
+        assert c.status == 400 and c.reached is None and c.error().startswith(match)
+        assert json.loads(c.answer)["error"]["type"] == "BadRequestError"
+    huge_literal = b'{"vllm_xargs": {"ridgefill_tail": 1' + b"0" * 5000 + b"}}"  # past int()'s digit limit
+    for body in (b"not json", b'{"vllm_xargs": [1]}', b'["ridgefill_tail"]', b'{"prompt": "ridgefill_tail"}',
+                 b"\xff\xfe\x00", huge_literal):
+        assert Client(body).run().reached == body and body_error(body) is None  # vLLM's to answer
+
+
+def test_a_client_that_goes_away_is_passed_on_and_other_traffic_untouched():
+    c = Client([b'{"prompt": ', b"..."], disconnect=True).run()
+    assert c.reached == {"type": "http.disconnect"}  # vLLM sees the disconnect
+    seen = []
+
+    async def app(scope, receive, send):
+        seen.append(scope["type"])
+
+    for kind in ("lifespan", "websocket"):  # vLLM's own middleware checks a websocket's key
+        asyncio.run(RidgeFillRequestArgs(app, environ={"VLLM_API_KEY": KEY})({"type": kind, "path": "/v1/x"},
+                                                                            None, None))
+    assert seen == ["lifespan", "websocket"]
+    assert hashlib.sha256(KEY.encode()).digest() in RidgeFillRequestArgs(app, environ={"VLLM_API_KEY": KEY}).tokens
