@@ -107,8 +107,8 @@ def test_bad_request_options_are_refused_at_admission_and_the_engine_serves_on(v
     worker = engines.get(filled(folder, maps))
     batch = prompts(1, [150], vocab_of(folder), seed=8)
     before = worker.generate(batch, 8, logprobs=1)
-    for tail, match in [(2**63, "ridgefill_tail=9223372036854775808 is not valid"), (0, "ridgefill_tail=0"),
-                        (-5, "ridgefill_tail=-5"), (2**31, "integer in 1..2147483647")]:
+    for tail in (2**63, 0, -5, 2**31):
+        match = f"ridgefill_tail={tail} is not valid: give an integer in 1\\.\\.2147483647 \\(last prompt tokens"
         with pytest.raises(RidgefillError, match=match):
             worker.generate(batch, 8, tails=[tail])
     after = worker.generate(batch, 8, logprobs=1)
