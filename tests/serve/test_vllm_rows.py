@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ridgefill.engine import FillPlan, IdentityFiller
-from ridgefill.serve.vllm_rows import full_tokens, outlier_tokens, segments, token_requests
+from ridgefill.serve.vllm_rows import bound_runs, full_tokens, outlier_tokens, segments, token_requests
 
 
 def step(chunks):
@@ -76,3 +76,30 @@ def test_outliers_are_judged_within_each_request():
     out = outlier_tokens(norms, request, full, 20.0)
     assert out.tolist() == [False, False, False, True, False, False, False]  # full rows are never outliers
     assert not outlier_tokens(norms, request, full, 0.0).any()
+
+
+def test_runs_over_the_bound_close_the_shortest_gaps_of_one_request_first():
+    """Three prompts of 20, 40 and 30 tokens (keep-first 1, tail 4: two runs each, gaps of 15, 35 and 25 filled
+    rows) and a decode token: 7 runs. A bound of 5 closes the two shortest gaps (requests 0 and 2 run exact), a bound
+    of 6 the shortest only; a bound below the number of requests closes every gap and merges no requests."""
+    positions, request, _ = step([(0, 20), (0, 40), (0, 30), (50, 1)])
+    prompts = torch.tensor([20, 40, 30, 50])
+    full = full_tokens(positions, request, prompts, torch.tensor([4, 4, 4, 4]), torch.tensor([1, 1, 1, 1]))
+    assert segments(full, request, positions).n == 7
+    assert bound_runs(full, request, 7) is full
+    six = bound_runs(full, request, 6)
+    assert six[:20].all() and six[20:90].tolist() == full[20:90].tolist() and segments(six, request, positions).n == 6
+    five = bound_runs(full, request, 5)
+    assert five[:20].all() and five[60:90].all() and five[20:60].tolist() == full[20:60].tolist()
+    assert segments(five, request, positions).n == 5
+    for limit in (1, 4):
+        one_each = bound_runs(full, request, limit)
+        assert one_each.all() and segments(one_each, request, positions).n == 4  # one run per request
+
+
+def test_the_bound_leaves_padding_out_and_keeps_the_rule_where_it_fits():
+    positions = torch.tensor([0, 1, 2, 3, 4, 5, 0, 0])
+    request = torch.tensor([0, 0, 0, 0, 0, 0, -1, -1])
+    full = torch.tensor([True, False, False, True, False, True, True, True])  # runs: {0}, {3}, {5}; gaps 2 and 1
+    assert bound_runs(full, request, 2).tolist() == [True, False, False, True, True, True, True, True]
+    assert bound_runs(full, request, 3) is full

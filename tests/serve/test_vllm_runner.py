@@ -8,16 +8,28 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from ridgefill.serve.vllm_runner import plan_step
+from ridgefill.serve.vllm_metrics import FillCounters
+from ridgefill.serve.vllm_runner import StepLog, account, max_runs, plan_step
 
 
-def runner(prompts, computed, scheduled, with_query_start=True):
+def config(max_num_seqs=256, mode="NONE", capture=None):
+    """The fields of vLLM's VllmConfig the run bound reads."""
+    return SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),
+                           compilation_config=SimpleNamespace(cudagraph_mode=SimpleNamespace(name=mode),
+                                                              max_cudagraph_capture_size=capture))
+
+
+def runner(prompts, computed, scheduled, with_query_start=True, sampling=False, vllm_config=None,
+           ids=None):
     """A runner whose requests have `prompts` prompt tokens, `computed` tokens computed before this step and
-    `scheduled` tokens in it; sampling parameters None (a request that is no sampling request runs exact)."""
-    batch = SimpleNamespace(num_reqs=len(prompts), req_ids=[f"r{i}" for i in range(len(prompts))],
-                            num_prompt_tokens=np.array(prompts, dtype=np.int32),
+    `scheduled` tokens in it; sampling parameters None (a request that is no sampling request runs exact), or
+    sampling requests without options of their own (`sampling`: the served tail and keep-first)."""
+    ids = ids or [f"r{i}" for i in range(len(prompts))]
+    batch = SimpleNamespace(num_reqs=len(prompts), req_ids=ids, num_prompt_tokens=np.array(prompts, dtype=np.int32),
                             num_computed_tokens_cpu=np.array(computed, dtype=np.int32))
-    r = SimpleNamespace(input_batch=batch, requests={})
+    params = SimpleNamespace(prompt_logprobs=None, extra_args=None)
+    requests = {i: SimpleNamespace(sampling_params=params) for i in ids} if sampling else {}
+    r = SimpleNamespace(input_batch=batch, requests=requests, vllm_config=vllm_config or config())
     if with_query_start:
         r.query_start_loc = SimpleNamespace(np=np.concatenate([[0], np.cumsum(scheduled)]).astype(np.int32))
     return r
@@ -45,3 +57,73 @@ def test_a_step_with_prompt_tokens_is_planned_per_token():
     assert step.in_prompt.tolist() == [False] + [True] * 128 + [False] * 3
     assert step.tails == [300, 512] and not bool(step.last.any())
     assert bool(step.full[1:129].all())
+
+
+def test_the_run_bound_is_max_num_seqs_or_the_cuda_graph_capture_size_where_graphs_run():
+    assert max_runs(SimpleNamespace(vllm_config=config(256))) == 256
+    assert max_runs(SimpleNamespace(vllm_config=config(256, "FULL_AND_PIECEWISE", 64))) == 64
+    assert max_runs(SimpleNamespace(vllm_config=config(16, "PIECEWISE", 512))) == 16
+    assert max_runs(SimpleNamespace(vllm_config=config(256, "NONE", 8))) == 256  # no graphs: capture size unused
+
+
+def test_a_step_with_more_runs_than_max_num_seqs_runs_the_shortest_gaps_in_full():
+    """Three 100-200 token prompts in one step (served tail 16, keep-first 1: two runs each) with max_num_seqs 4:
+    the two shortest filled stretches run in full (their requests exact), so the step has 4 runs; the model's
+    FillBatch carries the bound for the rows it adds."""
+    prompts = [100, 200, 150]
+    r = runner(prompts, [0, 0, 0], prompts, sampling=True, vllm_config=config(4))
+    step = plan_step(r, positions_of([0, 0, 0], prompts), served_tail=16, served_keep=1)
+    assert step.max_runs == 4
+    assert step.full[:100].all() and step.full[300:].all()  # requests 0 and 2: exact
+    assert (~step.full[100:300]).sum() == 200 - 16 - 1  # request 1: filled as the rule says
+    assert int(step.promoted.sum()) == (100 - 17) + (150 - 17)
+    batch = step.batch(SimpleNamespace(attn_groups=[]))
+    assert batch.max_runs == 4
+    outlier = step.full.clone()
+    outlier[150] = True  # an outlier row the model adds inside request 1's filled stretch: 5 runs
+    bounded = batch.bounded(outlier)
+    assert bounded[101:150].all() and not bounded[151:284].any()  # the shorter of request 1's two gaps closes
+    roomy = plan_step(runner(prompts, [0, 0, 0], prompts, sampling=True), positions_of([0, 0, 0], prompts), 16, 1)
+    assert not roomy.promoted.any() and int((~roomy.full).sum()) == 83 + 183 + 133
+
+
+class Counted:
+    def __init__(self):
+        self.counters = FillCounters()
+
+    def count(self, **added):
+        self.counters.count(**added)
+
+
+def run_step(state, book, r, computed, scheduled, live=None):
+    """Plan one step of the stand-in runner and account it as if the model filled every row the rule fills."""
+    step = plan_step(r, positions_of(computed, scheduled), served_tail=8, served_keep=1)
+    filled = step.in_prompt & ~step.full
+    account(state, step, SimpleNamespace(filled=filled, outliers=None, unwindowed=None), book, live)
+    return step
+
+
+def test_every_prompt_token_is_counted_once_through_cache_hits_chunks_and_preemption():
+    """A 100-token prompt whose first 32 tokens came from the prefix cache, computed in chunks of 40 and 28, then
+    preempted after 3 generated tokens and recomputed from position 16 (its first 16 tokens still cached) with the
+    3 generated tokens: 32 tokens cached, 60 filled and 8 full once; the 84 prompt tokens computed again are
+    `recomputed` only."""
+    state, book = Counted(), StepLog()
+    for computed, scheduled in ((32, 40), (72, 28)):
+        run_step(state, book, runner([100], [computed], [scheduled], sampling=True), [computed], [scheduled])
+    first = dict(state.counters.totals)
+    assert first["cached"] == 32 and first["filled"] == 60 and first["full"] == 8 and first["recomputed"] == 0
+    run_step(state, book, runner([100], [16], [87], sampling=True), [16], [87], live={"r0"})  # the recomputation
+    again = state.counters.totals
+    assert again["recomputed"] == 84
+    assert {k: again[k] for k in ("filled", "full", "cached")} == {k: first[k] for k in ("filled", "full", "cached")}
+    assert again["filled"] + again["full"] + again["cached"] == 100
+
+
+def test_finished_requests_are_forgotten_and_a_request_id_used_again_counts_anew():
+    state, book = Counted(), StepLog()
+    for n in range(300):  # 300 finished one-step requests: the log keeps at most 2 x live + 256 of them
+        ids = [f"q{n}"]
+        run_step(state, book, runner([20], [0], [20], sampling=True, ids=ids), [0], [20], live=set(ids))
+    assert len(book.requests) <= 2 + 256 + 1 and state.counters.totals["recomputed"] == 0
+    assert state.counters.totals["filled"] + state.counters.totals["full"] == 300 * 20

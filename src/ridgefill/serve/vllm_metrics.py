@@ -1,13 +1,18 @@
 """What the vLLM plugin did, counted: per model, since it loaded (the tally `VllmWorker.tally()` reads), and as
-Prometheus counters on vLLM's `/metrics`.
+Prometheus counters on vLLM's `/metrics`. Every prompt token of a request is counted exactly once, in filled, full or
+cached: filled + full + cached is the prompt tokens served. Recomputation after preemption is extra work, counted
+apart.
 
 | counter | counts |
 |---|---|
 | `ridgefill_filled_tokens_total` | prompt tokens filled: their late layers' K/V written from the maps |
-| `ridgefill_full_tokens_total` | prompt tokens run through every layer (tail, kept first tokens, short prompts, and the two below) |
+| `ridgefill_full_tokens_total` | prompt tokens run through every layer (tail, kept first tokens, short prompts, and the outlier, lookback and run-bound rows below) |
 | `ridgefill_outlier_tokens_total` | tokens the rule fills that ran in full: their split state is an outlier |
 | `ridgefill_lookback_full_tokens_total` | tokens the rule fills that ran in full: their lookback window is not in the step |
+| `ridgefill_run_bound_full_tokens_total` | tokens the rule fills that ran in full: their step had more runs of full tokens than max_num_seqs |
 | `ridgefill_stock_steps_total` | steps that ran stock (exact) because their fill could not be planned |
+| `ridgefill_cached_prompt_tokens_total` | prompt tokens served from vLLM's prefix cache (not computed) |
+| `ridgefill_recomputed_prompt_tokens_total` | prompt tokens computed again after vLLM preempted their request (counted once already) |
 
 vLLM's API server and its engine core are separate processes; the counters live where the model runs. `ridgefill
 serve` gives vLLM a fresh PROMETHEUS_MULTIPROC_DIR, in which prometheus_client keeps every process's values and from
@@ -22,9 +27,18 @@ from dataclasses import dataclass, field
 COUNTERS = {  # tally key -> (Prometheus name without _total, help)
     "filled": ("ridgefill_filled_tokens", "Prompt tokens RidgeFill filled (late layers' K/V from the maps)"),
     "full": ("ridgefill_full_tokens", "Prompt tokens run through every layer"),
+    "cached": ("ridgefill_cached_prompt_tokens",
+               "Prompt tokens served from vLLM's prefix cache (neither filled nor run: each prompt token is counted "
+               "once, in filled, full or cached)"),
+    "recomputed": ("ridgefill_recomputed_prompt_tokens",
+                   "Prompt tokens computed again after vLLM preempted their request (not counted again in filled, "
+                   "full or cached)"),
     "outliers": ("ridgefill_outlier_tokens", "Tokens the fill rule fills that ran in full: split-state outliers"),
     "unwindowed": ("ridgefill_lookback_full_tokens",
                    "Tokens the fill rule fills that ran in full: their lookback window was not in the step"),
+    "run_bound": ("ridgefill_run_bound_full_tokens",
+                  "Tokens the fill rule fills that ran in full: their step had more runs of full tokens than the "
+                  "attention backend's metadata holds (max_num_seqs)"),
     "stock_steps": ("ridgefill_stock_steps", "Steps run stock (exact) because their fill could not be planned"),
 }
 
@@ -54,5 +68,6 @@ class FillCounters:
         """The tally: rows filled and run in full, as the result documents name them."""
         t = self.totals
         return {"filled_rows": t["filled"], "outlier_rows_run_full": t["outliers"],
-                "lookback_rows_run_full": t["unwindowed"], "full_prompt_rows": t["full"],
-                "stock_steps": t["stock_steps"]}
+                "lookback_rows_run_full": t["unwindowed"], "run_bound_rows_run_full": t["run_bound"],
+                "full_prompt_rows": t["full"], "cached_prompt_rows": t["cached"],
+                "recomputed_prompt_rows": t["recomputed"], "stock_steps": t["stock_steps"]}

@@ -11,6 +11,11 @@ In layers S..L-1 only full tokens run attention. They are packed into one smalle
 maximal run of consecutive full tokens of one request is a segment whose queries end at position e and
 attend to keys 0..e (seq_len e+1): the bottom-right-aligned causal layout every vLLM attention backend uses.
 Splitting at filled rows keeps a leading kept row (position 0) from seeing keys after it.
+
+vLLM's CUDA attention backends size some per-request metadata buffers by `max_num_seqs` (and, with CUDA graphs,
+by the largest capture size), so a step may describe at most that many segments (`bound_runs`): beyond the bound,
+the shortest stretches of filled rows between two runs of one request run in full (exact), closing those gaps,
+until the runs fit. A step never holds more requests than max_num_seqs, so one run per request always fits.
 """
 
 from __future__ import annotations
@@ -73,6 +78,30 @@ class Segments:
     @property
     def max_query_len(self) -> int:
         return int((self.query_start[1:] - self.query_start[:-1]).max()) if self.n else 0
+
+
+def bound_runs(full: torch.Tensor, request: torch.Tensor, limit: int) -> torch.Tensor:
+    """full [N] bool with the fewest gaps closed so that its full tokens form at most `limit` segments: the gaps
+    (filled rows between two runs of one request) close shortest first, the earlier of equal ones first. Runs of
+    different requests never merge, so a step keeps one run per request with a full token whatever the limit."""
+    rows = torch.nonzero(full & (request >= 0)).flatten()
+    if rows.numel() <= limit:
+        return full
+    req = request[rows]
+    start = torch.ones_like(rows, dtype=torch.bool)
+    start[1:] = (rows[1:] != rows[:-1] + 1) | (req[1:] != req[:-1])
+    first = torch.nonzero(start).flatten()  # [n] index into rows of each run's first token
+    excess = first.numel() - limit
+    if excess <= 0:
+        return full
+    ends, begins = rows[first[1:] - 1], rows[first[1:]]  # [n-1] each run's last row, the next run's first row
+    same = req[first[1:]] == req[first[:-1]]  # gaps inside one request
+    width = torch.where(same, begins - ends - 1, torch.full_like(ends, torch.iinfo(torch.long).max))
+    chosen = torch.sort(width, stable=True).indices[:min(excess, int(same.sum()))]
+    edges = torch.zeros(full.numel() + 1, dtype=torch.long)
+    edges.index_add_(0, ends[chosen] + 1, torch.ones_like(chosen))
+    edges.index_add_(0, begins[chosen], -torch.ones_like(chosen))
+    return full | (edges.cumsum(0)[:-1] > 0)
 
 
 def segments(full: torch.Tensor, request: torch.Tensor, positions: torch.Tensor) -> Segments:

@@ -18,6 +18,14 @@ FillBatch gives the model two things the stock layers cannot do:
   A hybrid model's Gated DeltaNet layers keep the step's own metadata: their mixer runs over every row.
 The model reports back which rows it filled (`FillBatch.filled`, `.outliers`, `.unwindowed`).
 
+`attend` builds one pseudo-request per run of full rows; vLLM's CUDA backends size some metadata buffers by
+max_num_seqs (and the CUDA graph capture size), so the plan bounds a step's runs (`max_runs`, vllm_rows.bound_runs:
+beyond the bound the shortest stretches of filled rows between two runs of one request run in full, counted as
+`run_bound`), and `FillBatch.bounded` applies the same bound to the rows the model adds.
+
+Every prompt token is counted once (`account`): filled or full when its position is first computed, `cached` when
+the prefix cache served it; a prompt computed again after vLLM preempted its request counts as `recomputed`.
+
 Only V1's model runner is hooked: the plugin makes vLLM use it (serve/vllm_plugin.py) and refuses to start where
 vLLM would still pick Model Runner V2, whose runner calls the model itself.
 """
@@ -31,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ridgefill.serve.vllm_requests import request_rule
-from ridgefill.serve.vllm_rows import Segments, full_tokens, token_requests
+from ridgefill.serve.vllm_rows import Segments, bound_runs, full_tokens, token_requests
 
 log = logging.getLogger("ridgefill.vllm")
 HOOKED = "_ridgefill_hooked"
@@ -42,6 +50,7 @@ class FillBatch:
     full: torch.Tensor  # [N] bool, CPU: tokens that run the full model (before outlier rows are added)
     request: torch.Tensor  # [N] long, CPU: each token's request index in the step (-1: padding)
     groups: list  # the runner's attention groups (layer names + metadata builder each)
+    max_runs: int = 0  # the most runs of full rows `attend` may describe (runner.max_runs; 0: no bound)
     # set by the model: [N] bool, CPU, the rows it filled, and those it ran in full instead (outliers, rows without
     # a whole lookback window)
     filled: torch.Tensor | None = None
@@ -56,6 +65,11 @@ class FillBatch:
 
         slots = (self.step_slots or get_forward_context().slot_mapping)[attn.layer_name][rows]
         attn.impl.do_kv_cache_update(attn, key, value, attn.kv_cache, slots)
+
+    def bounded(self, full: torch.Tensor) -> torch.Tensor:
+        """full [N] bool (the model's full rows: `full` and the rows it adds, outliers and rows without a lookback
+        window) with gaps closed until its runs fit `max_runs` (vllm_rows.bound_runs), for `attend`."""
+        return full if self.max_runs <= 0 else bound_runs(full, self.request, self.max_runs)
 
     @contextmanager
     def attend(self, seg: Segments, positions: torch.Tensor):
@@ -104,31 +118,53 @@ class Step:
     tails: list[int]  # [R] each request's tail (its own, or the served one), clamped to its prompt
     keeps: list[int]  # [R] each request's keep-first, likewise
     request: torch.Tensor  # [N] each token's request index (-1: padding)
+    positions: torch.Tensor  # [N] each token's position
     in_prompt: torch.Tensor  # [N] bool: prompt tokens (decode tokens are not)
     last: torch.Tensor  # [N] bool: a request's last prompt token
-    full: torch.Tensor  # [N] bool: the rule's full tokens
+    full: torch.Tensor  # [N] bool: the tokens that run in full (the rule's, and those over the run bound)
+    promoted: torch.Tensor  # [N] bool: tokens the rule fills that run in full: the step's runs are bounded
+    max_runs: int = 0  # the run bound of the step's full tokens (vllm_rows.bound_runs; 0: none)
 
     def batch(self, runner) -> FillBatch | None:
         """The FillBatch to pass to the model, or None when the rule fills no token of this step."""
         if bool(self.full.all()):
             return None
-        return FillBatch(self.full, self.request, [g for groups in runner.attn_groups for g in groups])
+        return FillBatch(self.full, self.request, [g for groups in runner.attn_groups for g in groups],
+                         self.max_runs)
 
 
 @dataclass
 class Seen:
-    """What the steps so far did to one request's prompt: rows the rule fills, and rows filled."""
+    """One request's prompt over the steps so far: rows the rule fills, rows filled, and how far it is counted
+    (positions below `counted` were computed, or served from the prefix cache, once already)."""
 
     rule: int = 0
     filled: int = 0
+    counted: int = 0
+    warned: bool = False
 
 
 @dataclass
 class StepLog:
-    """Per model: requests whose prefill is under way (by request id), and the warnings already given."""
+    """Per model: the requests whose prompt was seen, by request id, until they finish (a request vLLM preempts
+    recomputes its prompt later: the log keeps it from being counted twice), and the warnings already given."""
 
     requests: dict[str, Seen] = field(default_factory=dict)
     warned_stock: int = 0
+
+
+def max_runs(runner) -> int:
+    """The most runs of full tokens (pseudo-requests of `FillBatch.attend`) a step may have: vLLM's attention
+    backends size per-request metadata buffers by max_num_seqs, and under CUDA graphs some by the largest capture
+    size. The CPU backend has no such buffers; the bound holds there too, so it is the same everywhere."""
+    config = runner.vllm_config
+    limit = int(config.scheduler_config.max_num_seqs)
+    compilation = config.compilation_config
+    mode = getattr(compilation, "cudagraph_mode", None)
+    capture = getattr(compilation, "max_cudagraph_capture_size", None)
+    if mode is not None and getattr(mode, "name", str(mode)) != "NONE" and capture:
+        limit = min(limit, int(capture))
+    return max(1, limit)
 
 
 def plan_step(runner, positions: torch.Tensor, served_tail: int, served_keep: int) -> Step | None:
@@ -152,43 +188,64 @@ def plan_step(runner, positions: torch.Tensor, served_tail: int, served_keep: in
         tail, keep = request_rule(params, int(prompt[i]), served_tail, served_keep)
         tails.append(tail)
         keeps.append(keep)
-    full = full_tokens(positions, request, prompt, torch.tensor(tails, dtype=torch.long),
+    rule = full_tokens(positions, request, prompt, torch.tensor(tails, dtype=torch.long),
                        torch.tensor(keeps, dtype=torch.long))
+    limit = max_runs(runner)
+    full = bound_runs(rule, request, limit)
     last = in_prompt & (positions == prompt[request.clamp(min=0)] - 1)
-    return Step(req_ids, prompt, tails, keeps, request, in_prompt, last, full)
+    return Step(req_ids, prompt, tails, keeps, request, positions, in_prompt, last, full, full & ~rule, limit)
 
 
-def account(state, step: Step, batch: FillBatch | None, book: StepLog) -> None:
-    """Count what the step did (state.count: the tally and vLLM's /metrics counters), and warn loudly for each
-    request whose prompt ended in this step with rows the rule fills and none filled."""
-    filled = batch.filled if batch is not None and batch.filled is not None else torch.zeros_like(step.full)
-    outliers = batch.outliers if batch is not None and batch.outliers is not None else torch.zeros_like(step.full)
-    unwindowed = (batch.unwindowed if batch is not None and batch.unwindowed is not None
-                  else torch.zeros_like(step.full))
-    state.count(filled=int(filled.sum()), full=int((step.in_prompt & ~filled).sum()), outliers=int(outliers.sum()),
-                unwindowed=int(unwindowed.sum()))
+def account(state, step: Step, batch: FillBatch | None, book: StepLog, live=None) -> None:
+    """Count what the step did (state.count: the tally and vLLM's /metrics counters), each prompt token once: the
+    first time its position is computed or served from the prefix cache (`cached`: the positions before a request's
+    first computed one); computing it again after vLLM preempted its request counts as `recomputed` only. Warn
+    loudly, once, for each request whose prompt ended with rows the rule fills and none filled. live: the ids of
+    the requests not finished (the runner's `requests`), to forget the others."""
     n = len(step.req_ids)
     mine = step.request.clamp(min=0)
-    rule = torch.bincount(mine[step.in_prompt & ~step.full], minlength=n)  # [R]
-    got = torch.bincount(mine[filled], minlength=n)  # [R]
-    prefilling = set(step.request[step.in_prompt].tolist())
+    filled, outliers, unwindowed = (_rows(batch, name, step.full) for name in ("filled", "outliers", "unwindowed"))
+    prefilling = sorted(set(step.request[step.in_prompt].tolist()))
+    seen = {i: book.requests.setdefault(step.req_ids[i], Seen()) for i in prefilling}
+    counted = torch.tensor([seen[i].counted if i in seen else 0 for i in range(n)], dtype=torch.long)  # [R]
+    fresh = step.in_prompt & (step.positions >= counted[mine])  # [N] prompt tokens counted for the first time
+    big = torch.iinfo(torch.long).max
+    first = torch.full((n,), big, dtype=torch.long).scatter_reduce(0, mine[step.in_prompt],
+                                                                   step.positions[step.in_prompt], "amin")
+    cached = sum(max(0, int(first[i]) - seen[i].counted) for i in prefilling)
+    state.count(filled=int((fresh & filled).sum()), full=int((fresh & ~filled).sum()), cached=cached,
+                recomputed=int((step.in_prompt & ~fresh).sum()), outliers=int((fresh & outliers).sum()),
+                unwindowed=int((fresh & unwindowed).sum()), run_bound=int((fresh & step.promoted).sum()))
+    rule = torch.bincount(mine[fresh & (~step.full | step.promoted)], minlength=n)  # [R]
+    got = torch.bincount(mine[fresh & filled], minlength=n)  # [R]
+    reached = torch.zeros(n, dtype=torch.long).scatter_reduce(0, mine[step.in_prompt],
+                                                             step.positions[step.in_prompt] + 1, "amax")
     ended = set(step.request[step.last].tolist())
-    for i, req_id in enumerate(step.req_ids):
-        if i not in prefilling:  # decode tokens only
-            continue
-        seen = book.requests.setdefault(req_id, Seen())
-        seen.rule += int(rule[i])
-        seen.filled += int(got[i])
-        if i in ended:
-            del book.requests[req_id]
-            if seen.rule > 0 and seen.filled == 0:
-                log.warning("ridgefill: request %s (%d prompt tokens, tail %d, keep-first %d) filled none of its "
-                            "%d fillable tokens: it was served exact, without RidgeFill's speed-up (its filled-region "
-                            "rows were all outliers or without a lookback window)", req_id, int(step.prompt[i]),
-                            step.tails[i], step.keeps[i], seen.rule)
-    if len(book.requests) > 4 * n + 256:  # requests aborted mid-prefill never end here: forget them
-        live = set(step.req_ids)
-        for req_id in [r for r in book.requests if r not in live]:
+    for i in prefilling:
+        record = seen[i]
+        record.rule, record.filled = record.rule + int(rule[i]), record.filled + int(got[i])
+        record.counted = max(record.counted, int(reached[i]))
+        if i in ended and record.rule > 0 and record.filled == 0 and not record.warned:
+            record.warned = True
+            log.warning("ridgefill: request %s (%d prompt tokens, tail %d, keep-first %d) filled none of its "
+                        "%d fillable tokens: it was served exact, without RidgeFill's speed-up (its filled-region "
+                        "rows were all outliers, without a lookback window, or over the step's bound of %d runs)",
+                        step.req_ids[i], int(step.prompt[i]), step.tails[i], step.keeps[i], record.rule,
+                        step.max_runs)
+    _forget_finished(book, step, live)
+
+
+def _rows(batch: FillBatch | None, name: str, like: torch.Tensor) -> torch.Tensor:
+    """[N] bool: the rows the model reported under `name` (none when it did not fill)."""
+    rows = None if batch is None else getattr(batch, name, None)
+    return torch.zeros_like(like) if rows is None else rows
+
+
+def _forget_finished(book: StepLog, step: Step, live) -> None:
+    """Drop the records of finished requests (not `live`; without it, not in this step) once the log has grown."""
+    keep = set(step.req_ids) if live is None else live
+    if len(book.requests) > 2 * len(keep) + 256:
+        for req_id in [r for r in book.requests if r not in keep]:
             del book.requests[req_id]
 
 
@@ -216,7 +273,7 @@ def install_runner_hook() -> None:
         out = stock(self, input_ids=input_ids, positions=positions, intermediate_tensors=intermediate_tensors,
                     inputs_embeds=inputs_embeds, **model_kwargs)
         if step is not None:
-            account(state, step, batch, state.log)
+            account(state, step, batch, state.log, self.requests)
         return out
 
     GPUModelRunner._model_forward = _model_forward
