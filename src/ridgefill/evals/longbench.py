@@ -12,7 +12,6 @@ at the end survives. Two ways to answer:
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,8 @@ from ridgefill.evals.common import MeasureConfig, exact_cache_option, start, var
 from ridgefill.evals.scoring import continuation_scores
 from ridgefill.runtime.stats import mean_difference
 from ridgefill.runtime.console import note, table
+from ridgefill.runtime.data import is_hub_id
+from ridgefill.runtime.json_input import json_lines, parse_json
 from ridgefill.runtime.paths import read_text
 from ridgefill.method.fill import parse_variants
 
@@ -73,7 +74,7 @@ def load_questions(spec: str) -> list[Question]:
     path = Path(spec).expanduser()
     if path.is_file():
         records = _file_records(path)
-    elif not path.exists() and spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
+    elif not path.exists() and is_hub_id(spec):
         records = _hub_records(spec)
     else:
         raise RidgefillError(f"--data {spec} is neither a file nor a Hub dataset id: pass a LongBench v2 .json "
@@ -88,25 +89,14 @@ def _file_records(path: Path) -> list[tuple[object, str]]:
     """(record, where) pairs; `where` names the file and the line (.jsonl) or record index (.json list)."""
     text = read_text(path, "--data")
     if path.suffix == ".jsonl":
-        records = []
-        for number, line in enumerate(text.splitlines(), 1):
-            if line.strip():
-                records.append((_parse_json(line, f"{path}:{number}"), f"{path}:{number}"))
-        return records
+        return [(record, f"{path}:{number}") for number, record in json_lines(text, path, "fix the record")]
     if path.suffix == ".json":
-        data = _parse_json(text, str(path))
+        data = parse_json(text, str(path), "fix the record")
         if not isinstance(data, list):
             raise RidgefillError(f"{path} holds a JSON {type(data).__name__}, not a list of records: give "
                                  "LongBench v2's data.json (a list) or a .jsonl file")
         return [(record, f"{path}, record {i}") for i, record in enumerate(data)]
     raise RidgefillError(f"{path} is neither .json nor .jsonl: give LongBench v2 records in one of those")
-
-
-def _parse_json(text: str, where: str):
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise RidgefillError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno}): fix the record") from None
 
 
 def _hub_records(name: str) -> list[tuple[object, str]]:

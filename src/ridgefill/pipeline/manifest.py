@@ -64,10 +64,11 @@ class Manifest:
 
 
 def previous_hashes(path: Path) -> dict:
-    """File hashes an earlier manifest of this run folder recorded, by path in the folder."""
+    """File hashes an earlier manifest of this run folder recorded, by path in the folder (none from one that is
+    missing, unreadable, nested too deeply or shaped otherwise)."""
     try:
         return {k: v for e in json.loads(path.read_text()).get("steps", []) for k, v in e.get("hashes", {}).items()}
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, TypeError, RecursionError):
         return {}
 
 

