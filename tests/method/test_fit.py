@@ -8,6 +8,7 @@ import re
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from conftest import random_ids, tiny_model
 from ridgefill.engine import Engine, adapter_for
@@ -32,29 +33,18 @@ def stats(tmp_path_factory):
 
 
 def test_fit_reads_only_the_split_it_fits(stats, tmp_path, monkeypatch):
-    read, real = [], artifacts.safe_open
+    with open(stats, "rb") as f:
+        at = {entry["begin"]: name for name, entry in artifacts._parse_header(f)[0].items()}
+    read, real = [], artifacts._read_tensor
 
-    class Recording:
-        def __init__(self, *args, **kwargs):
-            self.file = real(*args, **kwargs)
+    def recording(f, entry):
+        read.append(at[entry["begin"]])
+        return real(f, entry)
 
-        def __enter__(self):
-            self.inner = self.file.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self.file.__exit__(*exc)
-
-        def get_tensor(self, name):
-            read.append(name)
-            return self.inner.get_tensor(name)
-
-        def __getattr__(self, name):
-            return getattr(self.inner, name)
-
-    monkeypatch.setattr(artifacts, "safe_open", Recording)
+    monkeypatch.setattr(artifacts, "_read_tensor", recording)
     FIT(stats=stats, out=tmp_path / "maps.safetensors", split=3)
     assert read and all(name.startswith("s3.") for name in read)
+    assert any(name.startswith("s2.") for name in at.values())
 
 
 def test_fit_reports_on_test_rows_and_says_so(stats, tmp_path):
@@ -138,7 +128,7 @@ def test_statistics_with_a_nonfinite_value_are_refused_before_any_fit(stats, tmp
     tensors[name] = tensors[name].clone()
     tensors[name].view(-1)[0] = value
     bad = tmp_path / "bad.safetensors"
-    save_artifact(bad, tensors, meta)
+    save_file(tensors, bad, metadata={"ridgefill": json.dumps(meta)})  # as no ridgefill writes it (they refuse)
     assert FIT(stats=bad, out=tmp_path / "s2.safetensors", split=2)["split"] == 2
     before = sorted(tmp_path.iterdir())
     monkeypatch.setattr(fit, "fit_split", lambda *a, **k: pytest.fail("fit solved from non-finite statistics"))
@@ -165,3 +155,25 @@ def test_mean_maps_hold_the_train_means_and_every_maps_file_carries_them(stats, 
     for m, r in zip(mean["layers"], ridge["layers"]):
         assert m["error_map"] >= 1.0 - 1e-12 and m["error_map"] > r["error_map"]
         assert m["error_identity"] == pytest.approx(r["error_identity"], rel=1e-9)
+
+
+def test_a_solve_that_overflows_fp32_is_refused_and_nothing_is_written(tmp_path):
+    """3 training rows of width 8 and λ 1e-300: the float64 solve is finite (|W| ~1e285), its cast to fp32, the
+    dtype maps are stored in, is not. fit refuses it in one line naming the file, the tensor and the fix (a larger
+    --lam); no maps, no summary, no temporary is left. The same statistics fit at λ 1e-3."""
+    g = torch.Generator().manual_seed(0)
+    cal = Calibration.empty([2], 5, 8)
+    train = cal.stats[(2, "train")]
+    x = torch.randn(3, 8, generator=g, dtype=torch.float64)
+    train.add_x(x)
+    for index in range(2):
+        train.add_y(index, x, x + torch.randn(3, 8, generator=g, dtype=torch.float64))
+    stats = tmp_path / "stats.safetensors"
+    save_artifact(stats, cal.tensors(), {**META, "artifact": "stats", "splits": [2], "n_layers": 5, "hidden_size": 8})
+    out = tmp_path / "out" / "maps.safetensors"
+    with pytest.raises(RidgefillError, match=rf"^{re.escape(str(out))} not written: bias holds a NaN or an "
+                                             r"infinity as fp32: refit with a larger --lam"):
+        FIT(stats=stats, out=out, lam="1e-300")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stats.safetensors"]
+    assert FIT(stats=stats, out=out, lam="1e-3")["split"] == 2
+    assert bool(load_artifact(out, "maps")[0]["weight"].isfinite().all())

@@ -68,3 +68,42 @@ def test_command_writes_maps_with_a_scale_the_engine_applies(tiny_checkpoint, tm
     session_info = {"weights_hash": meta["model"]["weights_hash"]}
     filler, _ = load_filler(out, session_info)
     assert torch.allclose(filler.key_scale, scale)
+
+
+def test_maps_refit_during_the_pass_do_not_get_the_scale_of_the_old_ones(tiny_checkpoint, tmp_path, monkeypatch):
+    """The maps file is rewritten (refit, other weights) while the pass runs, after its first sequence: the output
+    holds the maps the scale was measured on, those read at the start, and records their sha256 (the file now holds
+    other bytes). The hook is the pass's progress bar (runtime.console.progress_bar, as key_scale imports it)."""
+    import contextlib
+    import hashlib
+
+    import ridgefill.method.key_scale as key_scale
+    from ridgefill.runtime.artifacts import save_artifact
+
+    text = write_corpus(tmp_path / "text.txt", seed=3, lines_per_document=12)
+    stats, maps, out = tmp_path / "stats.safetensors", tmp_path / "maps.safetensors", tmp_path / "ks.safetensors"
+    command("calibrate")(model=str(tiny_checkpoint), data=str(text), split="2", tokens=1024, seq_len=128,
+                         holdout=0.25, out=stats)
+    command("fit")(stats=stats, out=maps)
+    original, meta = load_artifact(maps, "maps")
+    pinned = hashlib.sha256(maps.read_bytes()).hexdigest()
+    real = key_scale.progress_bar
+
+    @contextlib.contextmanager
+    def refit_after_the_first_sequence(*args, **kwargs):
+        with real(*args, **kwargs) as advance:
+            def advanced(*a):
+                advance(*a)
+                if not refit:
+                    refit.append(save_artifact(maps, {**original, "weight": 2 * original["weight"]}, meta))
+            yield advanced
+
+    refit = []
+    monkeypatch.setattr(key_scale, "progress_bar", refit_after_the_first_sequence)
+    summary = command("key-scale")(model=str(tiny_checkpoint), maps=maps, data=str(text), tokens=512, seq_len=128,
+                                   out=out)
+    assert refit and summary["sequences"] == 4
+    assert hashlib.sha256(maps.read_bytes()).hexdigest() != pinned
+    written, written_meta = load_artifact(out, "maps")
+    assert torch.equal(written["weight"], original["weight"])  # the maps measured, not the refit
+    assert written_meta["key_scale"]["maps_sha256"] == pinned == summary["maps_sha256"]

@@ -2,16 +2,18 @@
 vLLM plugin): a tensor with a NaN or an infinity, a tensor shaped otherwise than the file's own metadata says, or one
 that is not floating point. Calibration's and fit's side are in test_calibrate.py, test_fit.py and test_ridge.py."""
 
+import json
 import math
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from ridgefill.errors import RidgefillError
 from ridgefill.method.maps import load_filler, save_maps
 from ridgefill.method.ridge import fit_split
 from ridgefill.method.statistics import SplitStats
-from ridgefill.runtime.artifacts import load_artifact, save_artifact
+from ridgefill.runtime.artifacts import load_artifact
 
 H, LAYERS, SPLIT, KV_HEADS = 8, 5, 2, 2  # two maps: layers 3 and 4
 INFO = {"weights_hash": "x"}  # what the vLLM plugin knows of the model
@@ -35,10 +37,11 @@ def maps_file(path, rank=None, lookback=0):
 
 
 def changed(path, name, change):
-    """`path` with tensor `name` changed by `change` (on a copy), its metadata kept."""
+    """`path` with tensor `name` changed by `change` (on a copy), its metadata kept; written with safetensors itself,
+    as no ridgefill writer would write it (they refuse a NaN or an infinity)."""
     tensors, meta = load_artifact(path, "maps")
     tensors[name] = change(tensors[name].clone())
-    save_artifact(path, tensors, meta)
+    save_file({k: t.contiguous() for k, t in tensors.items()}, path, metadata={"ridgefill": json.dumps(meta)})
     return path
 
 
@@ -87,3 +90,32 @@ def test_maps_whose_tensors_do_not_fit_their_metadata_are_refused(tmp_path, kind
     with pytest.raises(RidgefillError, match=message) as refused:
         load_filler(path, info)
     assert "\n" not in str(refused.value) and str(refused.value).startswith(str(path))
+
+
+# --- writers: nothing non-finite is written (test_fit.py: fit's solve that overflows fp32) -------------------------
+def test_calibrate_refuses_to_write_statistics_that_are_not_finite(tmp_path):
+    """A resumed calibration whose checkpoint holds an infinity (a changed file: calibrate keeps rows that overflow
+    out) would carry it into every later checkpoint and the final file: the write is refused in one line naming the
+    file and the sum, and the final file is not written."""
+    from conftest import random_ids, tiny_model
+    from ridgefill.engine import Engine, adapter_for
+    from ridgefill.method.calibrate import partial_path, run_calibration
+
+    engine = Engine(adapter_for(tiny_model("llama")))
+    seqs = [random_ids(16, seed=s)[0].tolist() for s in range(6)]
+    out, meta = tmp_path / "stats.safetensors", {"model": {"id": "tiny", "weights_hash": "x"}, "data": "random"}
+
+    def interrupted():
+        yield from seqs[:4]
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_calibration(engine, interrupted(), [2], out, meta, holdout=0.0, checkpoint_every=1)
+    partial = partial_path(out)
+    tensors, saved = load_artifact(partial, "stats")
+    tensors["s2.train.xx"] = torch.tensor(math.inf, dtype=torch.float64)
+    save_file(tensors, partial, metadata={"ridgefill": json.dumps(saved)})
+    with pytest.raises(RidgefillError, match=rf"^{partial} not written: s2.train.xx holds a NaN or an infinity as "
+                                             r"float64: calibrate again from the start \(--restart\)"):
+        run_calibration(engine, seqs, [2], out, meta, holdout=0.0, checkpoint_every=1, resume=True)
+    assert not out.exists()

@@ -26,8 +26,8 @@ from ridgefill.commands import REQUIRED, Command, option
 from ridgefill.engine import Engine, FillPlan
 from ridgefill.errors import RidgefillError
 from ridgefill.method.calibrate import calibration_sequences
-from ridgefill.method.maps import load_filler
-from ridgefill.runtime.artifacts import load_artifact, save_artifact
+from ridgefill.method.maps import filler_of
+from ridgefill.runtime.artifacts import load_private, save_artifact
 from ridgefill.runtime.console import progress_bar, table
 from ridgefill.runtime.data import sequence_budget
 from ridgefill.runtime.paths import check_output, write_json
@@ -105,11 +105,16 @@ def key_norm_sums(engine: Engine, plan: FillPlan, ids: torch.Tensor, sums: KeyNo
 
 def run(c: KeyScaleConfig) -> dict:
     """Run the pass, print per layer the scale over heads and the key-norm error before and after, write the
-    maps with the key scale and a JSON summary beside them."""
+    maps with the key scale and a JSON summary beside them. The maps written are those read at the start, which the
+    scale was measured on (their sha256 is recorded as `maps_sha256`)."""
     check_device(c.device, c.dtype)
     session = c.open()
     engine = session.engine
-    filler, meta = load_filler(c.maps, session.loaded.info(), dtype=engine.dtype, device=engine.device)
+    # Read once, into private memory: the maps measured are the maps written (pinned by their sha256), whatever
+    # happens to the file during the pass (a refit).
+    tensors, stored, digest = load_private(c.maps, "maps")
+    filler, meta = filler_of(c.maps, tensors, {**stored, "sha256": digest}, session.loaded.info(), dtype=engine.dtype,
+                             device=engine.device)
     if meta["n_layers"] != engine.n_layers:
         raise RidgefillError(f"{c.maps} holds maps for {meta['n_layers']} layers, the model has {engine.n_layers}: "
                              "fit maps for this model")
@@ -128,11 +133,11 @@ def run(c: KeyScaleConfig) -> dict:
     scale = sums.scale()  # [L-S, Hkv], on the model's device
     before, after = sums.norm_error(torch.ones_like(scale)).cpu(), sums.norm_error(scale).cpu()
     scale = scale.cpu()
-    tensors, stored = load_artifact(c.maps, "maps")
-    tensors["key_scale"] = scale.float()
     info = {"data": c.data, "tokens": done * c.seq_len, "sequences": done, "filled_rows": sums.rows,
-            "skip_first": c.skip_first}
-    save_artifact(c.out, tensors, {**stored, "key_scale": info})
+            "skip_first": c.skip_first, "maps_sha256": digest}
+    save_artifact(c.out, {**tensors, "key_scale": scale.float()}, {**stored, "key_scale": info},
+                  fix=f"the maps {c.maps} fill keys the scale cannot reach in fp32: refit them (a larger --lam), then "
+                  "rerun key-scale")
     attention = [i for i in range(1, len(scale)) if engine.layer_kinds[split + i] == "attention"]
     rows = [[split + i, float(scale[i].min()), float(scale[i].median()), float(scale[i].max()), float(before[i]),
              float(after[i])] for i in attention]

@@ -43,7 +43,13 @@ def load_filler(path: str | Path, model_info: dict, split: int | None = None,
     changing the file later changes nothing); with `sha256`, it must be the file that was checked. The metadata
     returned carries the file's `sha256`."""
     tensors, meta, digest = load_private(path, "maps", sha256)
-    meta = {**meta, "sha256": digest}
+    return filler_of(path, tensors, {**meta, "sha256": digest}, model_info, split, dtype, device, mean)
+
+
+def filler_of(path: str | Path, tensors: dict[str, torch.Tensor], meta: dict, model_info: dict,
+              split: int | None = None, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+              mean: bool = False) -> tuple[Filler, dict]:
+    """The filler of a maps file's `tensors` and `meta` as read (load_private), checked as load_filler checks it."""
     check_for_model(path, meta, model_info, split)
     check_maps(path, tensors, meta, model_info.get("hidden_size"), model_info.get("kv_heads"))
     n_layers, s = meta["n_layers"], meta["split"]
