@@ -65,7 +65,7 @@ REGISTRY: dict[str, Entry] = {
     "lm-eval": Entry("ridgefill.evals.lm_eval_cli", "lm-evaluation-harness with the `ridgefill` model registered."),
     "run": Entry("ridgefill.pipeline.run", "Run a recipe: calibrate → fit → evaluations, cached, with a report."),
     "tune": Entry("ridgefill.pipeline.tune", "Search the split to serve with: fewest exact layers within tolerance."),
-    "report": Entry("ridgefill.report.write", "Write report.md and PNG plots from the results in a run folder."),
+    "report": Entry("ridgefill.pipeline.report", "Write report.md and PNG plots from the results in a run folder."),
     "demo": Entry("ridgefill.pipeline.run", "The main job on the embedded model: the quickstart recipe.",
                   attribute="DEMO"),
 }

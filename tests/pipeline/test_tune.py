@@ -17,12 +17,12 @@ import pytest
 
 from ridgefill.cli import main
 from ridgefill.errors import RidgefillError
+from ridgefill.pipeline.frontier import Point
 from ridgefill.pipeline.tune import COMMAND as tune_command
 from ridgefill.pipeline.tune import sweep as sweeping
 from ridgefill.pipeline.tune.options import candidate_splits, parse_windows, window_of
 from ridgefill.pipeline.tune.verdict import MIN_DISTANT_TOKENS, PASS, best_choice, distant_warning, verdict
 from ridgefill.pipeline.tune.windows import WindowRun, best_window
-from ridgefill.report.frontier import Point
 from tiny_checkpoint import write_corpus
 
 
@@ -56,7 +56,7 @@ def test_each_stage_judges_only_what_it_measures():
 
 def loss_result(counts: list[int]):
     from ridgefill.runtime.stats import distant_spread
-    from ridgefill.report.write import Result
+    from ridgefill.report.results import Result
 
     return Result(Path("loss.json"), {"command": "loss", "distant_spread": distant_spread(counts)})
 
@@ -330,8 +330,8 @@ def windowed(tiny_checkpoint, texts, tmp_path_factory) -> tuple[dict, Path]:
 
 def frontier_speedups(run_dir: Path) -> dict:
     """(variant, split) -> FLOP-limit speedup of a run folder's points, as its report counts them."""
-    from ridgefill.report.frontier import frontier
-    from ridgefill.report.write import collect, flop_model
+    from ridgefill.pipeline.frontier import flop_model, frontier
+    from ridgefill.report.results import collect
 
     manifest, results = collect(run_dir)
     points = frontier([r for r in results if r.command == "ruler"], [], [], 5.0, flop_model(manifest, results)).points

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from ridgefill.report import plots
-from ridgefill.report.write import Result
+from ridgefill.report.results import Result
 from test_report import loss_doc
 
 

@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from ridgefill.cli import app
 from ridgefill.errors import RidgefillError
-from ridgefill.report.write import write_report
+from ridgefill.pipeline.report import write_report
 
 VARIANTS = ("exact", "identity", "ridge")
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from ridgefill.engine import FilledWindow, ModelShape
+from ridgefill.engine.shape import HybridShape
 
 
 def row_flops(shape: ModelShape) -> dict[str, int]:
@@ -99,3 +100,25 @@ def _filled_row_flops(shape: ModelShape, layer: int) -> int:
         return linear_mixer_flops(shape)["state"]
     row = row_flops(shape)
     return row["k"] + row["v"]
+
+
+def described_shape(model: dict, config: dict) -> ModelShape | None:
+    """The ModelShape of a model described as a result document's `model` records it (the adapter's describe():
+    layers, widths, heads, layer kinds) with its config.json (`config`, {} when not at hand: the MLP width and
+    vocabulary, and a hybrid's linear layers and MLPs); None when any of them is unknown."""
+    names = ("layers", "hidden_size", "heads", "kv_heads", "head_dim")
+    if not all(isinstance(model.get(k), int) for k in names):
+        return None
+    config = config.get("text_config") or config
+    intermediate = model.get("intermediate_size") or config.get("intermediate_size")
+    vocab = model.get("vocab_size") or config.get("vocab_size")
+    if not isinstance(intermediate, int) or not isinstance(vocab, int):
+        return None
+    kinds = tuple(model.get("layer_kinds") or ())
+    hybrid = None
+    if any(kind != "attention" for kind in kinds):  # a hybrid: its linear layers and MLPs from its config.json
+        try:
+            hybrid = HybridShape.from_config(config, model["layers"])
+        except KeyError:
+            return None
+    return ModelShape(*(model[k] for k in names), intermediate, vocab, kinds, hybrid)

@@ -97,7 +97,7 @@ def run_recipe(spec: str | Path, out_dir: str | Path | None = None, force=(), dr
     run_tasks(tasks, run_dir, model["weights_hash"], force, manifest)
     table(f"{recipe.name} → {run_dir}", ["task", "cache", "time (s)"],
           [[e["label"], "hit" if e["cached"] else "computed", e["duration_s"]] for e in manifest.doc["steps"]])
-    from ridgefill.report.write import write_report
+    from ridgefill.pipeline.report import write_report
 
     write_report(run_dir)
     return run_dir

@@ -1,5 +1,5 @@
 """The report's PNG figures, one function per section of report.md (write.py writes the text beside them). Each
-takes its section's result documents (report.write.Result: .doc, .config, .label, .variants) and the file to
+takes its section's result documents (report.results.Result: .doc, .config, .label, .variants) and the file to
 write. matplotlib is imported only when a figure is drawn."""
 
 from __future__ import annotations

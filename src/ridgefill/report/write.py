@@ -1,4 +1,6 @@
-"""`ridgefill report RUN_DIR`: report.md and PNG plots (RUN_DIR/plots) from whatever results a run folder holds.
+"""report.md and PNG plots (RUN_DIR/plots) from whatever results a run folder holds, and the frontier the pipeline
+decided from them (pipeline/frontier.py; `ridgefill report` is pipeline/report.py): this module renders, it
+decides nothing.
 
 Sections whose results are absent are skipped. Every number comes from the result documents the commands wrote
 (and manifest.json when the folder is a `ridgefill run` folder: then only the artifacts it lists are read, so
@@ -7,146 +9,21 @@ stale artifacts from earlier recipe versions never mix in).
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
-from ridgefill.commands import REQUIRED, Command, Config, option, steps
-from ridgefill.errors import RidgefillError
-from ridgefill.runtime.stats import describe_spread, distant_spread, format_interval
 from ridgefill.report import plots
-from ridgefill.report.frontier import FlopModel
-from ridgefill.report.frontier import frontier as sweep_frontier
+from ridgefill.report.results import Result
 from ridgefill.runtime.console import cell
 from ridgefill.runtime.paths import atomic_path
+from ridgefill.runtime.stats import describe_spread, distant_spread, format_interval
 
 
-@dataclass
-class Result:
-    path: Path
-    doc: dict
-
-    @property
-    def command(self) -> str:
-        return self.doc["command"].replace("_", "-")
-
-    @property
-    def split(self) -> int | None:
-        maps = self.doc.get("maps")
-        return (maps or {}).get("split") or self.doc.get("split") or self.config.get("split")
-
-    @property
-    def tail(self) -> int | None:
-        return self.config.get("tail")
-
-    @property
-    def seed(self) -> int | None:
-        return self.doc.get("seed")
-
-    @property
-    def config(self) -> dict:
-        return self.doc.get("config") or {}
-
-    @property
-    def label(self) -> str:
-        parts = [f"split {self.split}" if self.split is not None else None,
-                 f"tail {self.tail}" if self.tail is not None else None,
-                 f"seed {self.seed}" if self.seed is not None else None]
-        return ", ".join(p for p in parts if p) or self.path.stem
-
-    @property
-    def slug(self) -> str:
-        return "-".join(f"{k}{v}" for k, v in (("s", self.split), ("t", self.tail), ("seed", self.seed))
-                        if v is not None) or self.path.stem
-
-    @property
-    def variants(self) -> list[str]:
-        return list(self.doc.get("variants") or self.doc.get("results", {}))
-
-
-def collect(run_dir: Path) -> tuple[dict | None, list[Result]]:
-    """(manifest or None, result documents in task order). With a manifest only its artifacts are read."""
-    manifest_path = run_dir / "manifest.json"
-    manifest = _read(manifest_path) if manifest_path.is_file() else None
-    entries = manifest.get("steps", []) if isinstance(manifest, dict) else None
-    if manifest is not None and not (isinstance(entries, list) and all(
-            isinstance(e, dict) and isinstance(e.get("hashes", {}), dict) for e in entries)):
-        raise RidgefillError(f"{manifest_path} is not a ridgefill run manifest (a JSON object with a list of steps): "
-                             "rerun the recipe (ridgefill run), or remove the file to report every result below the "
-                             "folder")
-    if manifest is not None:
-        paths = [run_dir / name for step in entries for name in step.get("hashes", {}) if name.endswith(".json")]
-    else:
-        paths = sorted(p for p in run_dir.rglob("*.json") if p.name != "manifest.json")
-    known = steps()
-    results = []
-    for path in paths:
-        doc = _read(path) if path.is_file() else None
-        if isinstance(doc, dict) and str(doc.get("command", "")).replace("_", "-") in known:
-            result = Result(path, doc)
-            problem = _incomplete(result)
-            if problem:
-                raise RidgefillError(f"{path} is not a complete `ridgefill {result.command}` result ({problem}): "
-                                     f"rerun the command, or move the file out of {run_dir}")
-            results.append(result)
-    return manifest, results
-
-
-# What the report reads of a document, key -> JSON type(s): of a measurement's envelope (only `results` is
-# required; each of its values, or each entry of bench-ttft's list, is an object), and of the fit summary (all
-# required; each of its layers is an object). Other steps' documents are listed, not read.
-NUMBER = (int, float, type(None))
-MEASUREMENTS = ("ruler", "loss", "splice", "longbench", "bench-ttft")
-ENVELOPE = {"results": dict, "intervals": dict, "config": dict, "model": dict, "maps": (dict, type(None))}
-SUMMARIES = {"fit": {"split": int, "kind": str, "layers": list, "mean_error_identity": NUMBER,
-                     "mean_error_map": NUMBER}}
-
-
-def _incomplete(result: Result) -> str | None:
-    """What a result document lacks of what the report reads (None when nothing)."""
-    doc, command = result.doc, result.command
-    if command not in MEASUREMENTS and command not in SUMMARIES:
-        return None
-    if command in SUMMARIES:
-        fields, required, nested = SUMMARIES[command], set(SUMMARIES[command]), "layers"
-    else:
-        fields, required, nested = {**ENVELOPE, "results": list if command == "bench-ttft" else dict}, {"results"}, \
-            "results"
-    for key, kind in fields.items():
-        if key not in doc:
-            if key in required:
-                return f"no '{key}'"
-        elif not isinstance(doc[key], kind):
-            return f"'{key}' is a JSON {type(doc[key]).__name__}"
-    values = doc.get(nested, [])
-    if not all(isinstance(v, dict) for v in (values.values() if isinstance(values, dict) else values)):
-        return f"an entry of '{nested}' is not an object"
-    return None
-
-
-def _read(path: Path):
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def write_report(run_dir: str | Path, tolerance: float | None = None) -> Path:
-    """Write RUN_DIR/report.md and RUN_DIR/plots/*.png; returns the report's path."""
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise RidgefillError(f"{run_dir} is not a folder: pass a run folder (from ridgefill run)")
-    manifest, results = collect(run_dir)
-    if not results:
-        raise RidgefillError(f"{run_dir} holds no ridgefill result documents: run a recipe (ridgefill run) or a "
-                             "command that writes JSON into it first")
-    if tolerance is None:
-        tolerance = ((manifest or {}).get("settings") or {}).get("tolerance", 5.0)
+def render(run_dir: Path, manifest: dict | None, results: list[Result], frontier, tolerance: float) -> Path:
+    """Write RUN_DIR/report.md and RUN_DIR/plots/*.png from `results` (report.results.collect) and `frontier` (its
+    points and useful splits at `tolerance`, pipeline.frontier.frontier); returns the report's path."""
     plots_dir = run_dir / "plots"
     plots_dir.mkdir(exist_ok=True)
-    frontier = sweep_frontier(_of(results, "ruler"), _of(results, "loss"), _of(results, "bench-ttft"), tolerance,
-                              flop_model(manifest, results))
     sections = [_header(run_dir, manifest, results), _glance(results, frontier, tolerance),
                 _fit(_of(results, "fit"), plots_dir), _loss(_of(results, "loss"), plots_dir),
                 _ruler(_of(results, "ruler"), plots_dir), _splice(_of(results, "splice"), plots_dir),
@@ -156,104 +33,6 @@ def write_report(run_dir: str | Path, tolerance: float | None = None) -> Path:
     with atomic_path(path) as tmp:
         tmp.write_text("\n\n".join(s for s in sections if s) + "\n")
     return path
-
-
-# --- the FLOP count of a sweep without bench-ttft ----------------------------------------------------------------
-def flop_model(manifest: dict | None, results: list[Result]) -> FlopModel | None:
-    """The model's shapes and the sweep's longest measured prompt (RULER length or loss context), so the frontier
-    can count the FLOP-limit speedup of points that bench-ttft did not time, with the maps' rank, lookback and
-    filled window per split (the window: the maps', else the one the split's results asked for); None when the
-    shapes are unknown."""
-    models = [(manifest or {}).get("model")] + [r.doc.get("model") for r in results]
-    shape = next((model_shape(m) for m in models if isinstance(m, dict)), None)
-    measured = [r for r in results if r.command in ("ruler", "loss")]
-    lengths = [int(s["length"]) for r in measured for s in r.doc.get("samples") or [] if s.get("length")]
-    lengths += [int(r.config["context"]) for r in measured if r.config.get("context")]
-    if shape is None or not lengths:
-        return None
-    keep_first = next((r.config["keep_first"] for r in measured if r.config.get("keep_first") is not None), 1)
-    fits = _of(results, "fit")
-    ranks = {r.doc["split"]: r.doc.get("rank") for r in fits}
-    lookbacks = {r.doc["split"]: r.doc.get("lookback", 0) for r in fits}
-    windows = {r.split: measured_window(r) for r in measured if r.split is not None and r.config.get("filled_window")}
-    windows.update({r.doc["split"]: r.doc["filled_window"] for r in fits if r.doc.get("filled_window")})
-    return FlopModel(shape, max(lengths), keep_first, ranks, lookbacks, windows)
-
-
-def measured_window(result: Result) -> dict:
-    """The filled window a ruler or loss result asked for (--filled-window, --filled-window-layers), as FlopModel
-    takes it: so points without windowed maps (identity fill) are counted with it too."""
-    from ridgefill.engine import parse_layers
-
-    first, last = parse_layers(result.config.get("filled_window_layers"), result.split)
-    return {"size": result.config["filled_window"], "first": first, "last": last}
-
-
-def model_shape(model: dict):
-    """engine.ModelShape from a result document's `model` (its layers, widths and heads) and the MLP width and
-    vocabulary from the model's own config.json where it is on this machine (never loaded or downloaded); None
-    when any of them is unknown."""
-    from ridgefill.engine import ModelShape
-    from ridgefill.engine.shape import HybridShape
-
-    names = ("layers", "hidden_size", "heads", "kv_heads", "head_dim")
-    if not all(isinstance(model.get(k), int) for k in names):
-        return None
-    config = _model_config(str(model.get("id", "")))
-    config = config.get("text_config") or config
-    intermediate = model.get("intermediate_size") or config.get("intermediate_size")
-    vocab = model.get("vocab_size") or config.get("vocab_size")
-    if not isinstance(intermediate, int) or not isinstance(vocab, int):
-        return None
-    kinds = tuple(model.get("layer_kinds") or ())
-    hybrid = None
-    if any(kind != "attention" for kind in kinds):  # a hybrid: its linear layers and MLPs from its config.json
-        try:
-            hybrid = HybridShape.from_config(config, model["layers"])
-        except KeyError:
-            return None
-    return ModelShape(*(model[k] for k in names), intermediate, vocab, kinds, hybrid)
-
-
-def _model_config(model_id: str) -> dict:
-    """config.json of a local model folder, of the embedded model's converted folder, or of a Hub id in the local
-    Hub cache; {} when none is here."""
-    from ridgefill.runtime.models import ALIASES
-    from ridgefill.runtime.paths import cache_dir
-
-    found = cache_dir() / "models" / model_id if model_id in ALIASES else Path(model_id).expanduser()
-    path = found / "config.json"
-    if not path.is_file() and model_id.count("/") == 1:
-        try:
-            from huggingface_hub import try_to_load_from_cache
-
-            cached = try_to_load_from_cache(model_id, "config.json")
-            path = Path(cached) if isinstance(cached, str) else path
-        except (ImportError, OSError, ValueError):  # no Hub library, cache or valid id: no FLOP count
-            pass
-    config = _read(path) if path.is_file() else None
-    return config if isinstance(config, dict) else {}
-
-
-@dataclass
-class ReportConfig(Config):
-    run_dir: Path = option(REQUIRED, "Run folder (from `ridgefill run`) or any folder of result JSONs.",
-                           positional=True)
-    tolerance: float | None = option(None, "Retrieval points below exact that still count as equal quality for "
-                                     "the useful split (default: the recipe's, else 5).")
-
-    def check(self) -> None:
-        if self.tolerance is not None and not self.tolerance >= 0:
-            raise RidgefillError(f"--tolerance {self.tolerance} must be 0 or more (retrieval points below exact)")
-
-
-def run(config: ReportConfig) -> Path:
-    path = write_report(config.run_dir, config.tolerance)
-    print(path)
-    return path
-
-
-COMMAND = Command("report", ReportConfig, run)
 
 
 # --- text helpers -----------------------------------------------------------------------------------------

@@ -51,7 +51,7 @@ def run(c: TuneConfig) -> dict:
     """Per window, search the splits and check the choices; print the frontier, write the reports and the serving
     config; returns the config. No split within bounds for any variant and window: the reports are written, then
     a one-line error says what to change."""
-    from ridgefill.report.write import write_report
+    from ridgefill.pipeline.report import write_report
 
     for window in c.window_sizes:  # the steps' checks, no model
         recipes(c, split_values(c.splits) if c.splits is not None else [1], window)

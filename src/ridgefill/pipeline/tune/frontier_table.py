@@ -3,8 +3,8 @@ quality, the verdicts and which point was chosen and served."""
 
 from __future__ import annotations
 
+from ridgefill.pipeline.frontier import Point
 from ridgefill.pipeline.tune.windows import WindowRun
-from ridgefill.report.frontier import Point
 from ridgefill.runtime.console import table
 
 

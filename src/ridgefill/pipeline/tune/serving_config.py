@@ -9,9 +9,9 @@ from pathlib import Path
 from ridgefill import __version__
 from ridgefill.method.fill import FROM_MAPS, SERVING_KIND, FillSettings
 from ridgefill.method.statistics import OUTLIER_FACTOR
+from ridgefill.pipeline.frontier import Point
 from ridgefill.pipeline.tune.options import TuneConfig, window_layers
 from ridgefill.pipeline.tune.windows import WindowRun
-from ridgefill.report.frontier import Point
 
 
 def serving_config(c: TuneConfig, runs: list[WindowRun], served: WindowRun, best: Point,

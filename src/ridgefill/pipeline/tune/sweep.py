@@ -6,8 +6,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ridgefill.pipeline.frontier import FlopModel, Point, frontier
 from ridgefill.pipeline.tune.verdict import PASS, verdict
-from ridgefill.report.frontier import FlopModel, Point, frontier
 from ridgefill.runtime.console import note
 from ridgefill.runtime.models import ModelIdentity
 
@@ -52,7 +52,7 @@ class Sweep:
         return {v: self.verdicts[(v, split)] == PASS for v in self.variants}
 
     def results(self) -> tuple[dict, list]:
-        from ridgefill.report.write import collect
+        from ridgefill.report.results import collect
 
         return collect(self.run_dir)
 

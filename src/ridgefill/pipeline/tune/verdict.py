@@ -3,7 +3,7 @@ whether the NLL check rests on enough distant-context tokens to judge."""
 
 from __future__ import annotations
 
-from ridgefill.report.frontier import Point
+from ridgefill.pipeline.frontier import Point
 
 PASS = "pass"
 MIN_DISTANT_TOKENS = 300  # fewer give no interval that separates fills (docs/quality.md, issue #13)

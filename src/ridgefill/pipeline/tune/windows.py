@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ridgefill.pipeline.frontier import FlopModel, Point
 from ridgefill.pipeline.search import search, step_up
 from ridgefill.pipeline.tune.options import TuneConfig, window_dir, window_layers, window_of
 from ridgefill.pipeline.tune.recipes import CHECK_FOLDER, recipes, record
 from ridgefill.pipeline.tune.sweep import Sweep, merged_points
 from ridgefill.pipeline.tune.verdict import best_choice
-from ridgefill.report.frontier import FlopModel, Point
 from ridgefill.runtime.console import note
 from ridgefill.runtime.models import ModelIdentity
 

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from ridgefill.report.write import Result
-from ridgefill.report.frontier import Point, frontier, useful_split
+from ridgefill.pipeline.frontier import Point, frontier, useful_split
+from ridgefill.report.results import Result
 
 
 def ruler(split: int, tail: int, scores: dict, seed: int = 0, region: str = "filled") -> Result:
@@ -84,7 +84,7 @@ SMOLLM2 = dict(layers=30, hidden=576, heads=9, kv_heads=3, head_dim=64, intermed
 
 def flop_model(length: int, **extra):
     from ridgefill.engine import ModelShape
-    from ridgefill.report.frontier import FlopModel
+    from ridgefill.pipeline.frontier import FlopModel
 
     return FlopModel(ModelShape(**{**SMOLLM2, **extra.pop("shape", {})}), length, **extra)
 
@@ -118,7 +118,7 @@ def test_lookback_maps_cost_their_window_in_the_flop_count():
     import torch
 
     from ridgefill.engine import MapFiller, ModelShape
-    from ridgefill.report.frontier import map_flops
+    from ridgefill.pipeline.frontier import map_flops
 
     shape = ModelShape(**SMOLLM2)
     maps = shape.layers - 15 - 1

@@ -1,10 +1,11 @@
-"""The speed–quality frontier of a sweep over splits (and tails), and the *useful split*.
+"""The speed–quality frontier of a sweep over splits (and tails), and the *useful split*: what the pipeline
+decides from a run folder's results (`ridgefill report` renders it, `ridgefill tune` judges its points).
 
 Per variant (identity, ridge) and tail, each split is one point: its quality (filled-region RULER retrieval and
 distant-context NLL, each beside exact's on the same samples) and its speed (FLOP-limit and measured prefill
 speedup over exact, from bench-ttft). Seeds of one (split, tail) are averaged. Without a bench-ttft result for a
 point, its FLOP-limit speedup is counted from the model's shapes (FlopModel, evals/flops.py) when they are known:
-it needs no timing.
+it needs no timing (flop_model: the shapes from the results' `model`, evals/flops.described_shape).
 
 The useful split is the smallest split (the most layers filled, the most speed) whose filled-region retrieval
 stays within `tolerance` points of exact: how much speed the method buys at equal quality.
@@ -13,9 +14,11 @@ stays within `tolerance` points of exact: how much speed the method buys at equa
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ridgefill.method.fill import FILLS
+from ridgefill.report.results import Result, read_json
 from ridgefill.runtime.stats import mean
 
 if TYPE_CHECKING:
@@ -173,3 +176,57 @@ def _speedup(doc: dict, variant: str) -> tuple[int, float | None, float | None] 
     longest = max(entries, key=lambda e: e["length"])
     fill = longest["fill"][variant]
     return longest["length"], fill.get("limit_speedup"), fill.get("speedup")
+
+
+# --- the FLOP count of a sweep without bench-ttft ----------------------------------------------------------------
+def flop_model(manifest: dict | None, results: list[Result]) -> FlopModel | None:
+    """The model's shapes and the sweep's longest measured prompt (RULER length or loss context), so the frontier
+    can count the FLOP-limit speedup of points that bench-ttft did not time, with the maps' rank, lookback and
+    filled window per split (the window: the maps', else the one the split's results asked for); None when the
+    shapes are unknown."""
+    from ridgefill.evals.flops import described_shape
+
+    models = [(manifest or {}).get("model")] + [r.doc.get("model") for r in results]
+    shape = next((described_shape(m, _model_config(str(m.get("id", "")))) for m in models if isinstance(m, dict)),
+                 None)
+    measured = [r for r in results if r.command in ("ruler", "loss")]
+    lengths = [int(s["length"]) for r in measured for s in r.doc.get("samples") or [] if s.get("length")]
+    lengths += [int(r.config["context"]) for r in measured if r.config.get("context")]
+    if shape is None or not lengths:
+        return None
+    keep_first = next((r.config["keep_first"] for r in measured if r.config.get("keep_first") is not None), 1)
+    fits = [r for r in results if r.command == "fit"]
+    ranks = {r.doc["split"]: r.doc.get("rank") for r in fits}
+    lookbacks = {r.doc["split"]: r.doc.get("lookback", 0) for r in fits}
+    windows = {r.split: measured_window(r) for r in measured if r.split is not None and r.config.get("filled_window")}
+    windows.update({r.doc["split"]: r.doc["filled_window"] for r in fits if r.doc.get("filled_window")})
+    return FlopModel(shape, max(lengths), keep_first, ranks, lookbacks, windows)
+
+
+def measured_window(result: Result) -> dict:
+    """The filled window a ruler or loss result asked for (--filled-window, --filled-window-layers), as FlopModel
+    takes it: so points without windowed maps (identity fill) are counted with it too."""
+    from ridgefill.engine import parse_layers
+
+    first, last = parse_layers(result.config.get("filled_window_layers"), result.split)
+    return {"size": result.config["filled_window"], "first": first, "last": last}
+
+
+def _model_config(model_id: str) -> dict:
+    """config.json of a local model folder, of the embedded model's converted folder, or of a Hub id in the local
+    Hub cache (never loaded or downloaded); {} when none is here."""
+    from ridgefill.runtime.models import ALIASES
+    from ridgefill.runtime.paths import cache_dir
+
+    found = cache_dir() / "models" / model_id if model_id in ALIASES else Path(model_id).expanduser()
+    path = found / "config.json"
+    if not path.is_file() and model_id.count("/") == 1:
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(model_id, "config.json")
+            path = Path(cached) if isinstance(cached, str) else path
+        except (ImportError, OSError, ValueError):  # no Hub library, cache or valid id: no FLOP count
+            pass
+    config = read_json(path) if path.is_file() else None
+    return config if isinstance(config, dict) else {}
