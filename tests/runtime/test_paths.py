@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ridgefill.commands import command
+from ridgefill.commands import command, option
 from ridgefill.errors import RidgefillError
 from ridgefill.runtime import paths
 from ridgefill.runtime.artifacts import save_artifact
@@ -223,6 +223,73 @@ def test_an_output_that_is_an_input_is_refused(tmp_path):
     assert "--config-out" in refusal(Toy(stats=data, config_out=data), "config_out")
     check_output(Toy(stats=stats, out=tmp_path / "maps.safetensors"))
     check_output(Toy(config_out=None))  # no output given: its default goes elsewhere
+
+
+@dataclass
+class ToyWithFolders:
+    model: str = "smollm2-135m"
+    data: str = "wiki-leads"
+    out_dir: Path | None = None
+    store: Path | None = option(None, "a folder the command writes results into", role="store")
+    out: Path | None = None
+    config_out: Path | None = None
+
+
+def test_an_output_inside_an_input_folder_is_refused(tmp_path):
+    """Outputs must not land on any input, files inside an input folder included (`calibrate --model ./m --out
+    ./m/model.safetensors` would replace the checkpoint's weights): the model folder, a data folder, at any depth,
+    by a link too; the folders a command writes (out_dir, a store) are no inputs."""
+    model, corpus = tmp_path / "m", tmp_path / "corpus"
+    (model / "sub").mkdir(parents=True)
+    (model / "model.safetensors").write_bytes(b"weights")
+    corpus.mkdir()
+    for out in (model / "model.safetensors", model / "new.safetensors", model / "sub" / "deeper" / "x.json"):
+        assert refusal(ToyWithFolders(model=str(model), out=out)) == (
+            f"--out {out} is inside the folder --model reads ({model}): writing there would change that input: choose "
+            "another --out, outside it")
+    assert "inside the folder --model reads" in refusal(ToyWithFolders(model=str(model), out=tmp_path / "o"),
+                                                        beside=("/../m/o.json",))
+    (tmp_path / "link").symlink_to(model)
+    assert "--model reads" in refusal(ToyWithFolders(model=str(model), out=tmp_path / "link" / "o.safetensors"))
+    assert "--data reads" in refusal(ToyWithFolders(data=str(corpus), out=corpus / "stats.safetensors"))
+    assert "--config-out" in refusal(ToyWithFolders(data=str(corpus), config_out=corpus / "s.json"), "config_out")
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    check_output(ToyWithFolders(model=str(model), data=str(corpus), out_dir=runs, config_out=runs / "s.json"),
+                 "config_out")
+    check_output(ToyWithFolders(model=str(model), store=runs, out=runs / "r.json"))
+    check_output(ToyWithFolders(model=str(model), data=str(corpus), out=tmp_path / "m2" / "stats.safetensors"))
+
+
+IN_MODEL_FOLDER = [("calibrate", dict(data="wiki-leads", split="2")), ("key-scale", dict(data="wiki-leads")),
+                   ("ruler", dict(split=2)), ("loss", dict(data="shakespeare", split=2))]
+
+
+@pytest.mark.parametrize("name,values", [pytest.param(*w, id=w[0]) for w in IN_MODEL_FOLDER])
+def test_no_command_writes_into_its_model_folder(name, values, tiny_checkpoint, tmp_path):
+    """calibrate, key-scale and the evals refuse an --out in their --model's folder (its weights file included)
+    before any work; the same file beside the folder is taken."""
+    if name == "key-scale":
+        values = {**values, "maps": tmp_path / "maps.safetensors"}
+        values["maps"].write_bytes(b"maps")
+    for out in (tiny_checkpoint / "model.safetensors", tiny_checkpoint / "result.json"):
+        with pytest.raises(RidgefillError, match=rf"^--out {out} is (the file|inside the folder) --model reads"):
+            command(name).make(model=str(tiny_checkpoint), **values, out=out).check()
+    command(name).make(model=str(tiny_checkpoint), **values, out=tmp_path / "result.json").check()
+
+
+def test_fit_and_calibrate_refuse_an_output_in_their_data_or_onto_their_statistics(tmp_path):
+    """calibrate --data <folder> with --out in that folder is refused; fit's summary (<out>.json) onto --stats too."""
+    corpus, stats = tmp_path / "corpus", tmp_path / "stats.safetensors"
+    corpus.mkdir()
+    stats.write_bytes(b"statistics")
+    with pytest.raises(RidgefillError, match=r"inside the folder --data reads"):
+        command("calibrate").make(data=str(corpus), split="2", out=corpus / "stats.safetensors").check()
+    summary_on_stats = tmp_path / "maps.json"
+    summary_on_stats.write_bytes(b"statistics")
+    with pytest.raises(RidgefillError, match=r"maps.json \(written beside it\) is the file --stats reads"):
+        command("fit").make(stats=summary_on_stats, out=tmp_path / "maps").check()
+    command("fit").make(stats=stats, out=tmp_path / "maps.safetensors").check()
 
 
 def test_calibrate_may_resume_from_its_own_checkpoint(tmp_path):

@@ -3,6 +3,7 @@ of a command's output path before any work."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -160,10 +161,15 @@ def _running(pid: int) -> bool:
 
 
 # --- outputs ----------------------------------------------------------------------------------------------------
+WRITTEN_ROLES = ("output", "store")  # options a command writes (commands.option's role), not inputs
+
+
 def check_output(config, field: str = "out", beside: tuple[str, ...] = ()) -> None:
     """Refuse, before any work, the output option `field` of a command's `config` when writing it must fail or would
     destroy an input: it is an existing folder; its folder is a file or cannot be written; it is the same file as
-    another option's value (the command's inputs: every other option that names an existing file). `beside`: the
+    another option's value, or lies inside a folder another option names (the command's inputs: every other option
+    that names an existing file or folder, e.g. --model's checkpoint folder or --data's corpus folder; not the
+    folders the command writes: an option whose role is output or store, or one named out_dir). `beside`: the
     suffixes of files the command writes next to it (".json": `<out>.json`), checked the same way. A file that only
     the command itself reads and writes (calibrate's `<out>.partial` on --resume) names no option: it is allowed.
     Nothing to check when the option is None (its default goes elsewhere)."""
@@ -172,31 +178,59 @@ def check_output(config, field: str = "out", beside: tuple[str, ...] = ()) -> No
         return
     flag = "--" + field.replace("_", "-")
     out = Path(out)
+    inputs = _inputs(config, field)
     for target in [out, *(Path(f"{out}{suffix}") for suffix in beside)]:
         what = f"{flag} {out}" if target == out else f"{flag} {out}: {target} (written beside it)"
-        if target.is_dir():
-            fix = "name a file to write, not a folder" if target == out else \
-                f"move that folder away or choose another {flag}"
-            raise RidgefillError(f"{what} is an existing folder: {fix}")
-        folder = target.parent
-        nearest = folder
-        while not nearest.exists() and nearest != nearest.parent:
-            nearest = nearest.parent
-        if nearest.exists() and not nearest.is_dir():
-            raise RidgefillError(f"{what} cannot be written: {nearest} is a file, not a folder: choose another {flag}")
-        if nearest == folder and folder.is_dir() and not os.access(folder, os.W_OK | os.X_OK):
-            raise RidgefillError(f"{what} cannot be written: the folder {folder} is not writable: choose a folder you "
-                                 "can write to, or change its permissions")
-        for name, value in vars(config).items():
-            if name != field and isinstance(value, (str, Path)) and _same_file(target, value):
-                raise RidgefillError(f"{what} is the file --{name.replace('_', '-')} reads: writing it would replace "
-                                     f"that input: choose another {flag}")
+        _check_writable(target, what, flag, target == out)
+        for name, value in inputs.items():
+            option = "--" + name.replace("_", "-")
+            if _same_file(target, value):
+                raise RidgefillError(f"{what} is the file {option} reads: writing it would replace that input: choose "
+                                     f"another {flag}")
+            if _inside(target, value):
+                raise RidgefillError(f"{what} is inside the folder {option} reads ({value}): writing there would "
+                                     f"change that input: choose another {flag}, outside it")
+
+
+def _check_writable(target: Path, what: str, flag: str, is_out: bool) -> None:
+    """Refuse a target that is an existing folder, or whose folder is a file or cannot be written."""
+    if target.is_dir():
+        fix = "name a file to write, not a folder" if is_out else f"move that folder away or choose another {flag}"
+        raise RidgefillError(f"{what} is an existing folder: {fix}")
+    folder = target.parent
+    nearest = folder
+    while not nearest.exists() and nearest != nearest.parent:
+        nearest = nearest.parent
+    if nearest.exists() and not nearest.is_dir():
+        raise RidgefillError(f"{what} cannot be written: {nearest} is a file, not a folder: choose another {flag}")
+    if nearest == folder and folder.is_dir() and not os.access(folder, os.W_OK | os.X_OK):
+        raise RidgefillError(f"{what} cannot be written: the folder {folder} is not writable: choose a folder you "
+                             "can write to, or change its permissions")
+
+
+def _inputs(config, field: str) -> dict[str, str | Path]:
+    """The options of `config` other than `field` that may name an input (a path): all but those it writes."""
+    roles = {f.name: f.metadata.get("ridgefill", {}).get("role") for f in dataclasses.fields(config)} \
+        if dataclasses.is_dataclass(config) else {}
+    return {name: value for name, value in vars(config).items()
+            if name != field and name != "out_dir" and roles.get(name) not in WRITTEN_ROLES
+            and isinstance(value, (str, Path)) and value != ""}
 
 
 def _same_file(path: Path, other: str | Path) -> bool:
     try:
         return path.exists() and os.path.exists(other) and os.path.samefile(path, other)
     except (OSError, ValueError):
+        return False
+
+
+def _inside(path: Path, folder: str | Path) -> bool:
+    """Whether `path` (existing or not) is `folder`, an existing folder, or lies inside it (links resolved)."""
+    try:
+        if not os.path.isdir(folder):
+            return False
+        return path.resolve().is_relative_to(Path(folder).resolve())
+    except (OSError, ValueError, RuntimeError):
         return False
 
 
