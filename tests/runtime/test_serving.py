@@ -54,3 +54,43 @@ def test_malformed_serving_configs_are_one_line_errors(tmp_path, text, message):
 def test_serving_config_and_explicit_fill_options_exclude_each_other(tmp_path):
     with pytest.raises(RidgefillError, match="drop --maps and --split"):
         generate.make(prompt="x", serving_config=tmp_path / "s.json", split=3).check()
+
+
+@pytest.mark.parametrize("pin", [{"sha256": ""}, {"sha256": "a"}, {"hash": "a"}, {"sha256": None, "hash": "0" * 16},
+                                 {"sha256": "{prefix}"}, {"sha256": "{whole}z"}, {"sha256": 7}, {}],
+                         ids=["empty", "one-digit", "one-digit-hash", "old-16-digit-hash", "true-prefix",
+                              "not-hex", "not-a-string", "none"])
+def test_a_maps_pin_that_is_not_a_whole_sha256_is_refused(tmp_path, pin):
+    """A serving config pins its maps by their whole sha256 (64 hex digits): an empty, a one-character or any
+    shorter pin (even a true prefix of the file's hash, or the 16-digit `hash` of older configs) would accept other
+    bytes, and is refused in one line; the whole hash, in either case, is taken."""
+    import hashlib
+
+    maps = tmp_path / "maps.safetensors"
+    maps.write_bytes(b"some maps")
+    whole = hashlib.sha256(b"some maps").hexdigest()
+    pin = {k: v.format(prefix=whole[:63], whole=whole[:63]) if isinstance(v, str) else v for k, v in pin.items()}
+    config = serving_file(tmp_path / "serving.json", variant="ridge", maps={"path": str(maps), **pin})
+    with pytest.raises(RidgefillError, match=r"^--serving-config .*: its maps' sha256 .* is not a whole sha256 \(64 "
+                                             r"hex digits\): rerun `ridgefill tune`[^\n]*$"):
+        load_serving(config)
+    for taken in (whole, whole.upper()):
+        serving_file(config, variant="ridge", maps={"path": str(maps), "sha256": taken})
+        assert load_serving(config).fill.maps_sha256 == whole
+
+
+@pytest.mark.parametrize("pin", ["a", "0" * 16, "0" * 63, "g" * 64])
+def test_the_plugins_pin_must_be_a_whole_sha256(tmp_path, pin):
+    """RIDGEFILL_MAPS_SHA256 (what every vLLM process checks the maps against) and load_private's pin: a value that is
+    not 64 hex digits is refused in one line (unset or empty: no pin)."""
+    from ridgefill.method.fill import ENV, FillSettings
+    from ridgefill.method.maps import save_maps
+    from ridgefill.runtime.artifacts import load_private
+
+    maps = tmp_path / "maps.safetensors"
+    save_maps(maps, 3, 6, [], {"model": {"id": "tiny", "weights_hash": "x"}}, "identity")
+    with pytest.raises(RidgefillError, match=rf"^{ENV['maps_sha256']}='{pin}' is not a whole sha256 \(64 hex digits\)"):
+        FillSettings.from_env({ENV["maps"]: str(maps), ENV["maps_sha256"]: pin})
+    with pytest.raises(RidgefillError, match=r"is not a whole sha256 \(64 hex digits\): pin the file by its full"):
+        load_private(maps, "maps", pin)
+    assert FillSettings.from_env({ENV["maps"]: str(maps), ENV["maps_sha256"]: ""}).maps_sha256 is None

@@ -204,6 +204,7 @@ class FillSettings:
         """The plugin's settings in `env`, or None when RIDGEFILL_MAPS is unset (vLLM then runs as stock). The
         variant is the maps file's kind (identity maps serve identity fill)."""
         from ridgefill.runtime.artifacts import read_meta
+        from ridgefill.runtime.paths import is_sha256
 
         maps = env.get(ENV["maps"], "").strip()
         if not maps:
@@ -217,12 +218,16 @@ class FillSettings:
                 raise RidgefillError(f"{ENV[key]}={text!r} is not a{'n integer' if kind is int else ' number'}: "
                                      f"set it to e.g. {default}") from None
 
+        pin = env.get(ENV["maps_sha256"], "").strip() or None  # unset or empty: no pin
+        if pin is not None and not is_sha256(pin):
+            raise RidgefillError(f"{ENV['maps_sha256']}={repr(pin)[:80]} is not a whole sha256 (64 hex digits): set "
+                                 "it to the maps file's full sha256, or leave it unset")
         meta = read_meta(maps, "maps")
         refuse_windowed(0, maps, meta)
         variant = meta.get("kind") if meta.get("kind") in ("identity", "mean") else "ridge"
         return cls(variant, meta.get("split"), Path(maps),
                    number("tail", int, DEFAULT_TAIL), number("keep_first", int, DEFAULT_KEEP_FIRST),
-                   number("outlier_factor", float, OUTLIER_FACTOR), env.get(ENV["maps_sha256"], "").strip() or None)
+                   number("outlier_factor", float, OUTLIER_FACTOR), pin)
 
     # --- serving configs -----------------------------------------------------------------------------------------
     def to_serving(self) -> dict:
@@ -338,7 +343,7 @@ def load_serving(path: str | Path) -> Tuned:
     """Read and check a serving config (`ridgefill tune`'s serving.json). Its maps are named by path (absolute, or
     relative to the config's folder) and sha256: maps whose bytes changed since tune are refused. Anything missing or
     malformed is a one-line error."""
-    from ridgefill.runtime.paths import file_sha256, read_text
+    from ridgefill.runtime.paths import file_sha256, is_sha256, read_text
 
     text = read_text(path, "--serving-config")
     try:
@@ -373,11 +378,13 @@ def load_serving(path: str | Path) -> Tuned:
             raise RidgefillError(f"--serving-config {path}: its maps {maps_path} do not exist: rerun `ridgefill tune` "
                                  "or restore the file")
         sha = maps.get("sha256")
+        if not is_sha256(sha):  # a prefix (an empty one, or tune's 16-digit `hash` of old) would match other bytes
+            raise RidgefillError(f"--serving-config {path}: its maps' sha256 {repr(sha)[:80]} is not a whole sha256 "
+                                 "(64 hex digits): rerun `ridgefill tune` to pin the maps by their full sha256")
         found = file_sha256(maps_path)
-        expected = sha or maps.get("hash")  # tune before sha256: the first 16 hex digits
-        if not isinstance(expected, str) or not found.startswith(expected):
+        if found != sha.lower():
             raise RidgefillError(f"--serving-config {path}: its maps {maps_path} changed since tune (sha256 "
-                                 f"{found[:16]}, the config says {str(expected)[:16]}): rerun `ridgefill tune`")
+                                 f"{found[:16]}, the config says {sha[:16]}): rerun `ridgefill tune`")
         sha = found
     try:
         fill = FillSettings(variant, split, maps_path, tail, keep, outlier, sha, window, window_layers)

@@ -24,7 +24,7 @@ from safetensors.torch import load as load_safetensors_bytes
 
 from ridgefill import __version__
 from ridgefill.errors import RidgefillError
-from ridgefill.runtime.paths import atomic_path
+from ridgefill.runtime.paths import atomic_path, is_sha256
 
 META_KEY = "ridgefill"
 SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -111,13 +111,16 @@ def load_private(path: str | Path, kind: str, sha256: str | None = None) -> tupl
     memory (no view of a mapping of the file). With `sha256`, bytes that hash otherwise are a one-line error (the
     file changed since it was checked)."""
     path = Path(path)
+    if sha256 is not None and not is_sha256(sha256):
+        raise RidgefillError(f"the sha256 pin of {kind} file {path} ({sha256!r}) is not a whole sha256 (64 hex "
+                             "digits): pin the file by its full sha256")
     _exists(path, kind)
     try:
         data = path.read_bytes()
     except OSError as exc:
         raise RidgefillError(f"cannot read {kind} file {path}: {exc.strerror or exc}") from None
     digest = hashlib.sha256(data).hexdigest()
-    if sha256 is not None and digest != sha256:
+    if sha256 is not None and digest != sha256.lower():
         raise RidgefillError(f"{kind} file {path} changed since it was checked (sha256 {digest[:16]}, expected "
                              f"{sha256[:16]}): leave it in place while it is served, and restart")
     try:

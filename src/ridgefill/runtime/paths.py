@@ -264,6 +264,12 @@ def file_sha256(path: str | Path) -> str:
     return digest.hexdigest()
 
 
+def is_sha256(value) -> bool:
+    """Whether `value` is a whole sha256 in hex (64 digits): a pin that names one file's bytes, not a prefix that
+    many match (an empty or one-digit "pin" matches any file)."""
+    return isinstance(value, str) and re.fullmatch(r"[0-9a-fA-F]{64}", value) is not None
+
+
 def file_hash(path: str | Path) -> str:
     """A file's short hash: the first 16 hex digits of its sha256."""
     return file_sha256(path)[:16]
