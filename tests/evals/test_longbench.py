@@ -261,3 +261,17 @@ def test_cli_prints_one_line_for_a_missing_data_file(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [f"error: --data {tmp_path / 'none.jsonl'} is neither a file nor a Hub "
                                                 "dataset id: pass a LongBench v2 .json or .jsonl file"]
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_a_deeply_nested_record_is_one_line_exit_2(records, suffix, tiny_checkpoint, tmp_path, monkeypatch, capfd):
+    """LongBench records nested 100,000 deep (a .jsonl line, a whole .json file): one line naming where, not a
+    traceback."""
+    from one_line import DEEP_JSON, refused
+
+    path = tmp_path / f"lb{suffix}"
+    path.write_text(json.dumps(records[0]) + "\n" + DEEP_JSON + "\n" if suffix == ".jsonl" else DEEP_JSON)
+    where = f"{path}:2" if suffix == ".jsonl" else str(path)
+    refused(["longbench", "--model", str(tiny_checkpoint), "--variants", "exact", "--data", str(path), "--limit",
+             "1", "--max-len", "96", "--out", str(tmp_path / "out" / "lb.json")], tmp_path, monkeypatch, capfd,
+            f"{where}: JSON nested too deeply to read: fix the record")

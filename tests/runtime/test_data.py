@@ -1,5 +1,7 @@
 """Token sequences as a stream: the same sequences the list version cut, yielded lazily, and the documents' hash."""
 
+import re
+
 from ridgefill.runtime.data import documents_hash, iter_sequences, sequence_budget, token_sequences
 
 
@@ -123,3 +125,29 @@ def test_a_hub_dataset_is_identified_by_its_commit(tmp_path, monkeypatch):
     (tmp_path / "datasets--org--other" / "refs").mkdir(parents=True)
     (tmp_path / "datasets--org--other" / "refs" / "main").write_text("f00d")
     assert data_identity("org/other") == "org/other@f00d"  # the Hub does not answer: the cached copy's
+
+
+def test_a_deeply_nested_jsonl_line_is_one_line_exit_2(tiny_checkpoint, tmp_path, monkeypatch, capfd):
+    """A .jsonl data file with a line nested 100,000 deep: one line naming the file and line, not a traceback."""
+    from one_line import DEEP_JSON, refused
+
+    data = tmp_path / "docs.jsonl"
+    data.write_text('{"text": "A fine first document."}\n' + DEEP_JSON + "\n")
+    refused(["calibrate", "--model", str(tiny_checkpoint), "--data", str(data), "--split", "2", "--tokens", "1024",
+             "--seq-len", "128", "--out", str(tmp_path / "out" / "stats.safetensors")], tmp_path, monkeypatch, capfd,
+            f"{data}:2: JSON nested too deeply to read: fix the line or remove it")
+
+
+def test_every_way_a_jsonl_line_is_no_json_names_the_line(tmp_path):
+    import pytest
+
+    from ridgefill.errors import RidgefillError
+    from ridgefill.runtime.data import load_corpus
+
+    data = tmp_path / "docs.jsonl"
+    for line, expected in (('{"text": "x"', "not valid JSON (Expecting ',' delimiter at column 13)"),
+                           ("[" * 100_000, "JSON nested too deeply to read"),
+                           ("1" * 5000, "not valid JSON (an integer of more than 4300 digits)")):
+        data.write_text('{"text": "fine"}\n\n' + line + "\n")
+        with pytest.raises(RidgefillError, match=rf"^{data}:3: {re.escape(expected)}: fix the line or remove it$"):
+            load_corpus(str(data))

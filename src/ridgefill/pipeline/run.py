@@ -2,8 +2,9 @@
 run folder (recipe.toml, manifest.json, artifacts/, report.md, plots/).
 
 Cache: an artifact's file name carries a hash of its inputs (the checkpoint's hash, every keyed option of its command
-with its default filled in, data by identity, the key of the artifact it reads, ridgefill's version and a hash of
-its source); a task whose files exist is reused, so a pull that changes the code or a default recomputes. Commands write
+with its default filled in, data by content or revision, the key of the artifact it reads) and of what computes it
+(ridgefill's version and a hash of its source, the maps format, torch, transformers, triton and vLLM versions); a task
+whose files exist is reused, so a pull that changes the code or a default, or an upgrade, recomputes. Commands write
 atomically, so an existing file is a finished one; an interrupted calibration resumes from its checkpoint.
 """
 
@@ -19,15 +20,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from ridgefill import __version__
-from ridgefill.commands import REQUIRED, Command, Config, command, option
+from ridgefill.commands import REQUIRED, Command, Config, Option, command, option
 from ridgefill.errors import RidgefillError
 from ridgefill.pipeline.manifest import Manifest
 from ridgefill.pipeline.plan import Task, plan, task_values
 from ridgefill.pipeline.recipe import Recipe, find_recipe, load_recipe
 from ridgefill.runtime.console import note, table
-from ridgefill.runtime.paths import atomic_path, file_hash
-from ridgefill.runtime.provenance import code_hash
+from ridgefill.runtime.data import data_identity, path_identity
+from ridgefill.runtime.paths import atomic_path
+from ridgefill.runtime.provenance import result_versions
 
 EXACT_FOLDER = "exact"  # under artifacts/: exact results by sample, shared by a sweep's tasks (ExactStore)
 
@@ -114,10 +115,10 @@ def run_tasks(tasks: list[Task], run_dir: Path, weights_hash: str, force, manife
     records each, and the run's status when it stops. reuse: another run folder whose artifacts of the same
     name (the same key: the same inputs) are linked into this one instead of computed."""
     keys, artifacts = {}, {}
-    code = code_hash()
+    made_by = result_versions()
     for i, task in enumerate(tasks, 1):
         cmd = command(task.step)
-        keys[task.label] = task_key(task, cmd, weights_hash, keys.get(task.needs), code)
+        keys[task.label] = task_key(task, cmd, weights_hash, keys.get(task.needs), made_by)
         artifact = artifacts[task.label] = run_dir / "artifacts" / f"{task.label}-{keys[task.label]}{cmd.writes}"
         files = [artifact] + ([Path(f"{artifact}.json")] if cmd.summary_json else [])
         started = time.perf_counter()
@@ -133,7 +134,7 @@ def run_tasks(tasks: list[Task], run_dir: Path, weights_hash: str, force, manife
                     manifest.finish("interrupted" if isinstance(exc, KeyboardInterrupt) else
                                     f"failed at {task.label}")
                     raise
-        manifest.add(task, keys[task.label], files, cached, time.perf_counter() - started, code)
+        manifest.add(task, keys[task.label], files, cached, time.perf_counter() - started, made_by["code"])
     manifest.finish("complete")
 
 
@@ -194,11 +195,13 @@ def forget_forced(tasks: list[Task], run_dir: Path, force) -> None:
 WIRED = ("input", "output", "resume", "restart", "store")  # option roles the runner sets: not the task's choice
 
 
-def task_key(task: Task, cmd: Command, weights_hash: str, upstream: str | None, code: str) -> str:
+def task_key(task: Task, cmd: Command, weights_hash: str, upstream: str | None, made_by: dict) -> str:
     """Hash of everything the artifact depends on: step, the checkpoint's hash, every keyed option of the command as
-    it will run (the recipe's value or the default: stating a default gives the key of leaving it out; files and
-    folders by content), the key of the artifact it reads, ridgefill's version and `code` (a hash of its source)."""
-    payload = {"step": task.step, "ridgefill": __version__, "code": code, "weights": weights_hash,
+    it will run (the recipe's value or the default: stating a default gives the key of leaving it out; data by content
+    or revision, files and folders by content), the key of the artifact it reads, and `made_by`: what computes it
+    (runtime/provenance.result_versions: ridgefill's version and source hash, the maps format, torch, transformers,
+    triton and vLLM)."""
+    payload = {"step": task.step, "made_by": made_by, "weights": weights_hash,
                "options": resolved_options(cmd, task.kwargs), "input": upstream}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
@@ -211,29 +214,22 @@ def resolved_options(cmd: Command, given: dict) -> dict:
         if not o.keyed or o.role in WIRED or o.name == cmd.extra_args:
             continue
         value = given.get(o.name, None if o.required else o.default)
-        out[o.name] = keyed_value(float(value) if o.kind is float and type(value) is int else value)
+        value = float(value) if o.kind is float and type(value) is int else value
+        out[o.name] = data_identity(value) if is_data(o) and value is not None else keyed_value(value)
     return out
+
+
+def is_data(o: Option) -> bool:
+    """Whether option `o` takes a data spec (a built-in corpus, a file or folder, a Hub id), as a recipe reads it."""
+    return (o.fallback or o.flag) == "data" and not o.many
 
 
 def keyed_value(value):
     """A value as its key sees it: a path (or a string naming an existing absolute path, as a recipe makes a
-    local data spec) by its identity, anything else as it is."""
+    local data spec) by its content, anything else as it is."""
     if isinstance(value, Path) or (isinstance(value, str) and os.path.isabs(value) and os.path.exists(value)):
-        return data_id(value)
+        return path_identity(Path(value))
     return value
-
-
-def data_id(spec) -> str:
-    """A data spec's identity: its name, plus the content hash of a local file or folder."""
-    path = Path(str(spec))
-    if path.is_file():
-        return f"{path.name}:{file_hash(path)}"
-    if path.is_dir():
-        digest = hashlib.sha256()
-        for f in sorted(p for p in path.rglob("*") if p.is_file()):
-            digest.update(f"{f.relative_to(path)}:{file_hash(f)}".encode())
-        return f"{path.name}/:{digest.hexdigest()[:16]}"
-    return str(spec)
 
 
 def model_identity(recipe: Recipe) -> dict:
