@@ -1,15 +1,17 @@
 """Bad input to every command, through the real console entry point (`ridgefill.cli.main`): each case must end
-with exit code 2 and exactly one line on stderr, `error: ...` (no traceback), and leave nothing behind: the --out
-folder holds what it held before (no result, no temporary file beside it) and the working folder stays empty.
+with exit code 2 and exactly one line on stderr, `error: ...` (no traceback), that line saying the case's own problem
+in the words its `match` gives (required: a refusal for another, earlier reason fails the case), and leave nothing
+behind: the --out folder holds what it held before (no result, no temporary file beside it) and the working folder
+stays empty.
 
 Cases run in-process (sys.argv patched, SystemExit caught; stderr captured at the file-descriptor level); a few
 run again in a subprocess (`python -m ridgefill`) to prove the same end to end. Inputs are tiny: two tiny
 checkpoints that differ only in their random init (A and B), statistics and maps calibrated and fitted once on
 A (tokens 1024, seq-len 128).
 
-A case's arguments and text files may name the fixtures as {A}, {B}, {stats}, {maps}, {text} (calibration text),
-{docs} (long .jsonl documents), {lb} (LongBench records), {in} (the case's own input folder, holding its files)
-and {out} (the folder its outputs would go to).
+A case's arguments, text files and match may name the fixtures as {A}, {B}, {stats}, {maps}, {text} (calibration
+text), {docs} (long .jsonl documents), {lb} (LongBench records), {in} (the case's own input folder, holding its
+files) and {out} (the folder its outputs would go to).
 """
 
 from __future__ import annotations
