@@ -143,6 +143,19 @@ def test_bad_recipe_on_the_command_line_is_one_line_exit_2(tmp_path, monkeypatch
     assert capsys.readouterr().err.strip() == f'error: {path}: [ruler].lengths: expected a list of integers, got "2k"'
 
 
+def test_a_deeply_nested_recipe_or_override_is_one_line_exit_2(tmp_path, monkeypatch, capsys):
+    """TOML nested 100,000 deep, in the recipe file or in a KEY=VALUE override: one line, not a traceback."""
+    path = write(tmp_path, 'model = "smollm2-135m"\nsplits = ' + "[" * 100_000 + "\n")
+    for argv, expected in (([str(path)], f"error: {path}: invalid TOML: nested too deeply to read: fix the recipe"),
+                           ([str(write(tmp_path, LOSS, "loss.toml")), "splits=" + "[" * 100_000],
+                            "error: override splits=[[[")):
+        monkeypatch.setattr(sys, "argv", ["ridgefill", "run", *argv, "--dry-run"])
+        with pytest.raises(SystemExit) as info:
+            main()
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and err.startswith(expected) and err.count("\n") == 1, err[:300]
+
+
 # --- overrides: KEY=VALUE on the command line ------------------------------------------------------------
 LOSS = 'model = "smollm2-135m"\ndata = "wiki-leads"\nsplits = 18\n[loss]\ncontext = 1024\n'
 

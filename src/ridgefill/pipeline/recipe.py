@@ -136,6 +136,8 @@ def read_toml(path: Path) -> tuple[str, dict]:
         return text, tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise RidgefillError(f"{path}: invalid TOML: {exc}") from None
+    except RecursionError:
+        raise RidgefillError(f"{path}: invalid TOML: nested too deeply to read: fix the recipe") from None
 
 
 # --- overrides --------------------------------------------------------------------------------------------
@@ -153,7 +155,7 @@ def parse_override(text: str) -> tuple[str | None, str, object]:
 def toml_value(text: str):
     try:
         parsed = tomllib.loads(f"value = {text}")
-    except tomllib.TOMLDecodeError:
+    except (tomllib.TOMLDecodeError, RecursionError):  # not TOML, or nested too deeply to read: the text itself
         return text
     return parsed["value"] if list(parsed) == ["value"] else text
 
