@@ -46,10 +46,10 @@ def test_bad_settings_are_one_line(kwargs, match):
 def test_the_plan_is_the_settings_on_the_model(session_and_maps):
     session, maps = session_and_maps
     plan, meta = FillSettings("ridge", None, maps, tail=8, keep_first=2, outlier_factor=5.0).plan(session, (10,))
-    assert meta["split"] == plan.split == 3 and plan.tail == 8 and plan.keep_rows == (0, 1, 10)
+    assert meta["split"] == plan.split == 3 and plan.tail == 8 and plan.keep_rows == (10,) and plan.keep_first == 2
     assert plan.outlier_factor == 5.0
     plan, meta = FillSettings("identity", 2).plan(session)
-    assert meta is None and plan.split == 2 and plan.keep_rows == (0,)
+    assert meta is None and plan.split == 2 and plan.keep_rows == () and plan.keep_first == 1
     with pytest.raises(RidgefillError, match="split 3, not 2"):
         FillSettings("ridge", 2, maps).plan(session)
     with pytest.raises(RidgefillError, match="changed since it was checked"):

@@ -43,3 +43,31 @@ def test_keep_rows_past_the_prompt_or_text_not_in_it_are_refused(tiny_checkpoint
         keep_rows(config(keep_rows="25-40"), tok, PROMPT, 30)
     with pytest.raises(RidgefillError, match="does not occur in the prompt"):
         keep_rows(config(keep_text="queen"), tok, PROMPT, 30)
+
+
+def test_a_keep_first_past_the_context_is_one_line_before_any_row_is_built(tiny_checkpoint):
+    """`generate --keep-first 10**9 --prompt hi` (it once built a set of 10^9 rows: tens of GB) ends with one line
+    and exit 2, run as a user runs it, in an address space of 8 GiB that such a set could not fit in."""
+    import resource
+    import subprocess
+    import sys
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
+
+    r = subprocess.run([sys.executable, "-m", "ridgefill", "generate", "--model", str(tiny_checkpoint), "--split",
+                        "2", "--keep-first", str(10**9), "--prompt", "hi", "--max-new-tokens", "2"],
+                       capture_output=True, text=True, timeout=600, preexec_fn=cap)
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2 and r.stdout == "", r.stderr[-2000:]
+    assert lines == ["error: --keep-first 1000000000 is past the 4096 rows a prompt can have (this model's context): "
+                     "give at most 4096 (a keep-first at or past the prompt already runs all of it in full)"]
+
+
+def test_a_keep_first_past_the_prompt_runs_it_exact_as_the_plugin_does(tiny_checkpoint, capsys):
+    """Inside the context, a keep-first past the prompt is the prompt run in full (exact), on ridgefill's engine as
+    in the vLLM plugin (whose request rule clamps to the prompt): the same text as --exact, and a note."""
+    texts = COMMAND(model=str(tiny_checkpoint), prompt="hi there", split=2, tail=1, keep_first=4000, max_new_tokens=4,
+                    compare=True)
+    assert texts["filled"] == texts["exact"]
+    assert "keep-first 4000 and tail 1 cover the" in capsys.readouterr().err

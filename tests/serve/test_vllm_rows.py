@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ridgefill.engine import FillPlan, IdentityFiller
+from ridgefill.engine.prefill import MAX_ROWS
+from ridgefill.errors import RidgefillError
+from ridgefill.serve.vllm_requests import check_request_args
 from ridgefill.serve.vllm_rows import bound_runs, full_tokens, outlier_tokens, segments, token_requests
 
 
@@ -20,12 +24,24 @@ def test_token_requests_marks_padding():
 
 
 def test_rule_matches_the_engine_plan_for_one_prompt():
-    """One unchunked prompt: the same rows as the engine's FillPlan with keep_rows = the first K."""
-    for n, tail, keep in [(50, 8, 1), (50, 8, 0), (5, 8, 1), (50, 1, 3), (50, 49, 1)]:
+    """One unchunked prompt: the same rows as the engine's FillPlan with the same keep-first, also past the prompt
+    (the whole prompt in full, in both: one rule) and up to the largest keep-first either takes."""
+    for n, tail, keep in [(50, 8, 1), (50, 8, 0), (5, 8, 1), (50, 1, 3), (50, 49, 1), (50, 1, 51), (50, 1, MAX_ROWS)]:
         positions, request, _ = step([(0, n)])
         full = full_tokens(positions, request, torch.tensor([n]), torch.tensor([tail]), torch.tensor([keep]))
-        plan = FillPlan(IdentityFiller(2, 6), tail, tuple(range(keep)))
+        plan = FillPlan(IdentityFiller(2, 6), tail, keep_first=keep)
         assert full.tolist() == plan.full_rows(n).tolist(), (n, tail, keep)
+    assert FillPlan(IdentityFiller(2, 6), 8, keep_first=51).full_rows(50).all()
+
+
+def test_a_keep_first_past_the_largest_prompt_is_refused_by_the_engine_and_at_admission():
+    with pytest.raises(RidgefillError, match=f"^keep-first {MAX_ROWS + 1} is past the {MAX_ROWS} rows a prompt can "
+                                             "have: give at most"):
+        FillPlan(IdentityFiller(2, 6), 8, keep_first=MAX_ROWS + 1)
+    check_request_args({"ridgefill_keep_first": MAX_ROWS})
+    with pytest.raises(ValueError, match=f"^ridgefill_keep_first={MAX_ROWS + 1} is not valid: give an integer in "
+                                         f"0..{MAX_ROWS}"):
+        check_request_args({"ridgefill_keep_first": MAX_ROWS + 1})
 
 
 def test_chunks_and_recompute_fill_the_same_rows_as_one_prefill():

@@ -127,3 +127,18 @@ def test_finished_requests_are_forgotten_and_a_request_id_used_again_counts_anew
         run_step(state, book, runner([20], [0], [20], sampling=True, ids=ids), [0], [20], live=set(ids))
     assert len(book.requests) <= 2 + 256 + 1 and state.counters.totals["recomputed"] == 0
     assert state.counters.totals["filled"] + state.counters.totals["full"] == 300 * 20
+
+
+def test_a_request_keep_first_past_its_prompt_runs_it_exact_as_the_engine_does():
+    """The plugin's rule for a request's own keep-first past its prompt: the whole prompt in full (exact), the
+    rows ridgefill's engine runs in full for that keep-first."""
+    from ridgefill.engine import FillPlan, IdentityFiller
+
+    prompts = [60, 40]
+    r = runner(prompts, [0, 0], prompts, sampling=True)
+    r.requests["r1"].sampling_params = SimpleNamespace(prompt_logprobs=None, extra_args={"ridgefill_keep_first": 10**9})
+    step = plan_step(r, positions_of([0, 0], prompts), served_tail=8, served_keep=1)
+    assert step.keeps == [1, 40] and step.full[60:].all()
+    for i, (a, b) in enumerate(((0, 60), (60, 100))):
+        plan = FillPlan(IdentityFiller(2, 6), 8, keep_first=[1, 10**9][i])
+        assert step.full[a:b].tolist() == plan.full_rows(b - a).tolist()

@@ -1,8 +1,9 @@
 """Exact prefill, filled prefill and decode steps: the one API every command uses.
 
-Semantics (split S, L layers, tail T, keep_rows K):
+Semantics (split S, L layers, tail T, keep_first F, keep_rows K):
 - layers 0..S-1 run exactly on every prompt row; the split state x is the residual stream entering layer S;
-- a row is *full* if it is one of the last T rows or in K; every other row is *filled*;
+- a row is *full* if it is one of the last T rows, one of the first F (all of them when F reaches past the
+  prompt) or in K;
 - a filled row writes the cache of each late layer l = S..L-1 from a predicted input (layer S: x itself;
   l > S: the filler's prediction) through that layer's own input norm, K/V projections, k-norm and RoPE
   at its true position; it runs no attention or MLP in those layers (a chunk's filled rows get their K/V
@@ -65,6 +66,24 @@ def full_positions(positions: torch.Tensor, prompt_len, tail, keep_first) -> tor
     return (positions < keep_first) | (positions >= prompt_len - tail)
 
 
+MAX_ROWS = 2**31 - 1  # the most rows a prompt can have anywhere the fill runs (vLLM's positions are int32)
+
+
+def check_keep_first(keep_first, limit: int = MAX_ROWS, name: str = "--keep-first", within: str = "") -> int:
+    """The one keep-first rule of ridgefill's engine, `generate` and the vLLM plugin, checked before any work: a
+    count of leading rows that run in full, an integer in 0..limit (`limit`: the most rows a prompt can have, e.g.
+    the model's context, named by `within`); anything else is refused with one line (RidgefillError). A value
+    inside the limit but past a prompt runs that whole prompt in full (exact), as a tail past the prompt does:
+    `full_positions` clamps it, no row list is ever built from it. Returns keep_first."""
+    if isinstance(keep_first, bool) or not isinstance(keep_first, int) or keep_first < 0:
+        raise RidgefillError(f"{name} {keep_first!r} is not valid: give an integer of at least 0 (leading prompt "
+                             "rows that run in full)")
+    if keep_first > limit:
+        raise RidgefillError(f"{name} {keep_first} is past the {limit} rows a prompt can have{within}: give at most "
+                             f"{limit} (a keep-first at or past the prompt already runs all of it in full)")
+    return keep_first
+
+
 @dataclass(frozen=True)
 class Promoted:
     """Rows of a chunk that would have been filled but ran in full, by cause."""
@@ -94,6 +113,7 @@ class FillPlan:
     keep_rows: Sequence[int] = ()
     outlier_factor: float = 0.0
     window: FilledWindow | None = None
+    keep_first: int = 0  # the first keep_first rows run in full (check_keep_first: past a prompt, all of it)
     tally: FillTally = field(default_factory=FillTally, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -102,6 +122,7 @@ class FillPlan:
             raise RidgefillError(f"keep row {bad[0]!r} is not a row index: keep rows are 0-based prompt positions")
         if self.outlier_factor < 0:
             raise RidgefillError(f"outlier factor {self.outlier_factor} must be 0 (off) or positive")
+        check_keep_first(self.keep_first, name="keep-first")
 
     @property
     def split(self) -> int:
@@ -115,7 +136,7 @@ class FillPlan:
         if outside:
             raise RidgefillError(f"keep row {outside[0]} is outside the {n}-token prompt (rows 0..{n - 1}): keep "
                                  "rows inside the prompt")
-        full = full_positions(torch.arange(n), n, self.tail, 0)
+        full = full_positions(torch.arange(n), n, self.tail, self.keep_first)
         if self.keep_rows:
             full[torch.tensor(list(self.keep_rows), dtype=torch.long)] = True
         return full

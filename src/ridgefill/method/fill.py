@@ -135,7 +135,7 @@ class FillSettings:
         from ridgefill.runtime.paths import file_sha256
 
         n_layers = session.engine.n_layers
-        rows = tuple(sorted(set(range(self.keep_first)) | set(keep_rows)))
+        rows = tuple(sorted(set(keep_rows)))  # the first keep_first rows are the plan's keep_first (never a list)
         meta, split = None, self.split
         if self.variant in FROM_MAPS:
             filler, meta = load_filler(self.maps, session.loaded.info(), self.split, session.engine.dtype,
@@ -152,7 +152,7 @@ class FillSettings:
         elif self.variant == "drop":
             filler = DropFiller(split, n_layers)
         window = self.window(split, meta)
-        return FillPlan(filler, self.tail, rows, self.outlier_factor, window), meta
+        return FillPlan(filler, self.tail, rows, self.outlier_factor, window, self.keep_first), meta
 
     def window(self, split: int, meta: dict | None = None):
         """The filled rows' window at `split` (engine.FilledWindow, None: full attention); `meta`: the maps'

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ridgefill.commands import Command, option
+from ridgefill.engine.prefill import check_keep_first
 from ridgefill.errors import RidgefillError
 from ridgefill.method.fill import FillOptions, load_serving
 from ridgefill.runtime.console import note
@@ -49,6 +50,7 @@ class GenerateConfig(FillOptions, ModelConfig):
         if self.max_new_tokens < 1:
             raise RidgefillError("--max-new-tokens must be at least 1")
         super().check()
+        check_keep_first(self.keep_first)
         if self.keep_rows is not None:
             parse_ranges(self.keep_rows, "--keep-rows", "row", "0-3,120-140")
         if self.keep_text is not None and not self.keep_text.strip():
@@ -71,6 +73,8 @@ def run(c: GenerateConfig) -> dict:
     if ids.shape[1] == 0:
         raise RidgefillError("the prompt is empty after tokenization")
     limit = session.context_length
+    if limit and not exact:  # before any row of the fill is planned
+        check_keep_first(c.keep_first, limit, within=" (this model's context)")
     if limit and ids.shape[1] + max_new_tokens > limit:
         raise RidgefillError(f"prompt ({ids.shape[1]} tokens) plus {max_new_tokens} new tokens exceed the model's "
                              f"context of {limit}: shorten the prompt")
@@ -81,6 +85,9 @@ def run(c: GenerateConfig) -> dict:
         plan, _ = c.fill().plan(session, keep_rows(c, session.tokenizer, prompt, ids.shape[1]))
         if tail >= ids.shape[1]:
             note(f"note: tail {tail} >= prompt length {ids.shape[1]}: every row runs the full model (exact)")
+        elif c.keep_first + tail >= ids.shape[1]:
+            note(f"note: keep-first {c.keep_first} and tail {tail} cover the {ids.shape[1]}-token prompt: every row "
+                 "runs the full model (exact)")
     eos = session.tokenizer.eos_token_id
     if c.engine == "vllm":
         runs = vllm_runs(c, session, ids[0].tolist(), plan, exact or compare)
@@ -161,7 +168,7 @@ def _vllm_run(settings, ids: list[int], new: int) -> Run:
 def keep_rows(c: GenerateConfig, tokenizer, prompt: str, n: int) -> list[int]:
     """The rows to run in full besides the tail: the first --keep-first, --keep-rows, and the tokens of
     --keep-text's first occurrence in the prompt."""
-    rows = set(range(min(c.keep_first, n)))
+    rows = set(range(min(check_keep_first(c.keep_first), n)))  # never more rows than the prompt has
     for a, b in parse_ranges(c.keep_rows, "--keep-rows", "row", "0-3,120-140") if c.keep_rows else ():
         if b >= n:
             raise RidgefillError(f"--keep-rows {a}-{b} reaches past the {n}-token prompt (rows 0..{n - 1})")

@@ -6,16 +6,22 @@ A request sets its own tail or keep-first through vLLM's extra sampling argument
 is checked when vLLM admits the request (serve/vllm_admission.py calls `check_request_args`): an unknown key, a
 value that is not an integer, or one out of range is refused with one line (HTTP 400), so nothing a client sends
 reaches the engine unchecked. Inside the engine `request_rule` never raises: it clamps to the prompt.
+
+A keep-first follows ridgefill's one rule (engine/prefill.check_keep_first): an integer up to MAX_ROWS, refused
+beyond (here: at admission, HTTP 400; in `generate`: one line, exit 2); past a prompt, the whole prompt runs in full
+(exact), in the plugin as in ridgefill's engine.
 """
 
 from __future__ import annotations
 
 from typing import Mapping
 
+from ridgefill.engine.prefill import MAX_ROWS
+
 PREFIX = "ridgefill_"
 TAIL_ARG = "ridgefill_tail"
 KEEP_FIRST_ARG = "ridgefill_keep_first"
-LARGEST = 2**31 - 1  # the largest value a request may give (positions are int32 in vLLM)
+LARGEST = MAX_ROWS  # the largest value a request may give: the engine's keep-first bound (vLLM's positions are int32)
 # key -> (least value, what it sets)
 REQUEST_ARGS = {TAIL_ARG: (1, "last prompt tokens that run the full model"),
                 KEEP_FIRST_ARG: (0, "leading prompt tokens that run in full")}
