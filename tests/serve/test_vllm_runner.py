@@ -83,6 +83,7 @@ def test_a_step_with_more_runs_than_max_num_seqs_runs_the_shortest_gaps_in_full(
     outlier[150] = True  # an outlier row the model adds inside request 1's filled stretch: 5 runs
     bounded = batch.bounded(outlier)
     assert bounded[101:150].all() and not bounded[151:284].any()  # the shorter of request 1's two gaps closes
+    assert batch.promoted.sum() == 49
     roomy = plan_step(runner(prompts, [0, 0, 0], prompts, sampling=True), positions_of([0, 0, 0], prompts), 16, 1)
     assert not roomy.promoted.any() and int((~roomy.full).sum()) == 83 + 183 + 133
 

@@ -56,6 +56,7 @@ class FillBatch:
     filled: torch.Tensor | None = None
     outliers: torch.Tensor | None = None
     unwindowed: torch.Tensor | None = None
+    promoted: torch.Tensor | None = None  # [N] bool: rows `bounded` ran in full to fit the run bound
     step_slots: dict | None = None  # the step's own slot mappings, while `attend` has swapped them
 
     def write_kv(self, attn, key: torch.Tensor, value: torch.Tensor, rows: torch.Tensor) -> None:
@@ -68,8 +69,11 @@ class FillBatch:
 
     def bounded(self, full: torch.Tensor) -> torch.Tensor:
         """full [N] bool (the model's full rows: `full` and the rows it adds, outliers and rows without a lookback
-        window) with gaps closed until its runs fit `max_runs` (vllm_rows.bound_runs), for `attend`."""
-        return full if self.max_runs <= 0 else bound_runs(full, self.request, self.max_runs)
+        window) with gaps closed until its runs fit `max_runs` (vllm_rows.bound_runs), for `attend`; the rows it
+        closes are counted (`promoted`)."""
+        out = full if self.max_runs <= 0 else bound_runs(full, self.request, self.max_runs)
+        self.promoted = out & ~full
+        return out
 
     @contextmanager
     def attend(self, seg: Segments, positions: torch.Tensor):
@@ -204,7 +208,8 @@ def account(state, step: Step, batch: FillBatch | None, book: StepLog, live=None
     the requests not finished (the runner's `requests`), to forget the others."""
     n = len(step.req_ids)
     mine = step.request.clamp(min=0)
-    filled, outliers, unwindowed = (_rows(batch, name, step.full) for name in ("filled", "outliers", "unwindowed"))
+    filled, outliers, unwindowed, bound = (_rows(batch, name, step.full)
+                                           for name in ("filled", "outliers", "unwindowed", "promoted"))
     prefilling = sorted(set(step.request[step.in_prompt].tolist()))
     seen = {i: book.requests.setdefault(step.req_ids[i], Seen()) for i in prefilling}
     counted = torch.tensor([seen[i].counted if i in seen else 0 for i in range(n)], dtype=torch.long)  # [R]
@@ -215,7 +220,8 @@ def account(state, step: Step, batch: FillBatch | None, book: StepLog, live=None
     cached = sum(max(0, int(first[i]) - seen[i].counted) for i in prefilling)
     state.count(filled=int((fresh & filled).sum()), full=int((fresh & ~filled).sum()), cached=cached,
                 recomputed=int((step.in_prompt & ~fresh).sum()), outliers=int((fresh & outliers).sum()),
-                unwindowed=int((fresh & unwindowed).sum()), run_bound=int((fresh & step.promoted).sum()))
+                unwindowed=int((fresh & unwindowed).sum()),
+                run_bound=int((fresh & (step.promoted | bound)).sum()))
     rule = torch.bincount(mine[fresh & (~step.full | step.promoted)], minlength=n)  # [R]
     got = torch.bincount(mine[fresh & filled], minlength=n)  # [R]
     reached = torch.zeros(n, dtype=torch.long).scatter_reduce(0, mine[step.in_prompt],
