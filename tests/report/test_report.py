@@ -173,6 +173,17 @@ def test_report_command_and_empty_folder(tmp_path):
         write_report(tmp_path / "empty")
 
 
+def test_a_json_file_nested_too_deeply_is_no_result_document(tmp_path):
+    """A .json nested 100,000 deep beside the results is passed over like any file that is not a result."""
+    run_dir = full_run(tmp_path / "run")
+    (run_dir / "deep.json").write_text("[" * 100_000)
+    assert "## RULER" in write_report(run_dir).read_text()
+    (tmp_path / "only").mkdir()
+    (tmp_path / "only" / "deep.json").write_text("[" * 100_000)
+    with pytest.raises(RidgefillError, match="holds no ridgefill result documents"):
+        write_report(tmp_path / "only")
+
+
 def test_a_sweep_without_bench_ttft_shows_the_flop_limit_speedup(tmp_path):
     """The shapes come from the documents' `model` and the model folder's config.json (MLP width, vocabulary);
     the length is the longest measured prompt (here RULER's 4096); known answers from docs/performance.md."""

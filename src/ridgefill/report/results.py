@@ -115,9 +115,9 @@ def _incomplete(result: Result) -> str | None:
 
 
 def read_json(path: Path):
-    """A JSON file's value; None when it cannot be read or parsed."""
+    """A JSON file's value; None when it cannot be read or parsed (nested too deeply included)."""
     try:
         return json.loads(path.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
 
