@@ -251,3 +251,20 @@ def test_a_client_that_goes_away_is_passed_on_and_other_traffic_untouched():
                                                                             None, None))
     assert seen == ["lifespan", "websocket"]
     assert hashlib.sha256(KEY.encode()).digest() in RidgeFillRequestArgs(app, environ={"VLLM_API_KEY": KEY}).tokens
+
+
+def test_a_refusal_goes_out_through_vllms_cors_middleware_as_vllms_own_errors_do():
+    """A browser page of an allowed origin can read the 400 and 413 (vLLM's 401 has no CORS headers: vLLM's key
+    check runs outside its CORS middleware)."""
+    cors_middleware = pytest.importorskip("starlette.middleware.cors")
+    origin = {"Origin": "http://page.example"}
+    for client, status in [(Client(BAD_XARGS, headers=origin), 400),
+                           (Client(b"x", headers={**origin, "Content-Length": str(BODY_LIMIT + 1)}), 413),
+                           (Client(BAD_XARGS, headers={"Origin": "http://other.example"}), 400)]:
+        cors = cors_middleware.CORSMiddleware(client.app, allow_origins=["http://page.example"])
+        client.run(app=cors)
+        allowed = dict(client.sent[0]["headers"]).get(b"access-control-allow-origin")
+        assert client.status == status and client.reached is None
+        assert allowed == (b"http://page.example" if b"page" in client.scope["headers"][0][1] else None)
+    alone = Client(BAD_XARGS, headers={"Origin": "http://page.example"}).run()  # no CORS middleware: no CORS headers
+    assert [name for name, _ in alone.sent[0]["headers"]] == [b"content-length", b"content-type"]

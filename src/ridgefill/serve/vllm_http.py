@@ -9,6 +9,8 @@ wrote them, escapes decoded), so `{"ridgefill_tail": true}` is refused like any 
 vLLM adds its --middleware classes last, and Starlette runs the last one added first: this check runs before vLLM's
 API-key check. So it authenticates first itself, as vLLM 0.32's AuthenticationMiddleware does (the same keys, paths,
 status and body): an unauthenticated request to a guarded path gets vLLM's 401 before a byte of its body is read.
+(vLLM's 401 comes without CORS headers: its key check runs outside its CORS middleware. The 400 and 413 below go
+out through that middleware, as vLLM's own 400s do.)
 Then the body is bounded: over BODY_LIMIT bytes (RIDGEFILL_MAX_REQUEST_BYTES overrides it) it is 413, by its
 Content-Length before any byte is read, else as soon as the bytes read pass the bound. JSON nested too deeply for
 the parser and a `vllm_xargs` over XARGS_LIMIT bytes are 400. Everything else is passed on, the body replayed
@@ -18,6 +20,7 @@ unchanged (a body that is no JSON object is vLLM's to answer).
 from __future__ import annotations
 
 import asyncio
+import copy
 import hashlib
 import json
 import os
@@ -40,16 +43,22 @@ NESTED = ("the request body's JSON nests too deeply to be read: send vllm_xargs 
           "as a flat object")
 
 
+def inner(app, name: str):
+    """The first middleware of class `name` in the stack Starlette built inside `app` (outermost first), or None."""
+    node = app
+    for _ in range(64):
+        if node is None or type(node).__name__ == name:
+            return node
+        node = getattr(node, "app", None)
+    return None
+
+
 def api_tokens(app, environ: Mapping[str, str]) -> list[bytes]:
     """The sha256 digests of the API keys vLLM checks: those of vLLM's AuthenticationMiddleware found inside `app`
     (--api-key or VLLM_API_KEY, as vLLM chose), else VLLM_API_KEY's; none when no key is set."""
-    node = app
-    for _ in range(64):  # the middleware stack Starlette built, outermost first
-        if type(node).__name__ == "AuthenticationMiddleware" and isinstance(getattr(node, "api_tokens", None), list):
-            return list(node.api_tokens)
-        node = getattr(node, "app", None)
-        if node is None:
-            break
+    tokens = getattr(inner(app, "AuthenticationMiddleware"), "api_tokens", None)
+    if isinstance(tokens, list):
+        return list(tokens)
     key = environ.get(API_KEY_ENV, "")
     return [hashlib.sha256(key.encode()).digest()] if key else []
 
@@ -132,6 +141,7 @@ class RidgeFillRequestArgs:
         self.app = app
         self.tokens = api_tokens(app, environ)
         self.limit = body_limit(environ)
+        self.cors = inner(app, "CORSMiddleware")  # vLLM's --allowed-origins: its headers go on our 400 and 413 too
 
     async def __call__(self, scope, receive, send) -> None:
         if scope.get("type") != "http":
@@ -145,18 +155,30 @@ class RidgeFillRequestArgs:
             return
         declared = declared_length(scope)
         if declared is not None and declared > self.limit:
-            await refuse(send, 413, too_large(self.limit))
+            await self.refuse(scope, send, 413, too_large(self.limit))
             return
         body, first = await read_body(receive, self.limit)
         if body is None:
-            await refuse(send, 413, too_large(self.limit))
+            await self.refuse(scope, send, 413, too_large(self.limit))
             return
         error = None if first is not None else await checked(body)
         if error is not None:
-            await refuse(send, 400, error)
+            await self.refuse(scope, send, 400, error)
             return
         await self.app(scope, replayed(receive, first or {"type": "http.request", "body": body, "more_body": False}),
                        send)
+
+    async def refuse(self, scope, send, status: int, message: str) -> None:
+        """refuse(), through vLLM's CORS middleware when it has one (as vLLM's own errors are answered)."""
+        async def refusal(scope, receive, send) -> None:
+            await refuse(send, status, message)
+
+        if self.cors is None:
+            await refusal(scope, None, send)
+            return
+        cors = copy.copy(self.cors)
+        cors.app = refusal
+        await cors(scope, None, send)
 
 
 async def read_body(receive, limit: int) -> tuple[bytes | None, dict | None]:
