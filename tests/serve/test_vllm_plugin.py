@@ -150,6 +150,11 @@ def test_a_repeated_filled_request_hits_the_cache_before_its_tail_and_answers_th
     assert second[0].tokens == first[0].tokens and max_gap(second, first) < 1e-6
     assert again["filled_rows"] + again["outlier_rows_run_full"] == 600 - SERVED_TAIL - hit
     assert again["full_prompt_rows"] - again["outlier_rows_run_full"] == SERVED_TAIL
+    # /metrics counts each prompt token once: the hit in its own counter, none recomputed
+    assert again["cached_prompt_rows"] == hit and counted["cached_prompt_rows"] == 0
+    for tally in (counted, again):
+        assert tally["filled_rows"] + tally["full_prompt_rows"] + tally["cached_prompt_rows"] == 600
+        assert tally["recomputed_prompt_rows"] == 0
 
 
 def test_a_second_chat_turn_reuses_the_first_and_equals_ridgefills_engine(vllm_tiny, engines):
@@ -237,13 +242,36 @@ def test_preempted_requests_are_recomputed_with_the_same_fill(vllm_tiny, engines
     batch = prompts(6, [1100, 1000, 1200], vocab_of(folder), seed=7)
     worker = engines.get(stepped(folder, maps))
     counted_before = worker.counters().get("vllm:num_preemptions", 0)
-    together = worker.generate(batch, 100, logprobs=1)
+    together, tally = tally_delta(worker, lambda: worker.generate(batch, 100, logprobs=1))
     counted = worker.counters().get("vllm:num_preemptions", 0) - counted_before
     alone = [worker.generate([p], 100, logprobs=1)[0] for p in batch]
     preempted = sum(c.preemptions for c in together)
     assert preempted > 0 and counted == preempted, "the KV budget did not force a preemption"
     assert sum(c.preemptions for c in alone) == 0
     assert [c.tokens for c in together] == [c.tokens for c in alone]
+    # /metrics counts each prompt token once: a prompt recomputed after preemption only as recomputed
+    print(f"preemption: {tally['recomputed_prompt_rows']} prompt tokens recomputed, "
+          f"{tally['cached_prompt_rows']} served from the cache")
+    assert tally["recomputed_prompt_rows"] > 0
+    assert tally["filled_rows"] + tally["full_prompt_rows"] + tally["cached_prompt_rows"] == sum(map(len, batch))
+
+
+def test_a_step_with_more_runs_than_max_num_seqs_serves_its_shortest_filled_stretches_exact(vllm_tiny, engines):
+    """The run bound of a filled step (serve/vllm_rows.bound_runs), on the CPU with the limit a CUDA backend's
+    metadata has (max_num_seqs 8): 6 short requests in one 128-token step, four filled (tail 4, keep-first 1: two
+    runs of full rows each) and two exact (one run each), 10 runs. The two shortest filled stretches (15 and 17
+    rows) run in full, so those requests are served exact; the others are filled as when they run alone."""
+    folder, maps = vllm_tiny["llama"]
+    batch = prompts(6, [20, 22, 26, 28, 10, 10], vocab_of(folder), seed=8)
+    worker = engines.get(stepped(folder, maps))
+    together, counted = tally_delta(worker, lambda: worker.generate(batch, 8, logprobs=1,
+                                                                    tails=[4, 4, 4, 4, MAX_LEN, MAX_LEN]))
+    assert counted["run_bound_rows_run_full"] == 15 + 17
+    assert counted["filled_rows"] + counted["outlier_rows_run_full"] + counted["lookback_rows_run_full"] == 21 + 23
+    tails = [MAX_LEN, MAX_LEN, 4, 4, MAX_LEN, MAX_LEN]  # the first two exact
+    alone = [worker.generate([p], 8, logprobs=1, tails=[t], cache_salt="alone")[0] for p, t in zip(batch, tails)]
+    assert [c.tokens for c in together] == [c.tokens for c in alone]
+    assert max_gap(together, alone) < 1e-4
 
 
 def with_key_scale(folder, maps, out):
