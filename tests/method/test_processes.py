@@ -18,7 +18,8 @@ from safetensors.torch import load_file
 
 from ridgefill.commands import options
 from ridgefill.errors import RidgefillError
-from ridgefill.method.calibrate import COMMAND, relaunch_argv
+from ridgefill.method.calibrate import COMMAND
+from ridgefill.method.distributed import relaunch_argv
 from ridgefill.runtime.artifacts import read_meta
 
 RIDGEFILL = [sys.executable, "-m", "ridgefill"]
@@ -155,7 +156,7 @@ def test_one_rank_killed_and_any_number_of_processes_resumes(calibrate_args, ref
 def test_nproc_relaunch_repeats_every_option_but_nproc(tmp_path):
     config = COMMAND.make(data="docs.jsonl", split="2,3", out=tmp_path / "s.safetensors", nproc=3, resume=True,
                           holdout=0.25, device="cpu")
-    argv = relaunch_argv(config)
+    argv = relaunch_argv(config, "calibrate", config.nproc)
     assert argv[:8] == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
                         "-m", "ridgefill"]
     assert argv[8:] == ["calibrate", "--data", "docs.jsonl", "--split", "2,3", "--out", str(tmp_path / "s.safetensors"),

@@ -1,6 +1,7 @@
 """`ridgefill calibrate`: one streaming pass over calibration text into the statistics of method/statistics.py,
 with a held-out share, checkpoints to `<out>.partial`, `--resume`, and several processes sharing the sequences
-(torchrun, or `--nproc`). docs/calibration.md describes the statistics, checkpoints and distributed use.
+(torchrun, or `--nproc`: method/distributed.py). docs/calibration.md describes the statistics, checkpoints
+and distributed use.
 
 Sequence i (counted over the whole stream) is held out or not by i alone, and with W processes the sequences
 from the start s of this run go round robin: i goes to rank (i − s) mod W. Every process keeps its own float64
@@ -11,11 +12,7 @@ partial file holds the global sums and the global number of sequences done: any 
 
 from __future__ import annotations
 
-import json
 import os
-import shlex
-import subprocess
-import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -24,12 +21,12 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
-import torch.distributed as dist
 
 from ridgefill import __version__
-from ridgefill.commands import REQUIRED, Command, options, option
+from ridgefill.commands import REQUIRED, Command, option
 from ridgefill.engine import Engine
 from ridgefill.errors import RidgefillError
+from ridgefill.method.distributed import World, join_world, leave_world, relaunch
 from ridgefill.method.fill import check_window_values, resolve_window
 from ridgefill.method.statistics import HELD_OUT, OUTLIER_FACTOR, Calibration, accumulate, check_fittable
 from ridgefill.runtime.artifacts import load_artifact, save_artifact
@@ -69,67 +66,6 @@ class Checkpoints:
     def due(self, done: int) -> bool:
         by_count = self.every > 0 and done - self.last_done >= self.every
         return by_count or (self.seconds > 0 and self.clock() - self.last_time >= self.seconds)
-
-
-# --- the processes --------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class World:
-    """This process among the calibration processes: rank 0 holds the global statistics, decides, writes and
-    reports; with one process every collective is a no-op."""
-
-    rank: int = 0
-    size: int = 1
-
-    @property
-    def root(self) -> bool:
-        return self.rank == 0
-
-    def from_root(self, value):
-        """Rank 0's `value` (any picklable object) on every process."""
-        if self.size == 1:
-            return value
-        box = [value]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-    def reduce_sum(self, tensor: torch.Tensor) -> None:
-        """Add every process's `tensor` into rank 0's, in place."""
-        dist.reduce(tensor, dst=0, op=dist.ReduceOp.SUM)
-
-
-def join_world(device: str) -> World:
-    """This process's place among torchrun's processes (WORLD_SIZE, RANK, LOCAL_RANK and the rendezvous's
-    MASTER_ADDR / MASTER_PORT), its process group initialised: nccl for --device cuda (one GPU per local rank),
-    gloo on the CPU. Without WORLD_SIZE > 1: the only process."""
-    size = _env_int("WORLD_SIZE", 1)
-    if size <= 1:
-        return World()
-    rank = _env_int("RANK", 0)
-    backend = "nccl" if device == "cuda" else "gloo"
-    try:
-        if device == "cuda":
-            torch.cuda.set_device(_env_int("LOCAL_RANK", rank % max(1, torch.cuda.device_count())))
-        dist.init_process_group(backend, rank=rank, world_size=size)
-    except Exception as exc:  # a missing variable, an unreachable rendezvous, a backend that cannot start
-        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise RidgefillError(f"cannot initialise torch.distributed ({backend}, rank {rank} of {size}): {reason}; "
-                             "run under torchrun, or set MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK") from None
-    return World(rank, size)
-
-
-def leave_world(world: World) -> None:
-    if world.size > 1 and dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name, "")
-    if not value:
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise RidgefillError(f"environment variable {name}={value!r} is not an integer: torchrun sets it") from None
 
 
 # --- starting, resuming, checkpointing ------------------------------------------------------------------------
@@ -316,7 +252,7 @@ def run(c: CalibrateConfig) -> dict:
     """Calibrate (in this process, or in --nproc processes), print the row counts per split and write the
     statistics with a JSON summary beside them (rank 0 only)."""
     if c.nproc > 1 and "WORLD_SIZE" not in os.environ:
-        return relaunch(c)
+        return relaunch(c, "calibrate", c.nproc, Path(str(c.out) + ".json"))
     check_device(c.device, c.dtype)
     world = join_world(c.device)
     try:
@@ -399,34 +335,6 @@ def _report(c: CalibrateConfig, cal: Calibration, world: World, duration_s: floa
                "rows": [dict(zip(ROW_NAMES, r)) for r in rows]}
     write_json(Path(str(c.out) + ".json"), summary)
     return summary
-
-
-# --- --nproc: the same command under torch.distributed.run -----------------------------------------------------
-def relaunch_argv(c: CalibrateConfig) -> list[str]:
-    """`python -m torch.distributed.run --standalone --nproc-per-node N -m ridgefill calibrate <the options
-    given, without --nproc>`."""
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(c.nproc),
-            "-m", "ridgefill", "calibrate"]
-    for o in options(type(c)).values():
-        value = getattr(c, o.name)
-        if o.name == "nproc" or value is None or value == o.default:
-            continue
-        if o.kind is bool:
-            argv.append(f"--{o.flag}" if value else f"--no-{o.flag}")
-        else:
-            argv += [f"--{o.flag}", str(value)]
-    return argv
-
-
-def relaunch(c: CalibrateConfig) -> dict:
-    """Run this calibration as --nproc processes on this machine and return rank 0's summary."""
-    argv = relaunch_argv(c)
-    note(f"note: running {c.nproc} processes: {shlex.join(argv)}")
-    code = subprocess.run(argv).returncode
-    if code:
-        raise RidgefillError(f"the {c.nproc} calibration processes failed (exit code {code}): see their messages "
-                             "above; rerun with --resume to continue from the last checkpoint")
-    return json.loads(Path(str(c.out) + ".json").read_text())
 
 
 COMMAND = Command("calibrate", CalibrateConfig, run, writes=".safetensors", summary_json=True, makes="stats")
