@@ -8,6 +8,7 @@ starts get in their environment, stock or not, is `started_process_env`.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -28,6 +29,7 @@ HYBRID = {"Qwen3NextForCausalLM"}  # Gated DeltaNet + full attention (docs/hybri
 LAYER_TYPES = ("full_attention", "linear_attention")  # the hybrid layer kinds the plugin fills
 # ridgefill's dtype names (ModelConfig's) -> vLLM's; "auto": the checkpoint's own
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "auto": "auto"}
+DEV_MODE = "VLLM_SERVER_DEV_MODE"  # vLLM's server dev mode: endpoints that change the weights (check_dev_mode)
 
 
 def compile_cache_env(environ: Mapping[str, str]) -> dict[str, str]:
@@ -143,6 +145,15 @@ REFUSED = (
      "speculative decoding is not supported with RidgeFill: drop --speculative-config"),
     (lambda c: c.parallel_config.pipeline_parallel_size > 1,
      "pipeline parallelism is not supported with RidgeFill: use --tensor-parallel-size"),
+    (lambda c: c.parallel_config.decode_context_parallel_size > 1,
+     "decode context parallelism is not supported with RidgeFill (each rank would hold part of a request's K/V, the "
+     "fill writes whole rows): drop --decode-context-parallel-size (-dcp), use --tensor-parallel-size"),
+    (lambda c: c.parallel_config.prefill_context_parallel_size > 1,
+     "prefill context parallelism is not supported with RidgeFill (each rank would prefill part of a prompt, the "
+     "fill plans the whole of it): drop --prefill-context-parallel-size (-pcp), use --tensor-parallel-size"),
+    (lambda c: c.weight_transfer_config is not None,
+     "weight updates are not supported with RidgeFill (the maps are pinned to the checkpoint's weights; new weights "
+     "need maps fitted for them): drop --weight-transfer-config"),
     (lambda c: c.quant_config is not None or c.model_config.quantization is not None,
      "quantized checkpoints are not supported with RidgeFill (the fill reads the layers' K/V weights): serve an "
      "unquantized checkpoint"),
@@ -157,8 +168,19 @@ REFUSED = (
 )
 
 
-def check_engine_config(vllm_config, fill: FillSettings) -> None:
-    """Refuse, with one line, an engine configuration the fill cannot run under (vLLM's VllmConfig; read only)."""
+def check_dev_mode(environ: Mapping[str, str]) -> None:
+    """Refuse vLLM's server dev mode: it opens endpoints that change the served weights (the RL weight-update
+    routes, /collective_rpc, sleep and wake-up), under maps pinned to the checkpoint's fingerprint."""
+    value = environ.get(DEV_MODE, "").strip()
+    if value not in ("", "0"):
+        raise RidgefillError(f"{DEV_MODE}={value} is not supported with RidgeFill: vLLM's dev mode opens endpoints "
+                             "that change the served weights (/update_weights, /collective_rpc, /sleep), and the "
+                             f"maps are pinned to the checkpoint's: unset {DEV_MODE}")
+
+
+def check_engine_config(vllm_config, fill: FillSettings, environ: Mapping[str, str] = os.environ) -> None:
+    """Refuse, with one line, an engine configuration the fill cannot run under (vLLM's VllmConfig, read only, and
+    the environment of vLLM's server: its dev mode)."""
     model = vllm_config.model_config
     check_architecture(list(getattr(model.hf_config, "architectures", None) or []),
                        getattr(model.hf_config, "model_type", None), model.model,
@@ -166,3 +188,4 @@ def check_engine_config(vllm_config, fill: FillSettings) -> None:
     for refused, reason in REFUSED:
         if refused(vllm_config):
             raise RidgefillError(reason)
+    check_dev_mode(environ)

@@ -1,0 +1,352 @@
+"""`ridgefill serve` as a process, without vLLM: the launch machinery (serve/process.py) runs a stand-in child, a small
+HTTP server that writes as much output as asked; serve's plan (serve.serve_plan) is built with the vLLM lookups
+replaced. What is checked: vLLM's output is read to its end whatever happens to stderr or the log file; a log file that
+cannot be written is one line before the server starts; the default log is private and bounded; the API key travels
+by environment; a server that comes up without RidgeFill's plugin is stopped with one line; context parallelism,
+weight updates and vLLM's dev mode are refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from ridgefill.errors import RidgefillError
+from ridgefill.serve import process, serve
+from ridgefill.serve.process import Launch, LogFile, default_log, launch, running
+from ridgefill.serve.vllm_args import split_api_key
+from ridgefill.serve.vllm_config import VLLM_VERSION, check_dev_mode
+
+# The stand-in for vLLM's server: answers /health, and /metrics with or without RidgeFill's counter; writes `preamble`,
+# then (once the file `go` exists, at once without one) `burst` bytes of output in 100-byte lines, then creates
+# `drained`; a line "tick N" every 50 ms while it waits; exits 0 on SIGTERM, and 3 after two minutes whatever happens
+# (a test of a relay that stops reading ends instead of hanging).
+CHILD = r"""
+import json, os, signal, sys, threading, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+a = json.loads(sys.argv[1])
+signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+threading.Timer(120, os._exit, (3,)).start()
+
+class Handler(BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = {"/health": b"", "/metrics": a["metrics"].encode()}.get(self.path)
+        self.send_response(404 if body is None else 200)
+        self.send_header("Content-Length", str(len(body or b"")))
+        self.end_headers()
+        self.wfile.write(body or b"")
+
+    def log_message(self, *args):
+        pass
+
+server = ThreadingHTTPServer(("127.0.0.1", a["port"]), Handler)
+threading.Thread(target=server.serve_forever, daemon=True).start()
+out = sys.stdout.buffer
+out.write(a["preamble"].encode())
+out.flush()
+tick = 0
+while a["go"] and not os.path.exists(a["go"]):
+    out.write(b"tick %d\n" % tick)
+    out.flush()
+    tick += 1
+    time.sleep(0.05)
+for i in range(a["burst"] // 100):
+    out.write(b"%-99d\n" % i)
+out.flush()
+open(a["drained"], "w").close()
+time.sleep(600)
+"""
+STOCK_METRICS = "# HELP vllm:num_requests_running Number of requests.\nvllm:num_requests_running 0.0\n"
+RIDGEFILL_METRICS = STOCK_METRICS + f"{serve.MARKER} 0.0\n"
+BURST = 2 << 20  # 2 MiB: far past a pipe's 64 KiB
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stand_in(tmp_path: Path, metrics: str = RIDGEFILL_METRICS, preamble: str = "", go: bool = False,
+             log: Path | None = None, marker: str | None = None, log_limit: int = process.LOG_LIMIT) -> Launch:
+    """A plan whose server is the stand-in child (CHILD)."""
+    port = free_port()
+    args = {"port": port, "metrics": metrics, "preamble": preamble, "burst": BURST,
+            "go": str(tmp_path / "go") if go else "", "drained": str(tmp_path / "drained")}
+    return Launch([sys.executable, "-c", CHILD, json.dumps(args)], dict(os.environ),
+                  f"http://127.0.0.1:{port}/health", "up", log or tmp_path / "child.log", marker, log_limit)
+
+
+def wait_for(path: Path, seconds: float = 60.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return path.exists()
+
+
+def answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+# --- vLLM's output is read to its end ----------------------------------------------------------------------------
+LAUNCHER = """
+import json, sys
+from pathlib import Path
+from ridgefill.serve.process import Launch, launch
+plan = json.loads(sys.argv[1])
+sys.exit(launch(Launch(**{**plan, "log": Path(plan["log"])})))
+"""
+
+
+def test_a_closed_stderr_leaves_a_server_that_keeps_answering_and_its_log_drained(tmp_path):
+    """`ridgefill serve ... 2>&1 | head -3`: the launching process's stderr is a pipe closed after three lines (the
+    banner and two lines of the server's log). The server then writes 2 MiB: all of it reaches the log file (bounded
+    at 256 KiB a file: the rest in <log>.1 and dropped), the server keeps answering, and SIGTERM ends both with the
+    server's exit code."""
+    plan = stand_in(tmp_path, go=True, log_limit=256 << 10)
+    fields = {"argv": plan.argv, "env": plan.env, "health": plan.health, "banner": plan.banner, "log": str(plan.log),
+              "log_limit": plan.log_limit}
+    proc = subprocess.Popen([sys.executable, "-c", LAUNCHER, json.dumps(fields)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    try:
+        lines = [proc.stderr.readline() for _ in range(3)]
+        assert lines[0] == b"up\n" and all(line.startswith(b"tick ") for line in lines[1:]), lines
+        proc.stderr.close()  # what `head -3` does after its third line
+        (tmp_path / "go").touch()
+        assert wait_for(tmp_path / "drained"), "the server blocked on its output: nobody read it"
+        assert answers(plan.health) and proc.poll() is None
+        last = plan.log.read_bytes().splitlines()[-1]
+        assert int(last) == BURST // 100 - 1  # every line reached the log
+        assert plan.log.stat().st_size <= 256 << 10 and Path(f"{plan.log}.1").stat().st_size <= 256 << 10
+        proc.send_signal(signal.SIGTERM)  # forwarded to the server, which exits 0
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_log_that_cannot_be_written_any_more_leaves_the_output_drained(tmp_path, capfd):
+    """Every write to /dev/full fails (no space): the relay stops writing the log, says so once, and reads on."""
+    plan = stand_in(tmp_path, log=Path("/dev/full"))
+    with running(plan):
+        assert wait_for(tmp_path / "drained"), "the server blocked on its output: nobody read it"
+        assert answers(plan.health)
+    err = capfd.readouterr().err
+    assert err.count("warning: vLLM's log /dev/full cannot be written any more") == 1, err
+
+
+def test_a_failing_stderr_ends_the_echo_only(tmp_path, monkeypatch):
+    """In process: a stderr whose writes fail (a closed pipe) once the server is up: launch still reads the server's
+    output to its end and returns its exit code."""
+
+    class Closed:
+        def isatty(self):
+            return False
+
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    plan = stand_in(tmp_path)
+    monkeypatch.setattr(sys, "stderr", Closed())
+
+    def stop_when_drained():
+        wait_for(tmp_path / "drained")
+        os.kill(os.getpid(), signal.SIGTERM)  # forwarded to the server
+
+    thread = threading.Thread(target=stop_when_drained)
+    thread.start()
+    assert launch(plan) == 0
+    thread.join()
+    assert (tmp_path / "drained").exists() and int(plan.log.read_bytes().splitlines()[-1]) == BURST // 100 - 1
+
+
+# --- the log file ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("case, match", [
+    ("folder", r"\(Is a directory\)"),
+    ("symlink", r"\(a symbolic link\)"),
+    ("under-a-file", r"\(Not a directory\)"),
+])
+def test_a_log_that_cannot_be_opened_is_one_line_before_the_server_starts(case, match, tmp_path):
+    target = tmp_path / "elsewhere.log"
+    log = {"folder": tmp_path / "logs", "symlink": tmp_path / "link.log",
+           "under-a-file": tmp_path / "file" / "vllm.log"}[case]
+    if case == "folder":
+        log.mkdir()
+    elif case == "symlink":
+        log.symlink_to(target)
+    else:
+        log.parent.write_text("a file")
+    plan = stand_in(tmp_path, log=log)
+    with pytest.raises(RidgefillError, match=rf"^cannot write vLLM's log to {log} {match}: give another --log-file$"):
+        launch(plan)
+    assert not (tmp_path / "drained").exists() and not target.exists()  # nothing started, nothing written
+
+
+def test_log_file_as_a_folder_is_refused_by_the_command_before_anything(tmp_path, monkeypatch, capfd):
+    """Through the console entry point: one line, exit 2, nothing written."""
+    from ridgefill import cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["ridgefill", "serve", "--split", "3", "--log-file", str(tmp_path)])
+    capfd.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        cli.main()
+    assert exited.value.code == 2 and capfd.readouterr().err == (f"error: --log-file {tmp_path} is a folder: give a "
+                                                                 f"file, e.g. {tmp_path}/vllm.log\n")
+    assert not any(tmp_path.iterdir())
+
+
+def test_the_default_log_is_private_to_the_user(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    old = os.umask(0)  # the most permissive umask: the modes below are serve's own
+    try:
+        log = default_log(8123)
+        LogFile(log).close()
+    finally:
+        os.umask(old)
+    assert log == tmp_path / "state" / "ridgefill" / "serve-8123.log"
+    assert stat.S_IMODE(log.parent.stat().st_mode) == 0o700 and stat.S_IMODE(log.stat().st_mode) == 0o600
+    log.parent.chmod(0o755)  # a folder of ours that others could enter: made private again
+    assert stat.S_IMODE(default_log(8123).parent.stat().st_mode) == 0o700
+    log.unlink()
+    log.symlink_to(tmp_path / "planted")  # a symbolic link planted where the log goes: refused, nothing written
+    with pytest.raises(RidgefillError, match=r"\(a symbolic link\): give another --log-file$"):
+        LogFile(log)
+    assert not (tmp_path / "planted").exists()
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "linked"))
+    (tmp_path / "linked").mkdir()
+    (tmp_path / "linked" / "ridgefill").symlink_to(tmp_path / "state" / "ridgefill")
+    with pytest.raises(RidgefillError, match=r"is a symbolic link or not a folder: give --log-file"):
+        default_log(8123)
+
+
+def test_the_log_is_bounded(tmp_path):
+    """At `limit` bytes the log moves to <log>.1 (the one before dropped): at most two files of `limit` bytes,
+    the newest lines in the log."""
+    log = LogFile(tmp_path / "vllm.log", limit=10_000)
+    lines = [b"%-99d\n" % i for i in range(1000)]  # 100 kB
+    assert all(log.write(line) for line in lines)
+    log.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["vllm.log", "vllm.log.1"]
+    current, previous = (tmp_path / "vllm.log").read_bytes(), (tmp_path / "vllm.log.1").read_bytes()
+    assert len(current) <= 10_000 and len(previous) == 10_000
+    assert (previous + current).endswith(b"".join(lines[-100 - len(current) // 100:]))
+    assert stat.S_IMODE((tmp_path / "vllm.log").stat().st_mode) == 0o600
+    assert process.LOG_LIMIT == 32 << 20  # docs/serving.md gives the size
+
+
+# --- is RidgeFill running? -----------------------------------------------------------------------------------------
+def test_a_server_that_comes_up_without_the_plugin_is_stopped_with_one_line(tmp_path):
+    """vLLM logs a plugin that failed to load and serves stock: its /metrics has no RidgeFill counter. launch stops
+    it and says why in one line, with the reason vLLM logged."""
+    preamble = ("ERROR 12-04 20:00:00 [__init__.py:1] Failed to load plugin ridgefill\nTraceback (most recent call "
+                "last):\nImportError: cannot import name 'register' from 'ridgefill.serve.vllm_plugin'\n")
+    plan = stand_in(tmp_path, metrics=STOCK_METRICS, preamble=preamble, marker=serve.MARKER)
+    with pytest.raises(RidgefillError) as refused:
+        launch(plan)
+    line = str(refused.value)
+    assert line.startswith(f"vLLM's server came up without RidgeFill: its /metrics has no {serve.MARKER}, so the "
+                           "plugin did not load in vLLM's processes (ImportError: cannot import name 'register'")
+    assert line.endswith(f"see vLLM's log, {plan.log}") and "\n" not in line
+    assert not answers(plan.health)  # stopped
+    with pytest.raises(RidgefillError, match="came up without RidgeFill"), running(plan):
+        pass
+
+
+def test_a_server_with_the_plugin_passes_and_stock_plans_are_not_checked(tmp_path):
+    with running(stand_in(tmp_path, marker=serve.MARKER)) as child:
+        assert child.poll() is None
+    stock = serve.stock_plan(stand_in(tmp_path, metrics=STOCK_METRICS, marker=serve.MARKER), tmp_path / "stock.log")
+    assert stock.marker is None
+    with running(stock) as child:
+        assert child.poll() is None
+
+
+# --- serve's plan: the key, the default log, the plugin's counter ------------------------------------------------
+@pytest.fixture
+def plan_of(tiny_checkpoint, tmp_path, monkeypatch):
+    """serve_plan for `ridgefill serve --model <tiny> --split 3 ARGS` (identity fill), vLLM's lookups replaced."""
+    monkeypatch.setattr(serve, "installed_vllm_version", lambda: VLLM_VERSION)
+    monkeypatch.setattr(serve, "plugin_installed", lambda: True)
+    for name in ("VLLM_PLUGINS", "VLLM_API_KEY", "VLLM_SERVER_DEV_MODE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+
+    def plan(*args: str) -> Launch:
+        c = serve.ServeConfig(model=str(tiny_checkpoint), split=3, port=free_port(), vllm_args=list(args))
+        c.check()
+        return serve.serve_plan(c, tmp_path)
+
+    return plan
+
+
+@pytest.mark.parametrize("given", [["--api-key", "s3cret"], ["--api-key=s3cret"], ["--api_key", "s3cret"]])
+def test_the_api_key_goes_to_vllm_by_environment_never_on_its_command_line(given, plan_of):
+    plan = plan_of("--max-model-len", "256", *given, "--seed", "3")
+    assert not any("s3cret" in arg for arg in plan.argv), plan.argv
+    assert plan.env["VLLM_API_KEY"] == "s3cret"
+    assert plan.argv[-4:] == ["--max-model-len", "256", "--seed", "3"]  # every other option as given
+
+
+def test_serve_plans_a_private_log_and_looks_for_ridgefills_counter(plan_of, tmp_path):
+    plan = plan_of()
+    assert plan.log.parent == tmp_path / "state" / "ridgefill" and plan.log.name.startswith("serve-")
+    assert stat.S_IMODE(plan.log.parent.stat().st_mode) == 0o700 and f"vLLM's log: {plan.log}" in plan.banner
+    assert plan.marker == "ridgefill_filled_tokens_total" and "VLLM_API_KEY" not in plan.env
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--api-key"], "--api-key needs a key: give --api-key KEY, or set VLLM_API_KEY"),
+    (["--api-key", "a", "b"], "--api-key gives 2 keys: serve hands vLLM one key, through VLLM_API_KEY"),
+    (["--api-key", "--seed", "3"], "--api-key needs a key"),
+])
+def test_an_api_key_serve_cannot_hand_on_is_refused(args, match):
+    with pytest.raises(RidgefillError, match=f"^{match}"):
+        serve.ServeConfig(maps="m.safetensors", vllm_args=args).check()
+    assert split_api_key(["--seed", "3", "--api-key", "k", "--enforce-eager"]) == (["--seed", "3", "--enforce-eager"],
+                                                                                   "k")
+
+
+# --- refused: context parallelism, weight updates, dev mode ------------------------------------------------------
+@pytest.mark.parametrize("arg, match", [
+    ("--decode-context-parallel-size", "context parallelism is not supported with RidgeFill (each rank would hold "
+                                       "part of a request's K/V"),
+    ("-dcp", "decode context parallelism is not supported with RidgeFill"),
+    ("--prefill_context_parallel_size=2", "context parallelism is not supported with RidgeFill (each rank would "
+                                          "prefill part of a prompt"),
+    ("-pcp", "prefill context parallelism is not supported with RidgeFill"),
+    ("--weight-transfer-config", "weight updates are not supported with RidgeFill (the maps are pinned to the "
+                                 "checkpoint's weights"),
+])
+def test_context_parallelism_and_weight_updates_are_refused(arg, match):
+    with pytest.raises(RidgefillError) as refused:
+        serve.ServeConfig(maps="m.safetensors", vllm_args=["--max-model-len", "512", arg, "2"]).check()
+    assert str(refused.value).startswith(f"{arg}: {match}"), refused.value
+
+
+def test_vllms_dev_mode_is_refused_before_vllm_starts(plan_of, monkeypatch):
+    check_dev_mode({"VLLM_SERVER_DEV_MODE": "0"})
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
+    with pytest.raises(RidgefillError, match=r"^VLLM_SERVER_DEV_MODE=1 is not supported with RidgeFill: vLLM's dev "
+                                             r"mode opens endpoints that change the served weights .*: unset "
+                                             r"VLLM_SERVER_DEV_MODE$"):
+        plan_of()
