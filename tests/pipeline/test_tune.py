@@ -3,7 +3,8 @@ bisect agrees with a full descent when quality is monotone; the NLL check steps 
 verdict and the choice between variants, bad input in one line, and the command on the tiny checkpoint: the
 serving config's fields, the report's frontier, the check runs (linked calibration), caching on rerun,
 --no-nll-check, and --windows (a run folder per window, its windowed maps and FLOP count, the choice between
-windows and the serving config's window)."""
+windows and the serving config's window). Failing verdicts come from crafted result documents in a copy of a run
+folder, which the rerun finds cached and judges."""
 
 import json
 import os
@@ -19,7 +20,6 @@ from ridgefill.cli import main
 from ridgefill.errors import RidgefillError
 from ridgefill.pipeline.frontier import Point
 from ridgefill.pipeline.tune import COMMAND as tune_command
-from ridgefill.pipeline.tune import sweep as sweeping
 from ridgefill.pipeline.tune.options import candidate_splits, parse_windows, window_of
 from ridgefill.pipeline.tune.verdict import MIN_DISTANT_TOKENS, PASS, best_choice, distant_warning, verdict
 from ridgefill.pipeline.tune.windows import WindowRun, best_window
@@ -154,6 +154,41 @@ def labels(run_dir: Path) -> list[str]:
     return [s["label"] for s in steps(run_dir)]
 
 
+def rewrite(run_dir: Path, step: str, change) -> None:
+    """Craft a run folder's result documents of `step` (its manifest's ruler-*, loss-*): change(doc) edits each,
+    written to a fresh file (never through a hard link). A rerun finds them cached and judges what they say."""
+    for entry in (s for s in steps(run_dir) if s["label"].startswith(f"{step}-")):
+        path = run_dir / entry["artifact"]
+        doc = json.loads(path.read_text())
+        change(doc)
+        path.unlink()
+        path.write_text(json.dumps(doc))
+
+
+def fills_below_exact(doc: dict) -> None:
+    """A RULER result whose every fill scores 50 points below exact."""
+    for variant, result in doc["results"].items():
+        if variant != "exact":
+            result["score"] = doc["results"]["exact"]["score"] - 50.0
+
+
+def nll_above_exact(variant: str):
+    """A loss result's change that puts `variant`'s NLL 200 nats above exact's (distant-context and tail): past
+    tiny_options' bound of 100."""
+    def change(doc: dict) -> None:
+        exact = doc["results"]["exact"]
+        for metric in ("distant_nll", "tail_nll"):
+            if exact[metric] is not None:
+                doc["results"][variant][metric] = exact[metric] + 200.0
+    return change
+
+
+def nll_metric(run_dir: Path) -> str:
+    """What a check folder's loss results judge: distant-context NLL, or tail NLL where exact found none."""
+    doc = json.loads((run_dir / steps(run_dir)[0]["artifact"]).read_text())
+    return "distant" if doc["results"]["exact"]["distant_nll"] is not None else "tail"
+
+
 def test_serving_config_holds_what_a_server_needs(tuned, tiny_checkpoint):
     doc, run_dir = tuned
     assert json.loads((run_dir / "serving.json").read_text()) == doc
@@ -223,12 +258,11 @@ def test_rerun_reuses_every_step(tuned, tiny_checkpoint, texts, tmp_path, capsys
     assert {k: again[k] for k in same} == {k: doc[k] for k in same}
 
 
-def test_no_split_within_bounds_writes_the_report_and_no_config(tuned, tiny_checkpoint, texts, tmp_path,
-                                                                 monkeypatch):
+def test_no_split_within_bounds_writes_the_report_and_no_config(tuned, tiny_checkpoint, texts, tmp_path):
     _, run_dir = tuned
     copy = Path(shutil.copytree(run_dir, tmp_path / "copy"))
     (copy / "serving.json").unlink()
-    monkeypatch.setattr(sweeping, "verdict", lambda point, tolerance, gap, judged: "RULER -50.0 points")
+    rewrite(copy, "ruler", fills_below_exact)  # every fill 50 points below exact at every split
     with pytest.raises(RidgefillError, match=r"^no split of 3..4 keeps filled-region RULER within 5 points and the "
                                              r"distant-context NLL within 100 nats of exact") as info:
         tune_command(**tiny_options(tiny_checkpoint, texts, copy))
@@ -237,26 +271,25 @@ def test_no_split_within_bounds_writes_the_report_and_no_config(tuned, tiny_chec
     assert (copy / "report.md").is_file()
 
 
-def test_a_failing_check_moves_the_choice_up_without_calibrating_again(tuned, tiny_checkpoint, texts, tmp_path,
-                                                                        monkeypatch):
+def test_a_failing_check_moves_the_choice_up_without_calibrating_again(tuned, tiny_checkpoint, texts, tmp_path):
     _, run_dir = tuned
     copy = Path(shutil.copytree(run_dir, tmp_path / "copy"))
-    judge = verdict
-
-    def strict(point, tolerance, gap, judged):  # the NLL check fails at split 3
-        if "nll" in judged and point is not None and point.split == 3:
-            return "distant NLL +9.000 nats"
-        return judge(point, tolerance, gap, judged)
-
-    monkeypatch.setattr(sweeping, "verdict", strict)
+    check = copy / "check" / "ridge"
+    failed = f"{nll_metric(copy / 'check' / 'identity')} NLL +200.000 nats"
+    rewrite(copy / "check" / "identity", "loss", nll_above_exact("identity"))  # identity 3's check fails
     doc = tune_command(**tiny_options(tiny_checkpoint, texts, copy))
-    # fastest first: identity 3, ridge 3 (both fail), identity 4 (passes: served; ridge 4 is slower, never checked)
+    # fastest first: identity 3 fails, ridge 3 (the next fastest) is checked, passes and is served
     assert [(v["variant"], v["split"], v["verdict"]) for v in doc["tune"]["checks"]] == [
-        ("identity", 3, "distant NLL +9.000 nats"), ("identity", 4, PASS), ("ridge", 3, "distant NLL +9.000 nats")]
+        ("identity", 3, failed), ("ridge", 3, PASS)]
+    assert (doc["variant"], doc["split"]) == ("ridge", 3) and doc["choices"]["identity"] is None
+    rewrite(check, "loss", nll_above_exact("ridge"))  # now ridge 3's check fails too
+    doc = tune_command(**tiny_options(tiny_checkpoint, texts, copy))
+    # identity 3, ridge 3 (both fail), identity 4 (passes: served; ridge 4 is slower, never checked)
+    assert [(v["variant"], v["split"], v["verdict"]) for v in doc["tune"]["checks"]] == [
+        ("identity", 3, failed), ("identity", 4, PASS), ("ridge", 3, failed)]
     assert (doc["variant"], doc["split"]) == ("identity", 4) and doc["choices"]["ridge"] is None
     assert doc["quality"]["nll"]["difference"] is not None
     assert labels(copy / "check" / "identity") == ["loss-s3-t64-seed0", "loss-s4-t64-seed0"]
-    check = copy / "check" / "ridge"
     assert labels(check) == ["calibrate", "fit-s3", "loss-s3-t64-seed0"]  # only the checked split
     for entry in steps(check)[:2]:  # the search's calibration and fit, hard-linked (same key, same inputs)
         assert entry["cached"] and os.path.samefile(check / entry["artifact"], copy / entry["artifact"])
@@ -405,10 +438,11 @@ def test_a_tie_between_windows_keeps_full_attention():
     assert best_window([WindowRun(0, None, {}, {}, {"identity": None}, [point("identity", 3)])]) is None
 
 
-def test_no_window_within_bounds_names_the_windows(windowed, tiny_checkpoint, texts, tmp_path, monkeypatch):
+def test_no_window_within_bounds_names_the_windows(windowed, tiny_checkpoint, texts, tmp_path):
     _, run_dir = windowed
     copy = Path(shutil.copytree(run_dir, tmp_path / "copy"))
-    monkeypatch.setattr(sweeping, "verdict", lambda point, tolerance, gap, judged: "RULER -50.0 points")
+    for folder in (copy, copy / "window-16"):
+        rewrite(folder, "ruler", fills_below_exact)
     with pytest.raises(RidgefillError, match=r"^no split of 3..4 keeps .* of exact \(identity, ridge; full "
                                              r"attention, window 16\): try higher --splits, a longer --tail, a wider "
                                              r"--windows or looser bounds; the measurements are in .*report.md and "
