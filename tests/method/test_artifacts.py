@@ -86,7 +86,8 @@ with open(path, "r+b") as f:
     f.truncate(16)  # what a concurrent writer (or a full disk) does to the file under a running fit or key-scale
 for read in (whole, part):
     assert all(torch.equal(read[k], original[k]) for k in read)
-print("read", sum(float(t.double().sum()) for t in whole.values()) == sum(float(t.double().sum()) for t in original.values()))
+total = lambda tensors: sum(float(t.double().sum()) for t in tensors.values())
+print("read", total(whole) == total(original))
 """
 
 

@@ -12,7 +12,7 @@ import torch
 
 from ridgefill.engine import Adapter, ModelShape, adapter_for, supported_families
 from ridgefill.errors import RidgefillError
-from ridgefill.runtime.paths import atomic_path, cache_dir
+from ridgefill.runtime.paths import cache_dir, publish_folder_once
 
 
 @dataclass(frozen=True)
@@ -150,28 +150,41 @@ def _from_hub(repo_id: str) -> str:
 
 
 def _embedded_folder(alias: str, embedded: EmbeddedModel) -> Path:
-    """Convert the GGUF once into a plain safetensors folder under the cache and reuse it."""
+    """Convert the GGUF once into a plain safetensors folder under the cache and reuse it. Processes converting at
+    the same time take turns (paths.publish_folder_once): none replaces or removes the folder another loads."""
     folder = cache_dir() / "models" / alias
-    if (folder / "config.json").exists():
-        return folder
+    if not (folder / "config.json").exists():
+        gguf_dir = _gguf_dir(alias, embedded)
+        publish_folder_once(folder, lambda tmp: _convert_gguf(gguf_dir, embedded.filename, tmp))
+    if not (folder / "config.json").exists():
+        raise RidgefillError(f"{folder} holds no converted model (no config.json): remove that folder, and ridgefill "
+                             f"converts {alias} again")
+    return folder
+
+
+def _gguf_dir(alias: str, embedded: EmbeddedModel) -> Path:
+    """The installed folder that holds an embedded model's GGUF file; one line when it is not installed."""
     spec = importlib.util.find_spec(embedded.package)
     if spec is None or spec.origin is None:
         raise RidgefillError(f"the embedded model '{alias}' is not installed: {embedded.install}")
     gguf_dir = Path(spec.origin).parent
     if not (gguf_dir / embedded.filename).exists():
         raise RidgefillError(f"{embedded.filename} is missing from {gguf_dir}: reinstall with {embedded.install}")
+    return gguf_dir
+
+
+def _convert_gguf(gguf_dir: Path, filename: str, out: Path) -> None:
+    """Save the GGUF model `filename` of `gguf_dir`, de-quantized to fp32, and its tokenizer as a checkpoint `out`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=embedded.filename, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=embedded.filename)
+    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=filename, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=filename)
     # The weights are already de-quantized to fp32: drop the attached GGUF quantizer so they can be saved.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    with atomic_path(folder) as tmp:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-    return folder
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")

@@ -4,6 +4,8 @@ of a command's output path before any work."""
 from __future__ import annotations
 
 import dataclasses
+import errno
+import fcntl
 import hashlib
 import json
 import math
@@ -15,6 +17,7 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable
 
 from ridgefill.errors import RidgefillError
 
@@ -52,6 +55,40 @@ def atomic_path(path: str | Path):
         _sync_folder(path.parent)
     finally:
         shutil.rmtree(tmp.parent, ignore_errors=True)
+
+
+def publish_folder_once(folder: str | Path, build: Callable[[Path], None]) -> bool:
+    """Make `folder` with `build(tmp)` unless it exists; return whether this call made it. The folder is built in a
+    private temporary beside it, synced, and renamed into place only while nothing is there: a folder that exists is
+    whole, and is never replaced or removed (another process may be reading it). Callers on this machine take turns
+    (a lock file beside it), so the second finds the first's folder and builds nothing; one whose folder appeared
+    meanwhile all the same (another machine sharing the folder) discards its own copy and keeps the one there."""
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f".{folder.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if folder.exists():
+            return False
+        remove_stale_temporaries(folder)
+        tmp = Path(tempfile.mkdtemp(prefix=_temporary_prefix(folder.name), dir=folder.parent)) / folder.name
+        try:
+            build(tmp)
+            _sync(tmp)
+            return _rename_if_absent(tmp, folder)
+        finally:
+            shutil.rmtree(tmp.parent, ignore_errors=True)
+
+
+def _rename_if_absent(tmp: Path, folder: Path) -> bool:
+    """Rename the folder `tmp` to `folder` unless a folder with files is there (then leave both as they are)."""
+    try:
+        os.rename(tmp, folder)  # refused onto a folder that holds anything, never replacing it
+    except OSError as exc:
+        if exc.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR) and folder.exists():
+            return False
+        raise
+    _sync_folder(folder.parent)
+    return True
 
 
 def write_json(path: str | Path, data) -> None:
