@@ -1,5 +1,5 @@
 """Which split each fill variant serves at: the searches `ridgefill tune` runs over its candidate splits, on a
-`judge` that measures a split and says which variants pass there (pipeline/tune.py gives it), and the NLL check's
+`judge` that measures a split and says which variants pass there (pipeline/tune/ gives it), and the NLL check's
 step up from their choices. Quality falls as the split moves down, so each variant's passing splits are, up to
 noise, the ones above a threshold.
 

@@ -1,8 +1,8 @@
 """`ridgefill tune`: the split to serve with, measured. Calibrate once for a range of candidate splits, then fit
 and measure splits one at a time on filled-region RULER (niah tasks) until, for each fill variant (identity,
 ridge), the split with the fewest exact layers whose RULER stays within `tolerance` points of exact is found; then
-check distant-context NLL from those choices up, fastest first, and serve the first that passes; print the frontier (FLOP-limit speedup vs
-quality per split and variant), write the reports and a serving config JSON.
+check distant-context NLL from those choices up, fastest first, and serve the first that passes; print the frontier
+(FLOP-limit speedup vs quality per split and variant), write the reports and a serving config JSON.
 
 Two stages, because the two measures cost very differently. RULER (a few dozen short prompts) decides the search.
 Distant-context NLL needs hundreds of LongPPL key tokens to judge a bound of a few tenths of a nat, and only
