@@ -127,3 +127,23 @@ def test_lookback_maps_cost_their_window_in_the_flop_count():
     assert map_flops(shape, "ridge", 15, None, 1) == filler.flops_per_row() == 2 * map_flops(shape, "ridge", 15)
     plain = flop_model(4096).speedup("ridge", 15, 256)
     assert flop_model(4096, lookbacks={15: 1}).speedup("ridge", 15, 256) < plain
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_next"])
+def test_the_shape_read_from_a_result_document_is_the_engines(family, tmp_path):
+    """flop_model's shape, read from a result document's `model` (what the adapter describes) and the model's
+    config.json (evals/flops.described_shape), is the engine's own: dense, or hybrid (Gated DeltaNet layers, MoE
+    MLPs); without the config.json there is no shape, so no count."""
+    from conftest import tiny_hybrid_model, tiny_model
+
+    from ridgefill.engine import ModelShape, adapter_for
+    from ridgefill.pipeline.frontier import flop_model
+
+    model = tiny_model(family) if family == "llama" else tiny_hybrid_model(family)
+    adapter = adapter_for(model)
+    doc = {"command": "ruler", "model": {"id": str(tmp_path), **adapter.describe()}, "config": {"context": 256}}
+    results = [Result(tmp_path / "ruler.json", doc)]
+    assert flop_model(None, results) is None
+    model.config.to_json_file(tmp_path / "config.json", use_diff=False)
+    found = flop_model(None, results)
+    assert found is not None and found.shape == ModelShape.of(adapter) and found.length == 256
