@@ -121,7 +121,7 @@ def test_every_prompt_token_is_counted_once_through_cache_hits_chunks_and_preemp
     assert again["filled"] + again["full"] + again["cached"] == 100
 
 
-def test_finished_requests_are_forgotten_and_a_request_id_used_again_counts_anew():
+def test_finished_requests_are_forgotten_and_each_counted_once():
     state, book = Counted(), StepLog()
     for n in range(300):  # 300 finished one-step requests: the log keeps at most 2 x live + 256 of them
         ids = [f"q{n}"]
