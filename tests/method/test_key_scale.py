@@ -107,3 +107,28 @@ def test_maps_refit_during_the_pass_do_not_get_the_scale_of_the_old_ones(tiny_ch
     written, written_meta = load_artifact(out, "maps")
     assert torch.equal(written["weight"], original["weight"])  # the maps measured, not the refit
     assert written_meta["key_scale"]["maps_sha256"] == pinned == summary["maps_sha256"]
+
+
+def test_a_scale_that_overflows_fp32_is_refused_and_nothing_is_written(tiny_checkpoint, tmp_path):
+    """Maps that fill rows with a bias of 1e-42 (and no weight): finite, but the filled keys come out ~1e-39, so
+    the least-squares scale is ~1e40: finite in float64, infinite as the fp32 the maps file stores. key-scale refuses
+    it in one line naming the tensor and the fix; no maps, no summary is written."""
+    import re
+
+    from ridgefill.errors import RidgefillError
+    from ridgefill.runtime.artifacts import save_artifact
+
+    text = write_corpus(tmp_path / "text.txt", seed=3, lines_per_document=12)
+    stats, maps, out = tmp_path / "stats.safetensors", tmp_path / "maps.safetensors", tmp_path / "ks.safetensors"
+    command("calibrate")(model=str(tiny_checkpoint), data=str(text), split="2", tokens=1024, seq_len=128,
+                         holdout=0.25, out=stats)
+    command("fit")(stats=stats, out=maps)
+    tensors, meta = load_artifact(maps, "maps")
+    tiny = tmp_path / "tiny.safetensors"
+    save_artifact(tiny, {**tensors, "weight": torch.zeros_like(tensors["weight"]),
+                         "bias": torch.full_like(tensors["bias"], 1e-42)}, meta)
+    with pytest.raises(RidgefillError, match=rf"^{re.escape(str(out))} not written: key_scale holds a NaN or an "
+                                             rf"infinity as fp32: the maps {re.escape(str(tiny))} fill keys the scale "
+                                             r"cannot reach in fp32: refit them \(a larger --lam\), then rerun key-scale$"):
+        command("key-scale")(model=str(tiny_checkpoint), maps=tiny, data=str(text), tokens=256, seq_len=128, out=out)
+    assert not out.exists() and not (tmp_path / "ks.safetensors.json").exists()

@@ -119,3 +119,20 @@ def test_calibrate_refuses_to_write_statistics_that_are_not_finite(tmp_path):
                                              r"float64: calibrate again from the start \(--restart\)"):
         run_calibration(engine, seqs, [2], out, meta, holdout=0.0, checkpoint_every=1, resume=True)
     assert not out.exists()
+
+
+def test_the_mean_controls_maps_are_not_written_from_nonfinite_means(tmp_path):
+    """The mean control served by vLLM is written from a maps file's calibration means (method/fill.mean_maps): an
+    infinity there (a changed file) is refused in one line and no mean maps are written."""
+    from ridgefill.method.fill import mean_maps
+
+    path = tmp_path / "maps.safetensors"
+    save_maps(path, SPLIT, LAYERS, [], {"model": {"id": "tiny", "weights_hash": "x"}}, "identity",
+              means=torch.ones(LAYERS - SPLIT - 1, H))
+    out = tmp_path / "scratch" / "mean.maps.safetensors"
+    assert mean_maps(path, out) == out and load_artifact(out, "maps")[1]["kind"] == "mean"
+    out.unlink()
+    changed(path, "mean", set_first(math.inf))
+    with pytest.raises(RidgefillError, match=rf"^{out} not written: bias holds a NaN or an infinity as fp32: refit"):
+        mean_maps(path, out)
+    assert not out.exists()
