@@ -45,12 +45,19 @@ def test_pass_counts_only_filled_rows_of_late_attention_layers():
     assert (sums.filled[1:] > 0).all()
 
 
-def test_command_writes_maps_with_a_scale_the_engine_applies(tiny_checkpoint, tmp_path):
-    text = write_corpus(tmp_path / "text.txt", seed=3, lines_per_document=12)
-    stats, maps, out = tmp_path / "stats.safetensors", tmp_path / "maps.safetensors", tmp_path / "ks.safetensors"
-    command("calibrate")(model=str(tiny_checkpoint), data=str(text), split="2", tokens=1024, seq_len=128,
-                         holdout=0.25, out=stats)
+def fitted(checkpoint, folder):
+    """(calibration text, maps fitted on it at split 2) for the tiny checkpoint, in `folder`."""
+    text = write_corpus(folder / "text.txt", seed=3, lines_per_document=12)
+    stats, maps = folder / "stats.safetensors", folder / "maps.safetensors"
+    command("calibrate")(model=str(checkpoint), data=str(text), split="2", tokens=1024, seq_len=128, holdout=0.25,
+                         out=stats)
     command("fit")(stats=stats, out=maps)
+    return text, maps
+
+
+def test_command_writes_maps_with_a_scale_the_engine_applies(tiny_checkpoint, tmp_path):
+    text, maps = fitted(tiny_checkpoint, tmp_path)
+    out = tmp_path / "ks.safetensors"
     summary = command("key-scale")(model=str(tiny_checkpoint), maps=maps, data=str(text), tokens=512, seq_len=128,
                                    out=out)
     tensors, meta = load_artifact(out, "maps")
@@ -80,11 +87,8 @@ def test_maps_refit_during_the_pass_do_not_get_the_scale_of_the_old_ones(tiny_ch
     import ridgefill.method.key_scale as key_scale
     from ridgefill.runtime.artifacts import save_artifact
 
-    text = write_corpus(tmp_path / "text.txt", seed=3, lines_per_document=12)
-    stats, maps, out = tmp_path / "stats.safetensors", tmp_path / "maps.safetensors", tmp_path / "ks.safetensors"
-    command("calibrate")(model=str(tiny_checkpoint), data=str(text), split="2", tokens=1024, seq_len=128,
-                         holdout=0.25, out=stats)
-    command("fit")(stats=stats, out=maps)
+    text, maps = fitted(tiny_checkpoint, tmp_path)
+    out = tmp_path / "ks.safetensors"
     original, meta = load_artifact(maps, "maps")
     pinned = hashlib.sha256(maps.read_bytes()).hexdigest()
     real = key_scale.progress_bar
@@ -118,11 +122,8 @@ def test_a_scale_that_overflows_fp32_is_refused_and_nothing_is_written(tiny_chec
     from ridgefill.errors import RidgefillError
     from ridgefill.runtime.artifacts import save_artifact
 
-    text = write_corpus(tmp_path / "text.txt", seed=3, lines_per_document=12)
-    stats, maps, out = tmp_path / "stats.safetensors", tmp_path / "maps.safetensors", tmp_path / "ks.safetensors"
-    command("calibrate")(model=str(tiny_checkpoint), data=str(text), split="2", tokens=1024, seq_len=128,
-                         holdout=0.25, out=stats)
-    command("fit")(stats=stats, out=maps)
+    text, maps = fitted(tiny_checkpoint, tmp_path)
+    out = tmp_path / "ks.safetensors"
     tensors, meta = load_artifact(maps, "maps")
     tiny = tmp_path / "tiny.safetensors"
     save_artifact(tiny, {**tensors, "weight": torch.zeros_like(tensors["weight"]),
