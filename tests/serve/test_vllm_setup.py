@@ -51,6 +51,12 @@ def dbo(config):
     config.parallel_config.enable_dbo = True  # the CPU platform turns DBO off itself: set as a GPU would keep it
 
 
+def context_parallel(kind):  # vLLM itself refuses more context-parallel ranks than this machine has: set after it
+    def set_size(config):
+        setattr(config.parallel_config, f"{kind}_context_parallel_size", 2)
+    return set_size
+
+
 cases = {
     "plain": lambda: make(),
     "v2-asked": lambda: make(env={"VLLM_USE_V2_MODEL_RUNNER": "1"}),
@@ -60,6 +66,10 @@ cases = {
     "speculative": lambda: make(speculative_config={"method": "ngram", "num_speculative_tokens": 2,
                                                     "prompt_lookup_max": 2}),
     "dbo": lambda: make(after=dbo),
+    "dcp": lambda: make(after=context_parallel("decode")),
+    "pcp": lambda: make(after=context_parallel("prefill")),
+    "weight-transfer": lambda: make(weight_transfer_config={"backend": "nccl"}),
+    "dev-mode": lambda: make(env={"VLLM_SERVER_DEV_MODE": "1"}),
 }
 wanted = sys.argv[2:] or list(cases)
 print("RESULT " + json.dumps({name: cases[name]() for name in wanted}))
@@ -82,6 +92,7 @@ def test_a_configured_plugin_makes_vllm_use_the_runner_it_hooks_and_refuses_what
     unconfigured = probe(folder)
     assert unconfigured["plain"]["v2"] is True  # without the plugin this install would run Model Runner V2
     assert unconfigured["lora"].get("error") is None  # and nothing is refused: the plugin does nothing
+    assert unconfigured["dev-mode"].get("error") is None  # dev mode is refused only where the plugin fills
     cases = probe(folder, maps)
     plain = cases["plain"]
     assert plain["v2"] is False and plain["prefix_caching"] is True  # on, as vLLM's default (made safe)
@@ -89,7 +100,15 @@ def test_a_configured_plugin_makes_vllm_use_the_runner_it_hooks_and_refuses_what
     expected = {"v2-asked": "vLLM picked its Model Runner V2, which the RidgeFill plugin does not hook",
                 "lora": "LoRA is not supported with RidgeFill", "kv-offloading": "KV-offloading connectors",
                 "kv-transfer": "KV-transfer and KV-offloading connectors are not supported",
-                "speculative": "speculative decoding is not supported", "dbo": "micro-batching (DBO / ubatching)"}
+                "speculative": "speculative decoding is not supported", "dbo": "micro-batching (DBO / ubatching)",
+                "dcp": "decode context parallelism is not supported with RidgeFill (each rank would hold part of a "
+                       "request's K/V",
+                "pcp": "prefill context parallelism is not supported with RidgeFill (each rank would prefill part of "
+                       "a prompt",
+                "weight-transfer": "weight updates are not supported with RidgeFill (the maps are pinned to the "
+                                   "checkpoint's weights",
+                "dev-mode": "VLLM_SERVER_DEV_MODE=1 is not supported with RidgeFill: vLLM's dev mode opens endpoints "
+                            "that change the served weights"}
     for case, match in expected.items():
         error = cases[case].get("error", "")
         assert error.startswith("RidgefillError: ") and match in error and "\n" not in error, (case, cases[case])
