@@ -138,22 +138,30 @@ def test_the_401_and_the_keys_are_vllms_own():
 
 
 # --- the body bound ------------------------------------------------------------------------------------------------
-def test_a_body_over_the_bound_is_413_by_its_length_before_it_is_read():
-    c = Client(b"x" * 10, headers=keyed(**{"Content-Length": str(BODY_LIMIT + 1)})).run({"VLLM_API_KEY": KEY})
+def test_a_body_declared_over_the_bound_is_413_and_never_kept():
+    """Past 8 times the bound (or when the client waits for `100 Continue`) the 413 comes before a byte is read;
+    below that the body is read on and dropped first, so a client that sends it all before it reads sees the 413."""
+    c = Client(b"x" * 10, headers=keyed(**{"Content-Length": str(8 * BODY_LIMIT + 1)})).run({"VLLM_API_KEY": KEY})
     assert c.status == 413 and c.taken == 0 and c.reached is None
     assert c.error() == ("the request body is over 8,388,608 bytes, the most this server reads: send a shorter "
                          "request, or start the server with RIDGEFILL_MAX_REQUEST_BYTES set higher")
     assert json.loads(c.answer)["error"]["type"] == "RequestEntityTooLargeError"
-    exact = Client(b"x" * 100, headers={"Content-Length": "100"}).run({"RIDGEFILL_MAX_REQUEST_BYTES": "100"})
+    small = {"RIDGEFILL_MAX_REQUEST_BYTES": "100"}
+    waiting = Client([b"x" * 50] * 3, headers={"Content-Length": "150", "Expect": "100-continue"}).run(small)
+    assert waiting.status == 413 and waiting.taken == 0
+    dropped = Client([b"x" * 50] * 16, headers={"Content-Length": "800"}).run(small)
+    assert dropped.status == 413 and dropped.taken == 16 and dropped.reached is None  # all read, none kept
+    exact = Client(b"x" * 100, headers={"Content-Length": "100"}).run(small)
     assert exact.reached == b"x" * 100  # at the bound: read and passed on
 
 
-def test_a_streamed_body_is_413_as_soon_as_it_passes_the_bound():
-    chunks = [b"y" * 40] * 100  # 4,000 bytes without a Content-Length
-    c = Client(chunks).run({"RIDGEFILL_MAX_REQUEST_BYTES": "100"})
-    assert c.status == 413 and c.taken == 3 and c.reached is None  # the third chunk passes 100: none after it
-    assert "over 100 bytes" in c.error()
-    assert Client(chunks[:2]).run({"RIDGEFILL_MAX_REQUEST_BYTES": "100"}).reached == b"y" * 80
+def test_a_streamed_body_is_413_once_it_passes_the_bound_and_is_dropped_up_to_8_times_it():
+    small = {"RIDGEFILL_MAX_REQUEST_BYTES": "100"}
+    c = Client([b"y" * 40] * 10).run(small)  # 400 bytes without a Content-Length
+    assert c.status == 413 and c.taken == 10 and c.reached is None and "over 100 bytes" in c.error()
+    endless = Client([b"y" * 40] * 1000).run(small)  # 40,000 bytes: the answer after 800 (20 chunks)
+    assert endless.status == 413 and endless.taken == 20
+    assert Client([b"y" * 40] * 2).run(small).reached == b"y" * 80
 
 
 @pytest.mark.parametrize("value", ["0", "-5", "8MiB", "1e6", " x "])

@@ -12,9 +12,9 @@ status and body): an unauthenticated request to a guarded path gets vLLM's 401 b
 (vLLM's 401 comes without CORS headers: its key check runs outside its CORS middleware. The 400 and 413 below go
 out through that middleware, as vLLM's own 400s do.)
 Then the body is bounded: over BODY_LIMIT bytes (RIDGEFILL_MAX_REQUEST_BYTES overrides it) it is 413, by its
-Content-Length before any byte is read, else as soon as the bytes read pass the bound. JSON nested too deeply for
-the parser and a `vllm_xargs` over XARGS_LIMIT bytes are 400. Everything else is passed on, the body replayed
-unchanged (a body that is no JSON object is vLLM's to answer).
+Content-Length, else as soon as the bytes read pass the bound; no byte past the bound is kept (see DRAIN_FACTOR).
+JSON nested too deeply for the parser and a `vllm_xargs` over XARGS_LIMIT bytes are 400. Everything else is passed
+on, the body replayed unchanged (a body that is no JSON object is vLLM's to answer).
 """
 
 from __future__ import annotations
@@ -34,6 +34,10 @@ API_KEY_ENV = "VLLM_API_KEY"  # vLLM's key when no --api-key is given (vllm.envs
 BODY_LIMIT_ENV = "RIDGEFILL_MAX_REQUEST_BYTES"
 # 8 MiB: a 128K-token prompt is about 1 MiB as token ids, 0.5 to 3 MiB as text (JSON escapes included)
 BODY_LIMIT = 8 << 20
+# An oversized body is read on and dropped, up to DRAIN_FACTOR times the bound, before the 413 goes out: a client
+# that sends its whole body before it reads (urllib, requests, httpx) then gets the 413; past that the server closes
+# the connection under it. A client that asks `Expect: 100-continue` is answered before it sends the body.
+DRAIN_FACTOR = 8
 XARGS_LIMIT = 64 << 10  # bytes of JSON in vllm_xargs (RidgeFill's own options take a few dozen)
 THREAD_PARSE = 64 << 10  # bodies over this many bytes are parsed in a worker thread, not in the event loop
 GUARDED = ("/v1", "/v2", "/inference", "/cohere")  # the paths vLLM's key guards (authenticate.GUARDED_PREFIX)
@@ -70,7 +74,7 @@ def authorized(scope, tokens: list[bytes]) -> bool:
         return True
     if not scope["path"].removeprefix(scope.get("root_path", "")).startswith(GUARDED):
         return True
-    value = next((v.decode("latin-1") for k, v in scope.get("headers", []) if k.lower() == b"authorization"), "")
+    value = (header(scope, b"authorization") or b"").decode("latin-1")
     scheme, _, param = value.partition(" ")
     if not value or scheme.lower() != "bearer":
         return False
@@ -92,9 +96,14 @@ def body_limit(environ: Mapping[str, str]) -> int:
     return int(text)
 
 
+def header(scope, name: bytes) -> bytes | None:
+    """A request header's first value, or None."""
+    return next((v for k, v in scope.get("headers", []) if k.lower() == name), None)
+
+
 def declared_length(scope) -> int | None:
     """The Content-Length a request declares, or None."""
-    value = next((v for k, v in scope.get("headers", []) if k.lower() == b"content-length"), None)
+    value = header(scope, b"content-length")
     return int(value) if value is not None and value.strip().isdigit() else None
 
 
@@ -155,6 +164,9 @@ class RidgeFillRequestArgs:
             return
         declared = declared_length(scope)
         if declared is not None and declared > self.limit:
+            waits = (header(scope, b"expect") or b"").lower() == b"100-continue"  # sends nothing unless asked
+            if declared <= DRAIN_FACTOR * self.limit and not waits:
+                await drain(receive, declared)
             await self.refuse(scope, send, 413, too_large(self.limit))
             return
         body, first = await read_body(receive, self.limit)
@@ -182,8 +194,8 @@ class RidgeFillRequestArgs:
 
 
 async def read_body(receive, limit: int) -> tuple[bytes | None, dict | None]:
-    """(the whole body, None), or (None, None) as soon as it passes `limit` bytes, or (the bytes so far, the
-    message that ended it) when the client went away."""
+    """(the whole body, None); or (None, None) once it passes `limit` bytes (what follows is dropped, up to
+    DRAIN_FACTOR times `limit` in all); or (the bytes so far, the message that ended it) when the client went away."""
     chunks, size = [], 0
     while True:
         message = await receive()
@@ -191,11 +203,24 @@ async def read_body(receive, limit: int) -> tuple[bytes | None, dict | None]:
             return b"".join(chunks), message
         chunk = message.get("body", b"")
         size += len(chunk)
+        more = message.get("more_body", False)
         if size > limit:
+            if more:
+                await drain(receive, DRAIN_FACTOR * limit - size)
             return None, None
         chunks.append(chunk)
-        if not message.get("more_body", False):
+        if not more:
             return b"".join(chunks), None
+
+
+async def drain(receive, most: int) -> None:
+    """Read and drop the rest of a body, until it ends or `most` bytes have gone."""
+    gone = 0
+    while gone < most:
+        message = await receive()
+        gone += len(message.get("body", b""))
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return
 
 
 async def checked(body: bytes) -> str | None:
