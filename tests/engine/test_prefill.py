@@ -122,7 +122,7 @@ def test_decode_after_filled_prefill_runs_the_full_model(dense_model):
 def test_errors_are_one_line():
     model = tiny_model("llama")
     eng = engine_for(model)
-    with pytest.raises(RidgefillError, match="tail must be at least 1"):
+    with pytest.raises(RidgefillError, match="^tail 0 must be an integer of at least 1"):
         eng.prefill(random_ids(10), fill=FillPlan(IdentityFiller(2, 6), tail=0))
     with pytest.raises(RidgefillError, match="out of range"):
         eng.prefill(random_ids(10), fill=FillPlan(IdentityFiller(9, 6), tail=2))

@@ -22,6 +22,7 @@ full and the result is the exact model's.
 from __future__ import annotations
 
 import copy
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -67,6 +68,31 @@ def full_positions(positions: torch.Tensor, prompt_len, tail, keep_first) -> tor
 
 
 MAX_ROWS = 2**31 - 1  # the most rows a prompt can have anywhere the fill runs (vLLM's positions are int32)
+DEFAULT_CHUNK = 2048  # prompt rows run at once (bounds activation memory): every command's and lm-eval's default
+
+
+def tail_ok(tail, limit: int | None = None) -> bool:
+    """The one tail rule: an integer of at least 1 (the last prompt row gives the first generated token and must run
+    the full model), and at most `limit` when one is given."""
+    return (not isinstance(tail, bool) and isinstance(tail, int) and tail >= 1
+            and (limit is None or tail <= limit))
+
+
+def check_tail(tail, name: str = "--tail") -> int:
+    """The tail rule (tail_ok) as a one-line error naming `name`; returns tail."""
+    if not tail_ok(tail):
+        raise RidgefillError(f"{name} {tail} must be an integer of at least 1: the last prompt row gives the first "
+                             "generated token and must run the full model")
+    return tail
+
+
+def check_outlier_factor(factor, name: str = "--outlier-factor") -> float:
+    """The one outlier-factor rule: 0 (fill every row) or a finite positive number; returns factor."""
+    number = isinstance(factor, (int, float)) and not isinstance(factor, bool)
+    if not number or not math.isfinite(factor) or factor < 0:
+        shown = f"{factor:g}" if number else repr(factor)
+        raise RidgefillError(f"{name} {shown} must be 0 (fill every row) or a finite positive number")
+    return factor
 
 
 def check_keep_first(keep_first, limit: int = MAX_ROWS, name: str = "--keep-first", within: str = "") -> int:
@@ -76,8 +102,8 @@ def check_keep_first(keep_first, limit: int = MAX_ROWS, name: str = "--keep-firs
     inside the limit but past a prompt runs that whole prompt in full (exact), as a tail past the prompt does:
     `full_positions` clamps it, no row list is ever built from it. Returns keep_first."""
     if isinstance(keep_first, bool) or not isinstance(keep_first, int) or keep_first < 0:
-        raise RidgefillError(f"{name} {keep_first!r} is not valid: give an integer of at least 0 (leading prompt "
-                             "rows that run in full)")
+        raise RidgefillError(f"{name} {keep_first} must be an integer of at least 0 (leading prompt rows that run in "
+                             "full)")
     if keep_first > limit:
         raise RidgefillError(f"{name} {keep_first} is past the {limit} rows a prompt can have{within}: give at most "
                              f"{limit} (a keep-first at or past the prompt already runs all of it in full)")
@@ -120,8 +146,8 @@ class FillPlan:
         bad = [r for r in self.keep_rows if not isinstance(r, int) or isinstance(r, bool) or r < 0]
         if bad:
             raise RidgefillError(f"keep row {bad[0]!r} is not a row index: keep rows are 0-based prompt positions")
-        if self.outlier_factor < 0:
-            raise RidgefillError(f"outlier factor {self.outlier_factor} must be 0 (off) or positive")
+        check_tail(self.tail, "tail")
+        check_outlier_factor(self.outlier_factor, "outlier factor")
         check_keep_first(self.keep_first, name="keep-first")
 
     @property
@@ -130,8 +156,6 @@ class FillPlan:
 
     def full_rows(self, n: int) -> torch.Tensor:
         """[n] bool: True for rows that run the full model (before any outlier rows are added at the split)."""
-        if self.tail < 1:
-            raise RidgefillError("tail must be at least 1: the last prompt token must run the full model")
         outside = [r for r in self.keep_rows if r >= n]
         if outside:
             raise RidgefillError(f"keep row {outside[0]} is outside the {n}-token prompt (rows 0..{n - 1}): keep "
@@ -160,10 +184,6 @@ class PrefillResult:
     n_outliers: int = 0  # rows that would have been filled but ran in full (FillPlan.outlier_factor)
     n_unwindowed: int = 0  # ... ran in full: their lookback window was not whole (engine/lookback.py)
 
-    @property
-    def filled_share(self) -> float:
-        return self.n_filled / max(1, self.n_rows)
-
 
 @dataclass
 class GenerationResult:
@@ -178,7 +198,7 @@ class Engine:
     filled rows' K/V projection backend (engine/projection.py: auto, torch, triton, layers); `timer` (a
     Stopwatch) gets the wall time of that projection added to it (None: not timed)."""
 
-    def __init__(self, adapter: Adapter, chunk: int = 2048, projection: str = "auto",
+    def __init__(self, adapter: Adapter, chunk: int = DEFAULT_CHUNK, projection: str = "auto",
                  timer: Stopwatch | None = None) -> None:
         self.adapter = adapter
         self.chunk = chunk

@@ -19,6 +19,13 @@ import torch.nn.functional as F
 from ridgefill.errors import RidgefillError
 
 
+def check_window_size(window, name: str = "--filled-window") -> int:
+    """The one rule of a filled window's size: an integer of at least 0 (0: full attention); returns it."""
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise RidgefillError(f"{name} {window} must be an integer of at least 0 (0: full attention)")
+    return window
+
+
 @dataclass(frozen=True)
 class FilledWindow:
     """W = `size` rows before each windowed row, in layers `first`..`last` (inclusive; only those below the split
@@ -30,7 +37,8 @@ class FilledWindow:
     sinks: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("size", "first", "last", "sinks"):
+        check_window_size(self.size)
+        for name in ("first", "last", "sinks"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise RidgefillError(f"filled window {name} {value!r} must be an integer of at least 0")

@@ -30,7 +30,7 @@ from ridgefill.errors import RidgefillError
 from ridgefill.evals.common import MeasureConfig, Measurement, parse_lengths, start
 from ridgefill.evals.flops import prefill_flops
 from ridgefill.runtime.stats import format_interval, mean, ratio_of_medians
-from ridgefill.method.fill import Tuned, load_serving, parse_variants
+from ridgefill.method.fill import ServedOptions, Tuned, load_serving, parse_variants
 from ridgefill.runtime.console import note, progress_bar, table
 from ridgefill.runtime.data import documents_for, load_corpus, passages, token_sequences
 from ridgefill.runtime.provenance import cpu_name, device_info, load_average, versions
@@ -42,8 +42,7 @@ TRANSFORMERS = "transformers"  # the timing entry of transformers' own forward
 
 # --- options -------------------------------------------------------------------------------------------
 @dataclass
-class BenchConfig(MeasureConfig):
-    split: int | None = option(None, "Split S (the maps carry it; identity needs it).", top="splits")
+class BenchConfig(MeasureConfig, ServedOptions):
     seed: int = option(0, "Seed of random prompts and bootstrap intervals.", top="seeds")
     out: Path = option(Path("ttft.json"), "Result JSON (raw samples included).", role="output")
     lengths: str = option("1024,2048,4096,8192", "Prompt lengths (tokens), comma-separated.", listed=int)
@@ -55,8 +54,6 @@ class BenchConfig(MeasureConfig):
     threads: int = option(0, "torch CPU threads (0: torch's default).")
     projection: str = option("auto", "Fill projection: auto (Triton on CUDA, else torch), torch, triton, or "
                              "layers (per layer, unfused).")
-    serving_config: Path | None = option(None, "A serving config from `ridgefill tune`: times exact against the "
-                                         "tuned fill (its split, tail, keep-first, maps or identity).")
     engine: str = engine_option()
 
     def check(self) -> None:
@@ -74,6 +71,9 @@ class BenchConfig(MeasureConfig):
         check_engine(self.engine)
         if self.engine == "vllm" and self.projection != "auto":
             raise RidgefillError("--projection chooses ridgefill's own fill projection: drop it with --engine vllm")
+
+    def source_rule(self):
+        return ("variants",), None
 
     def names(self) -> list[str]:
         """The variants timed, exact first."""
@@ -114,8 +114,6 @@ def served(c: BenchConfig) -> tuple[BenchConfig, Tuned | None]:
     fill)."""
     if c.serving_config is None:
         return c, None
-    if c.maps is not None or c.split is not None or c.variants is not None:
-        raise RidgefillError("--serving-config sets the maps, split and variant: drop --maps, --split and --variants")
     tuned = load_serving(c.serving_config)
     return c.with_serving(tuned, variants=f"exact,{tuned.fill.variant}"), tuned
 

@@ -15,14 +15,16 @@ the split (maps carry the one they were calibrated with), checked once, here. Fr
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import math
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from ridgefill.commands import Config, option
+from ridgefill.engine.prefill import check_keep_first, check_outlier_factor, check_tail
+from ridgefill.engine.window import check_window_size
 from ridgefill.errors import RidgefillError
 from ridgefill.method.statistics import OUTLIER_FACTOR
 
@@ -31,15 +33,9 @@ if TYPE_CHECKING:
 
 VARIANTS = ("exact", "identity", "ridge", "drop", "mean")  # what a measurement can run side by side, exact first
 FILLS = VARIANTS[1:]  # the fill variants
-CONTROLS = ("drop", "mean")  # null controls: filled rows bring nothing (drop) or the calibration mean (mean)
 FROM_MAPS = ("ridge", "mean")  # variants that read a maps file (mean: its calibration means)
 DEFAULT_VARIANTS = ("exact", "identity", "ridge")  # what runs without --variants (ridge only with --maps)
-DEFAULT_TAIL = 256
-DEFAULT_KEEP_FIRST = 1
 SERVING_KIND = "ridgefill-serving-config"
-# the vLLM plugin's environment (read in every process vLLM starts: serve/vllm_plugin.py)
-ENV = {"maps": "RIDGEFILL_MAPS", "maps_sha256": "RIDGEFILL_MAPS_SHA256", "tail": "RIDGEFILL_TAIL",
-       "keep_first": "RIDGEFILL_KEEP_FIRST", "outlier_factor": "RIDGEFILL_OUTLIER_FACTOR"}
 V2_RUNNER = "VLLM_USE_V2_MODEL_RUNNER"  # vLLM's switch between its model runners (0: V1, the one the plugin hooks)
 WINDOW_HELP = ("Filled rows attend only to the kept first rows and the W rows before them in the layers below the "
                "split (0: full attention; maps carry the window they were calibrated with).")
@@ -48,24 +44,86 @@ WINDOW_LAYERS_HELP = ("Layers 'a-b' (below the split) whose filled rows attend l
 OUTLIER_HELP = ("A row that would be filled runs in full when its split-state norm exceeds this x the median of "
                 "its chunk's filled rows (calibration leaves such rows out of the fit); 0 fills them too.")
 
+SERVING_HELP = ("A serving config from `ridgefill tune`: its fill (variant, split, maps, tail, keep-first, outlier "
+                "factor) replaces those options.")
+
+
+# --- the fill settings, each declared once ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class FillField:
+    """One fill setting, declared once. `name` is its FillSettings field, command-line option (--name with dashes),
+    recipe key, serving.json key and lm-eval model argument; `kind` its type (`optional`: None allowed); `default`;
+    `check(value)` raises the one-line error for a bad value (engine/ holds the rules ridgefill's engine applies
+    too); `help` the option's help (None: no option); `env` the vLLM plugin's environment variable; `served`
+    whether serving.json must have it ("required"; "optional": older configs may lack it and get the default;
+    None: not a top-level key); `extra`: more of commands.option's keywords, as (key, value) pairs."""
+
+    name: str
+    kind: type
+    default: Any
+    check: Callable[[Any], Any] | None = None
+    help: str | None = None
+    env: str | None = None
+    served: str | None = "required"
+    optional: bool = False
+    extra: tuple = ()
+
+    def option(self, note: str | None = None):
+        """The command option (a Config field); `note` is added to the help in parentheses."""
+        help = self.help if note is None else f"{self.help[:-1]} ({note})."
+        return option(self.default, help, **dict(self.extra))
+
+    def hint(self):
+        return self.kind | None if self.optional else self.kind
+
+
+FIELDS = (
+    FillField("split", int, None, None, "Split S (the maps carry it; identity fill needs it without them).",
+              optional=True, extra=(("top", "splits"),)),
+    FillField("maps", Path, None, None, "Maps file (from ridgefill fit) for the ridge variant; it carries the split.",
+              env="RIDGEFILL_MAPS", served=None, optional=True, extra=(("role", "input"),)),
+    FillField("tail", int, 256, check_tail, "Last prompt rows that run the full model.", env="RIDGEFILL_TAIL",
+              extra=(("top", "tails"),)),
+    FillField("keep_first", int, 1, check_keep_first, "Leading rows run in full (the attention sink).",
+              env="RIDGEFILL_KEEP_FIRST"),
+    FillField("outlier_factor", float, OUTLIER_FACTOR, check_outlier_factor, OUTLIER_HELP,
+              env="RIDGEFILL_OUTLIER_FACTOR", served="optional"),
+    FillField("maps_sha256", str, None, env="RIDGEFILL_MAPS_SHA256", served=None, optional=True),
+    FillField("filled_window", int, 0, check_window_size, WINDOW_HELP, served="optional"),
+    FillField("filled_window_layers", str, None, None, WINDOW_LAYERS_HELP, served="optional", optional=True),
+)
+FIELD = {f.name: f for f in FIELDS}
+OPTIONS = tuple(f.name for f in FIELDS if f.help is not None)  # the fill options (FillOptions, lm-eval's model_args)
+ENV = {f.name: f.env for f in FIELDS if f.env}  # the vLLM plugin's environment (read in every process vLLM starts)
+
+
+def with_fields(names):
+    """Class decorator (under @dataclass): add the FillFields `names` as fields, as options for a Config."""
+    def add(cls):
+        own = cls.__dict__.get("__annotations__", {})
+        fields = {n: FIELD[n] for n in names}
+        cls.__annotations__ = {**own, **{n: f.hint() for n, f in fields.items()}}
+        for n, f in fields.items():
+            setattr(cls, n, f.option() if issubclass(cls, Config) else f.default)
+        return cls
+    return add
+
+
+def check_fill(**values) -> None:
+    """Check the given fill settings by name, each with its FillField's check (one line naming the option)."""
+    for name, value in values.items():
+        if FIELD[name].check is not None:
+            FIELD[name].check(value)
+
 
 def check_fill_values(tail: int, keep_first: int, outlier_factor: float) -> None:
-    """The one check of the fill's numbers (a one-line RidgefillError naming the option and the fix)."""
-    if isinstance(tail, bool) or not isinstance(tail, int) or tail < 1:
-        raise RidgefillError(f"--tail {tail} must be an integer of at least 1: the last prompt row gives the first "
-                             "generated token and must run the full model")
-    if isinstance(keep_first, bool) or not isinstance(keep_first, int) or keep_first < 0:
-        raise RidgefillError(f"--keep-first {keep_first} must be an integer of at least 0")
-    number = isinstance(outlier_factor, (int, float)) and not isinstance(outlier_factor, bool)
-    if not number or not math.isfinite(outlier_factor) or outlier_factor < 0:
-        shown = f"{outlier_factor:g}" if number else repr(outlier_factor)
-        raise RidgefillError(f"--outlier-factor {shown} must be 0 (fill every row) or a finite positive number")
+    """The fill's numbers (check_fill)."""
+    check_fill(tail=tail, keep_first=keep_first, outlier_factor=outlier_factor)
 
 
 def check_window_values(window: int, layers: str | None) -> None:
     """--filled-window and --filled-window-layers, before any model loads (their range is checked at the split)."""
-    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
-        raise RidgefillError(f"--filled-window {window} must be an integer of at least 0 (0: full attention)")
+    check_fill(filled_window=window)
     if layers is not None and not window:
         raise RidgefillError(f"--filled-window-layers {layers} needs --filled-window W > 0: pass a window or drop "
                              "the layers")
@@ -94,20 +152,13 @@ def resolve_window(window: int, layers: str | None, split: int, sinks: int, meta
 
 
 @dataclass(frozen=True)
+@with_fields(f.name for f in FIELDS)
 class FillSettings:
-    """How to fill one prompt: `variant` identity, ridge, drop or mean (engine/fillers.py); `split` (the maps', checked
-    when given); `maps` (ridge and mean, or for vLLM any maps file, identity ones too); `maps_sha256` the bytes every
-    loader must find."""
+    """How to fill one prompt: `variant` identity, ridge, drop or mean (engine/fillers.py), then the FIELDS in their
+    order: `split` (the maps', checked when given); `maps` (ridge and mean, or for vLLM any maps file, identity ones
+    too); tail, keep_first, outlier_factor; `maps_sha256` the bytes every loader must find; the filled window."""
 
     variant: str
-    split: int | None = None
-    maps: Path | None = None
-    tail: int = DEFAULT_TAIL
-    keep_first: int = DEFAULT_KEEP_FIRST
-    outlier_factor: float = OUTLIER_FACTOR
-    maps_sha256: str | None = None
-    filled_window: int = 0
-    filled_window_layers: str | None = None
 
     def __post_init__(self) -> None:
         if self.variant not in FILLS:
@@ -192,11 +243,11 @@ class FillSettings:
         """The plugin's environment (every process vLLM starts reads it); needs a maps file (for_vllm)."""
         if self.maps is None:
             raise RidgefillError("the vLLM plugin serves a maps file: pin the settings with for_vllm first")
-        env = {ENV["maps"]: str(Path(self.maps).resolve()), ENV["tail"]: str(self.tail),
-               ENV["keep_first"]: str(self.keep_first), ENV["outlier_factor"]: repr(float(self.outlier_factor)),
-               V2_RUNNER: "0"}
-        if self.maps_sha256 is not None:
-            env[ENV["maps_sha256"]] = self.maps_sha256
+        env = {ENV["maps"]: str(Path(self.maps).resolve()), V2_RUNNER: "0"}
+        for name, var in ENV.items():
+            value = getattr(self, name)
+            if name != "maps" and value is not None:
+                env[var] = repr(float(value)) if FIELD[name].kind is float else str(value)
         return env
 
     @classmethod
@@ -209,15 +260,6 @@ class FillSettings:
         maps = env.get(ENV["maps"], "").strip()
         if not maps:
             return None
-
-        def number(key: str, kind, default):
-            text = env.get(ENV[key], "").strip()
-            try:
-                return kind(text) if text else default
-            except ValueError:
-                raise RidgefillError(f"{ENV[key]}={text!r} is not a{'n integer' if kind is int else ' number'}: "
-                                     f"set it to e.g. {default}") from None
-
         pin = env.get(ENV["maps_sha256"], "").strip() or None  # unset or empty: no pin
         if pin is not None and not is_sha256(pin):
             raise RidgefillError(f"{ENV['maps_sha256']}={repr(pin)[:80]} is not a whole sha256 (64 hex digits): set "
@@ -225,9 +267,8 @@ class FillSettings:
         meta = read_meta(maps, "maps")
         refuse_windowed(0, maps, meta)
         variant = meta.get("kind") if meta.get("kind") in ("identity", "mean") else "ridge"
-        return cls(variant, meta.get("split"), Path(maps),
-                   number("tail", int, DEFAULT_TAIL), number("keep_first", int, DEFAULT_KEEP_FIRST),
-                   number("outlier_factor", float, OUTLIER_FACTOR), pin)
+        numbers = {n: env_number(env, FIELD[n]) for n in ENV if FIELD[n].kind in (int, float)}
+        return cls(variant, meta.get("split"), Path(maps), maps_sha256=pin, **numbers)
 
     # --- serving configs -----------------------------------------------------------------------------------------
     def to_serving(self) -> dict:
@@ -237,15 +278,27 @@ class FillSettings:
         maps = None
         if self.variant in FROM_MAPS:
             maps = {"path": str(Path(self.maps).resolve()), "sha256": self.maps_sha256 or file_sha256(self.maps)}
-        return {"variant": self.variant, "split": self.split, "tail": self.tail, "keep_first": self.keep_first,
-                "outlier_factor": self.outlier_factor, "maps": maps, "filled_window": self.filled_window,
-                "filled_window_layers": self.filled_window_layers}
+        return {"variant": self.variant, **{f.name: getattr(self, f.name) for f in FIELDS if f.served}, "maps": maps}
 
     def describe(self) -> dict:
-        return {"variant": self.variant, "split": self.split, "maps": None if self.maps is None else str(self.maps),
-                "maps_sha256": self.maps_sha256, "tail": self.tail, "keep_first": self.keep_first,
-                "outlier_factor": self.outlier_factor, "filled_window": self.filled_window,
-                "filled_window_layers": self.filled_window_layers}
+        """Every setting, by name (the maps by path as given)."""
+        return {"variant": self.variant, **{f.name: getattr(self, f.name) for f in FIELDS},
+                "maps": None if self.maps is None else str(self.maps)}
+
+    def options(self) -> dict:
+        """The fill options (FillOptions' fields) these settings set."""
+        return {name: getattr(self, name) for name in OPTIONS}
+
+
+def env_number(env: Mapping[str, str], f: FillField):
+    """The number the plugin's environment sets for `f` (its default when unset or empty); a one-line error for
+    text that is no number."""
+    text = env.get(f.env, "").strip()
+    try:
+        return f.kind(text) if text else f.default
+    except ValueError:
+        raise RidgefillError(f"{f.env}={text!r} is not a{'n integer' if f.kind is int else ' number'}: set it to e.g. "
+                             f"{f.default}") from None
 
 
 def refuse_windowed(window: int, maps, meta: dict | None = None) -> None:
@@ -292,8 +345,7 @@ def variant_plans(session, options, variants=VARIANTS) -> tuple[dict, dict | Non
         if v == "exact":
             plans[v] = None
             continue
-        fill = FillSettings(v, options.split, options.maps, options.tail, options.keep_first, options.outlier_factor,
-                            filled_window=options.filled_window, filled_window_layers=options.filled_window_layers)
+        fill = FillSettings(v, **{name: getattr(options, name) for name in OPTIONS})
         plans[v], found = fill.plan(session)
         meta = found or meta
     return plans, meta
@@ -355,9 +407,9 @@ def load_serving(path: str | Path) -> Tuned:
         raise RidgefillError(f"--serving-config {path} is not a ridgefill serving config: pass the serving.json "
                              "that `ridgefill tune` wrote")
     try:
-        variant, split, tail, keep = doc["variant"], doc["split"], doc["tail"], doc["keep_first"]
-        outlier = doc.get("outlier_factor", OUTLIER_FACTOR)
-        window, window_layers = doc.get("filled_window", 0), doc.get("filled_window_layers")
+        variant = doc["variant"]
+        values = {f.name: doc[f.name] if f.served == "required" else doc.get(f.name, f.default)
+                  for f in FIELDS if f.served}
         weights = doc["model"]["weights_hash"]
         maps = doc.get("maps")
         if not isinstance(weights, str) or not isinstance(variant, str):
@@ -387,7 +439,7 @@ def load_serving(path: str | Path) -> Tuned:
                                  f"{found[:16]}, the config says {sha[:16]}): rerun `ridgefill tune`")
         sha = found
     try:
-        fill = FillSettings(variant, split, maps_path, tail, keep, outlier, sha, window, window_layers)
+        fill = FillSettings(variant, maps=maps_path, maps_sha256=sha, **values)
     except RidgefillError as exc:
         raise RidgefillError(f"--serving-config {path}: {exc}: rerun `ridgefill tune`") from None
     return Tuned(fill, weights)
@@ -395,19 +447,10 @@ def load_serving(path: str | Path) -> Tuned:
 
 # --- the options ------------------------------------------------------------------------------------------------
 @dataclass
+@with_fields(OPTIONS)
 class FillOptions(Config):
-    """The options of every command that fills (declared once; a recipe's top-level `splits` and `tails` set
-    split and tail)."""
-
-    maps: Path | None = option(None, "Maps file (from ridgefill fit) for the ridge variant; it carries the split.",
-                               role="input")
-    split: int | None = option(None, "Split S (the maps carry it; identity fill needs it without them).",
-                               top="splits")
-    tail: int = option(DEFAULT_TAIL, "Last prompt rows that run the full model.", top="tails")
-    keep_first: int = option(DEFAULT_KEEP_FIRST, "Leading rows run in full (the attention sink).")
-    outlier_factor: float = option(OUTLIER_FACTOR, OUTLIER_HELP)
-    filled_window: int = option(0, WINDOW_HELP)
-    filled_window_layers: str | None = option(None, WINDOW_LAYERS_HELP)
+    """The options of every command that fills, one per FillField with help (a recipe's top-level `splits` and
+    `tails` set split and tail)."""
 
     def check(self) -> None:
         super().check()
@@ -418,14 +461,45 @@ class FillOptions(Config):
         """The settings of `variant` (default: with --maps ridge, or mean for a mean maps file; else identity)."""
         if variant is None and self.maps is not None:
             variant = "mean" if read_kind(self.maps) == "mean" else "ridge"
-        variant = variant or "identity"
-        return FillSettings(variant, self.split, self.maps, self.tail, self.keep_first, self.outlier_factor,
-                            filled_window=self.filled_window, filled_window_layers=self.filled_window_layers)
+        return FillSettings(variant or "identity", **{name: getattr(self, name) for name in OPTIONS})
 
     def with_serving(self, tuned: Tuned, **more):
-        """These options with a serving config's fill in place of --maps, --split, --tail, --keep-first,
-        --outlier-factor and the window (and `more`)."""
-        f = tuned.fill
-        return replace(self, maps=f.maps, split=f.split, tail=f.tail, keep_first=f.keep_first,
-                       outlier_factor=f.outlier_factor, filled_window=f.filled_window,
-                       filled_window_layers=f.filled_window_layers, **more)
+        """These options with a serving config's fill in place of every fill option (and `more`)."""
+        return replace(self, **tuned.fill.options(), **more)
+
+
+@dataclass
+class ServedOptions(FillOptions):
+    """The fill options or a serving config (`--serving-config`, from `ridgefill tune`), one of the two: the options
+    of generate, serve and bench-ttft."""
+
+    serving_config: Path | None = option(None, SERVING_HELP)
+
+    def check(self) -> None:
+        super().check()
+        check_fill_source(self, *self.source_rule())
+
+    def source_rule(self) -> tuple[tuple[str, ...], str | None]:
+        """check_fill_source's `also` and `needed` for this command (by default: nothing more, nothing needed)."""
+        return (), None
+
+    def served(self):
+        """(these options with the serving config's fill in place, the serving config), or (self, None)."""
+        if self.serving_config is None:
+            return self, None
+        tuned = load_serving(self.serving_config)
+        return self.with_serving(tuned), tuned
+
+
+def check_fill_source(c: ServedOptions, also: tuple[str, ...] = (), needed: str | None = None) -> None:
+    """The either-or rule: a serving config sets the fill, so --maps, --split (and the options `also` names, e.g.
+    variants) are refused beside it; `needed` (e.g. ", or pass --exact"; None: nothing is needed) says that one
+    of --maps, --split and --serving-config must be given, and what else would do."""
+    names = ("maps", "split", *also)
+    if c.serving_config is not None and any(getattr(c, n) is not None for n in names):
+        flags = [f"--{n.replace('_', '-')}" for n in names]
+        raise RidgefillError(f"--serving-config sets the fill ({', '.join(names[:-1])} and {names[-1]}): drop "
+                             f"{', '.join(flags[:-1])} and {flags[-1]}")
+    if needed is not None and c.serving_config is None and c.maps is None and c.split is None:
+        raise RidgefillError("give --maps (from ridgefill fit), --split (identity fill) or --serving-config (from "
+                             f"ridgefill tune){needed}")

@@ -9,7 +9,7 @@ from pathlib import Path
 from ridgefill.commands import Command, option
 from ridgefill.engine.prefill import check_keep_first
 from ridgefill.errors import RidgefillError
-from ridgefill.method.fill import FillOptions, load_serving
+from ridgefill.method.fill import ServedOptions
 from ridgefill.runtime.console import note
 from ridgefill.runtime.paths import read_text
 from ridgefill.runtime.ranges import parse_ranges
@@ -19,9 +19,7 @@ from ridgefill.serve.vllm_engine import check_engine, engine_option
 
 
 @dataclass
-class GenerateConfig(FillOptions, ModelConfig):
-    serving_config: Path | None = option(None, "A serving config from `ridgefill tune`: its fill (variant, split, "
-                                         "maps, tail, keep-first, outlier factor) replaces those options.")
+class GenerateConfig(ServedOptions, ModelConfig):
     keep_rows: str | None = option(None, "More prompt rows (0-based token positions) that run in full, e.g. "
                                    "0-3,120-140.", listed=str)
     keep_text: str | None = option(None, "Run the tokens of this text's first occurrence in the prompt in full "
@@ -33,6 +31,9 @@ class GenerateConfig(FillOptions, ModelConfig):
     compare: bool = option(False, "Run exact and filled; print both with their TTFT.")
     engine: str = engine_option()
 
+    def source_rule(self):
+        return (), None if self.exact else ", or pass --exact"
+
     def check(self) -> None:
         if (self.prompt is None) == (self.prompt_file is None):
             raise RidgefillError("give exactly one of --prompt or --prompt-file")
@@ -42,11 +43,6 @@ class GenerateConfig(FillOptions, ModelConfig):
                                  "pass a text file")
         if self.exact and self.compare:
             raise RidgefillError("--compare already runs exact: drop --exact")
-        if not self.exact and self.maps is None and self.split is None and self.serving_config is None:
-            raise RidgefillError("filled prefill needs --maps (from ridgefill fit), --split (identity fill) or "
-                                 "--serving-config, or pass --exact")
-        if self.serving_config is not None and (self.maps is not None or self.split is not None):
-            raise RidgefillError("--serving-config sets the maps and split: drop --maps and --split")
         if self.max_new_tokens < 1:
             raise RidgefillError("--max-new-tokens must be at least 1")
         super().check()
@@ -63,9 +59,7 @@ class GenerateConfig(FillOptions, ModelConfig):
 
 def run(c: GenerateConfig) -> dict:
     """The generated text of each run (exact, filled), by name."""
-    tuned = None if c.serving_config is None else load_serving(c.serving_config)
-    if tuned is not None:
-        c = c.with_serving(tuned)
+    c, tuned = c.served()
     tail, exact, max_new_tokens, compare = c.tail, c.exact, c.max_new_tokens, c.compare
     prompt = c.prompt if c.prompt_file is None else read_text(c.prompt_file, "--prompt-file")
     session = c.open()
