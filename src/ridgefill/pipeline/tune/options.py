@@ -10,8 +10,7 @@ from pathlib import Path
 from ridgefill.commands import option
 from ridgefill.errors import RidgefillError
 from ridgefill.evals.common import parse_lengths
-from ridgefill.method.fill import DEFAULT_KEEP_FIRST, DEFAULT_TAIL, FILLS, check_fill_values
-from ridgefill.method.statistics import OUTLIER_FACTOR
+from ridgefill.method.fill import FIELD, FILLS, check_fill
 from ridgefill.pipeline.search import SEARCHES
 from ridgefill.runtime.paths import check_output
 from ridgefill.runtime.ranges import parse_ranges
@@ -24,8 +23,8 @@ class TuneConfig(ModelConfig):
                        "'shakespeare'.")
     splits: str | None = option(None, "Candidate splits: values and ranges, e.g. 14-20 or 14,16,18 (default: the "
                                 "upper half, L/2..L-2).")
-    tail: int = option(DEFAULT_TAIL, "Last prompt rows that run the full model (the served fill's tail).")
-    keep_first: int = option(DEFAULT_KEEP_FIRST, "Leading rows run in full (the attention sink).")
+    tail: int = FIELD["tail"].option("the served fill's tail")
+    keep_first: int = FIELD["keep_first"].option()
     tolerance: float = option(5.0, "Filled-region RULER points below exact that still count as equal quality.")
     max_distant_gap: float = option(0.25, "Distant-context NLL above exact (nats) that still counts as equal "
                                     "quality.")
@@ -65,7 +64,7 @@ class TuneConfig(ModelConfig):
     config_out: Path | None = option(None, "Serving config JSON to write (default <out-dir>/serving.json).")
 
     def check(self) -> None:
-        check_fill_values(self.tail, self.keep_first, OUTLIER_FACTOR)
+        check_fill(tail=self.tail, keep_first=self.keep_first)  # served with the default outlier factor
         if not self.tolerance >= 0 or not self.max_distant_gap >= 0:
             raise RidgefillError(f"--tolerance {self.tolerance:g} and --max-distant-gap {self.max_distant_gap:g} "
                                  "must be 0 or more (points and nats above exact that still count as equal)")

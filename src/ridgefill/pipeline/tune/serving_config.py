@@ -8,7 +8,6 @@ from pathlib import Path
 
 from ridgefill import __version__
 from ridgefill.method.fill import FROM_MAPS, SERVING_KIND, FillSettings
-from ridgefill.method.statistics import OUTLIER_FACTOR
 from ridgefill.pipeline.frontier import Point
 from ridgefill.pipeline.tune.options import TuneConfig, window_layers
 from ridgefill.pipeline.tune.windows import WindowRun
@@ -22,7 +21,7 @@ def serving_config(c: TuneConfig, runs: list[WindowRun], served: WindowRun, best
     manifest, results = sweep.results()
     check = served.checks.get(best.variant)
     maps = _maps_of(manifest, sweep.run_dir, best.split) if best.variant in FROM_MAPS else None
-    fill = FillSettings(best.variant, best.split, maps, c.tail, c.keep_first, OUTLIER_FACTOR,  # as it was measured
+    fill = FillSettings(best.variant, best.split, maps, c.tail, c.keep_first,  # the default outlier factor, as measured
                         filled_window=served.window, filled_window_layers=window_layers(served.window, candidates))
     info = sweep.facts.info
     return {
