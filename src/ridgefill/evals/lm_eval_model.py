@@ -8,10 +8,11 @@ after that import:
     ridgefill lm-eval --model ridgefill --model_args pretrained=M,fill=identity,split=18 --tasks T
     ridgefill lm-eval --model ridgefill --model_args pretrained=M --tasks T          # exact prefill
 
-model_args: pretrained (a --model spec: alias, folder or Hub id), maps, split, tail (256), keep_first (1),
-fill (exact | identity | ridge; default ridge with maps, else exact), dtype (fp32), chunk (2048),
-max_gen_toks (256), outlier_factor (20: filled rows whose split state is an outlier run in full). Every request's context is prefilled with the plan; the scored continuation and every
-generated token run the full model. Contexts that share their tokens (a multiple-choice question's options)
+model_args: pretrained (a --model spec: alias, folder or Hub id), fill (exact | identity | ridge; default ridge
+with maps, else exact), dtype (fp32), chunk (engine.DEFAULT_CHUNK), max_gen_toks (256), and the fill's options
+by their names (method/fill.OPTIONS: maps, split, tail, keep_first, outlier_factor, filled_window,
+filled_window_layers, with their defaults). Every request's context is prefilled with the plan; the scored
+continuation and every generated token run the full model. Contexts that share their tokens (a multiple-choice question's options)
 are prefilled once. loglikelihood_rolling is refused: filled rows have no logits to score.
 """
 
@@ -21,8 +22,8 @@ import torch
 
 from ridgefill.errors import RidgefillError
 from ridgefill.evals.scoring import continuation_scores
-from ridgefill.method.fill import VARIANTS, FillSettings
-from ridgefill.method.statistics import OUTLIER_FACTOR
+from ridgefill.engine.prefill import DEFAULT_CHUNK
+from ridgefill.method.fill import FIELD, OPTIONS, VARIANTS, FillSettings
 from ridgefill.runtime.console import note, progress_bar
 from ridgefill.runtime.session import open_session
 
@@ -33,19 +34,16 @@ try:
 except ImportError:
     raise RidgefillError("lm-eval is not installed: pip install lm-eval==0.4.13 (ridgefill's `eval` extra)") from None
 
+OWN_ARGS = ("fill", "chunk", "max_gen_toks")  # model_args of the model itself (the fill's: method/fill.OPTIONS)
+IGNORED_ARGS = ("pretrained", "dtype", "device", "batch_size", "max_batch_size")  # read by __init__ or by lm-eval
 
 
 @register_model("ridgefill")
 class RidgefillLM(TemplateLM):
-    def __init__(self, pretrained: str = "smollm2-135m", maps: str | None = None, split: int | None = None,
-                 tail: int = 256, keep_first: int = 1, fill: str | None = None, dtype: str = "fp32",
-                 device: str | None = None, chunk: int = 2048, max_gen_toks: int = 256,
-                 outlier_factor: float = OUTLIER_FACTOR, filled_window: int = 0, filled_window_layers=None,
-                 batch_size=None, max_batch_size=None, **unknown) -> None:
+    def __init__(self, pretrained: str = "smollm2-135m", dtype: str = "fp32", device: str | None = None,
+                 batch_size=None, max_batch_size=None, **args) -> None:
         super().__init__()
-        settings, fill, max_gen_toks, chunk = model_settings(maps, split, tail, keep_first, fill, chunk,
-                                                             max_gen_toks, outlier_factor, filled_window,
-                                                             filled_window_layers, unknown)
+        settings, fill, max_gen_toks, chunk = model_settings(**args)
         device = _device(device)
         self.session = open_session(str(pretrained), dtype, device, chunk)
         self.plan, self.maps_meta = (None, None) if settings is None else settings.plan(self.session)
@@ -162,15 +160,15 @@ def _device(device: str | None) -> str:
     return str(device)
 
 
-def model_settings(maps=None, split=None, tail=256, keep_first=1, fill=None, chunk=2048, max_gen_toks=256,
-                   outlier_factor=OUTLIER_FACTOR, filled_window=0, filled_window_layers=None,
-                   unknown=()) -> tuple[FillSettings | None, str, int, int]:
-    """The model_args checked, with no model loaded: (the fill's settings, None for exact; the fill's name;
-    max_gen_toks; chunk)."""
+def model_settings(fill=None, chunk=DEFAULT_CHUNK, max_gen_toks=256,
+                   **args) -> tuple[FillSettings | None, str, int, int]:
+    """The model_args checked, with no model loaded (`args`: the fill's, by their FillField names; the fill's
+    defaults for those not given): (the fill's settings, None for exact; the fill's name; max_gen_toks; chunk)."""
+    unknown = sorted(set(args) - set(OPTIONS))
     if unknown:
-        raise RidgefillError(f"unknown model_args {sorted(unknown)} for the ridgefill model: use pretrained, maps, "
-                             "split, tail, keep_first, fill, dtype, chunk, max_gen_toks, outlier_factor, "
-                             "filled_window, filled_window_layers")
+        raise RidgefillError(f"unknown model_args {unknown} for the ridgefill model: use "
+                             f"{', '.join(IGNORED_ARGS[:3] + OWN_ARGS + OPTIONS)}")
+    maps = args.get("maps")
     fill = fill or ("ridge" if maps else "exact")
     if fill not in VARIANTS:
         raise RidgefillError(f"unknown fill '{fill}': use {', '.join(VARIANTS)}")
@@ -181,11 +179,7 @@ def model_settings(maps=None, split=None, tail=256, keep_first=1, fill=None, chu
         raise RidgefillError(f"max_gen_toks and chunk must be at least 1, got {max_gen_toks} and {chunk}")
     settings = None
     if fill != "exact":
-        settings = FillSettings(fill, None if split is None else _number("split", split, int), maps,
-                                _number("tail", tail, int), _number("keep_first", keep_first, int),
-                                _number("outlier_factor", outlier_factor, float),
-                                filled_window=_number("filled_window", filled_window, int),
-                                filled_window_layers=filled_window_layers)
+        settings = FillSettings(fill, **{k: _fill_arg(k, v) for k, v in args.items()})
     return settings, fill, max_gen_toks, chunk
 
 
@@ -196,14 +190,16 @@ def preflight(model_args: dict) -> None:
     from ridgefill.runtime.artifacts import read_meta
     from ridgefill.runtime.models import model_identity
 
-    known = ("maps", "split", "tail", "keep_first", "fill", "chunk", "max_gen_toks", "outlier_factor", "filled_window",
-             "filled_window_layers")
-    ignored = ("pretrained", "dtype", "device", "batch_size", "max_batch_size")
-    settings, *_ = model_settings(**{k: v for k, v in model_args.items() if k in known},
-                                  unknown={k: v for k, v in model_args.items() if k not in known + ignored})
+    settings, *_ = model_settings(**{k: v for k, v in model_args.items() if k not in IGNORED_ARGS})
     identity = model_identity(str(model_args.get("pretrained", "smollm2-135m")))
     if settings is not None and settings.maps is not None:
         check_for_model(settings.maps, read_meta(settings.maps, "maps"), identity.info, settings.split)
+
+
+def _fill_arg(name: str, value):
+    """A fill model_arg as its FillField's type (None stays None: the option is off)."""
+    kind = FIELD[name].kind
+    return _number(name, value, kind) if value is not None and kind in (int, float) else value
 
 
 def _number(name: str, value, kind):
