@@ -95,13 +95,20 @@ def check_outlier_factor(factor, name: str = "--outlier-factor") -> float:
     return factor
 
 
+def keep_first_ok(keep_first, limit: int | None = None) -> bool:
+    """The one keep-first rule: an integer of at least 0 (leading rows that run in full), and at most `limit` when
+    one is given."""
+    return (not isinstance(keep_first, bool) and isinstance(keep_first, int) and keep_first >= 0
+            and (limit is None or keep_first <= limit))
+
+
 def check_keep_first(keep_first, limit: int = MAX_ROWS, name: str = "--keep-first", within: str = "") -> int:
     """The one keep-first rule of ridgefill's engine, `generate` and the vLLM plugin, checked before any work: a
     count of leading rows that run in full, an integer in 0..limit (`limit`: the most rows a prompt can have, e.g.
     the model's context, named by `within`); anything else is refused with one line (RidgefillError). A value
     inside the limit but past a prompt runs that whole prompt in full (exact), as a tail past the prompt does:
     `full_positions` clamps it, no row list is ever built from it. Returns keep_first."""
-    if isinstance(keep_first, bool) or not isinstance(keep_first, int) or keep_first < 0:
+    if not keep_first_ok(keep_first):
         raise RidgefillError(f"{name} {keep_first} must be an integer of at least 0 (leading prompt rows that run in "
                              "full)")
     if keep_first > limit:

@@ -16,15 +16,15 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from ridgefill.engine.prefill import MAX_ROWS
+from ridgefill.engine.prefill import MAX_ROWS, keep_first_ok, tail_ok
 
 PREFIX = "ridgefill_"
 TAIL_ARG = "ridgefill_tail"
 KEEP_FIRST_ARG = "ridgefill_keep_first"
 LARGEST = MAX_ROWS  # the largest value a request may give: the engine's keep-first bound (vLLM's positions are int32)
-# key -> (least value, what it sets)
-REQUEST_ARGS = {TAIL_ARG: (1, "last prompt tokens that run the full model"),
-                KEEP_FIRST_ARG: (0, "leading prompt tokens that run in full")}
+# key -> (the engine's rule of its values, their least value, what it sets)
+REQUEST_ARGS = {TAIL_ARG: (tail_ok, 1, "last prompt tokens that run the full model"),
+                KEEP_FIRST_ARG: (keep_first_ok, 0, "leading prompt tokens that run in full")}
 
 
 def check_request_args(extra: Mapping | None) -> None:
@@ -35,8 +35,8 @@ def check_request_args(extra: Mapping | None) -> None:
             continue
         if key not in REQUEST_ARGS:
             raise ValueError(f"unknown RidgeFill request option {key!r}: use {' or '.join(REQUEST_ARGS)}")
-        least, what = REQUEST_ARGS[key]
-        if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= LARGEST:
+        ok, least, what = REQUEST_ARGS[key]
+        if not ok(value, LARGEST):
             shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
             raise ValueError(f"{key}={shown} is not valid: give an integer in {least}..{LARGEST} ({what})")
 
@@ -55,7 +55,4 @@ def request_rule(params, prompt_len: int, tail: int, keep_first: int) -> tuple[i
 
 def _value(extra: Mapping, key: str, default: int) -> int:
     value = extra.get(key, default)
-    least = REQUEST_ARGS[key][0]
-    if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= LARGEST:
-        return default
-    return value
+    return value if REQUEST_ARGS[key][0](value, LARGEST) else default

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ridgefill.engine.prefill import check_keep_first, check_tail
 from ridgefill.errors import RidgefillError
 from ridgefill.evals.ruler.tasks import Layout, Sources, check_haystack, make_layout, max_size, task_spec
 from ridgefill.runtime.spans import token_span
@@ -72,8 +73,8 @@ def build_samples(tokenizer, task: str, length: int, n: int, seed: int, region: 
 def check_region(region: str, tail: int, keep_first: int, length: int) -> None:
     if region not in REGIONS:
         raise RidgefillError(f"unknown region '{region}': use {', '.join(REGIONS)}")
-    if tail < 1 or keep_first < 0:
-        raise RidgefillError("--tail must be at least 1 and --keep-first at least 0")
+    check_tail(tail)
+    check_keep_first(keep_first)
     if region == "filled" and tail + keep_first >= length:
         raise RidgefillError(f"--tail {tail} plus --keep-first {keep_first} leave no filled row at length {length}: "
                              "lower --tail or use --region tail/any")
