@@ -34,7 +34,7 @@ from pathlib import Path
 
 from ridgefill.commands import Command, option
 from ridgefill.errors import RidgefillError
-from ridgefill.method.fill import V2_RUNNER, FillOptions, FillSettings
+from ridgefill.method.fill import V2_RUNNER, FillSettings, ServedOptions
 # (KvPlan, kv_bytes_per_token, state_bytes_per_request, running and startup_error are imported here for bench-serve
 # and the tests, which read them as serve's, as before the split)
 from ridgefill.serve.kv_sizing import (KV_OPTIONS, KvPlan, available_memory, kv_bytes_per_token, kv_cache_plan,
@@ -95,22 +95,15 @@ REFUSED_OPTIONS = {
 
 
 @dataclass
-class ServedFill(FillOptions):
+class ServedFill(ServedOptions):
     """What a vLLM server serves (`serve`, and both servers of `bench-serve`): a model and its fill, from the fill
     options or a serving config (one of the two)."""
 
     model: str = option("smollm2-135m", "Local HF folder, Hub id, or alias 'smollm2-135m' (the model the maps "
                         "were fitted for).")
-    serving_config: Path | None = option(None, "A serving config from `ridgefill tune`: its fill (variant, split, "
-                                         "maps, tail, keep-first, outlier factor) replaces those options.")
 
-    def check(self) -> None:
-        super().check()
-        if self.serving_config is not None and (self.maps is not None or self.split is not None):
-            raise RidgefillError("--serving-config sets the fill (maps and split): drop --maps and --split")
-        if self.serving_config is None and self.maps is None and self.split is None:
-            raise RidgefillError("give --maps (from ridgefill fit), --split (identity fill) or --serving-config (from "
-                                 "ridgefill tune)")
+    def source_rule(self):
+        return (), ""  # one of --maps, --split and --serving-config is needed
 
 
 @dataclass
