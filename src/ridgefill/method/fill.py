@@ -15,7 +15,6 @@ the split (maps carry the one they were calibrated with), checked once, here. Fr
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from dataclasses import dataclass, replace
