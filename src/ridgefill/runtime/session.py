@@ -10,6 +10,7 @@ import torch
 
 from ridgefill.commands import Config, option
 from ridgefill.engine import Engine, ModelShape, Stopwatch
+from ridgefill.engine.prefill import DEFAULT_CHUNK
 from ridgefill.errors import RidgefillError
 from ridgefill.runtime.models import DTYPES, LoadedModel, load_model
 
@@ -22,7 +23,7 @@ class ModelConfig(Config):
                         keyed=False)  # a recipe keys artifacts by the weights hash instead
     dtype: str = option("fp32", "fp32, bf16 or fp16.", top="dtype")
     device: str = option("cpu", "cpu or cuda.", top="device")
-    chunk: int = option(2048, "Prompt rows run at once (bounds activation memory).", top="chunk")
+    chunk: int = option(DEFAULT_CHUNK, "Prompt rows run at once (bounds activation memory).", top="chunk")
 
     def open(self, projection: str = "auto") -> "Session":
         """The model of these options, loaded, with its engine."""
@@ -78,7 +79,7 @@ class Session:
         return self.engine.with_timer(timer)
 
 
-def open_session(model: str, dtype: str = "fp32", device: str = "cpu", chunk: int = 2048,
+def open_session(model: str, dtype: str = "fp32", device: str = "cpu", chunk: int = DEFAULT_CHUNK,
                  projection: str = "auto") -> Session:
     quiet_libraries()
     check_device(device, dtype)
