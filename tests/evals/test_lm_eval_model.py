@@ -194,3 +194,24 @@ def test_the_command_imports_without_lm_eval_and_fails_in_one_line_when_run(monk
     assert click_command(cmd).name == "lm-eval"
     with pytest.raises(RidgefillError, match="lm-eval is not installed"):
         cmd(args=["--help"])
+
+
+def test_the_fill_model_args_are_the_fill_options_with_their_defaults():
+    """Every fill option (method/fill.OPTIONS) is a model_arg with the fill's own default and check; anything else is
+    refused with the list of what is accepted."""
+    from ridgefill.engine.prefill import DEFAULT_CHUNK
+    from ridgefill.evals.lm_eval_model import model_settings
+    from ridgefill.method.fill import FIELD, OPTIONS
+
+    settings, fill, max_gen_toks, chunk = model_settings(fill="identity", split="3")
+    assert (fill, chunk, max_gen_toks) == ("identity", DEFAULT_CHUNK, 256)
+    assert {name: getattr(settings, name) for name in OPTIONS} == {**{n: FIELD[n].default for n in OPTIONS},
+                                                                  "split": 3}
+    given = model_settings(fill="identity", split=3, tail="9", keep_first="0", outlier_factor="2.5",
+                           filled_window="4", filled_window_layers="0-1")[0]
+    assert (given.tail, given.keep_first, given.outlier_factor, given.filled_window) == (9, 0, 2.5, 4)
+    with pytest.raises(RidgefillError, match=r"^--tail 0 must be an integer of at least 1"):
+        model_settings(fill="identity", split=3, tail=0)
+    with pytest.raises(RidgefillError, match=r"unknown model_args \['window'\] .* use pretrained, dtype, device, fill, "
+                                             r"chunk, max_gen_toks, " + ", ".join(OPTIONS) + "$"):
+        model_settings(window=4)

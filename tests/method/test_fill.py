@@ -198,3 +198,54 @@ def test_the_controls_plan_and_serve_as_their_definitions_say(session_and_maps, 
     with pytest.raises(RidgefillError, match="does not serve drop fill") as caught:
         FillSettings("drop", 2).for_vllm(n, session.loaded.info(), tmp_path)
     assert "\n" not in str(caught.value)
+
+
+def test_every_fill_setting_is_declared_once_and_every_consumer_derives_from_it(tmp_path):
+    """FillSettings' fields are the FillFields (a field added without its FillField fails here); every one with help
+    is an option of FillOptions with its default and help, every served one a serving.json key, every one with an
+    environment variable in the plugin's environment, and tune's tail and keep-first are the same options."""
+    import dataclasses
+
+    from ridgefill.commands import options
+    from ridgefill.method.fill import FIELD, FIELDS, OPTIONS, ServedOptions
+    from ridgefill.pipeline.tune.options import TuneConfig
+
+    assert [f.name for f in dataclasses.fields(FillSettings)] == ["variant", *FIELD]
+    for f in dataclasses.fields(FillSettings)[1:]:
+        assert f.default == FIELD[f.name].default, f.name
+    declared = {o.name: o for o in options(FillOptions).values()}
+    assert list(declared) == [f.name for f in FIELDS if f.help] == list(OPTIONS)
+    for name, o in declared.items():
+        assert (o.default, o.help) == (FIELD[name].default, FIELD[name].help), name
+    assert [o.name for o in options(ServedOptions).values()] == [*OPTIONS, "serving_config"]
+    tune = {o.name: o for o in options(TuneConfig).values()}
+    assert (tune["tail"].default, tune["keep_first"].default) == (FIELD["tail"].default, FIELD["keep_first"].default)
+    assert tune["keep_first"].help == FIELD["keep_first"].help
+    assert tune["tail"].help.startswith(FIELD["tail"].help[:-1])
+    maps = tmp_path / "m.safetensors"
+    maps.write_bytes(b"maps")
+    fill = FillSettings("ridge", 3, maps, maps_sha256="a" * 64)
+    assert set(fill.to_serving()) == {"variant", "maps", *(f.name for f in FIELDS if f.served)}
+    assert set(fill.describe()) == {"variant", *FIELD}
+    assert set(ENV) == {f.name for f in FIELDS if f.env} and set(ENV.values()) <= set(fill.env())
+    assert FillOptions(split=3).fill("identity") == dataclasses.replace(fill, variant="identity", maps=None,
+                                                                      maps_sha256=None)
+
+
+@pytest.mark.parametrize("given, rule, match", [
+    ({"serving_config": "s.json", "maps": "m"}, ((), None), r"^--serving-config sets the fill \(maps and split\): "
+                                                            "drop --maps and --split$"),
+    ({"serving_config": "s.json", "variants": "exact,ridge"}, (("variants",), None),
+     r"^--serving-config sets the fill \(maps, split and variants\): drop --maps, --split and --variants$"),
+    ({}, ((), ", or pass --exact"), r"^give --maps \(from ridgefill fit\), --split \(identity fill\) or "
+                                    r"--serving-config \(from ridgefill tune\), or pass --exact$"),
+])
+def test_the_either_or_rule_is_one_function_for_generate_serve_and_bench_ttft(given, rule, match):
+    from types import SimpleNamespace
+
+    from ridgefill.method.fill import check_fill_source
+
+    c = SimpleNamespace(**{"serving_config": None, "maps": None, "split": None, "variants": None, **given})
+    with pytest.raises(RidgefillError, match=match):
+        check_fill_source(c, *rule)
+    check_fill_source(SimpleNamespace(serving_config="s.json", maps=None, split=None, variants=None), *rule)
