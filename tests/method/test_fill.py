@@ -249,3 +249,22 @@ def test_the_either_or_rule_is_one_function_for_generate_serve_and_bench_ttft(gi
     with pytest.raises(RidgefillError, match=match):
         check_fill_source(c, *rule)
     check_fill_source(SimpleNamespace(serving_config="s.json", maps=None, split=None, variants=None), *rule)
+
+
+@pytest.mark.parametrize("tail", [0, -3, True, 2.0])
+def test_one_tail_rule_for_the_fill_the_engine_ruler_placement_and_the_plugins_requests(tail):
+    """tail >= 1 (an integer) is engine/prefill's tail_ok, behind every consumer's one-line refusal."""
+    from ridgefill.engine import FillPlan, IdentityFiller
+    from ridgefill.evals.ruler.placement import check_region
+    from ridgefill.serve.vllm_requests import check_request_args
+
+    with pytest.raises(RidgefillError, match=rf"^--tail {tail} must be an integer of at least 1: the last prompt row"):
+        FillSettings("identity", 3, tail=tail)
+    with pytest.raises(RidgefillError, match=rf"^--tail {tail} must be an integer of at least 1"):
+        check_region("filled", tail, 1, 512)
+    with pytest.raises(RidgefillError, match=rf"^tail {tail} must be an integer of at least 1"):
+        FillPlan(IdentityFiller(2, 6), tail=tail)
+    with pytest.raises(ValueError, match=rf"^ridgefill_tail={tail!r} is not valid: give an integer in 1\.\."):
+        check_request_args({"ridgefill_tail": tail})
+    check_region("filled", 1, 0, 512)
+    check_request_args({"ridgefill_tail": 1, "ridgefill_keep_first": 0})
