@@ -240,9 +240,11 @@ def test_the_check_refuses_what_the_client_wrote_and_replays_the_rest():
         c = Client(json.dumps({"prompt": "hi", "vllm_xargs": xargs}).encode()).run()
         assert c.status == 400 and c.reached is None and c.error().startswith(match)
         assert json.loads(c.answer)["error"]["type"] == "BadRequestError"
-    huge_literal = b'{"vllm_xargs": {"ridgefill_tail": 1' + b"0" * 5000 + b"}}"  # past int()'s digit limit
+    huge = Client(b'{"vllm_xargs": {"ridgefill_tail": 1' + b"0" * 5000 + b"}}").run()  # past int()'s digit limit
+    assert huge.status == 400 and huge.error() == ("the request body holds an integer of over 4,300 digits: send "
+                                                   "integers of at most 2147483647 in RidgeFill's options")
     for body in (b"not json", b'{"vllm_xargs": [1]}', b'["ridgefill_tail"]', b'{"prompt": "ridgefill_tail"}',
-                 b"\xff\xfe\x00", huge_literal):
+                 b"\xff\xfe\x00", b'{"prompt": "\xff"}'):
         assert Client(body).run().reached == body and body_error(body) is None  # vLLM's to answer
 
 

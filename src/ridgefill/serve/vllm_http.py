@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import secrets
+import sys
 from http import HTTPStatus
 from typing import Mapping
 
@@ -113,14 +114,17 @@ def too_large(limit: int) -> str:
 
 
 def body_error(body: bytes) -> str | None:
-    """The one-line refusal of a request body (JSON nested too deeply, or its `vllm_xargs` too large or with a bad
-    RidgeFill option), or None (also for a body that is no JSON object: vLLM answers that itself)."""
+    """The one-line refusal of a request body (JSON nested too deeply or with an integer of thousands of digits, or
+    its `vllm_xargs` too large or with a bad RidgeFill option), or None (also for a body that is no JSON object: vLLM answers that itself)."""
     try:
         doc = json.loads(body)
     except RecursionError:
         return NESTED
-    except (ValueError, UnicodeDecodeError):
+    except (json.JSONDecodeError, UnicodeDecodeError):
         return None
+    except ValueError:  # an integer past Python's digit limit (vLLM would answer 400 outside its error format)
+        return (f"the request body holds an integer of over {sys.get_int_max_str_digits():,} digits: send integers "
+                "of at most 2147483647 in RidgeFill's options")
     extra = doc.get("vllm_xargs") if isinstance(doc, dict) else None
     return xargs_error(extra) if isinstance(extra, dict) else None
 
