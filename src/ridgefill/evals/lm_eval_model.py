@@ -23,7 +23,8 @@ import torch
 from ridgefill.errors import RidgefillError
 from ridgefill.evals.scoring import continuation_scores
 from ridgefill.engine.prefill import DEFAULT_CHUNK
-from ridgefill.method.fill import FIELD, OPTIONS, VARIANTS, FillSettings
+from ridgefill.method.fill import VARIANTS, FillSettings
+from ridgefill.method.fill_fields import FIELD, OPTIONS
 from ridgefill.runtime.console import note, progress_bar
 from ridgefill.runtime.session import open_session
 

@@ -2,7 +2,8 @@
 
 A FillSettings names a fill variant (identity, ridge, or a null control: drop or mean), its split (maps carry
 theirs), the maps file, the tail, the leading rows kept in full, the outlier rule and the filled rows' window below
-the split (maps carry the one they were calibrated with), checked once, here. From it come
+the split (maps carry the one they were calibrated with). Each setting but the variant is one FillField
+(method/fill_fields.py: its default, check, help, environment variable and serving.json key); from them come
 
 - the engine's plan (`plan`: engine.FillPlan, with the maps loaded and checked against the model),
 - the vLLM plugin's environment (`env`, `from_env`; `for_vllm` pins the maps' bytes and writes an identity maps file
@@ -10,7 +11,9 @@ the split (maps carry the one they were calibrated with), checked once, here. Fr
 - the fill part of a serving config (`to_serving`, `load_serving`: what `ridgefill tune` writes and `generate`,
   `bench-ttft` and `serve` read).
 
-`FillOptions` declares the options that set it, once, for every command that fills (measurements, generate, serve).
+`FillOptions` holds the options that set it (one per FillField with help) for every command that fills
+(measurements, generate, serve); `ServedOptions` adds `--serving-config` and its either-or rule (generate, serve,
+bench-ttft).
 """
 
 from __future__ import annotations
@@ -19,13 +22,12 @@ import json
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Mapping
 
 from ridgefill.commands import Config, option
-from ridgefill.engine.prefill import check_keep_first, check_outlier_factor, check_tail
-from ridgefill.engine.window import check_window_size
 from ridgefill.errors import RidgefillError
-from ridgefill.method.statistics import OUTLIER_FACTOR
+from ridgefill.method.fill_fields import (ENV, FIELD, FIELDS, OPTIONS, check_fill_values, check_window_values,
+                                          env_number, with_fields)
 
 if TYPE_CHECKING:
     from ridgefill.engine import FillPlan
@@ -36,96 +38,8 @@ FROM_MAPS = ("ridge", "mean")  # variants that read a maps file (mean: its calib
 DEFAULT_VARIANTS = ("exact", "identity", "ridge")  # what runs without --variants (ridge only with --maps)
 SERVING_KIND = "ridgefill-serving-config"
 V2_RUNNER = "VLLM_USE_V2_MODEL_RUNNER"  # vLLM's switch between its model runners (0: V1, the one the plugin hooks)
-WINDOW_HELP = ("Filled rows attend only to the kept first rows and the W rows before them in the layers below the "
-               "split (0: full attention; maps carry the window they were calibrated with).")
-WINDOW_LAYERS_HELP = ("Layers 'a-b' (below the split) whose filled rows attend locally with --filled-window "
-                      "(default: every layer below the split).")
-OUTLIER_HELP = ("A row that would be filled runs in full when its split-state norm exceeds this x the median of "
-                "its chunk's filled rows (calibration leaves such rows out of the fit); 0 fills them too.")
-
 SERVING_HELP = ("A serving config from `ridgefill tune`: its fill (variant, split, maps, tail, keep-first, outlier "
                 "factor) replaces those options.")
-
-
-# --- the fill settings, each declared once ---------------------------------------------------------------------
-@dataclass(frozen=True)
-class FillField:
-    """One fill setting, declared once. `name` is its FillSettings field, command-line option (--name with dashes),
-    recipe key, serving.json key and lm-eval model argument; `kind` its type (`optional`: None allowed); `default`;
-    `check(value)` raises the one-line error for a bad value (engine/ holds the rules ridgefill's engine applies
-    too); `help` the option's help (None: no option); `env` the vLLM plugin's environment variable; `served`
-    whether serving.json must have it ("required"; "optional": older configs may lack it and get the default;
-    None: not a top-level key); `extra`: more of commands.option's keywords, as (key, value) pairs."""
-
-    name: str
-    kind: type
-    default: Any
-    check: Callable[[Any], Any] | None = None
-    help: str | None = None
-    env: str | None = None
-    served: str | None = "required"
-    optional: bool = False
-    extra: tuple = ()
-
-    def option(self, note: str | None = None):
-        """The command option (a Config field); `note` is added to the help in parentheses."""
-        help = self.help if note is None else f"{self.help[:-1]} ({note})."
-        return option(self.default, help, **dict(self.extra))
-
-    def hint(self):
-        return self.kind | None if self.optional else self.kind
-
-
-FIELDS = (
-    FillField("split", int, None, None, "Split S (the maps carry it; identity fill needs it without them).",
-              optional=True, extra=(("top", "splits"),)),
-    FillField("maps", Path, None, None, "Maps file (from ridgefill fit) for the ridge variant; it carries the split.",
-              env="RIDGEFILL_MAPS", served=None, optional=True, extra=(("role", "input"),)),
-    FillField("tail", int, 256, check_tail, "Last prompt rows that run the full model.", env="RIDGEFILL_TAIL",
-              extra=(("top", "tails"),)),
-    FillField("keep_first", int, 1, check_keep_first, "Leading rows run in full (the attention sink).",
-              env="RIDGEFILL_KEEP_FIRST"),
-    FillField("outlier_factor", float, OUTLIER_FACTOR, check_outlier_factor, OUTLIER_HELP,
-              env="RIDGEFILL_OUTLIER_FACTOR", served="optional"),
-    FillField("maps_sha256", str, None, env="RIDGEFILL_MAPS_SHA256", served=None, optional=True),
-    FillField("filled_window", int, 0, check_window_size, WINDOW_HELP, served="optional"),
-    FillField("filled_window_layers", str, None, None, WINDOW_LAYERS_HELP, served="optional", optional=True),
-)
-FIELD = {f.name: f for f in FIELDS}
-OPTIONS = tuple(f.name for f in FIELDS if f.help is not None)  # the fill options (FillOptions, lm-eval's model_args)
-ENV = {f.name: f.env for f in FIELDS if f.env}  # the vLLM plugin's environment (read in every process vLLM starts)
-
-
-def with_fields(names):
-    """Class decorator (under @dataclass): add the FillFields `names` as fields, as options for a Config."""
-    def add(cls):
-        own = cls.__dict__.get("__annotations__", {})
-        fields = {n: FIELD[n] for n in names}
-        cls.__annotations__ = {**own, **{n: f.hint() for n, f in fields.items()}}
-        for n, f in fields.items():
-            setattr(cls, n, f.option() if issubclass(cls, Config) else f.default)
-        return cls
-    return add
-
-
-def check_fill(**values) -> None:
-    """Check the given fill settings by name, each with its FillField's check (one line naming the option)."""
-    for name, value in values.items():
-        if FIELD[name].check is not None:
-            FIELD[name].check(value)
-
-
-def check_fill_values(tail: int, keep_first: int, outlier_factor: float) -> None:
-    """The fill's numbers (check_fill)."""
-    check_fill(tail=tail, keep_first=keep_first, outlier_factor=outlier_factor)
-
-
-def check_window_values(window: int, layers: str | None) -> None:
-    """--filled-window and --filled-window-layers, before any model loads (their range is checked at the split)."""
-    check_fill(filled_window=window)
-    if layers is not None and not window:
-        raise RidgefillError(f"--filled-window-layers {layers} needs --filled-window W > 0: pass a window or drop "
-                             "the layers")
 
 
 def resolve_window(window: int, layers: str | None, split: int, sinks: int, meta: dict | None, source=None):
@@ -287,17 +201,6 @@ class FillSettings:
     def options(self) -> dict:
         """The fill options (FillOptions' fields) these settings set."""
         return {name: getattr(self, name) for name in OPTIONS}
-
-
-def env_number(env: Mapping[str, str], f: FillField):
-    """The number the plugin's environment sets for `f` (its default when unset or empty); a one-line error for
-    text that is no number."""
-    text = env.get(f.env, "").strip()
-    try:
-        return f.kind(text) if text else f.default
-    except ValueError:
-        raise RidgefillError(f"{f.env}={text!r} is not a{'n integer' if f.kind is int else ' number'}: set it to e.g. "
-                             f"{f.default}") from None
 
 
 def refuse_windowed(window: int, maps, meta: dict | None = None) -> None:

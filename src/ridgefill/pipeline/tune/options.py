@@ -10,7 +10,8 @@ from pathlib import Path
 from ridgefill.commands import option
 from ridgefill.errors import RidgefillError
 from ridgefill.evals.common import parse_lengths
-from ridgefill.method.fill import FIELD, FILLS, check_fill
+from ridgefill.method.fill import FILLS
+from ridgefill.method.fill_fields import FIELD, check_fill
 from ridgefill.pipeline.search import SEARCHES
 from ridgefill.runtime.paths import check_output
 from ridgefill.runtime.ranges import parse_ranges
