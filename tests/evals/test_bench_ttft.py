@@ -75,7 +75,7 @@ def test_options_and_defaults_are_those_of_the_command_line_before_the_registry(
         "filled-window": 0, "filled-window-layers": None,  # issue #27: local attention below the split, off
     }
     helps = {flag: o.help for flag, o in bench_ttft_command.options.items()}
-    assert helps["split"] == "Split S (the maps carry it; identity needs it)."
+    assert helps["split"] == "Split S (the maps carry it; identity fill needs it without them)."  # the fill's own (issue 40)
     assert helps["seed"] == "Seed of random prompts and bootstrap intervals."
     assert helps["out"] == "Result JSON (raw samples included)."
     assert helps["projection"].startswith("Fill projection: auto (Triton on CUDA, else torch)")

@@ -228,6 +228,12 @@ def test_every_fill_setting_is_declared_once_and_every_consumer_derives_from_it(
     assert set(fill.to_serving()) == {"variant", "maps", *(f.name for f in FIELDS if f.served)}
     assert set(fill.describe()) == {"variant", *FIELD}
     assert set(ENV) == {f.name for f in FIELDS if f.env} and set(ENV.values()) <= set(fill.env())
+    from ridgefill.engine.prefill import DEFAULT_CHUNK
+    from ridgefill.pipeline.recipe import TOP  # torch-free: the recipe's own defaults must agree
+    from ridgefill.runtime.session import ModelConfig
+
+    assert TOP["tails"][1] == [FIELD["tail"].default] and TOP["chunk"][1] == DEFAULT_CHUNK
+    assert {o.name: o for o in options(ModelConfig).values()}["chunk"].default == DEFAULT_CHUNK
     assert FillOptions(split=3).fill("identity") == dataclasses.replace(fill, variant="identity", maps=None,
                                                                       maps_sha256=None)
 

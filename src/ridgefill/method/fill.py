@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Mapping
 
 from ridgefill.commands import Config, option
 from ridgefill.errors import RidgefillError
-from ridgefill.method.fill_fields import (ENV, FIELD, FIELDS, OPTIONS, check_fill_values, check_window_values,
-                                          env_number, with_fields)
+from ridgefill.method.fill_fields import (ENV, FIELD, FIELDS, OPTIONS, check_fill, check_fill_values,
+                                          check_window_values, env_number, with_fields)
 
 if TYPE_CHECKING:
     from ridgefill.engine import FillPlan
@@ -76,16 +76,13 @@ class FillSettings:
     def __post_init__(self) -> None:
         if self.variant not in FILLS:
             raise RidgefillError(f"unknown fill variant {self.variant!r}: use {' or '.join(FILLS)}")
-        check_fill_values(self.tail, self.keep_first, self.outlier_factor)
+        check_fill(**{f.name: getattr(self, f.name) for f in FIELDS})
         check_window_values(self.filled_window, self.filled_window_layers)
         if self.variant in FROM_MAPS and self.maps is None:
             raise RidgefillError(f"the {self.variant} variant needs --maps (from ridgefill fit): pass it, or fill "
                                  "with identity")
         if self.maps is None and self.split is None:
             raise RidgefillError(f"{self.variant} fill needs --split (or --maps, which carries it)")
-        if self.split is not None and (isinstance(self.split, bool) or not isinstance(self.split, int)
-                                       or self.split < 1):
-            raise RidgefillError(f"--split {self.split} must be a layer index of at least 1")
         if self.maps is not None and not isinstance(self.maps, Path):
             object.__setattr__(self, "maps", Path(self.maps))
 

@@ -26,6 +26,12 @@ OUTLIER_HELP = ("A row that would be filled runs in full when its split-state no
                 "its chunk's filled rows (calibration leaves such rows out of the fit); 0 fills them too.")
 
 
+def check_split(split) -> None:
+    """A split, when given: a layer index of at least 1 (its range is checked against the model)."""
+    if split is not None and (isinstance(split, bool) or not isinstance(split, int) or split < 1):
+        raise RidgefillError(f"--split {split} must be a layer index of at least 1")
+
+
 @dataclass(frozen=True)
 class FillField:
     """One fill setting, declared once. `name` is its FillSettings field, command-line option (--name with dashes),
@@ -55,7 +61,7 @@ class FillField:
 
 
 FIELDS = (
-    FillField("split", int, None, None, "Split S (the maps carry it; identity fill needs it without them).",
+    FillField("split", int, None, check_split, "Split S (the maps carry it; identity fill needs it without them).",
               optional=True, extra=(("top", "splits"),)),
     FillField("maps", Path, None, None, "Maps file (from ridgefill fit) for the ridge variant; it carries the split.",
               env="RIDGEFILL_MAPS", served=None, optional=True, extra=(("role", "input"),)),
