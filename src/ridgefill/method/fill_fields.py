@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from ridgefill.commands import Config, option
-from ridgefill.engine.prefill import check_keep_first, check_outlier_factor, check_tail
+from ridgefill.engine.rows import check_keep_first, check_outlier_factor, check_tail
 from ridgefill.engine.window import check_window_size
 from ridgefill.errors import RidgefillError
 from ridgefill.method.statistics import OUTLIER_FACTOR

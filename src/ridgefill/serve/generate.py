@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ridgefill.commands import Command, option
-from ridgefill.engine.prefill import check_keep_first
+from ridgefill.engine.rows import check_keep_first
 from ridgefill.errors import RidgefillError
 from ridgefill.method.fill import ServedOptions
 from ridgefill.runtime.console import note

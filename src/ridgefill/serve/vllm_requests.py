@@ -7,7 +7,7 @@ is checked when vLLM admits the request (serve/vllm_admission.py calls `check_re
 value that is not an integer, or one out of range is refused with one line (HTTP 400), so nothing a client sends
 reaches the engine unchecked. Inside the engine `request_rule` never raises: it clamps to the prompt.
 
-A keep-first follows ridgefill's one rule (engine/prefill.check_keep_first): an integer up to MAX_ROWS, refused
+A keep-first follows ridgefill's one rule (engine/rows.check_keep_first): an integer up to MAX_ROWS, refused
 beyond (here: at admission, HTTP 400; in `generate`: one line, exit 2); past a prompt, the whole prompt runs in full
 (exact), in the plugin as in ridgefill's engine.
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from ridgefill.engine.prefill import MAX_ROWS, keep_first_ok, tail_ok
+from ridgefill.engine.rows import MAX_ROWS, keep_first_ok, tail_ok
 
 PREFIX = "ridgefill_"
 TAIL_ARG = "ridgefill_tail"
