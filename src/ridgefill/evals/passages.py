@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from ridgefill.commands import REQUIRED, option
 from ridgefill.errors import RidgefillError
 from ridgefill.evals.common import MeasureConfig
+from ridgefill.method.fill_fields import FIELD
 from ridgefill.runtime.stats import mean_difference
 from ridgefill.runtime.console import note
 from ridgefill.runtime.data import documents_for, load_corpus, passages
@@ -24,7 +25,7 @@ from ridgefill.runtime.data import documents_for, load_corpus, passages
 class PassageConfig(MeasureConfig):
     """Options of the commands that score the tails of long passages (loss, splice)."""
 
-    tail: int = option(256, "Last rows of each passage that run the full model (scored).", top="tails")
+    tail: int = FIELD["tail"].option(help="Last rows of each passage that run the full model (scored).")
     data: str = option(REQUIRED, "Text whose evaluation documents are cut into --context passages: .txt/.jsonl "
                        "file or folder, Hub dataset, or 'wiki-leads' / 'shakespeare'.", fallback="data")
     context: int = option(4096, "Tokens per passage.")

@@ -51,9 +51,10 @@ class FillField:
     optional: bool = False
     extra: tuple = ()
 
-    def option(self, note: str | None = None):
-        """The command option (a Config field); `note` is added to the help in parentheses."""
-        help = self.help if note is None else f"{self.help[:-1]} ({note})."
+    def option(self, note: str | None = None, help: str | None = None):
+        """The command option (a Config field); `note` is added to the help in parentheses, `help` (a command's own
+        words for it) replaces it."""
+        help = help or (self.help if note is None else f"{self.help[:-1]} ({note}).")
         return option(self.default, help, **dict(self.extra))
 
     def hint(self):
