@@ -2,10 +2,14 @@
 layers, MoE MLPs), in bf16, the only dtype of vLLM's CPU Gated DeltaNet kernel. A tiny random-init checkpoint
 (vllm_fixtures.vllm_hybrid) against stock vLLM and against ridgefill's own engine in bf16.
 
-The tolerances are bf16's: on these prompts ridgefill's own engine in bf16 against itself in fp32 differs by up to
-0.28 nats in the first token's top log-probs, and stock vLLM against the engine (both exact, bf16) by up to 0.29
-(measured 2026-12-03); the bars below sit just above those, and each comparison of the fill is checked against the
-same comparison of exact prefill, so a wrong fill (rows, states or K/V) shows as a gap the exact runs do not have.
+The tolerances are bf16's, measured (issue 39, 2026-12-04). What the two fill is the same: after the prompt, vLLM's
+conv and recurrent states (read from its GDN caches) and the engine's in bf16 are as far from the engine's fp32
+states as each other, in every linear layer, filled (4-6) or not (0-2): relative errors 0.2-5 %, the ratio vLLM /
+engine 0.8-1.3 on all 8 prompts of test 2 at tail 24. The log-prob gaps are bf16 rounding compounding over the
+layers and steps: vLLM against the engine teacher-forced (`forced`) is as far apart with exact prefill as with the
+fill, and the greedy continuations part only at near-ties (vLLM's top-2 gap there at most 0.19 nats, while bf16
+moves log-probs by up to 0.4). So test 2 bounds log-prob gaps on one token path instead of counting equal greedy
+tokens, each bar about 1.5 times the largest gap measured over many prompt sets (test 2 lists them).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import pytest
 
 from ridgefill.method.fill import FillSettings
 from ridgefill.serve.vllm_engine import EngineSettings
-from vllm_fixtures import prompts, reference, tally_delta, vocab_of
+from vllm_fixtures import prompts, tally_delta, vocab_of
 
 pytest.importorskip("vllm")
 
@@ -24,8 +28,10 @@ HELD = 16  # test 3: the tokens of each batched request checked against the same
 STEPPED_MAX_LEN = 1536  # test 3's engine: its longest request is 1,200 + 160 tokens
 TAIL = 24
 SHORT_TAIL = 4  # test 2: the last rows see the filled rows' K/V and states closely (with 24 the states forget them)
-FILL_DOMINATED_TOL = 0.45  # nats, at tail 4 (measured 0.39 on one prompt, 0.05-0.17 on the others)
-BF16_LOGPROB_TOL = 0.35  # nats, first token's top-5 (bf16: engine vs itself in fp32 0.28, vLLM vs engine 0.29)
+BF16_LOGPROB_TOL = 0.35  # nats, test 3: first-token top-5 (bf16: engine vs itself in fp32 0.28, vLLM vs engine 0.29)
+FORCED_STEPS = 8  # test 2 at tail 24: the teacher-forced steps compared (bf16's gaps grow past them: see test 2)
+FORCED_TOL = 0.6  # nats, test 2 at tail 24: top-5 log-probs over FORCED_STEPS steps (largest measured 0.33)
+FILL_DOMINATED_TOL = 0.6  # nats, test 2 at tail 4: the first token's top-5 log-probs (largest measured 0.40)
 
 
 def settings(folder, fill: FillSettings | None = None, plugin: bool = True, max_model_len: int = MAX_LEN,
@@ -82,44 +88,76 @@ def agree(got, tokens, n: int) -> int:
     return sum(c.tokens[:n] == t[:n] for c, t in zip(got, tokens))
 
 
+def forced(folder, maps, tail: int, batch: list[list[int]], completions) -> list:
+    """ridgefill's engine in bf16 (maps None: exact prefill) teacher-forced on each vLLM completion's tokens: per
+    completion its log-probs [k, V], row t the distribution token t was drawn from. Both implementations are read on
+    one token path, so a near-tie that bf16 breaks one way in vLLM and the other in the engine cannot end the
+    comparison (greedy continuations part there and are no longer comparable)."""
+    import torch
+
+    from ridgefill.runtime.session import open_session
+
+    session = open_session(str(folder), chunk=2048, dtype="bf16")
+    plan = None if maps is None else FillSettings("ridge", None, maps, tail).plan(session)[0]
+    out = []
+    with torch.inference_mode():
+        for prompt, completion in zip(batch, completions):
+            pre = session.engine.prefill(torch.tensor([prompt]), plan, capacity=len(prompt) + len(completion.tokens))
+            rows = [pre.logits[0, -1]]
+            rows += [session.engine.decode_step(pre.cache, torch.tensor([t]))[0] for t in completion.tokens[:-1]]
+            out.append(torch.log_softmax(torch.stack(rows).double(), -1))
+    return out
+
+
+def forced_gap(completion, logprobs) -> float:
+    """Largest |log p| difference between a vLLM completion's top-k and the engine's teacher-forced log-probs
+    [k, V], over every step."""
+    return max(abs(lp - float(logprobs[s, t])) for s, top in enumerate(completion.top) for t, lp in top.items())
+
+
+def parting(completion, logprobs) -> int:
+    """The first step where the engine's teacher-forced argmax is not vLLM's greedy token (-1: none), i.e. where
+    the two greedy continuations would part."""
+    return next((s for s, t in enumerate(completion.tokens) if int(logprobs[s].argmax()) != t), -1)
+
+
 def test_hybrid_filled_prefill_matches_ridgefills_engine_in_bf16(vllm_hybrid, engines):
     """Test 2 (and 4: the continuation runs on the recurrent and conv states the filled rows left), against
-    ridgefill's engine in bf16 on 8 prompts, at two tails:
-    - tail 24 (every row but the first and the last 24 filled): first-token log-probs within BF16_LOGPROB_TOL,
-      greedy 4-token continuations equal on at least 7 of 8; over 16 tokens bf16 parts the two implementations even
-      without a fill (stock vLLM against the engine's exact prefill: 7 of 8 at 4 tokens, 5 of 8 at 16, measured), so
-      there the fill must agree at least as often as exact prefill does, less one;
-    - tail 4, where the fill dominates (it moves the first token's log-probs by 0.5-2.3 nats, by > 0.9 on 7 of 8
-      prompts, measured): the first token's
-      log-probs within FILL_DOMINATED_TOL of the engine's (bf16 against fp32 in the engine alone: up to 0.21), first
-      tokens equal on at least 7 of 8. A wrong fill (rows, states, K/V) would miss by about the fill's own effect."""
+    ridgefill's engine in bf16 on 8 prompts (seed 3), the engine teacher-forced on vLLM's greedy tokens (`forced`):
+    - tail 24 (every row but the first and the last 24 filled): vLLM's top-5 log-probs at each of FORCED_STEPS
+      steps within FORCED_TOL of the engine's;
+    - tail 4, where the fill dominates: the first token's top-5 log-probs within FILL_DOMINATED_TOL of the engine's,
+      and the fill moves them (against the engine's exact prefill) by more than that on at least 6 of 8 prompts
+      (measured: 8, by 0.99-2.20 nats), so a wrong fill (rows, states, K/V) would miss by about its own effect.
+    Greedy tokens are only printed. Measured on the 8-prompt sets of other seeds, the largest gap of each set
+    (issue 39, this CPU; seed 3 gives the same numbers run to run):
+    - tail 4, first token, seeds 0, 3, 10-29 (176 prompts): 0.12-0.40 (median prompt 0.11); the first tokens differ
+      on 11 of 176 prompts, each where vLLM's top-2 gap is at most 0.19, so "7 of 8 equal" fails for ~8 % of sets;
+    - tail 24, seeds 0, 3, 10, 11: over 8 steps 0.25-0.33, over 16 steps 0.30-0.54; exact prefill (stock vLLM
+      against the engine's), seeds 0, 10, 11: over 8 steps 0.22-0.25, over 16 steps 0.38-0.84 (bf16 compounds over
+      the steps, fill or not: hence FORCED_STEPS); four-token greedy continuations equal on 6, 7, 7, 7 of 8 (seed 0
+      fails the old "at least 7", as issue 39's clean clone did), every parting at a top-2 gap of at most 0.16."""
     folder, maps = vllm_hybrid
     batch = prompts(8, [200, 333, 90, 512], vocab_of(folder), seed=3)
     worker = engines.get(filled(folder, maps))
-    got, counted = tally_delta(worker, lambda: worker.generate(batch, 16, logprobs=5))
+    got, counted = tally_delta(worker, lambda: worker.generate(batch, FORCED_STEPS, logprobs=5))
     assert counted["filled_rows"] == sum(len(p) - TAIL - 1 for p in batch) - counted["outlier_rows_run_full"]
     assert counted["filled_rows"] > 0
-    tokens, first = reference(folder, maps, TAIL, batch, 16, dtype="bf16")
-    exact_tokens, exact_first = reference(folder, None, TAIL, batch, 16, dtype="bf16")
-    stock = engines.get(settings(folder, plugin=False)).generate(batch, 16, logprobs=5)
-    gaps = [first_gap(c, f) for c, f in zip(got, first)]
-    exact_gaps = [first_gap(c, f) for c, f in zip(stock, exact_first)]
-    print(f"qwen3_next bf16 against ridgefill's engine, tail 24: filled: first-token gap {max(gaps):.3f}, "
-          f"continuations equal over 1/4/16 tokens {[agree(got, tokens, n) for n in (1, 4, 16)]} of 8; exact (stock "
-          f"vLLM): {max(exact_gaps):.3f}, {[agree(stock, exact_tokens, n) for n in (1, 4, 16)]}")
-    assert max(gaps) < BF16_LOGPROB_TOL, gaps
-    assert agree(got, tokens, 4) >= 7
-    assert agree(got, tokens, 16) >= agree(stock, exact_tokens, 16) - 1
+    stock = engines.get(settings(folder, plugin=False)).generate(batch, FORCED_STEPS, logprobs=5)
+    fill_lp, exact_lp = forced(folder, maps, TAIL, batch, got), forced(folder, None, TAIL, batch, stock)
+    gaps = [forced_gap(c, lp) for c, lp in zip(got, fill_lp)]
+    exact_gaps = [forced_gap(c, lp) for c, lp in zip(stock, exact_lp)]
+    print(f"qwen3_next bf16 against ridgefill's engine teacher-forced over {FORCED_STEPS} steps, tail 24: filled: "
+          f"largest gap {max(gaps):.3f}, greedy would part at {[parting(c, lp) for c, lp in zip(got, fill_lp)]}; "
+          f"exact (stock vLLM): {max(exact_gaps):.3f}, {[parting(c, lp) for c, lp in zip(stock, exact_lp)]}")
+    assert max(gaps) < FORCED_TOL, gaps
 
     short = worker.generate(batch, 1, logprobs=5, tails=[SHORT_TAIL] * 8)
-    tokens, first = reference(folder, maps, SHORT_TAIL, batch, 1, dtype="bf16")
-    _, exact_first = reference(folder, None, SHORT_TAIL, batch, 1, dtype="bf16")
-    gaps = [first_gap(c, f) for c, f in zip(short, first)]
-    moved = [first_gap(c, f) for c, f in zip(short, exact_first)]
-    print(f"tail 4: first-token gap {max(gaps):.3f}, first tokens equal {agree(short, tokens, 1)} of 8; the fill's "
-          f"own effect {min(moved):.2f}..{max(moved):.2f}")
-    assert max(gaps) < FILL_DOMINATED_TOL and agree(short, tokens, 1) >= 7, gaps
-    assert sum(m > 2 * FILL_DOMINATED_TOL for m in moved) >= 6  # the fill, not rounding, decides these tokens
+    gaps = [forced_gap(c, lp) for c, lp in zip(short, forced(folder, maps, SHORT_TAIL, batch, short))]
+    moved = [first_gap(c, lp[0]) for c, lp in zip(short, exact_lp)]  # against the engine's exact prefill
+    print(f"tail 4: first-token gap {max(gaps):.3f}; the fill's own effect {min(moved):.2f}..{max(moved):.2f}")
+    assert max(gaps) < FILL_DOMINATED_TOL, gaps
+    assert sum(m > FILL_DOMINATED_TOL for m in moved) >= 6  # the fill, not rounding, decides these tokens
 
 
 def test_hybrid_chunked_batched_and_preempted_requests(vllm_hybrid, engines):
