@@ -28,7 +28,6 @@ import hashlib
 
 from ridgefill.method.fill import FillSettings
 from ridgefill.serve.vllm_requests import request_rule
-from ridgefill.serve.vllm_runner import HOOKED
 
 
 def fill_salt(fill: FillSettings, keep_first: int) -> str:
@@ -49,36 +48,27 @@ def salted(salt: str | None, ours: str) -> str:
     return ours if not salt else f"{salt}|{ours}"
 
 
-def install_prefix_hooks(fill: FillSettings) -> None:
-    """Salt filled requests when the engine core creates them, and cut their cache hits to before their tail."""
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
-    from vllm.v1.request import Request
+def salted_request(stock, cls, request, block_hasher, fill: FillSettings):
+    """Request.from_engine_core_request (vLLM's `stock`) with a filled request's cache salt joined to its own."""
+    rule = None if request.sampling_params is None else request_fill(request, fill)
+    if rule is not None:
+        request.cache_salt = salted(request.cache_salt, fill_salt(fill, rule[1]))
+    return stock(cls, request, block_hasher)
 
-    if getattr(Request, HOOKED, False):
-        return
-    stock_request = Request.from_engine_core_request.__func__
 
-    def from_engine_core_request(cls, request, block_hasher):
-        rule = None if request.sampling_params is None else request_fill(request, fill)
-        if rule is not None:
-            request.cache_salt = salted(request.cache_salt, fill_salt(fill, rule[1]))
-        return stock_request(cls, request, block_hasher)
+def cut_cache_hit(stock, manager, request, fill: FillSettings):
+    """KVCacheManager.get_computed_blocks (vLLM's `stock`) with a filled request's hit cut to the blocks that end
+    before its tail."""
+    from ridgefill.serve.vllm.private import cache_blocks
 
-    stock_blocks = KVCacheManager.get_computed_blocks
-
-    def get_computed_blocks(self, request):
-        blocks, hit, boundary = stock_blocks(self, request)
-        if hit == 0 or request.sampling_params is None:
-            return blocks, hit, boundary
-        rule = request_fill(request, fill)
-        if rule is None:
-            return blocks, hit, boundary
-        size = hit // max(1, len(blocks.blocks[0]))  # tokens per block (one KV cache group: dense models)
-        keep = max(0, (request.num_prompt_tokens - rule[0]) // size)  # blocks that end before the tail
-        if keep * size >= hit:
-            return blocks, hit, boundary
-        return KVCacheBlocks(tuple(group[:keep] for group in blocks.blocks)), keep * size, 0
-
-    Request.from_engine_core_request = classmethod(from_engine_core_request)
-    KVCacheManager.get_computed_blocks = get_computed_blocks
-    setattr(Request, HOOKED, True)
+    blocks, hit, boundary = stock(manager, request)
+    if hit == 0 or request.sampling_params is None:
+        return blocks, hit, boundary
+    rule = request_fill(request, fill)
+    if rule is None:
+        return blocks, hit, boundary
+    size = hit // max(1, len(blocks.blocks[0]))  # tokens per block (one KV cache group: dense models)
+    keep = max(0, (request.num_prompt_tokens - rule[0]) // size)  # blocks that end before the tail
+    if keep * size >= hit:
+        return blocks, hit, boundary
+    return cache_blocks(tuple(group[:keep] for group in blocks.blocks)), keep * size, 0

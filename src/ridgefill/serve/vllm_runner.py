@@ -38,11 +38,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ridgefill.serve.vllm.private import (forward_context, full_rows_metadata, is_attention,
+                                          prompt_progress, step_requests)
 from ridgefill.serve.vllm_requests import request_rule
 from ridgefill.serve.vllm_rows import Segments, bound_runs, full_tokens, token_requests
 
 log = logging.getLogger("ridgefill.vllm")
-HOOKED = "_ridgefill_hooked"
 
 
 @dataclass
@@ -62,9 +63,7 @@ class FillBatch:
     def write_kv(self, attn, key: torch.Tensor, value: torch.Tensor, rows: torch.Tensor) -> None:
         """key, value [n, kv_heads, head_dim] of the batch rows `rows` [n] -> attention layer `attn`'s cache (also
         within `attend`: the rows index the step's batch)."""
-        from vllm.forward_context import get_forward_context
-
-        slots = (self.step_slots or get_forward_context().slot_mapping)[attn.layer_name][rows]
+        slots = (self.step_slots or forward_context().slot_mapping)[attn.layer_name][rows]
         attn.impl.do_kv_cache_update(attn, key, value, attn.kv_cache, slots)
 
     def bounded(self, full: torch.Tensor) -> torch.Tensor:
@@ -78,32 +77,19 @@ class FillBatch:
     @contextmanager
     def attend(self, seg: Segments, positions: torch.Tensor):
         """Within: attention layers see a batch of only the full rows `seg.rows` (at `positions` [F])."""
-        from vllm.forward_context import get_forward_context
-        from vllm.v1.attention.backend import CommonAttentionMetadata
-        from vllm.v1.kv_cache_interface import AttentionSpec
-
-        ctx = get_forward_context()
+        ctx = forward_context()
         stock_meta, stock_slots = ctx.attn_metadata, ctx.slot_mapping
         if seg.n == 0:  # no full row: no attention layer runs (linear layers keep the step's own metadata)
             yield
             return
         meta, slots = dict(stock_meta), dict(stock_slots)
         for group in self.groups:
-            if not isinstance(group.kv_cache_spec, AttentionSpec):  # Gated DeltaNet layers run over every row
-                continue
-            names = [n for n in group.layer_names if n in stock_meta]
-            if not names:
+            names = [n for n in group.layer_names if n in stock_meta] if is_attention(group) else []
+            if not names:  # Gated DeltaNet layers run over every row
                 continue
             base = stock_meta[names[0]]
-            device = base.block_table.device
-            rows = seg.rows.to(device)
-            common = CommonAttentionMetadata(
-                query_start_loc=seg.query_start.to(device), query_start_loc_cpu=seg.query_start,
-                seq_lens=seg.seq_lens.to(device), seq_lens_cpu_upper_bound=seg.seq_lens, num_reqs=seg.n,
-                num_actual_tokens=int(seg.rows.numel()), max_query_len=seg.max_query_len,
-                max_seq_len=int(seg.seq_lens.max()), block_table_tensor=base.block_table[seg.request.to(device)],
-                slot_mapping=stock_slots[names[0]][rows], causal=True, positions=positions)
-            built = group.get_metadata_builder().build(common_prefix_len=0, common_attn_metadata=common)
+            rows = seg.rows.to(base.block_table.device)
+            built = full_rows_metadata(group, seg, base, stock_slots[names[0]][rows], positions)
             for name in names:
                 meta[name], slots[name] = built, stock_slots[name][rows]
         ctx.attn_metadata, ctx.slot_mapping, self.step_slots = meta, slots, stock_slots
@@ -173,19 +159,18 @@ def max_runs(runner) -> int:
 
 def plan_step(runner, positions: torch.Tensor, served_tail: int, served_keep: int) -> Step | None:
     """The step the runner is about to run, or None when it holds no prompt token (decode only)."""
-    batch = runner.input_batch
-    n_reqs = batch.num_reqs
-    if not (batch.num_computed_tokens_cpu[:n_reqs] < batch.num_prompt_tokens[:n_reqs]).any():
+    computed, prompt_np = prompt_progress(runner)
+    if not (computed < prompt_np).any():
         return None  # every request has its prompt computed: a decode step (numpy over [R], no tensor work)
-    query_start = torch.from_numpy(runner.query_start_loc.np[: n_reqs + 1].astype("int64"))
+    req_ids, query_start_np = step_requests(runner)
+    query_start = torch.from_numpy(query_start_np.astype("int64"))
     request = token_requests(query_start, positions.shape[0])
-    prompt = torch.from_numpy(batch.num_prompt_tokens[:n_reqs].astype("int64"))
+    prompt = torch.from_numpy(prompt_np.astype("int64"))
     positions = positions.cpu().long()
     real = request >= 0
     in_prompt = real & (positions < prompt[request.clamp(min=0)])
     if not bool(in_prompt.any()):
         return None
-    req_ids = list(batch.req_ids[:n_reqs])
     tails, keeps = [], []
     for i, req_id in enumerate(req_ids):
         params = getattr(runner.requests.get(req_id), "sampling_params", None)
@@ -255,35 +240,26 @@ def _forget_finished(book: StepLog, step: Step, live) -> None:
             del book.requests[req_id]
 
 
-def install_runner_hook() -> None:
-    """Wrap V1's GPUModelRunner._model_forward (the CPU runner inherits it) once per process."""
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    if getattr(GPUModelRunner, HOOKED, False):
-        return
-    stock = GPUModelRunner._model_forward
-
-    def _model_forward(self, input_ids=None, positions=None, intermediate_tensors=None, inputs_embeds=None,
-                       **model_kwargs):
-        state = getattr(self.get_model(), "ridgefill", None)
-        step = batch = None
-        if state is not None and positions is not None:
-            try:
-                step = plan_step(self, positions, state.fill.tail, state.fill.keep_first)
-                batch = None if step is None else step.batch(self)
-            except Exception as exc:  # never fatal: the step runs stock (exact), counted and logged
-                step = batch = None
-                _stock_step(state, exc)
-        if batch is not None:
-            model_kwargs["ridgefill_batch"] = batch
-        out = stock(self, input_ids=input_ids, positions=positions, intermediate_tensors=intermediate_tensors,
-                    inputs_embeds=inputs_embeds, **model_kwargs)
-        if step is not None:
-            account(state, step, batch, state.log, self.requests)
-        return out
-
-    GPUModelRunner._model_forward = _model_forward
-    setattr(GPUModelRunner, HOOKED, True)
+def model_forward(stock, runner, input_ids=None, positions=None, intermediate_tensors=None, inputs_embeds=None,
+                  **model_kwargs):
+    """The runner's `_model_forward` with the fill (serve/vllm/patches.ModelForwardPatch wraps vLLM's `stock` with
+    it): plan the step, pass its FillBatch to the model, count what it did."""
+    state = getattr(runner.get_model(), "ridgefill", None)
+    step = batch = None
+    if state is not None and positions is not None:
+        try:
+            step = plan_step(runner, positions, state.fill.tail, state.fill.keep_first)
+            batch = None if step is None else step.batch(runner)
+        except Exception as exc:  # never fatal: the step runs stock (exact), counted and logged
+            step = batch = None
+            _stock_step(state, exc)
+    if batch is not None:
+        model_kwargs["ridgefill_batch"] = batch
+    out = stock(runner, input_ids=input_ids, positions=positions, intermediate_tensors=intermediate_tensors,
+                inputs_embeds=inputs_embeds, **model_kwargs)
+    if step is not None:
+        account(state, step, batch, state.log, runner.requests)
+    return out
 
 
 def _stock_step(state, exc: Exception) -> None:
