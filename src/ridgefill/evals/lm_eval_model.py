@@ -12,8 +12,8 @@ model_args: pretrained (a --model spec: alias, folder or Hub id), fill (exact | 
 with maps, else exact), dtype (fp32), chunk (engine.DEFAULT_CHUNK), max_gen_toks (256), and the fill's options
 by their names (method/fill.OPTIONS: maps, split, tail, keep_first, outlier_factor, filled_window,
 filled_window_layers, with their defaults). Every request's context is prefilled with the plan; the scored
-continuation and every generated token run the full model. Contexts that share their tokens (a multiple-choice question's options)
-are prefilled once. loglikelihood_rolling is refused: filled rows have no logits to score.
+continuation and every generated token run the full model. Contexts that share their tokens (a multiple-choice
+question's options) are prefilled once. loglikelihood_rolling is refused: filled rows have no logits to score.
 """
 
 from __future__ import annotations
