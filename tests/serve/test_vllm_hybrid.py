@@ -98,7 +98,7 @@ def forced(folder, maps, tail: int, batch: list[list[int]], completions) -> list
     from ridgefill.runtime.session import open_session
 
     session = open_session(str(folder), chunk=2048, dtype="bf16")
-    plan = None if maps is None else FillSettings("ridge", None, maps, tail).plan(session)[0]
+    plan = None if maps is None else FillSettings("ridge", maps=maps, tail=tail).plan(session)[0]
     out = []
     with torch.inference_mode():
         for prompt, completion in zip(batch, completions):
