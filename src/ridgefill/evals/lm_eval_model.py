@@ -10,7 +10,7 @@ after that import:
 
 model_args: pretrained (a --model spec: alias, folder or Hub id), fill (exact | identity | ridge; default ridge
 with maps, else exact), dtype (fp32), chunk (engine.DEFAULT_CHUNK), max_gen_toks (256), and the fill's options
-by their names (method/fill.OPTIONS: maps, split, tail, keep_first, outlier_factor, filled_window,
+by their names (method/fill_fields.OPTIONS: maps, split, tail, keep_first, outlier_factor, filled_window,
 filled_window_layers, with their defaults). Every request's context is prefilled with the plan; the scored
 continuation and every generated token run the full model. Contexts that share their tokens (a multiple-choice
 question's options) are prefilled once. loglikelihood_rolling is refused: filled rows have no logits to score.
@@ -35,7 +35,7 @@ try:
 except ImportError:
     raise RidgefillError("lm-eval is not installed: pip install lm-eval==0.4.13 (ridgefill's `eval` extra)") from None
 
-OWN_ARGS = ("fill", "chunk", "max_gen_toks")  # model_args of the model itself (the fill's: method/fill.OPTIONS)
+OWN_ARGS = ("fill", "chunk", "max_gen_toks")  # model_args of the model itself (the fill's: fill_fields.OPTIONS)
 IGNORED_ARGS = ("pretrained", "dtype", "device", "batch_size", "max_batch_size")  # read by __init__ or by lm-eval
 
 
