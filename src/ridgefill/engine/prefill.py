@@ -36,7 +36,7 @@ from ridgefill.engine.fillers import Filler
 from ridgefill.engine.lookback import lookback_windows, window_states
 from ridgefill.engine.projection import FillProjection
 from ridgefill.engine.rows import MAX_ROWS  # noqa: F401 (tests/serve/test_vllm_rows.py reads it from here)
-from ridgefill.engine.rows import check_keep_first, check_outlier_factor, check_tail, full_positions
+from ridgefill.engine.rows import check_keep_first, check_outlier_factor, check_tail, full_positions, outliers
 from ridgefill.engine.shape import ModelShape
 from ridgefill.engine.timing import Stopwatch
 from ridgefill.engine.window import FilledWindow, WindowBlock, window_blocks, windowed_attention
@@ -122,9 +122,11 @@ class FillPlan:
         """x [B, nF, H] split states of a chunk's filled rows -> [nF] bool: the rows to run in full instead."""
         if self.outlier_factor <= 0 or x.shape[1] == 0:
             return torch.zeros(x.shape[1], dtype=torch.bool, device=x.device)
-        norms = torch.linalg.vector_norm(x.float(), dim=-1)  # [B, nF]
-        median = norms.median(dim=1, keepdim=True).values  # [B, 1]
-        return (norms > self.outlier_factor * median).any(dim=0)
+        norms = torch.linalg.vector_norm(x.float(), dim=-1)  # [B, nF]: each prompt of the batch is one group
+        groups = torch.arange(norms.shape[0], device=x.device).unsqueeze(1).expand_as(norms)
+        filled = torch.ones(norms.shape, dtype=torch.bool, device=x.device)
+        return outliers(norms.flatten(), groups.flatten(), filled.flatten(), self.outlier_factor).view(
+            norms.shape).any(dim=0)
 
 
 @dataclass

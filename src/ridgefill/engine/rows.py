@@ -1,6 +1,6 @@
 """Which prompt rows run the full model, and the one rule of each number that says so: the tail (tail_ok,
 check_tail), the leading rows kept in full (keep_first_ok, check_keep_first) and the outlier factor
-(check_outlier_factor). Ridgefill's engine, the fill settings (method/fill_fields.py), RULER's placement and the vLLM
+(check_outlier_factor), and the one outlier rule (outliers). Ridgefill's engine, the fill settings (method/fill_fields.py), RULER's placement and the vLLM
 plugin's request options all check with these.
 """
 
@@ -46,6 +46,20 @@ def check_outlier_factor(factor, name: str = "--outlier-factor") -> float:
         shown = f"{factor:g}" if number else repr(factor)
         raise RidgefillError(f"{name} {shown} must be 0 (fill every row) or a finite positive number")
     return factor
+
+
+def outliers(norms: torch.Tensor, groups: torch.Tensor, filled: torch.Tensor, factor: float) -> torch.Tensor:
+    """The one outlier rule of ridgefill's engine and the vLLM plugin: [N] bool, True for filled rows whose
+    split-state norm exceeds `factor` times the median norm (torch's lower median) of the filled rows of their
+    group. norms [N]; groups [N] the group of each row (a prompt of the engine's batch, a request of a vLLM step);
+    filled [N] bool, only those rows are judged or counted in a median; factor 0: no outliers."""
+    out = torch.zeros_like(filled)
+    if factor <= 0:
+        return out
+    for group in torch.unique(groups[filled]).tolist():
+        rows = filled & (groups == group)
+        out |= rows & (norms > factor * norms[rows].median())
+    return out
 
 
 def keep_first_ok(keep_first, limit: int | None = None) -> bool:

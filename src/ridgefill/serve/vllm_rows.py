@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ridgefill.engine.prefill import full_positions
+from ridgefill.engine.rows import full_positions, outliers
 
 
 def token_requests(query_start: torch.Tensor, n_tokens: int) -> torch.Tensor:
@@ -49,17 +49,9 @@ def full_tokens(positions: torch.Tensor, request: torch.Tensor, prompt_len: torc
 
 def outlier_tokens(norms: torch.Tensor, request: torch.Tensor, full: torch.Tensor, factor: float) -> torch.Tensor:
     """[N] bool: filled tokens whose split-state norm exceeds `factor` x the median norm of their request's
-    filled tokens in this step (the engine's FillPlan.outlier_rows, per request instead of per chunk).
+    filled tokens in this step: the engine's one outlier rule (engine/rows.py outliers), each request a group.
     norms [N]; factor 0: none."""
-    out = torch.zeros_like(full)
-    if factor <= 0:
-        return out
-    filled = ~full
-    for r in torch.unique(request[filled]).tolist():
-        rows = filled & (request == r)
-        median = norms[rows].median()
-        out |= rows & (norms > factor * median)
-    return out
+    return outliers(norms, request, ~full, factor)
 
 
 @dataclass(frozen=True)
