@@ -8,7 +8,8 @@ import torch
 
 from conftest import random_ids, tiny_model
 from ridgefill.engine import Engine, FillPlan, IdentityFiller, MapFiller, OracleFiller, adapter_for
-from ridgefill.engine.projection import FillProjection, StackedKV, norm_kv_torch
+from ridgefill.engine.kv_stack import stack_weights
+from ridgefill.engine.projection import FillProjection, StackedKV, layer_kv, norm_kv_torch
 
 TOL = 1e-5
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -248,3 +249,22 @@ def test_key_scale_of_ones_changes_nothing(dense_model):
     a = engine.prefill(ids, fill=FillPlan(IdentityFiller(3, engine.n_layers), tail=6), logits_at="full")
     b = engine.prefill(ids, fill=FillPlan(IdentityFiller(3, engine.n_layers, ones), tail=6), logits_at="full")
     assert torch.equal(a.logits, b.logits)
+
+
+def test_one_layers_kv_as_the_vllm_plugin_writes_it_equals_the_per_layer_route(dense_model):
+    """layer_kv on one layer's own stacked weights (what the vLLM plugin builds from its modules at load) gives each
+    late layer's filled K/V and key scale exactly as the engine's per-layer route does (Llama, Qwen2 bias, Qwen3
+    k-norm)."""
+    adapter = adapter_for(dense_model)
+    x, _, cos, sin = filled_inputs(adapter, batch=1)
+    scale = torch.linspace(0.5, 1.5, adapter.n_kv_heads)
+    for layer in range(2, adapter.n_layers):
+        stack = stack_weights([adapter.kv_weights(layer)], [layer], None, adapter.n_kv_heads, adapter.head_dim,
+                              adapter.dtype, adapter.device)
+        with torch.inference_mode():
+            k, v = layer_kv(stack, x[0], cos[0], sin[0], scale)  # [n, Hkv, D]
+            want_k, want_v = adapter.key_value(layer, adapter.input_norm(layer, x), cos, sin)  # [1, Hkv, n, D]
+        want_k = want_k * scale.view(1, -1, 1, 1)
+        assert k.shape == (x.shape[1], adapter.n_kv_heads, adapter.head_dim)
+        assert (k - want_k[0].transpose(0, 1)).abs().max() <= TOL
+        assert (v - want_v[0].transpose(0, 1)).abs().max() <= TOL

@@ -1,5 +1,6 @@
 """The K/V weights of a split's late attention layers, stacked once with each layer's input-norm weight folded
-in, for the fused fill projection (projection.py, and its Triton kernel in triton_projection.py)."""
+in, for the fused fill projection (projection.py, and its Triton kernel in triton_projection.py); the vLLM plugin
+stacks each late layer's own (shard of its) weights the same way and projects with the same function."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ridgefill.engine.families.base import Adapter
+from ridgefill.engine.families.base import Adapter, KVWeights
 
 
 @dataclass
@@ -38,7 +39,14 @@ def stack_kv(adapter: Adapter, split: int) -> StackedKV | None:
     weights = [adapter.kv_weights(layer) for layer in layers]
     if not layers or any(w is None for w in weights):
         return None
-    dtype, device = adapter.dtype, adapter.device
+    index = None if len(layers) == len(late) else torch.tensor([l - split for l in layers], device=adapter.device)
+    return stack_weights(weights, layers, index, adapter.n_kv_heads, adapter.head_dim, adapter.dtype, adapter.device)
+
+
+def stack_weights(weights: list[KVWeights], layers: list[int], index: torch.Tensor | None, heads: int,
+                  head_dim: int, dtype: torch.dtype, device: torch.device) -> StackedKV:
+    """Stack the K/V weights of `layers` (one KVWeights each, `heads` KV heads of `head_dim`): the engine's late
+    attention layers of a split, or one layer's (tensor-parallel shard of its) weights in the vLLM plugin."""
     with torch.no_grad():
         # k = RMSNorm(y)·g·Wkᵀ: the norm weight scales Wk's columns (input dims); fold it in float32, round once.
         w = torch.stack([torch.cat([kw.k_weight, kw.v_weight]).float() * kw.norm_weight.float() for kw in weights])
@@ -52,8 +60,7 @@ def stack_kv(adapter: Adapter, split: int) -> StackedKV | None:
             k_norm = torch.stack([kw.k_norm_weight for kw in weights]).to(dtype)
             k_norm_eps = torch.tensor([kw.k_norm_eps for kw in weights], device=device).view(-1, 1, 1, 1, 1)
     eps = torch.tensor([kw.norm_eps for kw in weights], device=device).view(-1, 1, 1)
-    index = None if len(layers) == len(late) else torch.tensor([l - split for l in layers], device=device)
-    return StackedKV(layers, index, weight, bias, eps, k_norm, k_norm_eps, adapter.n_kv_heads, adapter.head_dim)
+    return StackedKV(layers, index, weight, bias, eps, k_norm, k_norm_eps, heads, head_dim)
 
 
 def _or_zeros(bias: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:

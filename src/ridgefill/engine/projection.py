@@ -54,6 +54,23 @@ def norm_kv_torch(stack: StackedKV, y: torch.Tensor, cos: torch.Tensor, sin: tor
     return apply_rope(k.transpose(2, 3), cos, sin), v.transpose(2, 3)
 
 
+def scale_keys(k: torch.Tensor, key_scale: torch.Tensor | None) -> torch.Tensor:
+    """k [..., Hkv, n, D] times the maps' key-scale correction key_scale [Hkv] per KV head (None: k itself)."""
+    if key_scale is None:
+        return k
+    return k * key_scale.view(-1, 1, 1).to(k.dtype)
+
+
+def layer_kv(stack: StackedKV, u: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             key_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's filled K/V, the engine's own math (norm_kv_torch on a one-layer stack, then scale_keys), as the
+    vLLM plugin writes it: u [n, H] the rows' predicted layer input, cos/sin [n, Dr] their RoPE, key_scale [Hkv]
+    (None: none) -> k, v [n, Hkv, D]."""
+    y = u.to(stack.weight.dtype).unsqueeze(0)  # [1, n, H]
+    k, v = norm_kv_torch(stack, y, cos.unsqueeze(0), sin.unsqueeze(0), 1)  # [1, 1, Hkv, n, D]
+    return scale_keys(k[0, 0], key_scale).transpose(0, 1), v[0, 0].transpose(0, 1)
+
+
 class FilledRows:
     """What one chunk's filled rows bring to each late layer l >= S: `layer(l)` gives an attention layer its
     (k, v) [B, Hkv, nF, D] and any other layer its predicted input [B, nF, H]. key_scale [L-S, Hkv] (None: none)
@@ -76,9 +93,7 @@ class FilledRows:
             k, v = self.kv[layer]
         else:  # per-layer route
             k, v = a.key_value(layer, a.input_norm(layer, self.input(layer)), self.cos, self.sin)
-        if self.key_scale is not None:
-            k = k * self.key_scale[layer - self.split].view(1, -1, 1, 1).to(k.dtype)
-        return k, v
+        return scale_keys(k, None if self.key_scale is None else self.key_scale[layer - self.split]), v
 
 
 class FillProjection:
