@@ -287,7 +287,7 @@ def plan_of(tiny_checkpoint, tmp_path, monkeypatch):
     """serve_plan for `ridgefill serve --model <tiny> --split 3 ARGS` (identity fill), vLLM's lookups replaced."""
     monkeypatch.setattr(serve, "installed_vllm_version", lambda: VLLM_VERSION)
     monkeypatch.setattr(serve, "plugin_installed", lambda: True)
-    for name in ("VLLM_PLUGINS", "VLLM_API_KEY", "VLLM_SERVER_DEV_MODE"):
+    for name in ("VLLM_PLUGINS", "VLLM_API_KEY", "VLLM_SERVER_DEV_MODE", "RIDGEFILL_MAX_REQUEST_BYTES"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
 
@@ -341,6 +341,15 @@ def test_context_parallelism_and_weight_updates_are_refused(arg, match):
     with pytest.raises(RidgefillError) as refused:
         serve.ServeConfig(maps="m.safetensors", vllm_args=["--max-model-len", "512", arg, "2"]).check()
     assert str(refused.value).startswith(f"{arg}: {match}"), refused.value
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "8MiB", "1e6"])
+def test_a_bad_request_body_bound_is_refused_before_vllm_starts(plan_of, monkeypatch, value):
+    """In vLLM's process the middleware would read it at the first request and answer every request 500."""
+    monkeypatch.setenv("RIDGEFILL_MAX_REQUEST_BYTES", value)
+    with pytest.raises(RidgefillError, match=rf"^RIDGEFILL_MAX_REQUEST_BYTES='{value}' is not a positive number of "
+                                             r"bytes: set it to e\.g\. \d+ or unset it$"):
+        plan_of()
 
 
 def test_vllms_dev_mode_is_refused_before_vllm_starts(plan_of, monkeypatch):

@@ -44,6 +44,7 @@ from ridgefill.serve.vllm_args import API_KEY, API_KEY_ENV, option_flag, option_
 from ridgefill.serve.vllm_config import (PREFIX_CACHING_HYBRID, VLLM_DTYPES, VLLM_PIN, check_dev_mode, check_fill,
                                          check_hybrid_dtype, check_vllm_version, read_model_config,
                                          served_prefix_caching, started_process_env)
+from ridgefill.serve.vllm_http import body_limit
 from ridgefill.serve.vllm_metrics import COUNTERS
 
 DTYPES = VLLM_DTYPES
@@ -192,6 +193,10 @@ def check_vllm(environ=os.environ) -> str:
         raise RidgefillError(f"{V2_RUNNER}={environ[V2_RUNNER]} asks for vLLM's Model Runner V2, which the RidgeFill "
                              f"plugin does not hook: unset it (serve runs the V1 runner)")
     check_dev_mode(environ)
+    try:  # the request middleware reads its body bound from here in vLLM's process, where a bad one is a 500 a request
+        body_limit(environ)
+    except ValueError as bad:
+        raise RidgefillError(str(bad)) from None
     return version
 
 
