@@ -77,6 +77,7 @@ def inputs(tiny_checkpoint, tmp_path_factory) -> Inputs:
 # --- bad files ----------------------------------------------------------------------------------------------
 EMPTY = b""
 BINARY = bytes(random.Random(0).randrange(256) for _ in range(4096)) + b"\x00" * 64  # not text: NULs, invalid UTF-8
+NESTED = b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"  # JSON nested past Python's recursion limit
 LATIN1 = ("Café, déjà vu et naïveté. " * 200).encode("latin-1")  # text, but not UTF-8
 LATIN1_JSONL = ('{"text": "' + "Café, déjà vu et naïveté. " * 40 + '"}\n').encode("latin-1")
 NOT_AN_OBJECT = b'["a list", "not an object"]\n'
@@ -384,6 +385,8 @@ CASES: list[Case] = [
          match="cannot read the config.json of model {in}/model"),
     Case("calibrate-model-config-binary", cmd(CAL, model="{in}/model"), model_folder(config_json=BINARY),
          match="cannot read the config.json of model {in}/model"),
+    Case("calibrate-model-config-nested", cmd(CAL, model="{in}/model"), model_folder(config_json=NESTED),
+         match="cannot read the config.json of model {in}/model (RecursionError"),
     Case("calibrate-model-without-weights", cmd(CAL, model="{in}/model"), model_folder(model_safetensors=None),
          match="cannot load the weights of model {in}/model"),
     Case("calibrate-model-weights-truncated", cmd(CAL, model="{in}/model"),
@@ -777,6 +780,8 @@ CASES: list[Case] = [
          cmd(CAL, "--resume", split="2,3", holdout=0.25, lookback=1),
          {"out/stats.safetensors.partial": partial_of_this_code()},
          match="{out}/stats.safetensors.partial was written with other settings (lookback None, now 1)"),
+    Case("fill-generate-serving-config-nested", cmd(GEN, maps=None, serving_config="{in}/s.json"),
+         {"s.json": NESTED}, match="--serving-config {in}/s.json: JSON nested too deeply to read"),
     Case("fill-generate-serving-config-ridge-maps-changed", cmd(GEN, maps=None, serving_config="{in}/s.json"),
          {"s.json": serving(sha256="0" * 64)},
          match="--serving-config {in}/s.json: its maps {maps} changed since tune"),

@@ -38,7 +38,8 @@ def test_a_serving_config_for_another_model_is_refused(tiny_checkpoint, tmp_path
 
 
 @pytest.mark.parametrize("text,message", [
-    ("{not json", "is not JSON"),
+    ("{not json", "not valid JSON"),
+    ("[" * 100_000 + "]" * 100_000, "JSON nested too deeply to read"),
     ('{"kind": "other"}', "is not a ridgefill serving config"),
     (json.dumps({"kind": KIND, "variant": "ridge", "split": 3, "tail": 8, "keep_first": 1,
                  "model": {"weights_hash": "x"}}), "without its maps"),

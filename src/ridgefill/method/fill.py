@@ -18,7 +18,6 @@ bench-ttft).
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -294,14 +293,11 @@ def load_serving(path: str | Path) -> Tuned:
     """Read and check a serving config (`ridgefill tune`'s serving.json). Its maps are named by path (absolute, or
     relative to the config's folder) and sha256: maps whose bytes changed since tune are refused. Anything missing or
     malformed is a one-line error."""
+    from ridgefill.runtime.json_input import parse_json
     from ridgefill.runtime.paths import file_sha256, is_sha256, read_text
 
     text = read_text(path, "--serving-config")
-    try:
-        doc = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise RidgefillError(f"--serving-config {path} is not JSON ({exc.msg}): pass the file `ridgefill tune` "
-                             "wrote (serving.json)") from None
+    doc = parse_json(text, f"--serving-config {path}", "pass the file `ridgefill tune` wrote (serving.json)")
     if not isinstance(doc, dict) or doc.get("kind") != SERVING_KIND:
         raise RidgefillError(f"--serving-config {path} is not a ridgefill serving config: pass the serving.json "
                              "that `ridgefill tune` wrote")

@@ -81,7 +81,8 @@ def _config(spec: str, folder: str):
 
     try:
         config = AutoConfig.from_pretrained(folder)
-    except (OSError, ValueError, KeyError) as exc:  # not JSON, not UTF-8, no or an unknown model_type
+    # not JSON, nested too deeply, not UTF-8, no or an unknown model_type
+    except (OSError, ValueError, KeyError, RecursionError) as exc:
         raise RidgefillError(f"cannot read the config.json of model {spec} ({_reason(exc)}): point --model at a "
                              "Hugging Face model folder with a valid config.json") from None
     if config.model_type not in supported_families():
