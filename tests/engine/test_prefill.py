@@ -1,75 +1,13 @@
-"""Engine invariants on tiny random-init models of every dense family."""
+"""The dense families' own engine tests (tiny random-init models); the invariants every family keeps are in
+test_invariants.py."""
 
 import pytest
 import torch
 
 from conftest import random_ids, tiny_model
-from ridgefill.engine import DropFiller, Engine, FillPlan, IdentityFiller, OracleFiller, adapter_for
+from helpers import TOL, assert_caches_equal, engine_for, hf_hidden
+from ridgefill.engine import FillPlan, IdentityFiller, adapter_for
 from ridgefill.errors import RidgefillError
-
-TOL = 1e-5
-
-
-def engine_for(model, chunk=2048):
-    return Engine(adapter_for(model), chunk=chunk)
-
-
-def hf_hidden(model, ids):
-    with torch.no_grad():
-        return model(ids, output_hidden_states=True).hidden_states  # L+1 tensors [B, N, H]
-
-
-def assert_caches_equal(a, b, tol=TOL):
-    assert len(a) == len(b)
-    for la, lb in zip(a.layers, b.layers):
-        assert la.length == lb.length
-        assert (la.keys - lb.keys).abs().max() <= tol
-        assert (la.values - lb.values).abs().max() <= tol
-
-
-def test_exact_prefill_matches_transformers(dense_model):
-    ids = random_ids(37, batch=2)
-    ref = dense_model(ids).logits
-    out = engine_for(dense_model).prefill(ids, logits_at="full")
-    assert out.logits.shape == ref.shape
-    assert (out.logits - ref).abs().max() <= TOL
-    assert out.n_filled == 0
-
-
-@pytest.mark.parametrize("split", [2, 6])
-def test_tail_covering_prompt_is_exact(dense_model, split):
-    ids = random_ids(30)
-    eng = engine_for(dense_model)
-    exact = eng.prefill(ids, logits_at="full")
-    plan = FillPlan(IdentityFiller(split, eng.n_layers), tail=30)
-    filled = eng.prefill(ids, fill=plan, logits_at="full")
-    assert filled.n_filled == 0
-    assert (filled.logits - exact.logits).abs().max() <= TOL
-    assert_caches_equal(filled.cache, exact.cache)
-
-
-def test_split_at_last_layer_is_exact(dense_model):
-    ids = random_ids(30)
-    eng = engine_for(dense_model)
-    exact = eng.prefill(ids, logits_at="last")
-    plan = FillPlan(IdentityFiller(eng.n_layers, eng.n_layers), tail=4)
-    filled = eng.prefill(ids, fill=plan)
-    assert filled.n_filled == 0  # no late layer to fill
-    assert (filled.logits - exact.logits).abs().max() <= TOL
-    assert_caches_equal(filled.cache, exact.cache)
-
-
-@pytest.mark.parametrize("split,tail,keep", [(1, 5, ()), (3, 7, (0, 1, 11)), (5, 1, (4,))])
-def test_oracle_maps_are_exact(dense_model, split, tail, keep):
-    ids = random_ids(33)
-    eng = engine_for(dense_model, chunk=10)
-    exact = eng.prefill(ids, logits_at="full")
-    plan = FillPlan(OracleFiller(split, hf_hidden(dense_model, ids)), tail=tail, keep_rows=keep)
-    filled = eng.prefill(ids, fill=plan, logits_at="full")
-    assert filled.n_filled == 33 - tail - len(keep)
-    ref = exact.logits[:, filled.rows]
-    assert (filled.logits - ref).abs().max() <= TOL
-    assert_caches_equal(filled.cache, exact.cache)
 
 
 def test_identity_fill_differs_only_after_split(dense_model):
@@ -83,40 +21,6 @@ def test_identity_fill_differs_only_after_split(dense_model):
     assert (filled.cache[split + 1].keys - exact.cache[split + 1].keys).abs().max() > 1e-3
     # tail rows of the filled cache differ downstream, filled rows differ from the exact cache
     assert (filled.logits - exact.logits).abs().max() > 1e-4
-
-
-@pytest.mark.parametrize("filler", [IdentityFiller, DropFiller])  # drop: the late caches hold the full rows only
-@pytest.mark.parametrize("chunk", [1, 7, 16, 64])
-def test_chunked_equals_unchunked(dense_model, chunk, filler):
-    ids = random_ids(40)
-    eng = engine_for(dense_model)
-    plan = FillPlan(filler(2, eng.n_layers), tail=9, keep_rows=(0, 20))
-    whole = eng.prefill(ids, fill=plan, logits_at="full", chunk=4096)
-    parts = eng.prefill(ids, fill=plan, logits_at="full", chunk=chunk)
-    assert torch.equal(whole.rows, parts.rows)
-    assert (whole.logits - parts.logits).abs().max() <= TOL
-    assert_caches_equal(whole.cache, parts.cache)
-
-
-def test_greedy_after_full_tail_matches_transformers_generate(dense_model):
-    ids = random_ids(12)
-    eng = engine_for(dense_model)
-    plan = FillPlan(IdentityFiller(3, eng.n_layers), tail=12)
-    ours = eng.generate(ids, max_new_tokens=20, fill=plan)
-    ref = dense_model.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0,
-                               min_new_tokens=20)
-    assert ours.tokens[0] == ref[0, 12:].tolist()
-
-
-def test_decode_after_filled_prefill_runs_the_full_model(dense_model):
-    ids = random_ids(20)
-    eng = engine_for(dense_model)
-    plan = FillPlan(OracleFiller(2, hf_hidden(dense_model, ids)), tail=3)
-    pre = eng.prefill(ids, fill=plan)
-    nxt = pre.logits[:, -1].argmax(-1, keepdim=True)
-    logits = eng.decode_step(pre.cache, nxt)
-    ref = dense_model(torch.cat([ids, nxt], dim=1)).logits[:, -1]
-    assert (logits - ref).abs().max() <= TOL
 
 
 def test_errors_are_one_line():

@@ -6,7 +6,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from helpers import free_port
 from ridgefill.commands import options
 from ridgefill.errors import RidgefillError
 from ridgefill.method.calibrate import COMMAND
@@ -59,12 +59,6 @@ def max_relative_difference(a: Path, b: Path) -> float:
         scale = float(x[k].double().abs().max().clamp_min(1e-300))
         worst = max(worst, float((x[k].double() - y[k].double()).abs().max()) / scale)
     return worst
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ranks(args, out: Path, size: int = 2) -> list[subprocess.Popen]:

@@ -1,0 +1,54 @@
+"""Helpers the test modules share (one definition each): an engine over a tiny model, transformers' own hidden
+states, cache equality over both kinds of layer, and a free loopback port."""
+
+from __future__ import annotations
+
+import socket
+
+import torch
+
+TOL = 1e-5
+# For hybrid caches produced by genuinely different fp32 op orders: filled rows fed transformers' hidden states
+# (another implementation of the same layers), or the delta rule cut at other chunk boundaries. Hidden states then
+# agree to ~1e-5 *relative* (the linear layers' gated RMSNorm normalises small per-head outputs, which amplifies
+# rounding), and keys after the per-head k-norm are O(1), so their absolute gap reaches ~2e-5. Logits (O(0.5)) stay
+# within TOL and are checked at TOL; dense caches stay within TOL.
+TOL_REORDERED = 1e-4
+
+
+def engine_for(model, chunk=2048):
+    from ridgefill.engine import Engine, adapter_for
+
+    return Engine(adapter_for(model), chunk=chunk)
+
+
+def hf_hidden(model, ids):
+    """transformers' hidden states of `ids`: L+1 tensors [B, N, H] (the embeddings, then each layer's output)."""
+    with torch.no_grad():
+        return model(ids, output_hidden_states=True).hidden_states
+
+
+def max_diff(a, b) -> float:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return (a - b).abs().max().item()
+
+
+def assert_caches_equal(a, b, tol=TOL):
+    """Two engine caches hold the same layers, lengths and contents: K/V of attention layers, recurrent and conv
+    state of linear (Gated DeltaNet) layers."""
+    assert len(a) == len(b)
+    for la, lb in zip(a.layers, b.layers):
+        assert la.kind == lb.kind and la.length == lb.length
+        if la.kind == "attention":
+            assert max_diff(la.keys, lb.keys) <= tol
+            assert max_diff(la.values, lb.values) <= tol
+        else:
+            assert max_diff(la.recurrent, lb.recurrent) <= tol
+            assert max_diff(la.conv, lb.conv) <= tol
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
