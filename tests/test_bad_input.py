@@ -346,7 +346,7 @@ def maps_cases(name: str, base: list[str]) -> list[Case]:
         Case(f"{c}-maps-missing", cmd(base, maps="{in}/missing.safetensors"),
              match="maps file {in}/missing.safetensors does not exist"),
         Case(f"{c}-maps-folder", cmd(base, maps="{in}/folder"), {"folder/x.txt": b"x"},
-             match="maps file {in}/folder does not exist"),
+             match="maps file {in}/folder is a folder, not a file"),
     ]
 
 
@@ -403,7 +403,7 @@ CASES: list[Case] = [
     Case("fit-stats-missing", cmd(FIT, stats="{in}/missing.safetensors"),
          match="stats file {in}/missing.safetensors does not exist"),
     Case("fit-stats-folder", cmd(FIT, stats="{in}/folder"), {"folder/x.txt": b"x"},
-         match="stats file {in}/folder does not exist"),
+         match="stats file {in}/folder is a folder, not a file"),
     Case("fit-stats-empty", cmd(FIT, stats="{in}/s.safetensors"), {"s.safetensors": EMPTY}, match=STATS_CORRUPT),
     Case("fit-stats-binary", cmd(FIT, stats="{in}/s.safetensors"), {"s.safetensors": BINARY}, match=STATS_CORRUPT),
     *[Case(f"fit-stats-truncated-{where}", cmd(FIT, stats="{in}/s.safetensors"),
@@ -650,7 +650,7 @@ CASES: list[Case] = [
     Case("run-recipe-missing", cmd(RUN[:1] + ["{in}/missing.toml"] + RUN[2:]),
          match="recipe {in}/missing.toml does not exist"),
     Case("run-recipe-folder", cmd(RUN[:1] + ["{in}/folder"] + RUN[2:]), {"folder/a.toml": RECIPE},
-         match="recipe {in}/folder does not exist"),
+         match="recipe {in}/folder is a folder, not a file"),
     Case("run-recipe-splits-wrong-type", RUN, {"recipe.toml": RECIPE.replace("splits = 3", 'splits = "three"')},
          match='{in}/recipe.toml: splits: expected an integer or a list of integers, got "three"'),
     Case("run-recipe-option-wrong-type", RUN, {"recipe.toml": RECIPE.replace("tokens = 1024", 'tokens = "many"')},

@@ -83,6 +83,9 @@ def find_recipe(spec: str | Path) -> Path:
         for folder in (Path("recipes"), Path(__file__).resolve().parents[3] / "recipes"):
             if (folder / f"{spec}.toml").is_file():
                 return folder / f"{spec}.toml"
+    if path.is_dir():
+        raise RidgefillError(f"recipe {spec} is a folder, not a file: pass a .toml file (e.g. "
+                             "recipes/quickstart.toml)")
     raise RidgefillError(f"recipe {spec} does not exist: pass a .toml file (e.g. recipes/quickstart.toml)")
 
 

@@ -204,6 +204,9 @@ def _maker(kind: str) -> str:
 
 
 def _exists(path: Path, kind: str) -> None:
+    if path.is_dir():
+        raise RidgefillError(f"{kind} file {path} is a folder, not a file: pass the {kind} file itself (written by "
+                             f"ridgefill {_maker(kind)})")
     if not path.is_file():
         raise RidgefillError(f"{kind} file {path} does not exist: check the path (or create it with ridgefill "
                              f"{_maker(kind)})")
