@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -110,11 +112,42 @@ def random_ids(n: int, batch: int = 1, seed: int = 1) -> torch.Tensor:
     return torch.randint(3, VOCAB, (batch, n), generator=g)
 
 
-from tiny_checkpoint import long_docs, tiny_checkpoint  # noqa: E402,F401  (fixtures: a tiny model, long text)
+from tiny_checkpoint import long_docs, tiny_checkpoint, write_corpus  # noqa: E402,F401  (fixtures: model, long text)
 # the vLLM tests' shared fixtures, registered here once: a session fixture imported into several test modules is a
 # fixture of each module, and was built once per module (the tiny checkpoints and their maps five times)
 from vllm_fixtures import (engines, smollm2_maps, vllm_hybrid, vllm_lookback, vllm_tiny,  # noqa: E402,F401
                            vllm_tuned)
+
+
+@dataclass(frozen=True)
+class Fitted:
+    """The tiny checkpoint calibrated and fitted once: its corpus, the statistics at splits 2 and 3, and maps fitted
+    at each split (maps[2], maps[3]). Read-only: a test that changes a file works on a copy."""
+
+    text: Path
+    stats: Path
+    maps: dict
+
+
+@pytest.fixture(scope="session")
+def tiny_fitted(tiny_checkpoint, tmp_path_factory) -> Fitted:
+    """`ridgefill calibrate` (splits 2 and 3, 2,048 tokens of 128) and `ridgefill fit` (once per split) on the tiny
+    checkpoint, through the command line, once per session."""
+    from typer.testing import CliRunner
+
+    from ridgefill.cli import app
+
+    root = tmp_path_factory.mktemp("tiny-fitted")
+    text, stats = write_corpus(root / "text.txt", seed=3, lines_per_document=12), root / "stats.safetensors"
+    runner = CliRunner()
+    r = runner.invoke(app, ["calibrate", "--model", str(tiny_checkpoint), "--data", str(text), "--split", "2,3",
+                            "--tokens", "2048", "--seq-len", "128", "--out", str(stats), "--holdout", "0.25"])
+    assert r.exit_code == 0, r.output
+    maps = {split: root / f"maps-s{split}.safetensors" for split in (2, 3)}
+    for split, path in maps.items():
+        r = runner.invoke(app, ["fit", "--stats", str(stats), "--out", str(path), "--split", str(split)])
+        assert r.exit_code == 0, r.output
+    return Fitted(text, stats, maps)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ import pytest
 from typer.testing import CliRunner
 
 from ridgefill.cli import app
-from tiny_checkpoint import write_corpus
 
 RIDGEFILL = [sys.executable, "-m", "ridgefill"]
 
@@ -19,21 +18,9 @@ def run_cli(*args):
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    return write_corpus(tmp_path_factory.mktemp("data") / "text.txt", seed=3, lines_per_document=12)
-
-
-@pytest.fixture(scope="module")
-def fitted(tiny_checkpoint, corpus, tmp_path_factory):
-    out = tmp_path_factory.mktemp("run")
-    stats, maps = out / "stats.safetensors", out / "maps.safetensors"
-    runner = CliRunner()
-    r = runner.invoke(app, ["calibrate", "--model", str(tiny_checkpoint), "--data", str(corpus), "--split", "2,3",
-                            "--tokens", "2048", "--seq-len", "128", "--out", str(stats), "--holdout", "0.25"])
-    assert r.exit_code == 0, r.output
-    r = runner.invoke(app, ["fit", "--stats", str(stats), "--out", str(maps), "--split", "3"])
-    assert r.exit_code == 0, r.output
-    return stats, maps
+def fitted(tiny_fitted):
+    """(statistics at splits 2 and 3, maps at split 3): conftest.tiny_fitted, calibrated and fitted through the CLI."""
+    return tiny_fitted.stats, tiny_fitted.maps[3]
 
 
 def test_calibrate_and_fit_write_artifacts_and_summaries(fitted):

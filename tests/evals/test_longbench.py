@@ -196,17 +196,8 @@ def test_exact_answers_are_reused_across_splits(tiny_checkpoint, data_file, tmp_
 
 
 @pytest.fixture(scope="module")
-def tiny_maps(tiny_checkpoint, tmp_path_factory) -> Path:
-    from ridgefill.method.calibrate import COMMAND as calibrate_command
-    from ridgefill.method.fit import COMMAND as fit_command
-
-    out = tmp_path_factory.mktemp("maps")
-    text = out / "text.txt"
-    text.write_text("\n\n\n".join(documents(40)))
-    calibrate_command(model=str(tiny_checkpoint), data=str(text), split="2", tokens=1024, seq_len=128,
-                      out=out / "stats.safetensors", holdout=0.25, chunk=128)
-    fit_command(stats=out / "stats.safetensors", out=out / "maps.safetensors", split=2)
-    return out / "maps.safetensors"
+def tiny_maps(tiny_fitted) -> Path:
+    return tiny_fitted.maps[2]
 
 
 def test_all_three_variants_with_maps(tiny_checkpoint, data_file, tiny_maps, tmp_path):

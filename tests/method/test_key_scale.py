@@ -1,6 +1,8 @@
 """`ridgefill key-scale`: the least-squares scale of filled key norms, its maps file, and the engine using it."""
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +13,6 @@ from ridgefill.engine import Engine, FillPlan, IdentityFiller, adapter_for
 from ridgefill.method.key_scale import KeyNormSums, key_norm_sums
 from ridgefill.method.maps import load_filler
 from ridgefill.runtime.artifacts import load_artifact
-from tiny_checkpoint import write_corpus
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -45,18 +46,13 @@ def test_pass_counts_only_filled_rows_of_late_attention_layers():
     assert (sums.filled[1:] > 0).all()
 
 
-def fitted(checkpoint, folder):
-    """(calibration text, maps fitted on it at split 2) for the tiny checkpoint, in `folder`."""
-    text = write_corpus(folder / "text.txt", seed=3, lines_per_document=12)
-    stats, maps = folder / "stats.safetensors", folder / "maps.safetensors"
-    command("calibrate")(model=str(checkpoint), data=str(text), split="2", tokens=1024, seq_len=128, holdout=0.25,
-                         out=stats)
-    command("fit")(stats=stats, out=maps)
-    return text, maps
+def fitted(tiny_fitted, folder):
+    """(calibration text, a copy in `folder` of the maps fitted on it at split 2): conftest.tiny_fitted."""
+    return tiny_fitted.text, Path(shutil.copy(tiny_fitted.maps[2], folder / "maps.safetensors"))
 
 
-def test_command_writes_maps_with_a_scale_the_engine_applies(tiny_checkpoint, tmp_path):
-    text, maps = fitted(tiny_checkpoint, tmp_path)
+def test_command_writes_maps_with_a_scale_the_engine_applies(tiny_checkpoint, tiny_fitted, tmp_path):
+    text, maps = fitted(tiny_fitted, tmp_path)
     out = tmp_path / "ks.safetensors"
     summary = command("key-scale")(model=str(tiny_checkpoint), maps=maps, data=str(text), tokens=512, seq_len=128,
                                    out=out)
@@ -77,7 +73,8 @@ def test_command_writes_maps_with_a_scale_the_engine_applies(tiny_checkpoint, tm
     assert torch.allclose(filler.key_scale, scale)
 
 
-def test_maps_refit_during_the_pass_do_not_get_the_scale_of_the_old_ones(tiny_checkpoint, tmp_path, monkeypatch):
+def test_maps_refit_during_the_pass_do_not_get_the_scale_of_the_old_ones(tiny_checkpoint, tiny_fitted, tmp_path,
+                                                                        monkeypatch):
     """The maps file is rewritten (refit, other weights) while the pass runs, after its first sequence: the output
     holds the maps the scale was measured on, those read at the start, and records their sha256 (the file now holds
     other bytes). The hook is the pass's progress bar (runtime.console.progress_bar, as key_scale imports it)."""
@@ -87,7 +84,7 @@ def test_maps_refit_during_the_pass_do_not_get_the_scale_of_the_old_ones(tiny_ch
     import ridgefill.method.key_scale as key_scale
     from ridgefill.runtime.artifacts import save_artifact
 
-    text, maps = fitted(tiny_checkpoint, tmp_path)
+    text, maps = fitted(tiny_fitted, tmp_path)
     out = tmp_path / "ks.safetensors"
     original, meta = load_artifact(maps, "maps")
     pinned = hashlib.sha256(maps.read_bytes()).hexdigest()
@@ -113,7 +110,7 @@ def test_maps_refit_during_the_pass_do_not_get_the_scale_of_the_old_ones(tiny_ch
     assert written_meta["key_scale"]["maps_sha256"] == pinned == summary["maps_sha256"]
 
 
-def test_a_scale_that_overflows_fp32_is_refused_and_nothing_is_written(tiny_checkpoint, tmp_path):
+def test_a_scale_that_overflows_fp32_is_refused_and_nothing_is_written(tiny_checkpoint, tiny_fitted, tmp_path):
     """Maps that fill rows with a bias of 1e-42 (and no weight): finite, but the filled keys come out ~1e-39, so
     the least-squares scale is ~1e40: finite in float64, infinite as the fp32 the maps file stores. key-scale refuses
     it in one line naming the tensor and the fix; no maps, no summary is written."""
@@ -122,7 +119,7 @@ def test_a_scale_that_overflows_fp32_is_refused_and_nothing_is_written(tiny_chec
     from ridgefill.errors import RidgefillError
     from ridgefill.runtime.artifacts import save_artifact
 
-    text, maps = fitted(tiny_checkpoint, tmp_path)
+    text, maps = fitted(tiny_fitted, tmp_path)
     out = tmp_path / "ks.safetensors"
     tensors, meta = load_artifact(maps, "maps")
     tiny = tmp_path / "tiny.safetensors"
