@@ -1,8 +1,9 @@
 """vLLM's Llama, Qwen2, Qwen3 and Qwen3-Next models with RidgeFill's filled prefill (imported only inside vLLM
 processes).
 
-Each class is the stock vLLM class plus `ridgefill` state: the fitted maps and, per late layer, its own K/V
-projection rows copied at weight-loading time (vLLM's CPU linear layers repack and drop `weight` afterwards).
+Each class is the stock vLLM class plus `ridgefill` state: the fitted maps and, per late attention layer, its input
+norm, K/V projection rows and k-norm stacked at weight-loading time as ridgefill's engine stacks them
+(engine/kv_stack.py; vLLM's CPU linear layers repack and drop `weight` afterwards).
 A step whose batch has no filled token (decode steps, short prompts, the plugin unconfigured) runs the stock
 forward unchanged. A step with filled tokens (the model runner passes a FillBatch, serve/vllm_runner.py):
 
@@ -12,8 +13,9 @@ forward unchanged. A step with filled tokens (the model runner passes a FillBatc
   not among this step's tokens of their request (the first K of a prefill chunk) or holds an outlier;
 - for each late layer l = S..L-1 the filled rows' K/V come from the predicted input (x for l = S, the map's
   prediction after) through that layer's own input norm, K/V rows of its (tensor-parallel shard of) qkv_proj,
-  k-norm (Qwen3, Qwen3-Next) and RoPE (partial in Qwen3-Next) at the true positions, and are written into the
-  paged cache;
+  k-norm (Qwen3, Qwen3-Next), key scale and RoPE (vLLM's tables, partial in Qwen3-Next) at the true positions,
+  computed by ridgefill's engine (engine/projection.py layer_kv, the engine's own projection), and are written
+  into the paged cache;
 - the full rows alone run layers S..L-1 (attention over every cached key up to their position, then the MLP);
 - a hybrid's late Gated DeltaNet layers (Qwen3-Next) run their mixer over every row of the step in position order,
   filled rows bringing their predicted input, so the request's recurrent and conv states advance over all of them;
@@ -35,13 +37,17 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from vllm.model_executor.layers.layernorm import GemmaRMSNorm
 from vllm.model_executor.models.llama import LlamaForCausalLM
 from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 from vllm.model_executor.models.qwen3_next import Qwen3NextForCausalLM
 
 from ridgefill.engine import Filler, late_inputs_by_layer
+from ridgefill.engine.families.base import KVWeights
+from ridgefill.engine.kv_stack import StackedKV, stack_weights
 from ridgefill.engine.lookback import lookback_windows, window_states
+from ridgefill.engine.projection import layer_kv
 from ridgefill.errors import RidgefillError
 from ridgefill.method.maps import load_filler
 from ridgefill.runtime.models import checkpoint_fingerprint
@@ -54,11 +60,46 @@ from ridgefill.serve.vllm_runner import StepLog
 
 @dataclass
 class LateKV:
-    """One late layer's K/V projection: the K and V rows of its local qkv_proj shard, as one GEMM (`linear`)."""
+    """One late attention layer's filled K/V projection, for engine/projection.py layer_kv: its input norm, the K and
+    V rows of its local qkv_proj shard and its k-norm, stacked as the engine stacks them."""
 
-    project: Callable  # u [nF, H] -> [nF, 2·kv]: the K and V rows (weight [2·kv, H], bias [2·kv]) applied
-    kv_size: int  # local K (= V) width: local KV heads x head_dim
+    stack: StackedKV
     key_scale: torch.Tensor | None = None  # [local KV heads]: the maps' key-scale correction of this shard
+
+
+def late_kv(layer, index: int, key_scale: torch.Tensor | None) -> LateKV:
+    """The LateKV of decoder layer `index` (copied from its modules while vLLM still holds their weights)."""
+    attn = layer.self_attn
+    if not attn.rotary_emb.is_neox_style:
+        raise RidgefillError(f"layer {index} rotates its keys GPT-J style (interleaved): the fill supports the NeoX "
+                             "(rotate-half) RoPE of Llama, Qwen2, Qwen3 and Qwen3-Next; serve this model without maps")
+    qkv, kv, k_norm = attn.qkv_proj, attn.kv_size, getattr(attn, "k_norm", None)
+    q_rows = attn.q_size * (2 if getattr(attn, "attn_output_gate", False) else 1)  # Qwen3-Next: + gate
+    k_rows, v_rows = slice(q_rows, q_rows + kv), slice(q_rows + kv, q_rows + 2 * kv)
+    bias = getattr(qkv, "bias", None)
+    weights = KVWeights(norm_weight(layer.input_layernorm), layer.input_layernorm.variance_epsilon,
+                        qkv.weight[k_rows].detach(), None if bias is None else bias[k_rows].detach(),
+                        qkv.weight[v_rows].detach(), None if bias is None else bias[v_rows].detach(),
+                        None if k_norm is None else norm_weight(k_norm),
+                        0.0 if k_norm is None else k_norm.variance_epsilon)
+    stack = stack_weights([weights], [index], None, kv // attn.head_dim, attn.head_dim, qkv.weight.dtype,
+                          qkv.weight.device)
+    return LateKV(stack, key_scale)
+
+
+def norm_weight(norm) -> torch.Tensor:
+    """The weight a vLLM RMSNorm multiplies by, in float32: its weight, or 1 + weight for the zero-centred
+    GemmaRMSNorm (Qwen3-Next)."""
+    weight = norm.weight.detach().float()
+    return weight + 1.0 if isinstance(norm, GemmaRMSNorm) else weight
+
+
+def rope_at(rotary_emb, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's RoPE tables at `positions` [n] in the layout the engine applies (engine/families/base.py apply_rope):
+    cos, sin [n, Dr]. A row of vLLM's cos_sin_cache holds the cos, then the sin, of the Dr/2 frequencies; the NeoX
+    style rotates the two halves of the rotated dims by the same angles, so each is repeated."""
+    cos, sin = rotary_emb.cos_sin_cache[positions.long()].to(dtype).chunk(2, dim=-1)
+    return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
 
 
 def linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable:
@@ -118,13 +159,8 @@ class RidgeFillMixin:
             if layer_kind(layer) != "attention":  # a linear layer: no K/V, its mixer runs over the filled rows
                 late.append(None)
                 continue
-            attn = layer.self_attn
-            qkv = attn.qkv_proj
-            q_rows = attn.q_size * (2 if getattr(attn, "attn_output_gate", False) else 1)  # Qwen3-Next: + gate
-            rows = slice(q_rows, q_rows + 2 * attn.kv_size)
-            bias = None if getattr(qkv, "bias", None) is None else qkv.bias[rows].detach().clone()
-            scale = None if filler.key_scale is None else local_heads(filler.key_scale[j], attn)
-            late.append(LateKV(linear(qkv.weight[rows].detach().clone(), bias), attn.kv_size, scale))
+            scale = None if filler.key_scale is None else local_heads(filler.key_scale[j], layer.self_attn)
+            late.append(late_kv(layer, filler.split + j, scale))
         if hasattr(filler, "use_gemm"):  # each map as vLLM runs a linear layer (prepacked on a CPU), layer by layer
             filler.use_gemm(linear)
         return FillState(fill, filler, filler.split, late, FillCounters(publish=get_tensor_model_parallel_rank() == 0))
@@ -248,18 +284,12 @@ def local_heads(per_head: torch.Tensor, attn) -> torch.Tensor:
 
 
 def write_filled_kv(layer, kv: LateKV, u: torch.Tensor, positions: torch.Tensor, batch, filled: torch.Tensor) -> None:
-    """Write the K/V of the filled rows (predicted layer input u [nF, H] at `positions` [nF]) into `layer`'s cache."""
+    """Write the K/V of the filled rows (predicted layer input u [nF, H] at `positions` [nF]) into `layer`'s cache,
+    computed by the engine's projection (layer_kv)."""
     attn = layer.self_attn
-    hn = layer.input_layernorm(u.contiguous())  # [nF, H]
-    k, v = kv.project(hn).split(kv.kv_size, dim=-1)  # [nF, kv] each
-    k, v = k.contiguous(), v.contiguous()
-    heads = kv.kv_size // attn.head_dim
-    if hasattr(attn, "k_norm"):  # Qwen3 (and Qwen2 variants with qk_norm): RMSNorm per head before RoPE
-        k = attn.k_norm(k.view(-1, heads, attn.head_dim)).reshape(k.shape)
-    if kv.key_scale is not None:  # the maps' key-scale correction, per KV head (a norm: before or after RoPE)
-        k = (k.view(-1, heads, attn.head_dim) * kv.key_scale.view(1, heads, 1)).reshape(k.shape)
-    k, _ = attn.rotary_emb(positions, k, None)  # RoPE rotates the "query" argument: here the keys
-    batch.write_kv(attn.attn, k.view(-1, heads, attn.head_dim), v.view(-1, heads, attn.head_dim), filled)
+    cos, sin = rope_at(attn.rotary_emb, positions, kv.stack.weight.dtype)  # [nF, Dr] each
+    k, v = layer_kv(kv.stack, u, cos, sin, kv.key_scale)  # [nF, local KV heads, D] each
+    batch.write_kv(attn.attn, k.contiguous(), v.contiguous(), filled)
 
 
 class RidgeFillLlamaForCausalLM(RidgeFillMixin, LlamaForCausalLM):
