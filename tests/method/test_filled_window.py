@@ -17,28 +17,28 @@ from ridgefill.runtime.session import open_session
 
 
 @pytest.fixture(scope="module")
-def windowed(tiny_checkpoint, long_docs, tmp_path_factory):
-    """Maps at split 3 calibrated with window 8 (and without: `plain`), and the session."""
+def windowed(tiny_checkpoint, tiny_fitted, tmp_path_factory):
+    """Maps at split 3 calibrated with window 8 on conftest.tiny_fitted's corpus and token budget, beside that
+    fixture's full-attention ones (`plain`), and the session."""
     out = tmp_path_factory.mktemp("window")
-    maps = {}
-    for name, window in (("windowed", 8), ("plain", 0)):
-        stats = out / f"{name}.stats.safetensors"
-        CALIBRATE(model=str(tiny_checkpoint), data=str(long_docs), split="3,4", tokens=1024, seq_len=128, out=stats,
-                  holdout=0.25, filled_window=window)
-        maps[name] = out / f"{name}.maps.safetensors"
-        FIT(stats=stats, out=maps[name], split=3)
-    return open_session(str(tiny_checkpoint)), maps, out
+    stats = {"windowed": out / "windowed.stats.safetensors", "plain": tiny_fitted.stats}
+    CALIBRATE(model=str(tiny_checkpoint), data=str(tiny_fitted.text), split="3", tokens=2048, seq_len=128,
+              out=stats["windowed"], holdout=0.25, filled_window=8)
+    maps = {"windowed": out / "windowed.maps.safetensors", "plain": tiny_fitted.maps[3]}
+    FIT(stats=stats["windowed"], out=maps["windowed"], split=3)
+    return open_session(str(tiny_checkpoint)), maps, stats
 
 
 def test_calibrate_and_fit_carry_the_window_into_the_maps(windowed):
-    session, maps, out = windowed
-    stats, meta = load_artifact(out / "windowed.stats.safetensors", "stats")
-    plain, _ = load_artifact(out / "plain.stats.safetensors", "stats")
+    session, maps, stats = windowed
+    windowed_stats, meta = load_artifact(stats["windowed"], "stats")
+    plain, _ = load_artifact(stats["plain"], "stats")
     assert meta["filled_window"] == {"size": 8, "first": 0, "last": 2}  # below the lowest split (3)
-    assert not torch.allclose(stats["s3.train.xtx"], plain["s3.train.xtx"])  # the window shaped the split states
+    # the same rows (same corpus, budget and holdout), so the window is what shaped the split states
+    assert not torch.allclose(windowed_stats["s3.train.xtx"], plain["s3.train.xtx"])
     assert read_meta(maps["windowed"], "maps")["filled_window"] == {"size": 8, "first": 0, "last": 2}
     assert "filled_window" not in read_meta(maps["plain"], "maps")
-    fitted = json.loads((out / "windowed.maps.safetensors.json").read_text())
+    fitted = json.loads((maps["windowed"].parent / "windowed.maps.safetensors.json").read_text())
     assert fitted["filled_window"] == {"size": 8, "first": 0, "last": 2}
 
 
