@@ -19,14 +19,13 @@ from __future__ import annotations
 import difflib
 import json
 import re
-import tomllib
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ridgefill.commands import REQUIRED, Command, Option, command, steps
 from ridgefill.errors import RidgefillError
 from ridgefill.pipeline.plan import Task, plan, producer, task_values
-from ridgefill.runtime.paths import read_text
+from ridgefill.pipeline.recipe_toml import read_toml, toml_value
 
 # Top-level keys: kind and default (REQUIRED: must be given). "ints": an integer or a list of them.
 TOP = {
@@ -112,37 +111,6 @@ def recipe_from(raw: dict, path: Path, text: str, overrides=(), where: str | Non
     return recipe
 
 
-def toml_text(raw: dict, comment: str = "") -> str:
-    """A recipe's tables as TOML text (top-level keys, then one table per step): the record of a recipe built in
-    memory."""
-    top = {k: v for k, v in raw.items() if not isinstance(v, dict)}
-    lines = [f"# {comment}"] if comment else []
-    lines += [f"{k} = {_toml(v)}" for k, v in top.items()]
-    for step, values in ((k, v) for k, v in raw.items() if isinstance(v, dict)):
-        lines += ["", f"[{step}]", *(f"{k} = {_toml(v)}" for k, v in values.items())]
-    return "\n".join(lines) + "\n"
-
-
-def _toml(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml(v) for v in value) + "]"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    return json.dumps(str(value))
-
-
-def read_toml(path: Path) -> tuple[str, dict]:
-    text = read_text(path, "recipe")
-    try:
-        return text, tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise RidgefillError(f"{path}: invalid TOML: {exc}") from None
-    except RecursionError:
-        raise RidgefillError(f"{path}: invalid TOML: nested too deeply to read: fix the recipe") from None
-
-
 # --- overrides --------------------------------------------------------------------------------------------
 def parse_override(text: str) -> tuple[str | None, str, object]:
     """`KEY=VALUE` or `STEP.OPTION=VALUE` as (step or None, key, value); the value is read as TOML, and a value
@@ -153,14 +121,6 @@ def parse_override(text: str) -> tuple[str | None, str, object]:
         raise RidgefillError(f"override {text}: expected KEY=VALUE or STEP.OPTION=VALUE, e.g. splits=[15,18] or "
                              "ruler.samples=20")
     return (step, option, toml_value(value.strip())) if dot else (None, step, toml_value(value.strip()))
-
-
-def toml_value(text: str):
-    try:
-        parsed = tomllib.loads(f"value = {text}")
-    except (tomllib.TOMLDecodeError, RecursionError):  # not TOML, or nested too deeply to read: the text itself
-        return text
-    return parsed["value"] if list(parsed) == ["value"] else text
 
 
 def apply_overrides(raw: dict, overrides, path: Path) -> dict:

@@ -92,7 +92,8 @@ def recipes(c: TuneConfig, splits: list[int], window: int = 0) -> tuple["Recipe"
     """Filled window `window`'s search recipe (recorded as <its run folder>/recipe.toml when it runs) and, with
     the check, each variant's check recipe (<its run folder>/check/<variant>/recipe.toml): built in memory and
     validated (every step's own checks, no model), errors in one line starting `tune: `."""
-    from ridgefill.pipeline.recipe import recipe_from, toml_text
+    from ridgefill.pipeline.recipe import recipe_from
+    from ridgefill.pipeline.recipe_toml import toml_text
 
     def built(tables: dict, path: Path):
         return recipe_from(tables, path, toml_text(tables, RECORD), where="tune")
