@@ -14,7 +14,6 @@ import random
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,13 +26,13 @@ from pathlib import Path
 
 import pytest
 
+from helpers import free_port
 from ridgefill import cli
 from ridgefill.errors import RidgefillError
 from ridgefill.serve import serve
 from ridgefill.serve.vllm_config import ENV, VLLM_VERSION
 from ridgefill.serve.vllm_http import NESTED
 from ridgefill.serve.vllm_malloc import TUNABLES
-from tiny_checkpoint import write_corpus
 from vllm_fixtures import prompts, reference, vocab_of
 
 RIDGEFILL = [sys.executable, "-m", "ridgefill"]
@@ -42,16 +41,9 @@ START_TIMEOUT = 300.0  # seconds for vLLM to load a tiny model on a busy 2-core 
 
 # --- in-process: what serve hands to vLLM, and the vLLM installation's checks ---------------------------------
 @pytest.fixture(scope="module")
-def fitted(tiny_checkpoint, tmp_path_factory) -> Path:
-    """Maps fitted on the tiny checkpoint (split 3)."""
-    from ridgefill.commands import command
-
-    root = tmp_path_factory.mktemp("serve-maps")
-    text = write_corpus(root / "text.txt", seed=3, lines_per_document=12)
-    command("calibrate")(model=str(tiny_checkpoint), data=str(text), split="3", tokens=1024, seq_len=128,
-                         holdout=0.25, out=root / "stats.safetensors")
-    command("fit")(stats=root / "stats.safetensors", split=3, out=root / "maps.safetensors")
-    return root / "maps.safetensors"
+def fitted(tiny_fitted) -> Path:
+    """Maps fitted on the tiny checkpoint (split 3): conftest.tiny_fitted's."""
+    return tiny_fitted.maps[3]
 
 
 @pytest.fixture
@@ -190,12 +182,6 @@ def test_launch_forwards_signals_to_the_child_and_returns_its_exit_code(tmp_path
 
 
 # --- the server, end to end -------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def post(url: str, body: dict | bytes, timeout: float = 120.0, key: str | None = None) -> tuple[int, dict]:
     """POST a JSON body (a dict, or its bytes as sent), with the API key when one is given: (status, answer)."""
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
