@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ridgefill.engine import FillPlan, IdentityFiller
-from ridgefill.engine.prefill import MAX_ROWS
+from ridgefill.engine.rows import MAX_ROWS
 from ridgefill.errors import RidgefillError
 from ridgefill.serve.vllm_requests import check_request_args
 from ridgefill.serve.vllm_rows import bound_runs, full_tokens, outlier_tokens, segments, token_requests

@@ -4,7 +4,8 @@ from ridgefill.engine.cache import AttentionCache, Cache, StateCache
 from ridgefill.engine.families import Adapter, HybridAdapter, adapter_for, supported_families
 from ridgefill.engine.fillers import (DropFiller, Filler, IdentityFiller, MapFiller, MeanFiller, OracleFiller,
                                       late_inputs_by_layer, maps_flops)
-from ridgefill.engine.prefill import Engine, FillPlan, PrefillResult
+from ridgefill.engine.fill_plan import FillPlan
+from ridgefill.engine.prefill import Engine, PrefillResult
 from ridgefill.engine.projection import BACKENDS
 from ridgefill.engine.shape import ModelShape
 from ridgefill.engine.timing import Stopwatch

@@ -27,19 +27,17 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from ridgefill.engine.families.base import Adapter
-from ridgefill.engine.attention import FLASH_CPU, lower_right_causal, prefix_then_block
 from ridgefill.engine.cache import AttentionCache, Cache
+from ridgefill.engine.chunk_rows import ChunkRows
+from ridgefill.engine.fill_plan import FillPlan, Promoted
 from ridgefill.engine.fillers import Filler
 from ridgefill.engine.lookback import lookback_windows, window_states
 from ridgefill.engine.projection import FillProjection
-from ridgefill.engine.rows import MAX_ROWS  # noqa: F401 (tests/serve/test_vllm_rows.py reads it from here)
-from ridgefill.engine.rows import check_keep_first, check_outlier_factor, check_tail, full_positions, outliers
 from ridgefill.engine.shape import ModelShape
 from ridgefill.engine.timing import Stopwatch
-from ridgefill.engine.window import FilledWindow, WindowBlock, window_blocks, windowed_attention
+from ridgefill.engine.window import FilledWindow
 from ridgefill.errors import RidgefillError
 
 # observe(layer, h, positions): h [B, n, H] the input of `layer` (layer = L: the final residual stream)
@@ -47,86 +45,7 @@ from ridgefill.errors import RidgefillError
 Observer = Callable[[int, torch.Tensor, torch.Tensor], None]
 
 
-@dataclass
-class FillTally:
-    """What a plan's prefills did, summed over every prompt they filled."""
-
-    filled: int = 0  # rows filled
-    outliers: int = 0  # rows that would have been filled but ran in full: their split state is an outlier
-    unwindowed: int = 0  # ... ran in full: their maps' lookback window was not whole (engine/lookback.py)
-
-    def to_dict(self) -> dict:
-        return {"filled_rows": self.filled, "outlier_rows_run_full": self.outliers,
-                "lookback_rows_run_full": self.unwindowed}
-
-
 DEFAULT_CHUNK = 2048  # prompt rows run at once (bounds activation memory): every command's and lm-eval's default
-
-
-@dataclass(frozen=True)
-class Promoted:
-    """Rows of a chunk that would have been filled but ran in full, by cause."""
-
-    outliers: int = 0  # their split state is an outlier (FillPlan.outlier_factor)
-    unwindowed: int = 0  # their lookback window was not whole (and they are no outlier)
-
-    def __add__(self, other: "Promoted") -> "Promoted":
-        return Promoted(self.outliers + other.outliers, self.unwindowed + other.unwindowed)
-
-    @property
-    def total(self) -> int:
-        return self.outliers + self.unwindowed
-
-
-@dataclass
-class FillPlan:
-    """How to fill a prompt: which filler (and so which split), how many tail rows, which extra rows run in full.
-
-    outlier_factor: a row that would be filled runs in full when its split-state norm exceeds this many times
-    the median norm of its chunk's filled rows (calibration kept such rows, massive activations, out of the fit,
-    so the map would be applied where it was never fitted); 0 fills them too. window: the filled rows' local
-    attention below the split (engine/window.py; None: full attention). `tally` counts what happened."""
-
-    filler: Filler
-    tail: int
-    keep_rows: Sequence[int] = ()
-    outlier_factor: float = 0.0
-    window: FilledWindow | None = None
-    keep_first: int = 0  # the first keep_first rows run in full (check_keep_first: past a prompt, all of it)
-    tally: FillTally = field(default_factory=FillTally, compare=False, repr=False)
-
-    def __post_init__(self) -> None:
-        bad = [r for r in self.keep_rows if not isinstance(r, int) or isinstance(r, bool) or r < 0]
-        if bad:
-            raise RidgefillError(f"keep row {bad[0]!r} is not a row index: keep rows are 0-based prompt positions")
-        check_tail(self.tail, "tail")
-        check_outlier_factor(self.outlier_factor, "outlier factor")
-        check_keep_first(self.keep_first, name="keep-first")
-
-    @property
-    def split(self) -> int:
-        return self.filler.split
-
-    def full_rows(self, n: int) -> torch.Tensor:
-        """[n] bool: True for rows that run the full model (before any outlier rows are added at the split)."""
-        outside = [r for r in self.keep_rows if r >= n]
-        if outside:
-            raise RidgefillError(f"keep row {outside[0]} is outside the {n}-token prompt (rows 0..{n - 1}): keep "
-                                 "rows inside the prompt")
-        full = full_positions(torch.arange(n), n, self.tail, self.keep_first)
-        if self.keep_rows:
-            full[torch.tensor(list(self.keep_rows), dtype=torch.long)] = True
-        return full
-
-    def outlier_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """x [B, nF, H] split states of a chunk's filled rows -> [nF] bool: the rows to run in full instead."""
-        if self.outlier_factor <= 0 or x.shape[1] == 0:
-            return torch.zeros(x.shape[1], dtype=torch.bool, device=x.device)
-        norms = torch.linalg.vector_norm(x.float(), dim=-1)  # [B, nF]: each prompt of the batch is one group
-        groups = torch.arange(norms.shape[0], device=x.device).unsqueeze(1).expand_as(norms)
-        filled = torch.ones(norms.shape, dtype=torch.bool, device=x.device)
-        return outliers(norms.flatten(), groups.flatten(), filled.flatten(), self.outlier_factor).view(
-            norms.shape).any(dim=0)
 
 
 @dataclass
@@ -360,7 +279,7 @@ class Engine:
         split = fill.split if fill is not None else self.n_layers
         idx_full = full.nonzero().squeeze(1).to(ids.device)
         idx_fill = (~full).nonzero().squeeze(1).to(ids.device)
-        rows = _Rows(n, idx_full, idx_fill, positions, cos, sin)
+        rows = ChunkRows(n, idx_full, idx_fill, positions, cos, sin)
         local = range(0)  # the layers whose windowed rows attend locally
         if window is not None and bool(windowed.any()):
             local = window.layers(split)
@@ -378,7 +297,7 @@ class Engine:
                     promoted = Promoted(int(outlier.sum()), int((unwindowed & ~outlier).sum()))
                     idx_full = torch.cat([idx_full, idx_fill[run_full]]).sort().values
                     idx_fill, windows = idx_fill[~run_full], windows[~run_full]
-                    rows = _Rows(n, idx_full, idx_fill, positions, cos, sin)
+                    rows = ChunkRows(n, idx_full, idx_fill, positions, cos, sin)
                 if len(idx_fill) == 0:
                     split = self.n_layers  # every filled row ran in full: the rest of the chunk runs exactly
             if layer == split:
@@ -448,96 +367,6 @@ def _windows(filler: Filler, positions: torch.Tensor, idx_fill: torch.Tensor,
     index, whole = lookback_windows(positions, torch.zeros_like(positions), blocked, filler.lookback,
                                     filler.lookback_start)
     return index[idx_fill], ~whole[idx_fill]
-
-
-class _Rows:
-    """Bookkeeping of a chunk's rows: which run the layer, which are filled, their positions and RoPE."""
-
-    def __init__(self, n, idx_full, idx_fill, positions, cos, sin, split_done=False, dropped=False):
-        """dropped (after the split of a drop fill): the late layers' caches hold full rows only, so the run rows
-        are the last of their keys, in order, whatever their positions."""
-        self.n, self.idx_full, self.idx_fill = n, idx_full, idx_fill
-        self.positions, self.cos, self.sin = positions, cos, sin
-        self.split_done = split_done
-        run = idx_full if split_done else slice(None)
-        self.positions_run = positions[run]
-        self.cos_run, self.sin_run = cos[:, run], sin[:, run]
-        self.cos_fill, self.sin_fill = cos[:, idx_fill], sin[:, idx_fill]
-        # are the run rows the last keys of every layer's cache, in order? Always before the split (every row runs and
-        # was just appended) and after a drop fill's split (the late caches hold full rows only); else found on use
-        self._block: bool | None = True if dropped or not split_done else None
-        self._mask: torch.Tensor | None = None  # additive causal mask of the run rows, built once per chunk
-        self._local: list[WindowBlock] = []  # the windowed rows' blocks (before the split, with a window)
-        self._others: torch.Tensor | None = None  # [nO] the rows that attend to everything beside them
-        self._others_mask: torch.Tensor | None = None  # [nO, n_keys] their causal mask, built once per chunk
-
-    def windowed(self, rows: torch.Tensor, window: FilledWindow, dtype: torch.dtype) -> None:
-        """Make `rows` [nW] (chunk-relative) attend locally in `window` in the layers that ask (attend_locally)."""
-        self._local = window_blocks(rows, self.positions[rows], window, dtype)
-        others = torch.ones(self.n, dtype=torch.bool, device=rows.device)
-        others[rows] = False
-        self._others = others.nonzero().squeeze(1)
-
-    @property
-    def positions_full(self) -> torch.Tensor:
-        return self.positions_run
-
-    def after_split(self, dropped: bool = False) -> "_Rows":
-        return _Rows(self.n, self.idx_full, self.idx_fill, self.positions, self.cos, self.sin, True, dropped)
-
-    def merge(self, full_part: torch.Tensor, fill_part: torch.Tensor, dim: int) -> torch.Tensor:
-        """Interleave full-row and filled-row tensors back into chunk row order along `dim`."""
-        shape = list(full_part.shape)
-        shape[dim] = self.n
-        out = full_part.new_empty(shape)
-        out.index_copy_(dim, self.idx_full, full_part)
-        out.index_copy_(dim, self.idx_fill, fill_part)
-        return out
-
-    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
-        """Causal attention of the run rows (q [B, Hq, nq, D]) over every cached key [B, Hkv, n_keys, D].
-
-        SDPA's is_causal aligns top-left, right only when the queries are positions 0..n_keys-1. When the
-        queries are the last nq positions (every row before the split; a tail that ends the chunk), the CPU
-        path attends to the cached prefix without a mask and to the block itself causally, and merges the
-        two by their log-sum-exp (no masked work, no mask); elsewhere (CUDA) SDPA gets torch's lower-right
-        causal bias, which runs as a causal flash/efficient kernel. Any other query set gets an additive mask,
-        built once per chunk and shared by every layer."""
-        nq, n_keys = q.shape[2], keys.shape[2]
-        gqa = q.shape[1] != keys.shape[1]
-        if self._block is None:
-            first, last = self.positions_run[[0, -1]].tolist() if nq else (0, -1)
-            self._block = last == n_keys - 1 and last - first + 1 == nq
-        if self._block and (nq == 1 or nq == n_keys):
-            return F.scaled_dot_product_attention(q, keys, values, is_causal=nq > 1, scale=scale, enable_gqa=gqa)
-        if self._block and q.device.type == "cpu" and hasattr(torch.ops.aten, FLASH_CPU):
-            return prefix_then_block(q, keys, values, n_keys - nq, scale)
-        if self._block:
-            return lower_right_causal(q, keys, values, scale)
-        if self._mask is None:
-            self._mask = _causal_mask(self.positions_run, n_keys, q.dtype)
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=self._mask, scale=scale, enable_gqa=gqa)
-
-    def attend_locally(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                       scale: float) -> torch.Tensor:
-        """Before the split, in a windowed layer: the windowed rows attend to their sinks and window
-        (engine/window.py), every other row causally to every cached key. q [B, Hq, n, D] -> [B, Hq, n, D]."""
-        out = torch.empty_like(q)
-        windowed_attention(q, keys, values, self._local, scale, out)
-        if len(self._others):
-            if self._others_mask is None:
-                self._others_mask = _causal_mask(self.positions[self._others], keys.shape[2], q.dtype)
-            attn = F.scaled_dot_product_attention(q.index_select(2, self._others), keys, values,
-                                                  attn_mask=self._others_mask, scale=scale,
-                                                  enable_gqa=q.shape[1] != keys.shape[1])
-            out.index_copy_(2, self._others, attn)
-        return out
-
-
-def _causal_mask(positions: torch.Tensor, n_keys: int, dtype: torch.dtype) -> torch.Tensor:
-    """[n, n_keys] additive mask of query rows at `positions` [n] over keys 0..n_keys-1: -inf after each row."""
-    later = torch.arange(n_keys, device=positions.device).unsqueeze(0) > positions.unsqueeze(1)
-    return torch.zeros(later.shape, dtype=dtype, device=positions.device).masked_fill_(later, float("-inf"))
 
 
 def _token_set(ids: int | Sequence[int] | None) -> set[int]:

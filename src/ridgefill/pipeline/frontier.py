@@ -72,7 +72,7 @@ class FlopModel:
         import torch
 
         from ridgefill.engine import FilledWindow
-        from ridgefill.engine.prefill import full_positions
+        from ridgefill.engine.rows import full_positions
         from ridgefill.evals.flops import prefill_flops
 
         if not self.shape.dense or self.shape.intermediate is None:
