@@ -31,7 +31,7 @@ from ridgefill import cli
 from ridgefill.errors import RidgefillError
 from ridgefill.serve import serve
 from ridgefill.serve.vllm_config import ENV, VLLM_VERSION
-from ridgefill.serve.vllm_http import NESTED
+from ridgefill.serve.vllm.middleware import NESTED
 from ridgefill.serve.vllm_malloc import TUNABLES
 from vllm_fixtures import prompts, reference, vocab_of
 

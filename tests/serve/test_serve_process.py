@@ -259,7 +259,7 @@ def test_a_server_that_comes_up_without_the_plugin_is_stopped_with_one_line(tmp_
     """vLLM logs a plugin that failed to load and serves stock: its /metrics has no RidgeFill counter. launch stops
     it and says why in one line, with the reason vLLM logged."""
     preamble = ("ERROR 12-04 20:00:00 [__init__.py:1] Failed to load plugin ridgefill\nTraceback (most recent call "
-                "last):\nImportError: cannot import name 'register' from 'ridgefill.serve.vllm_plugin'\n")
+                "last):\nImportError: cannot import name 'register' from 'ridgefill.serve.vllm.plugin'\n")
     plan = stand_in(tmp_path, metrics=STOCK_METRICS, preamble=preamble, marker=serve.MARKER)
     with pytest.raises(RidgefillError) as refused:
         launch(plan)

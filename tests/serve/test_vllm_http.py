@@ -1,4 +1,4 @@
-"""The request middleware `ridgefill serve` installs in vLLM (serve/vllm_http.py), as a pure ASGI app without a
+"""The request middleware `ridgefill serve` installs in vLLM (serve/vllm/middleware.py), as a pure ASGI app without a
 server: vLLM's 401 before any body is read, bodies bounded (413), nested, escaped and oversized `vllm_xargs`
 refused (400), everything else replayed unchanged. No vLLM needed, except where a test compares with vLLM's own
 authentication middleware."""
@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from ridgefill.serve.vllm_http import (BODY_LIMIT, NESTED, THREAD_PARSE, UNAUTHORIZED, XARGS_LIMIT,
+from ridgefill.serve.vllm.middleware import (BODY_LIMIT, NESTED, THREAD_PARSE, UNAUTHORIZED, XARGS_LIMIT,
                                        RidgeFillRequestArgs, body_error, body_limit)
 
 KEY = "s3cret-key"
@@ -120,7 +120,7 @@ def test_the_401_and_the_keys_are_vllms_own():
     pytest.importorskip("vllm")
     from vllm.entrypoints.serve.middleware.authenticate import GUARDED_PREFIX, AuthenticationMiddleware
 
-    from ridgefill.serve.vllm_http import GUARDED
+    from ridgefill.serve.vllm.middleware import GUARDED
 
     assert GUARDED == GUARDED_PREFIX
     for client in (Client(BAD_XARGS), Client(b"", method="GET", path="/v1/models")):

@@ -7,7 +7,7 @@ from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
 
 from ridgefill.engine.families.base import apply_rope
-from ridgefill.serve.vllm_model import rope_at
+from ridgefill.serve.vllm.model import rope_at
 
 
 @pytest.mark.parametrize("rotary_dim", [16, 4])  # whole head (Llama, Qwen) and partial (Qwen3-Next)

@@ -175,7 +175,7 @@ from ridgefill.runtime.artifacts import save_artifact
 save_artifact(sys.argv[1], {}, {"artifact": "maps", "kind": "identity", "split": 1})
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 del KVCacheManager.get_computed_blocks  # as a vLLM release that renamed it
-from ridgefill.serve.vllm_plugin import register
+from ridgefill.serve.vllm.plugin import register
 register()
 """
 

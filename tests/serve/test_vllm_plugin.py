@@ -257,7 +257,7 @@ def test_preempted_requests_are_recomputed_with_the_same_fill(vllm_tiny, engines
 
 
 def test_a_step_with_more_runs_than_max_num_seqs_serves_its_shortest_filled_stretches_exact(vllm_tiny, engines):
-    """The run bound of a filled step (serve/vllm_rows.bound_runs), on the CPU with the limit a CUDA backend's
+    """The run bound of a filled step (serve/vllm/rows.bound_runs), on the CPU with the limit a CUDA backend's
     metadata has (max_num_seqs 8): 6 short requests in one 128-token step, four filled (tail 4, keep-first 1: two
     runs of full rows each) and two exact (one run each), 10 runs. The two shortest filled stretches (15 and 17
     rows) run in full, so those requests are served exact; the others are filled as when they run alone."""

@@ -1,5 +1,5 @@
 """A request's RidgeFill options (serve/vllm_requests.py; the HTTP middleware's own checks are in test_vllm_http.py),
-what a step's accounting counts and warns about (serve/vllm_runner.account, serve/vllm_metrics.py), and serve's
+what a step's accounting counts and warns about (serve/vllm/runner.account, serve/vllm/metrics.py), and serve's
 start-up pieces that need no server: the KV cache plan and the one line a failed start becomes (no vLLM needed)."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import torch
 
 from ridgefill.errors import RidgefillError
 from ridgefill.serve import serve
-from ridgefill.serve.vllm_metrics import FillCounters
+from ridgefill.serve.vllm.metrics import FillCounters
 from ridgefill.serve.vllm_requests import LARGEST, check_request_args, request_rule
-from ridgefill.serve.vllm_runner import Step, StepLog, account
+from ridgefill.serve.vllm.runner import Step, StepLog, account
 
 
 @pytest.mark.parametrize("extra", [
@@ -79,7 +79,7 @@ def two_requests(prompt_a: int, prompt_b: int, first_a: int, n_a: int, first_b: 
     positions = torch.cat([torch.arange(first_a, first_a + n_a), torch.arange(first_b, first_b + n_b)])
     request = torch.tensor([0] * n_a + [1] * n_b)
     prompt = torch.tensor([prompt_a, prompt_b])
-    from ridgefill.serve.vllm_rows import full_tokens
+    from ridgefill.serve.vllm.rows import full_tokens
 
     full = full_tokens(positions, request, prompt, torch.tensor([tail, tail]), torch.tensor([1, 1]))
     in_prompt = positions < prompt[request]

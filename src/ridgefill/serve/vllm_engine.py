@@ -118,7 +118,7 @@ class VllmWorker:
         return self._reply(timeout)
 
     def tally(self) -> dict:
-        """What the plugin did since the engine started (serve/vllm_metrics.FillCounters; zeros for stock vLLM)."""
+        """What the plugin did since the engine started (serve/vllm/metrics.FillCounters; zeros for stock vLLM)."""
         self._conn.send(("tally",))
         return self._reply(60.0)
 
@@ -206,7 +206,7 @@ def _first_line(exc: Exception) -> str:
 
 def _build(settings: EngineSettings):
     if settings.plugin:
-        from ridgefill.serve.vllm_plugin import register
+        from ridgefill.serve.vllm.plugin import register
 
         register()  # vLLM also loads it from its entry point; registering twice is harmless
     elif settings.fill is not None:
@@ -250,7 +250,7 @@ def _tally(llm) -> dict:
 
 def model_tally(model) -> dict:
     """What the plugin did in one model (a module-level function: vLLM pickles it to its tensor-parallel workers)."""
-    from ridgefill.serve.vllm_metrics import FillCounters
+    from ridgefill.serve.vllm.metrics import FillCounters
 
     state = getattr(model, "ridgefill", None)
     return (FillCounters() if state is None else state.counters).to_dict()

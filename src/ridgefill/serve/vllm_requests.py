@@ -3,7 +3,7 @@ how the engine reads it.
 
 A request sets its own tail or keep-first through vLLM's extra sampling arguments: `SamplingParams(extra_args=
 {"ridgefill_tail": 512})` in Python, `"vllm_xargs": {"ridgefill_tail": 512}` over HTTP. Every `ridgefill_*` key
-is checked when vLLM admits the request (serve/vllm_admission.py calls `check_request_args`): an unknown key, a
+is checked when vLLM admits the request (serve/vllm/admission.py calls `check_request_args`): an unknown key, a
 value that is not an integer, or one out of range is refused with one line (HTTP 400), so nothing a client sends
 reaches the engine unchecked. Inside the engine `request_rule` never raises: it clamps to the prompt.
 

@@ -1,14 +1,14 @@
 """Every vLLM attribute ridgefill's vLLM plugin patches, one checked class each (serve/vllm/patch.Patch), and the one
 list the plugin applies (`PATCHES`; docs/serving.md lists the surface). The wrappers' bodies live with the code
-they serve: the model runner's in serve/vllm_runner.py, the prefix cache's in serve/vllm_prefix.py."""
+they serve: the model runner's in serve/vllm/runner.py, the prefix cache's in serve/vllm/prefix.py."""
 
 from __future__ import annotations
 
 from ridgefill.method.fill import FillSettings
 from ridgefill.serve.vllm.patch import Patch
 from ridgefill.serve.vllm_config import check_engine_config
-from ridgefill.serve.vllm_prefix import cut_cache_hit, salted_request
-from ridgefill.serve.vllm_runner import model_forward
+from ridgefill.serve.vllm.prefix import cut_cache_hit, salted_request
+from ridgefill.serve.vllm.runner import model_forward
 
 
 class EngineConfigPatch(Patch):
@@ -19,7 +19,7 @@ class EngineConfigPatch(Patch):
 
     def wrap(self, original):
         def create_engine_config(engine_args, *args, **kwargs):
-            from ridgefill.serve.vllm_admission import QUALNAME
+            from ridgefill.serve.vllm.admission import QUALNAME
 
             processors = list(engine_args.logits_processors or [])
             if QUALNAME not in processors:

@@ -60,7 +60,7 @@ READS = (
     Read(GDN, "QwenGatedDeltaNetAttention",
          ("_forward_method", "gqa_interleaved_layout", "in_proj_qkvz", "in_proj_ba", "fix_query_key_value_ordering",
           "num_v_heads", "tp_size", "head_v_dim", "prefix", "_output_projection"),
-         "a Gated DeltaNet mixer run over every row, its output kept for the full rows (vllm_model.mixer_rows)"),
+         "a Gated DeltaNet mixer run over every row, its output kept for the full rows (model.mixer_rows)"),
     Read(GDN, None, ("_encode_layer_name",), "the layer name vLLM's CPU Gated DeltaNet kernel takes"),
 )
 

@@ -7,11 +7,11 @@ Unconfigured (RIDGEFILL_MAPS unset) it does nothing: vLLM runs exactly as stock.
    exists with the signature it was written against (serve/vllm/patch.Patch): a vLLM that changed one fails
    start-up with one line naming it, before anything is patched;
 2. makes vLLM use its V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0 unless set), the one the plugin hooks;
-3. registers RidgeFill's Llama / Qwen2 / Qwen3 / Qwen3-Next classes (serve/vllm_model.py) for those architectures;
+3. registers RidgeFill's Llama / Qwen2 / Qwen3 / Qwen3-Next classes (serve/vllm/model.py) for those architectures;
 4. applies its patches, from one list (serve/vllm/patches.PATCHES): the model runner's forward call learns which
-   tokens of each step are filled (serve/vllm_runner.py); prefix caching is made safe (serve/vllm_prefix.py:
+   tokens of each step are filled (serve/vllm/runner.py); prefix caching is made safe (serve/vllm/prefix.py:
    filled requests get a cache salt of their fill, and their cache hits end before their tail); the creation of
-   the engine's configuration adds the admission check of requests' RidgeFill options (serve/vllm_admission.py)
+   the engine's configuration adds the admission check of requests' RidgeFill options (serve/vllm/admission.py)
    to the logits processors and refuses, with one line, a configuration the fill cannot run under (LoRA, KV
    connectors, micro-batching, Model Runner V2, ...: vllm_config.REFUSED) before any engine process starts.
 Each step is idempotent: a patch already applied in the process is left as it is.
@@ -40,4 +40,4 @@ def register() -> None:
     apply_patches(plugin_patches(fill))  # every target checked before the first is patched
     os.environ.setdefault(V2_RUNNER, "0")  # inherited by every process vLLM starts from here
     for arch in ARCHITECTURES:
-        ModelRegistry.register_model(arch, f"ridgefill.serve.vllm_model:RidgeFill{arch}")
+        ModelRegistry.register_model(arch, f"ridgefill.serve.vllm.model:RidgeFill{arch}")

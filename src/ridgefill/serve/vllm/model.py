@@ -5,7 +5,7 @@ Each class is the stock vLLM class plus `ridgefill` state: the fitted maps and, 
 norm, K/V projection rows and k-norm stacked at weight-loading time as ridgefill's engine stacks them
 (engine/kv_stack.py; vLLM's CPU linear layers repack and drop `weight` afterwards).
 A step whose batch has no filled token (decode steps, short prompts, the plugin unconfigured) runs the stock
-forward unchanged. A step with filled tokens (the model runner passes a FillBatch, serve/vllm_runner.py):
+forward unchanged. A step with filled tokens (the model runner passes a FillBatch, serve/vllm/runner.py):
 
 - layers 0..S-1 run on every token, as stock;
 - x, the residual stream entering layer S, is the split state; filled rows whose norm is an outlier run in full,
@@ -53,9 +53,9 @@ from ridgefill.method.maps import load_filler
 from ridgefill.runtime.models import checkpoint_fingerprint
 from ridgefill.method.fill import FillSettings
 from ridgefill.serve.vllm_config import check_engine_config
-from ridgefill.serve.vllm_metrics import FillCounters
-from ridgefill.serve.vllm_rows import outlier_tokens, segments
-from ridgefill.serve.vllm_runner import StepLog
+from ridgefill.serve.vllm.metrics import FillCounters
+from ridgefill.serve.vllm.rows import outlier_tokens, segments
+from ridgefill.serve.vllm.runner import StepLog
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """RidgeFill's request options checked in the JSON a client sent, before vLLM's request models read it (an ASGI
 middleware `ridgefill serve` installs with vLLM's --middleware; no vLLM import).
 
-vLLM's admission check (serve/vllm_admission.py) sees `vllm_xargs` after pydantic has coerced it: a JSON `true`
+vLLM's admission check (serve/vllm/admission.py) sees `vllm_xargs` after pydantic has coerced it: a JSON `true`
 has become the integer 1 there. This middleware reads the body of every request that may carry one and answers 400
 in vLLM's error format for a bad `ridgefill_*` key (vllm_requests.check_request_args on the values as the client
 wrote them, escapes decoded), so `{"ridgefill_tail": true}` is refused like any other non-integer.

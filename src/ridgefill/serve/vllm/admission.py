@@ -4,7 +4,7 @@ vLLM processes).
 vLLM runs every custom logits processor's `validate_params` when it admits a request (InputProcessor
 ._validate_params, in the API server for HTTP requests and in `LLM.generate` for Python ones); a ValueError there
 is the request's error: HTTP 400 over the OpenAI API, an exception for `LLM.generate`. The plugin adds this class
-to the engine's logits processors whenever it is configured (serve/vllm_plugin.py). As a logits processor it does
+to the engine's logits processors whenever it is configured (serve/vllm/plugin.py). As a logits processor it does
 nothing: it never changes a logit (`apply` returns them as they are) and says so (`is_argmax_invariant`), so greedy
 steps skip it.
 """
@@ -16,7 +16,7 @@ from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 
 from ridgefill.serve.vllm_requests import check_request_args
 
-QUALNAME = "ridgefill.serve.vllm_admission:RidgeFillRequestArgs"  # how vLLM's --logits-processors names it
+QUALNAME = "ridgefill.serve.vllm.admission:RidgeFillRequestArgs"  # how vLLM's --logits-processors names it
 
 
 class RidgeFillRequestArgs(LogitsProcessor):

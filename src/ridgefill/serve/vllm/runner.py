@@ -6,7 +6,7 @@ each request live in the model runner. The plugin wraps the runner's `_model_for
 around the model call) so that, when the model carries RidgeFill state and some token of the step is filled, it
 passes a FillBatch to the model as the keyword argument `ridgefill_batch`. Every other step, and every dummy or
 profiling run (which calls the model directly), runs stock. Nothing a request carries can make a step fail: the
-request's options were checked at admission (serve/vllm_admission.py) and are clamped to its prompt here, and a
+request's options were checked at admission (serve/vllm/admission.py) and are clamped to its prompt here, and a
 step whose fill cannot be planned runs stock, is counted (`stock_steps`) and logged.
 
 FillBatch gives the model two things the stock layers cannot do:
@@ -19,14 +19,14 @@ FillBatch gives the model two things the stock layers cannot do:
 The model reports back which rows it filled (`FillBatch.filled`, `.outliers`, `.unwindowed`).
 
 `attend` builds one pseudo-request per run of full rows; vLLM's CUDA backends size some metadata buffers by
-max_num_seqs (and the CUDA graph capture size), so the plan bounds a step's runs (`max_runs`, vllm_rows.bound_runs:
+max_num_seqs (and the CUDA graph capture size), so the plan bounds a step's runs (`max_runs`, rows.bound_runs:
 beyond the bound the shortest stretches of filled rows between two runs of one request run in full, counted as
 `run_bound`), and `FillBatch.bounded` applies the same bound to the rows the model adds.
 
 Every prompt token is counted once (`account`): filled or full when its position is first computed, `cached` when
 the prefix cache served it; a prompt computed again after vLLM preempted its request counts as `recomputed`.
 
-Only V1's model runner is hooked: the plugin makes vLLM use it (serve/vllm_plugin.py) and refuses to start where
+Only V1's model runner is hooked: the plugin makes vLLM use it (serve/vllm/plugin.py) and refuses to start where
 vLLM would still pick Model Runner V2, whose runner calls the model itself.
 """
 
@@ -41,7 +41,7 @@ import torch
 from ridgefill.serve.vllm.private import (forward_context, full_rows_metadata, is_attention,
                                           prompt_progress, step_requests)
 from ridgefill.serve.vllm_requests import request_rule
-from ridgefill.serve.vllm_rows import Segments, bound_runs, full_tokens, token_requests
+from ridgefill.serve.vllm.rows import Segments, bound_runs, full_tokens, token_requests
 
 log = logging.getLogger("ridgefill.vllm")
 
@@ -68,7 +68,7 @@ class FillBatch:
 
     def bounded(self, full: torch.Tensor) -> torch.Tensor:
         """full [N] bool (the model's full rows: `full` and the rows it adds, outliers and rows without a lookback
-        window) with gaps closed until its runs fit `max_runs` (vllm_rows.bound_runs), for `attend`; the rows it
+        window) with gaps closed until its runs fit `max_runs` (rows.bound_runs), for `attend`; the rows it
         closes are counted (`promoted`)."""
         out = full if self.max_runs <= 0 else bound_runs(full, self.request, self.max_runs)
         self.promoted = out & ~full
@@ -113,7 +113,7 @@ class Step:
     last: torch.Tensor  # [N] bool: a request's last prompt token
     full: torch.Tensor  # [N] bool: the tokens that run in full (the rule's, and those over the run bound)
     promoted: torch.Tensor  # [N] bool: tokens the rule fills that run in full: the step's runs are bounded
-    max_runs: int = 0  # the run bound of the step's full tokens (vllm_rows.bound_runs; 0: none)
+    max_runs: int = 0  # the run bound of the step's full tokens (rows.bound_runs; 0: none)
 
     def batch(self, runner) -> FillBatch | None:
         """The FillBatch to pass to the model, or None when the rule fills no token of this step."""
