@@ -620,6 +620,8 @@ CASES: list[Case] = [
          match="{in}/model is a GPT2LMHeadModel model: ridgefill's vLLM plugin serves"),
     Case("serve-model-config-binary", cmd(SERVE, model="{in}/model"), model_folder(config_json=BINARY),
          match="cannot read {in}/model/config.json"),
+    Case("serve-model-config-nested", cmd(SERVE, model="{in}/model"), model_folder(config_json=NESTED),
+         match="cannot read {in}/model/config.json (RecursionError)"),
     Case("serve-model-without-config", cmd(SERVE, model="{in}/model"), model_folder(config_json=None),
          match="{in}/model has no config.json"),
     Case("serve-model-missing", cmd(SERVE, model="{in}/no-model"), match="unknown model '{in}/no-model'"),

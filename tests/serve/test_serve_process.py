@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -20,6 +19,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from helpers import free_port
 
 from ridgefill.errors import RidgefillError
 from ridgefill.serve import process, serve
@@ -70,12 +70,6 @@ time.sleep(600)
 STOCK_METRICS = "# HELP vllm:num_requests_running Number of requests.\nvllm:num_requests_running 0.0\n"
 RIDGEFILL_METRICS = STOCK_METRICS + f"{serve.MARKER} 0.0\n"
 BURST = 2 << 20  # 2 MiB: far past a pipe's 64 KiB
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def stand_in(tmp_path: Path, metrics: str = RIDGEFILL_METRICS, preamble: str = "", go: bool = False,

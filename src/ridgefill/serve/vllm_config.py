@@ -60,7 +60,7 @@ def read_model_config(model_folder: str | Path) -> dict:
                              "model folders (checked against the maps' weights hash); pass one with --model")
     try:
         return json.loads(config_file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # unreadable, not UTF-8 or JSON, nested too deeply
         raise RidgefillError(f"cannot read {config_file} ({type(exc).__name__}): fix or re-download the "
                              "checkpoint") from None
 

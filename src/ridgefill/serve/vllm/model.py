@@ -184,7 +184,7 @@ def filled_forward(model, state: FillState, batch, input_ids, positions, inputs_
     windows, whole = lookback_windows(positions.cpu(), batch.request, outliers, state.filler.lookback,
                                       state.filler.lookback_start)  # [N, K], [N]
     unwindowed = ~(batch.full | outliers | whole)  # filled rows whose window is not in this step: run in full
-    full = batch.full | outliers | unwindowed
+    full = batch.bounded(batch.full | outliers | unwindowed)  # the rows it adds may not break the run bound
     batch.filled, batch.outliers, batch.unwindowed = ~full, outliers, unwindowed  # what the runner counts
     filled_cpu = torch.nonzero(~full).flatten()
     filled = filled_cpu.to(x.device)  # [nF]
