@@ -38,14 +38,13 @@ from ridgefill.engine.projection import FillProjection
 from ridgefill.engine.shape import ModelShape
 from ridgefill.engine.timing import Stopwatch
 from ridgefill.engine.window import FilledWindow
+from ridgefill.defaults import DEFAULT_CHUNK
 from ridgefill.errors import RidgefillError
 
 # observe(layer, h, positions): h [B, n, H] the input of `layer` (layer = L: the final residual stream)
 # for the rows at absolute `positions` [n] that run that layer.
 Observer = Callable[[int, torch.Tensor, torch.Tensor], None]
 
-
-DEFAULT_CHUNK = 2048  # prompt rows run at once (bounds activation memory): every command's and lm-eval's default
 
 
 @dataclass

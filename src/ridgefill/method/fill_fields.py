@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from ridgefill.commands import Config, option
+from ridgefill.defaults import DEFAULT_KEEP_FIRST, DEFAULT_TAIL
 from ridgefill.engine.rows import check_keep_first, check_outlier_factor, check_tail
 from ridgefill.engine.window import check_window_size
 from ridgefill.errors import RidgefillError
@@ -66,9 +67,9 @@ FIELDS = (
               optional=True, extra=(("top", "splits"),)),
     FillField("maps", Path, None, None, "Maps file (from ridgefill fit) for the ridge variant; it carries the split.",
               env="RIDGEFILL_MAPS", served=None, optional=True, extra=(("role", "input"),)),
-    FillField("tail", int, 256, check_tail, "Last prompt rows that run the full model.", env="RIDGEFILL_TAIL",
+    FillField("tail", int, DEFAULT_TAIL, check_tail, "Last prompt rows that run the full model.", env="RIDGEFILL_TAIL",
               extra=(("top", "tails"),)),
-    FillField("keep_first", int, 1, check_keep_first, "Leading rows run in full (the attention sink).",
+    FillField("keep_first", int, DEFAULT_KEEP_FIRST, check_keep_first, "Leading rows run in full (the attention sink).",
               env="RIDGEFILL_KEEP_FIRST"),
     FillField("outlier_factor", float, OUTLIER_FACTOR, check_outlier_factor, OUTLIER_HELP,
               env="RIDGEFILL_OUTLIER_FACTOR", served="optional"),

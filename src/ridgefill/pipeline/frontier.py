@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ridgefill.defaults import DEFAULT_KEEP_FIRST
 from ridgefill.method.fill import FILLS
 from ridgefill.report.results import Result, read_json
 from ridgefill.runtime.stats import mean
@@ -61,7 +62,7 @@ class FlopModel:
 
     shape: "ModelShape"
     length: int
-    keep_first: int = 1
+    keep_first: int = DEFAULT_KEEP_FIRST
     ranks: dict = field(default_factory=dict)  # split -> rank of its maps (None: full rank)
     lookbacks: dict = field(default_factory=dict)  # split -> lookback K of its maps (0: x alone)
     windows: dict = field(default_factory=dict)  # split -> its maps' filled window {size, first, last} (absent: none)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ridgefill.commands import REQUIRED, Command, Option, command, steps
+from ridgefill.defaults import DEFAULT_CHUNK, DEFAULT_TAIL
 from ridgefill.errors import RidgefillError
 from ridgefill.pipeline.plan import Task, plan, producer, task_values
 from ridgefill.pipeline.recipe_toml import read_toml, toml_value
@@ -30,8 +31,8 @@ from ridgefill.pipeline.recipe_toml import read_toml, toml_value
 # Top-level keys: kind and default (REQUIRED: must be given). "ints": an integer or a list of them.
 TOP = {
     "name": (str, None), "description": (str, ""), "model": (str, REQUIRED), "data": (str, None),
-    "splits": ("ints", REQUIRED), "tails": ("ints", [256]), "seeds": ("ints", [0]), "lam": ("lam", "auto"),
-    "dtype": (str, "fp32"), "device": (str, "cpu"), "chunk": (int, 2048), "tolerance": (float, 5.0),
+    "splits": ("ints", REQUIRED), "tails": ("ints", [DEFAULT_TAIL]), "seeds": ("ints", [0]), "lam": ("lam", "auto"),
+    "dtype": (str, "fp32"), "device": (str, "cpu"), "chunk": (int, DEFAULT_CHUNK), "tolerance": (float, 5.0),
 }
 KINDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false", Path: "a path (string)"}
 NOUNS = {"stats": "statistics"}  # an artifact kind (Command.makes) in words, where it is not its own name

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ridgefill.defaults import DEFAULT_KEEP_FIRST, DEFAULT_TAIL
 from ridgefill.engine.rows import check_keep_first, check_tail
 from ridgefill.errors import RidgefillError
 from ridgefill.evals.ruler.tasks import Layout, Sources, check_haystack, make_layout, max_size, task_spec
@@ -50,9 +51,10 @@ def budget(task: str, max_new_tokens: int | None = None) -> int:
     return full if max_new_tokens is None else min(full, max_new_tokens)
 
 
-def build_samples(tokenizer, task: str, length: int, n: int, seed: int, region: str = "filled", tail: int = 256,
-                  keep_first: int = 1, haystack: str = "auto", max_new_tokens: int | None = None,
-                  chat_template: bool = False, sources: Sources | None = None, advance=None) -> list[RulerSample]:
+def build_samples(tokenizer, task: str, length: int, n: int, seed: int, region: str = "filled",
+                  tail: int = DEFAULT_TAIL, keep_first: int = DEFAULT_KEEP_FIRST, haystack: str = "auto",
+                  max_new_tokens: int | None = None, chat_template: bool = False, sources: Sources | None = None,
+                  advance=None) -> list[RulerSample]:
     """`n` samples of `task` whose prompt plus generation budget fits `length` tokens; same seed, same samples."""
     spec = task_spec(task)
     check_region(region, tail, keep_first, length)
