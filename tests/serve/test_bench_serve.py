@@ -40,9 +40,10 @@ def test_bench_serve_drives_both_servers_and_writes_json_table_and_png(vllm_tiny
     assert len(doc["prompts"]["tokens"]) == 3 and all(112 <= n <= 188 for n in doc["prompts"]["tokens"])
     assert (tmp_path / "bench.json.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "bench-serve: RidgeFill in vLLM against stock vLLM" in r.stdout and "Traceback" not in r.stderr
-    for variant in ("exact", "ridge"):  # both servers were stopped: their ports are free again
+    for variant in ("exact", "ridge"):  # both servers were stopped: nothing listens on their ports any more
         port = int(doc["servers"][variant]["argv"][doc["servers"][variant]["argv"].index("--port") + 1])
-        with socket.socket() as s:
+        with socket.socket() as s:  # SO_REUSEADDR, as servers bind: a closed connection's TIME_WAIT on the port
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # does not block it, a listening socket does
             s.bind(("127.0.0.1", port))
 
 

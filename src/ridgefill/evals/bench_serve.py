@@ -14,7 +14,7 @@ and goodput (requests finished within the TTFT objective `--slo-ttft`, per secon
 TTFT p50 with a seeded paired bootstrap interval (the same prompt under both variants is a pair). Writes --out
 (JSON: `results`, one entry per rate and variant; `ratios`, per rate), a PNG of TTFT percentiles against rate
 beside it (<out>.png), and prints a table. vLLM's client prints its progress on stderr; the servers' logs are in
-the temporary folder (named in the JSON).
+this user's private log folder, serve's (named in the JSON).
 """
 
 from __future__ import annotations
@@ -81,6 +81,7 @@ class BenchServeConfig(ServedFill):
 
 def run(c: BenchServeConfig) -> dict:
     from ridgefill.runtime.models import model_folder
+    from ridgefill.serve.process import log_folder
     from ridgefill.serve.serve import ServeConfig, free_port, running, serve_plan, stock_plan
 
     writer = ResultWriter("bench-serve", c.as_dict(), c.seed)
@@ -88,16 +89,16 @@ def run(c: BenchServeConfig) -> dict:
     tokenizer = _tokenizer(folder)
     prompts = request_prompts(tokenizer, c.data, c.requests, c.prompt_tokens, c.seed)
     longest = max(map(len, prompts)) + c.output_tokens + 8
-    logs = Path(tempfile.gettempdir())
+    logs = log_folder()  # private to this user, not the shared temporary folder
     served = ServeConfig(model=c.model, maps=c.maps, split=c.split, tail=c.tail, keep_first=c.keep_first,
                          outlier_factor=c.outlier_factor, serving_config=c.serving_config, port=free_port(),
-                         dtype=c.dtype, log_file=logs / "ridgefill-bench-serve-ridge.log",
+                         dtype=c.dtype, log_file=logs / "bench-serve-ridge.log",
                          vllm_args=[*c.vllm_args, "--max-model-len", str(longest)])
     served.check()
     results, per_request = [], {}
     with tempfile.TemporaryDirectory(prefix="ridgefill-bench-serve-") as scratch:
         ridge = serve_plan(served, Path(scratch))
-        plans = {"exact": stock_plan(ridge, logs / "ridgefill-bench-serve-exact.log"), "ridge": ridge}
+        plans = {"exact": stock_plan(ridge, logs / "bench-serve-exact.log"), "ridge": ridge}
         for variant in VARIANTS:
             note(f"bench-serve: {variant}: starting the server (log: {plans[variant].log})")
             with running(plans[variant]):

@@ -45,10 +45,15 @@ class Launch:
 
 
 def default_log(port: int) -> Path:
-    """Where vLLM's log goes unless --log-file says: serve-<port>.log in this user's state folder
-    ($XDG_STATE_HOME/ridgefill, else ~/.local/state/ridgefill), which only this user can enter."""
+    """Where vLLM's log goes unless --log-file says: serve-<port>.log in this user's log folder (log_folder)."""
+    return log_folder() / f"serve-{port}.log"
+
+
+def log_folder() -> Path:
+    """This user's folder for the servers' logs ($XDG_STATE_HOME/ridgefill, else ~/.local/state/ridgefill), made if
+    missing, which only this user can enter."""
     state = os.environ.get("XDG_STATE_HOME", "").strip() or Path.home() / ".local" / "state"
-    return private_folder(Path(state) / "ridgefill") / f"serve-{port}.log"
+    return private_folder(Path(state) / "ridgefill")
 
 
 def private_folder(folder: Path) -> Path:
