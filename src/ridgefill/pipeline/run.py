@@ -11,6 +11,7 @@ atomically, so an existing file is a finished one; an interrupted calibration re
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -116,9 +117,10 @@ def run_tasks(tasks: list[Task], run_dir: Path, weights_hash: str, force, manife
     name (the same key: the same inputs) are linked into this one instead of computed."""
     keys, artifacts = {}, {}
     made_by = result_versions()
+    identify = functools.cache(data_identity)  # each data spec hashed (or its Hub commit asked) once per run
     for i, task in enumerate(tasks, 1):
         cmd = command(task.step)
-        keys[task.label] = task_key(task, cmd, weights_hash, keys.get(task.needs), made_by)
+        keys[task.label] = task_key(task, cmd, weights_hash, keys.get(task.needs), made_by, identify)
         artifact = artifacts[task.label] = run_dir / "artifacts" / f"{task.label}-{keys[task.label]}{cmd.writes}"
         files = [artifact] + ([Path(f"{artifact}.json")] if cmd.summary_json else [])
         started = time.perf_counter()
@@ -195,18 +197,19 @@ def forget_forced(tasks: list[Task], run_dir: Path, force) -> None:
 WIRED = ("input", "output", "resume", "restart", "store")  # option roles the runner sets: not the task's choice
 
 
-def task_key(task: Task, cmd: Command, weights_hash: str, upstream: str | None, made_by: dict) -> str:
+def task_key(task: Task, cmd: Command, weights_hash: str, upstream: str | None, made_by: dict,
+             identify=data_identity) -> str:
     """Hash of everything the artifact depends on: step, the checkpoint's hash, every keyed option of the command as
     it will run (the recipe's value or the default: stating a default gives the key of leaving it out; data by content
     or revision, files and folders by content), the key of the artifact it reads, and `made_by`: what computes it
     (runtime/provenance.result_versions: ridgefill's version and source hash, the maps format, torch, transformers,
-    triton and vLLM)."""
+    triton and vLLM). identify: a data spec's identity (runtime/data.data_identity, or a run's cached copy of it)."""
     payload = {"step": task.step, "made_by": made_by, "weights": weights_hash,
-               "options": resolved_options(cmd, task.kwargs), "input": upstream}
+               "options": resolved_options(cmd, task.kwargs, identify), "input": upstream}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
-def resolved_options(cmd: Command, given: dict) -> dict:
+def resolved_options(cmd: Command, given: dict, identify=data_identity) -> dict:
     """Every keyed option of `cmd` (not the ones the runner wires) with its value as it will run: `given`'s, else
     the option's default."""
     out = {}
@@ -215,7 +218,7 @@ def resolved_options(cmd: Command, given: dict) -> dict:
             continue
         value = given.get(o.name, None if o.required else o.default)
         value = float(value) if o.kind is float and type(value) is int else value
-        out[o.name] = data_identity(value) if is_data(o) and value is not None else keyed_value(value)
+        out[o.name] = identify(value) if is_data(o) and value is not None else keyed_value(value)
     return out
 
 
