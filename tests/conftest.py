@@ -9,14 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-# Triton reads TRITON_INTERPRET when it is first imported, and importing transformers can import it (5.19's
-# masking_utils imports torch._dynamo, which imports triton), so it is set here, after torch (which does not
-# import triton) but before transformers and any test module: without a GPU the kernels run in Triton's interpreter.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from transformers import (AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3_5TextConfig,  # noqa: E402
-                          Qwen3Config, Qwen3NextConfig)
+from transformers import (AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3_5TextConfig, Qwen3Config,
+                          Qwen3NextConfig)
 
 VOCAB = 128
 

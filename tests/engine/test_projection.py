@@ -1,7 +1,5 @@
 """The fused fill projection equals the per-layer route (input norm, then the adapter's key_value) for every
-dense family and filler; the Triton kernel (run by its interpreter on the CPU) equals the torch path."""
-
-import importlib.util
+dense family and filler."""
 
 import pytest
 import torch
@@ -9,10 +7,9 @@ import torch
 from conftest import random_ids, tiny_model
 from ridgefill.engine import Engine, FillPlan, IdentityFiller, MapFiller, OracleFiller, adapter_for
 from ridgefill.engine.kv_stack import stack_weights
-from ridgefill.engine.projection import FillProjection, StackedKV, layer_kv, norm_kv_torch
+from ridgefill.engine.projection import FillProjection, layer_kv
 
 TOL = 1e-5
-HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def random_maps(split, n_layers, hidden, rank=None, seed=0):
@@ -153,66 +150,6 @@ def test_stacked_weights_are_built_once_per_split(dense_model):
     assert eng.projection.stack(3) is stack
     assert stack.layers == [3, 4, 5] and stack.weight.shape == (3, 64, 2 * 2 * eng.adapter.head_dim)
     assert stack.nbytes == sum(t.numel() * 4 for t in (stack.weight, stack.bias, stack.k_norm) if t is not None)
-
-
-# --- Triton kernel ------------------------------------------------------------------------------------
-triton_only = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-
-
-def random_stack(m, hidden, heads, head_dim, bias, k_norm, dtype, seed=0):
-    """Stacked K/V weights as FillProjection builds them, random (with a Qwen2 bias and/or a Qwen3 k-norm)."""
-    g = torch.Generator().manual_seed(seed)
-    e = heads * head_dim
-    rnd = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
-    return StackedKV(
-        list(range(m)), None, (rnd(m, hidden, 2 * e) / hidden**0.5).to(dtype),
-        (0.5 * rnd(m, 1, 2 * e)).to(dtype) if bias else None, torch.full((m, 1, 1), 1e-6),
-        (1 + 0.1 * rnd(m, head_dim)).to(dtype) if k_norm else None,
-        torch.full((m, 1, 1, 1, 1), 1e-6) if k_norm else None, heads, head_dim)
-
-
-@triton_only
-@pytest.mark.parametrize("bias,k_norm", [(False, False), (True, False), (False, True)])  # llama, qwen2, qwen3
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shared_input", [False, True])  # maps (one input per layer) / identity (stride-0 view)
-def test_triton_kernel_equals_torch_path(bias, k_norm, dtype, shared_input):
-    from ridgefill.engine.triton_projection import norm_kv_triton, supports
-
-    m, hidden, heads, d, batch, n = 3, 96, 2, 32, 2, 37  # hidden and rows not multiples of the blocks
-    stack = random_stack(m, hidden, heads, d, bias, k_norm, dtype)
-    g = torch.Generator().manual_seed(1)
-    if shared_input:
-        y = (2 * torch.randn(batch * n, hidden, generator=g)).to(dtype).expand(m, -1, -1)
-    else:
-        y = (2 * torch.randn(m, batch * n, hidden, generator=g)).to(dtype)
-    angles = torch.rand(batch, n, d // 2, generator=g) * 6.3
-    cos, sin = torch.cat([angles.cos()] * 2, -1).to(dtype), torch.cat([angles.sin()] * 2, -1).to(dtype)
-    assert supports(stack, d)
-    k_ref, v_ref = norm_kv_torch(stack, y, cos, sin, batch)
-    k, v = norm_kv_triton(stack, y, cos, sin, batch)
-    assert k.shape == k_ref.shape == v.shape == (m, batch, heads, n, d)
-    for got, ref in ((k, k_ref), (v, v_ref)):
-        err = (got.float() - ref.float()).abs().max()
-        if dtype == torch.float32:
-            assert err <= TOL
-        else:
-            assert err <= 1e-2 * ref.float().abs().max()
-
-
-@triton_only
-def test_triton_backend_in_the_engine_equals_per_layer():
-    model = tiny_model("qwen2", hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
-                       num_hidden_layers=4)  # head_dim 32
-    ids = random_ids(24)
-    fused = Engine(adapter_for(model), chunk=16, projection="triton")
-    reference = Engine(adapter_for(model), chunk=16, projection="layers")
-    assert fused.projection_backend(2) == "triton" and reference.projection_backend(2) == "layers"
-    plan = FillPlan(random_maps(2, 4, 128), tail=5, keep_rows=(0,))
-    a, b = fused.prefill(ids, fill=plan), reference.prefill(ids, fill=plan)
-    assert (a.logits - b.logits).abs().max() <= TOL
-    for la, lb in zip(a.cache.layers, b.cache.layers):
-        assert (la.keys - lb.keys).abs().max() <= TOL
-        assert (la.values - lb.values).abs().max() <= TOL
 
 
 @pytest.mark.parametrize("backend", ["torch", "layers"])

@@ -1,5 +1,5 @@
 """The K/V weights of a split's late attention layers, stacked once with each layer's input-norm weight folded
-in, for the fused fill projection (projection.py, and its Triton kernel in triton_projection.py); the vLLM plugin
+in, for the fused fill projection (projection.py); the vLLM plugin
 stacks each late layer's own (shard of its) weights the same way and projects with the same function."""
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ class GenerationResult:
 
 class Engine:
     """Runs a model through its adapter. `chunk` bounds how many prompt rows run at once; `projection` is the
-    filled rows' K/V projection backend (engine/projection.py: auto, torch, triton, layers); `timer` (a
+    filled rows' K/V projection backend (engine/projection.py: auto, torch, layers); `timer` (a
     Stopwatch) gets the wall time of that projection added to it (None: not timed)."""
 
     def __init__(self, adapter: Adapter, chunk: int = DEFAULT_CHUNK, projection: str = "auto",
@@ -117,7 +117,7 @@ class Engine:
         return stack.nbytes if stack is not None else 0
 
     def projection_backend(self, split: int) -> str:
-        """The route a filled row's late K/V take at `split`: "triton", "torch" (fused) or "layers"."""
+        """The route a filled row's late K/V take at `split`: "torch" (fused) or "layers"."""
         return self.projection.backend_for(split)
 
     def new_cache(self) -> Cache:

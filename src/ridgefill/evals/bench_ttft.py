@@ -15,7 +15,6 @@ and `achieved_over_limit` is the measured speedup over that limit.
 from __future__ import annotations
 
 import gc
-import importlib.util
 import os
 import time
 from dataclasses import dataclass
@@ -52,8 +51,8 @@ class BenchConfig(MeasureConfig, ServedOptions):
                                   listed=str)
     data: str = option("wiki-leads", "Prompt text (evaluation documents), or 'random' ids.", fallback="data")
     threads: int = option(0, "torch CPU threads (0: torch's default).")
-    projection: str = option("auto", "Fill projection: auto (Triton on CUDA, else torch), torch, triton, or "
-                             "layers (per layer, unfused).")
+    projection: str = option("auto", "Fill projection: auto or torch (all late layers' K/V in one batched "
+                             "GEMM), or layers (per layer, unfused).")
     engine: str = engine_option()
 
     def check(self) -> None:
@@ -66,8 +65,6 @@ class BenchConfig(MeasureConfig, ServedOptions):
             raise RidgefillError(f"unknown --projection '{self.projection}': use one of {', '.join(BACKENDS)}")
         if self.threads < 0:
             raise RidgefillError(f"--threads must be >= 0 (0 keeps torch's default), got {self.threads}")
-        if self.projection == "triton":
-            _check_triton(self.device)
         check_engine(self.engine)
         if self.engine == "vllm" and self.projection != "auto":
             raise RidgefillError("--projection chooses ridgefill's own fill projection: drop it with --engine vllm")
@@ -94,18 +91,6 @@ class BenchConfig(MeasureConfig, ServedOptions):
                 "keep_first": self.keep_first, "chunk": self.chunk, "threads": torch.get_num_threads(),
                 "projection": self.projection, "out": str(self.out), "engine": self.engine,
                 "serving_config": str(self.serving_config) if self.serving_config else None}
-
-
-def _check_triton(device: str) -> None:
-    # find_spec, not an import of triton_projection: importing it fixes whether its kernel is interpreted
-    if importlib.util.find_spec("triton") is None:
-        raise RidgefillError("--projection triton needs triton: pip install triton (or use --projection auto)")
-    if device != "cuda" and not _interpreting():
-        raise RidgefillError("--projection triton runs on CUDA (or under TRITON_INTERPRET=1): use --projection auto")
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 # --- the command ---------------------------------------------------------------------------------------
@@ -149,12 +134,9 @@ def run(config: BenchConfig) -> dict:
 
 
 def _check_model(m: Measurement, longest: int) -> None:
-    """What needs the model: the longest prompt fits its context; --projection triton applies to it."""
+    """What needs the model: the longest prompt fits its context."""
     limit = m.session.context_length
     check_length("--lengths", longest, limit, f"use lengths up to {limit}")
-    if m.config.projection == "triton" and m.session.engine.projection_backend(m.split) != "triton":
-        raise RidgefillError("--projection triton does not apply to this model (it needs dense attention layers "
-                             "with head_dim a power of two >= 32): use --projection auto")
 
 
 COMMAND = Command("bench-ttft", BenchConfig, run, writes=".json", reads="maps")
