@@ -35,6 +35,7 @@ from ridgefill.engine.fill_plan import FillPlan, Promoted
 from ridgefill.engine.fillers import Filler
 from ridgefill.engine.lookback import lookback_windows, window_states
 from ridgefill.engine.projection import FillProjection
+from ridgefill.engine.routes import Routes
 from ridgefill.engine.shape import ModelShape
 from ridgefill.engine.timing import Stopwatch
 from ridgefill.engine.window import FilledWindow
@@ -69,13 +70,16 @@ class GenerationResult:
 class Engine:
     """Runs a model through its adapter. `chunk` bounds how many prompt rows run at once; `projection` is the
     filled rows' K/V projection backend (engine/projection.py: auto, torch, layers); `timer` (a
-    Stopwatch) gets the wall time of that projection added to it (None: not timed)."""
+    Stopwatch) gets the wall time of that projection added to it (None: not timed). `routes` (engine/routes.py):
+    the route each piece takes on this device, chosen once here (RIDGEFILL_ROUTES overrides some)."""
 
     def __init__(self, adapter: Adapter, chunk: int = DEFAULT_CHUNK, projection: str = "auto",
                  timer: Stopwatch | None = None) -> None:
         self.adapter = adapter
         self.chunk = chunk
-        self.projection = FillProjection(adapter, projection, timer)  # the filled rows' fused K/V projection
+        self.routes = Routes.for_model(adapter.device, adapter.dtype, adapter.n_heads, adapter.n_kv_heads,
+                                       adapter.head_dim, projection)
+        self.projection = FillProjection(adapter, self.routes.projection, timer)  # the filled rows' fused K/V
 
     def with_timer(self, timer: Stopwatch | None) -> "Engine":
         """An engine over the same model, chunk and projection backend (sharing the stacked K/V weights already
@@ -278,11 +282,11 @@ class Engine:
         split = fill.split if fill is not None else self.n_layers
         idx_full = full.nonzero().squeeze(1).to(ids.device)
         idx_fill = (~full).nonzero().squeeze(1).to(ids.device)
-        rows = ChunkRows(n, idx_full, idx_fill, positions, cos, sin)
+        rows = ChunkRows(n, idx_full, idx_fill, positions, cos, sin, self.routes)
         local = range(0)  # the layers whose windowed rows attend locally
         if window is not None and bool(windowed.any()):
             local = window.layers(split)
-            rows.windowed(windowed.nonzero().squeeze(1).to(ids.device), window, h.dtype)
+            rows.windowed(windowed, start, window, h.dtype)
         if len(idx_fill) == 0:
             split = self.n_layers  # nothing to fill in this chunk: every layer runs exactly
         filled = None  # FilledRows: what the filled rows bring to each late layer
@@ -296,7 +300,7 @@ class Engine:
                     promoted = Promoted(int(outlier.sum()), int((unwindowed & ~outlier).sum()))
                     idx_full = torch.cat([idx_full, idx_fill[run_full]]).sort().values
                     idx_fill, windows = idx_fill[~run_full], windows[~run_full]
-                    rows = ChunkRows(n, idx_full, idx_fill, positions, cos, sin)
+                    rows = ChunkRows(n, idx_full, idx_fill, positions, cos, sin, self.routes)
                 if len(idx_fill) == 0:
                     split = self.n_layers  # every filled row ran in full: the rest of the chunk runs exactly
             if layer == split:

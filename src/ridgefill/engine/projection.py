@@ -27,9 +27,10 @@ import torch
 from ridgefill.engine.families.base import Adapter, apply_rope
 from ridgefill.engine.fillers import Filler
 from ridgefill.engine.kv_stack import StackedKV, stack_kv
+from ridgefill.engine.routes import PROJECTION_BACKENDS, projection_route
 from ridgefill.engine.timing import Stopwatch
 
-BACKENDS = ("auto", "torch", "layers")
+BACKENDS = PROJECTION_BACKENDS
 
 
 def norm_kv_torch(stack: StackedKV, y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -99,13 +100,14 @@ class FilledRows:
 
 class FillProjection:
     """Owned by an Engine: the stacked K/V weights of each split it has filled at (built once), and the fused
-    projection of a chunk's filled rows. backend: auto or torch (the fused torch path), or layers (no fused K/V: every layer takes the per-layer route, the reference). timer: a Stopwatch
+    projection of a chunk's filled rows. backend: auto or torch (the fused torch path; engine/routes.py resolves
+    auto), or layers (no fused K/V: every layer takes the per-layer route, the reference). timer: a Stopwatch
     that the wall time spent here is added to (None: not timed)."""
 
     def __init__(self, adapter: Adapter, backend: str = "auto", timer: Stopwatch | None = None) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend {backend!r} not in {BACKENDS}")
-        self.adapter, self.backend, self.timer = adapter, backend, timer
+        self.adapter, self.backend, self.timer = adapter, projection_route(backend), timer
         self._stacks: dict[int, StackedKV | None] = {}
 
     def with_timer(self, timer: Stopwatch | None) -> "FillProjection":

@@ -3,9 +3,19 @@
 With a window, every filled row, in the windowed layers below the split, attends only to the sinks (the leading
 `sinks` positions: the kept first rows) and to the W rows before it (positions p-W..p); full rows (tail, kept rows,
 decode) attend to everything as without one. Layers at or above the split are untouched: there filled rows run no
-attention. The work is O(rows x W) per layer: the windowed rows of a chunk go in blocks of consecutive rows, and a
-block attends to the sinks and the band of keys from W rows before its first row to its last row, masked per row
-(`window_blocks`), never to a masked full prefix.
+attention. The work is O(rows x W) per layer, by one of two routes (engine/routes.py chooses):
+
+- "blocks" (CPU): the windowed rows of a chunk go in blocks of consecutive rows, and a block attends to the sinks
+  and the band of keys from W rows before its first row to its last row, masked per row (`window_blocks`), never
+  to a masked full prefix;
+- "flash_band" (CUDA): below the split every chunk row runs and is the last key, so the band of every row
+  (positions p-W..p) is one fused sliding-window kernel call over the keys from W before the chunk to its end
+  (`band_flash`: flash-attention's causal mask with window_size_left=W), returning each row's log-sum-exp; the
+  sinks a row sees besides its band (positions s < min(sinks, p-W), at most `sinks` keys) are attended in plain
+  torch (`sink_attention`) and merged with the band by their log-sum-exps (`banded_attention`); the few rows that
+  are not windowed then overwrite theirs with causal attention over every key. No loop over blocks, no host sync.
+  "masked_band" is the same route with the band kernel's exact masked stand-in (`band_masked`, any device),
+  which tests it on the CPU.
 """
 
 from __future__ import annotations
@@ -16,6 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ridgefill.engine.attention import flash_cpu, merge
 from ridgefill.errors import RidgefillError
 
 
@@ -124,3 +135,66 @@ def windowed_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
         attn = F.scaled_dot_product_attention(q.index_select(2, b.rows), k, v, attn_mask=b.mask, scale=scale,
                                               enable_gqa=gqa)
         out.index_copy_(2, b.rows, attn)
+
+
+# --- the band route: one sliding-window kernel call, the sinks merged by log-sum-exp ------------------------------
+# A band kernel: (q [B, Hq, nq, D] the last nq of the nk positions of k, v [B, Hkv, nk, D], W, scale) ->
+# (out [B, Hq, nq, D], lse [B, Hq, nq] float32): each query over itself and the W keys before it.
+def band_flash(q, k, v, window: int, scale: float):
+    """The band through flash-attention's local (sliding-window) causal mask, lower-right aligned, GQA K/V as they
+    are (CUDA, fp16/bf16; routes.py checks). Its layout is [B, L, H, D]; only the keywords torch 2.11 has."""
+    nq, nk = q.shape[2], k.shape[2]
+    out, lse = torch.ops.aten._flash_attention_forward(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, None, nq, nk, 0.0, True, False,
+        scale=scale, window_size_left=window, window_size_right=0)[:2]
+    return out.transpose(1, 2), lse  # [B, Hq, nq, D], [B, Hq, nq]
+
+
+def band_masked(q, k, v, window: int, scale: float):
+    """The band kernel's exact stand-in: the same contract through an explicit mask (O(nq x nk); the CPU's tests)."""
+    nq, nk = q.shape[2], k.shape[2]
+    qpos = torch.arange(nk - nq, nk, device=q.device).unsqueeze(1)
+    kpos = torch.arange(nk, device=q.device).unsqueeze(0)
+    allowed = (kpos <= qpos) & (kpos >= qpos - window)  # [nq, nk]
+    if q.device.type == "cpu":
+        mask = torch.zeros(allowed.shape, dtype=q.dtype).masked_fill_(~allowed, float("-inf"))
+        return flash_cpu(q, k, v, False, scale, mask)
+    groups = q.shape[1] // k.shape[1]
+    scores = torch.einsum("bhqd,bhkd->bhqk", q.float(), k.repeat_interleave(groups, 1).float()) * scale
+    lse = scores.masked_fill_(~allowed, float("-inf")).logsumexp(-1)  # [B, Hq, nq]
+    out = torch.softmax(scores, -1) @ v.repeat_interleave(groups, 1).float()
+    return out.to(q.dtype), lse
+
+
+BAND_KERNELS = {"flash_band": band_flash, "masked_band": band_masked}
+
+
+def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, window: int,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, Hq, n, D] at `positions` [n] over the sink keys k, v [B, Hkv, S, D] (positions 0..S-1) that lie
+    before each row's band (s < p - W), in float32 -> (out [B, Hq, n, D], lse [B, Hq, n]; -inf and out 0 where a
+    row sees none)."""
+    b, hq, n, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    grouped = q.float().reshape(b, hkv, hq // hkv * n, d)  # q head h reads K/V head h // (Hq / Hkv)
+    scores = (grouped @ k.float().transpose(-1, -2)).mul_(scale).view(b, hq, n, s)
+    seen = torch.arange(s, device=q.device).unsqueeze(0) < (positions - window).unsqueeze(1)  # [n, S]
+    scores.masked_fill_(~seen, float("-inf"))
+    lse = scores.logsumexp(-1)  # [B, Hq, n]
+    weights = (scores - torch.where(lse.isfinite(), lse, 0.0).unsqueeze(-1)).exp_()  # 0 where unseen
+    out = (weights.view(b, hkv, -1, s) @ v.float()).view(b, hq, n, d)
+    return out.to(q.dtype), lse
+
+
+def banded_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, positions: torch.Tensor,
+                     window: FilledWindow, scale: float, kernel) -> torch.Tensor:
+    """Every chunk row (q [B, Hq, n, D] at positions start..start+n-1, the last n of the cached keys/values
+    [B, Hkv, start+n, D]) over its band and its sinks, by the band `kernel` -> [B, Hq, n, D]."""
+    n, w = q.shape[2], window.size
+    lo = max(0, start - w)  # the first key of the first row's band
+    out, lse = kernel(q, keys[:, :, lo:], values[:, :, lo:], w, scale)
+    sinks = min(window.sinks, max(0, start + n - 1 - w))  # sinks that some row sees outside its band
+    if sinks == 0:
+        return out
+    out_s, lse_s = sink_attention(q, keys[:, :, :sinks], values[:, :, :sinks], positions, w, scale)
+    return merge(out_s, lse_s, out, lse)

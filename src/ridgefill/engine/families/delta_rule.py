@@ -11,8 +11,8 @@ Per value head, with q and k L2-normalised and q scaled by Dk^-1/2, the gated de
 
 `chunk_gated_delta_rule` evaluates it chunk by chunk (the WY/UT form: one triangular solve per chunk and a
 scan over chunks, never over tokens; chunks are `chunk_size` rows, the last one zero-padded, as in transformers'
-torch fallback; a single row takes one recurrent step). On CUDA with flash-linear-attention installed it uses
-fla's kernel.
+torch fallback; a single row takes one recurrent step). Where engine/routes.py's delta rule route is "fla" (CUDA
+with flash-linear-attention installed) it uses fla's kernel.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from ridgefill.engine.routes import delta_rule_route
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -134,15 +136,14 @@ def _step(q, k, v, g, beta, state):
 
 
 # --- optional kernel hook (flash-linear-attention) -------------------------------------------------------
-# NOT exercised by the test suite (fla needs CUDA + Triton). When `fla` is importable and the tensors live on a
-# CUDA device, `chunk_gated_delta_rule` hands the work to fla's fused kernel, which computes the same rule.
+# NOT exercised by the test suite (fla needs CUDA + Triton). Where the route for the tensors' device is "fla"
+# (engine/routes.py: CUDA, fla importable), `chunk_gated_delta_rule` hands the work to fla's fused kernel, which
+# computes the same rule.
 def _fla_kernel(like: torch.Tensor):
-    if like.device.type != "cuda":
+    if delta_rule_route(like.device) != "fla":
         return None
-    try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
-    except ImportError:
-        return None
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+
     return fla_chunk
 
 
