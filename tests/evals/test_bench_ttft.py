@@ -67,13 +67,13 @@ def test_options_and_defaults_are_those_of_the_command_line_before_the_registry(
     defaults = {flag: o.default for flag, o in bench_ttft_command.options.items()}
     assert defaults == {
         "model": "smollm2-135m", "maps": None, "split": None, "tail": 256, "lengths": "1024,2048,4096,8192",
-        "repeats": 5, "warmup": 1, "device": "cpu", "dtype": "fp32", "out": Path("ttft.json"), "variants": None,
+        "repeats": 5, "warmup": 1, "device": "auto", "dtype": "auto", "out": Path("ttft.json"), "variants": None,
         "data": "wiki-leads", "keep-first": 1, "chunk": 2048, "threads": 0, "projection": "auto", "seed": 0,
         "outlier-factor": 20.0,  # issue #12: outlier rows run in full by default
         "serving-config": None,  # issue #13: the settings `ridgefill tune` chose
         "engine": "ridgefill",  # issue #11: vllm times stock vLLM against the plugin
         "filled-window": 0, "filled-window-layers": None,  # issue #27: local attention below the split, off
-    }
+    }  # device and dtype auto (issue 38): cuda and bf16 where a GPU runs them, else cpu and fp32
     helps = {flag: o.help for flag, o in bench_ttft_command.options.items()}
     assert helps["split"] == "Split S (the maps carry it; identity fill needs it without them)."  # the fill's own (issue 40)
     assert helps["seed"] == "Seed of random prompts and bootstrap intervals."

@@ -34,7 +34,7 @@ from ridgefill.runtime.console import note, progress_bar, table
 from ridgefill.runtime.data import documents_for, load_corpus, passages, token_sequences
 from ridgefill.runtime.provenance import cpu_name, device_info, load_average, versions
 from ridgefill.runtime.session import Session, check_length
-from ridgefill.serve.vllm_engine import check_engine, engine_option
+from ridgefill.serve.vllm_engine import check_engine, engine_cpu_only, engine_option
 
 TRANSFORMERS = "transformers"  # the timing entry of transformers' own forward
 
@@ -71,6 +71,9 @@ class BenchConfig(MeasureConfig, ServedOptions):
 
     def source_rule(self):
         return ("variants",), None
+
+    def cpu_only(self) -> str | None:
+        return engine_cpu_only(self.engine)
 
     def names(self) -> list[str]:
         """The variants timed, exact first."""

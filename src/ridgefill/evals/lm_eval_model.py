@@ -9,11 +9,13 @@ after that import:
     ridgefill lm-eval --model ridgefill --model_args pretrained=M --tasks T          # exact prefill
 
 model_args: pretrained (a --model spec: alias, folder or Hub id), fill (exact | identity | ridge; default ridge
-with maps, else exact), dtype (fp32), chunk (engine.DEFAULT_CHUNK), max_gen_toks (256), and the fill's options
+with maps, else exact), dtype (auto: bf16 on a GPU that supports it, else fp32), chunk (engine.DEFAULT_CHUNK), max_gen_toks (256), and the fill's options
 by their names (method/fill_fields.OPTIONS: maps, split, tail, keep_first, outlier_factor, filled_window,
 filled_window_layers, with their defaults). Every request's context is prefilled with the plan; the scored
 continuation and every generated token run the full model. Contexts that share their tokens (a multiple-choice
-question's options) are prefilled once. loglikelihood_rolling is refused: filled rows have no logits to score.
+question's options) are prefilled once. loglikelihood_rolling is refused: filled rows have no logits to score. lm-eval's --device picks the device (none
+given: auto, cuda when a GPU is visible); the results' config records the resolved pair as model_device and
+model_dtype.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from ridgefill.engine.prefill import DEFAULT_CHUNK
 from ridgefill.method.fill import VARIANTS, FillSettings
 from ridgefill.method.fill_fields import FIELD, OPTIONS
 from ridgefill.runtime.console import note, progress_bar
+from ridgefill.runtime.device import AUTO, resolve_device
 from ridgefill.runtime.session import open_session
 
 try:
@@ -41,11 +44,12 @@ IGNORED_ARGS = ("pretrained", "dtype", "device", "batch_size", "max_batch_size")
 
 @register_model("ridgefill")
 class RidgefillLM(TemplateLM):
-    def __init__(self, pretrained: str = "smollm2-135m", dtype: str = "fp32", device: str | None = None,
+    def __init__(self, pretrained: str = "smollm2-135m", dtype: str = AUTO, device: str | None = None,
                  batch_size=None, max_batch_size=None, **args) -> None:
         super().__init__()
         settings, fill, max_gen_toks, chunk = model_settings(**args)
-        device = _device(device)
+        device, dtype = resolve_device(_device(device), str(dtype))
+        self.resolved = {"model_device": device, "model_dtype": dtype}
         self.session = open_session(str(pretrained), dtype, device, chunk)
         self.plan, self.maps_meta = (None, None) if settings is None else settings.plan(self.session)
         self.fill = fill
@@ -56,6 +60,10 @@ class RidgefillLM(TemplateLM):
         self._name = str(pretrained)
 
     # --- what lm-eval asks of a model ------------------------------------------------------------------
+    def get_model_info(self) -> dict:
+        """What lm-eval adds to its results' config: the device and dtype the model ran in (auto resolved)."""
+        return dict(self.resolved)
+
     @property
     def eot_token_id(self) -> int:
         return self.tokenizer.eos_token_id
@@ -150,13 +158,14 @@ class RidgefillLM(TemplateLM):
 
 
 def _device(device: str | None) -> str:
-    """lm-eval's --device (None, cpu, cuda, cuda:0, ...) as ridgefill's cpu or cuda. lm-eval's CLI asks for cuda
-    by default, so like its hf model this falls back to the CPU when no GPU is visible."""
-    if device is None or str(device).startswith("cuda"):
+    """lm-eval's --device (None, cpu, cuda, cuda:0, ...) as ridgefill's auto, cpu or cuda: None is auto; cuda falls
+    back to the CPU when no GPU is visible, like lm-eval's hf model."""
+    if device is None:
+        return AUTO
+    if str(device).startswith("cuda"):
         if torch.cuda.is_available():
             return "cuda"
-        if device is not None:
-            note(f"note: --device {device} but no CUDA GPU is visible: running on the CPU")
+        note(f"note: --device {device} but no CUDA GPU is visible: running on the CPU")
         return "cpu"
     return str(device)
 
@@ -192,6 +201,7 @@ def preflight(model_args: dict) -> None:
     from ridgefill.runtime.models import model_identity
 
     settings, *_ = model_settings(**{k: v for k, v in model_args.items() if k not in IGNORED_ARGS})
+    resolve_device(AUTO, str(model_args.get("dtype", AUTO)))  # a known dtype name
     identity = model_identity(str(model_args.get("pretrained", "smollm2-135m")))
     if settings is not None and settings.maps is not None:
         check_for_model(settings.maps, read_meta(settings.maps, "maps"), identity.info, settings.split)

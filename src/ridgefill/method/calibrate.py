@@ -32,9 +32,10 @@ from ridgefill.method.statistics import HELD_OUT, OUTLIER_FACTOR, Calibration, a
 from ridgefill.runtime.artifacts import load_artifact, save_artifact
 from ridgefill.runtime.console import note, progress_bar, table
 from ridgefill.runtime.data import documents_for, documents_hash, iter_sequences, load_corpus, sequence_budget
+from ridgefill.runtime.device import check_device
 from ridgefill.runtime.paths import check_output, write_json
 from ridgefill.runtime.provenance import code_hash
-from ridgefill.runtime.session import ModelConfig, check_device, check_length, parse_splits
+from ridgefill.runtime.session import ModelConfig, check_length, parse_splits
 
 NAMES = ("data",)  # settings a resume checks by content (data_hash), not by name
 
@@ -251,9 +252,9 @@ class CalibrateConfig(ModelConfig):
 def run(c: CalibrateConfig) -> dict:
     """Calibrate (in this process, or in --nproc processes), print the row counts per split and write the
     statistics with a JSON summary beside them (rank 0 only)."""
+    check_device(c.device, c.dtype)  # resolved as the config was built; the processes relaunched get it resolved
     if c.nproc > 1 and "WORLD_SIZE" not in os.environ:
         return relaunch(c, "calibrate", c.nproc, Path(str(c.out) + ".json"))
-    check_device(c.device, c.dtype)
     world = join_world(c.device)
     try:
         return _calibrate(c, world)

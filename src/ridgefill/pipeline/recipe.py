@@ -32,7 +32,7 @@ from ridgefill.pipeline.recipe_toml import read_toml, toml_value
 TOP = {
     "name": (str, None), "description": (str, ""), "model": (str, REQUIRED), "data": (str, None),
     "splits": ("ints", REQUIRED), "tails": ("ints", [DEFAULT_TAIL]), "seeds": ("ints", [0]), "lam": ("lam", "auto"),
-    "dtype": (str, "fp32"), "device": (str, "cpu"), "chunk": (int, DEFAULT_CHUNK), "tolerance": (float, 5.0),
+    "dtype": (str, "auto"), "device": (str, "auto"), "chunk": (int, DEFAULT_CHUNK), "tolerance": (float, 5.0),
 }
 KINDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false", Path: "a path (string)"}
 NOUNS = {"stats": "statistics"}  # an artifact kind (Command.makes) in words, where it is not its own name
@@ -178,7 +178,23 @@ def top_settings(source: Source, raw: dict) -> dict:
             raise RidgefillError(f"{source.at(key)}: {min(settings[key])} is out of range: use {low} or more")
     if settings["chunk"] < 1 or settings["tolerance"] < 0:
         raise RidgefillError(f"{where}: chunk must be at least 1 and tolerance at least 0")
+    settings["device"], settings["dtype"] = resolved_device(source, settings["device"], settings["dtype"])
     return settings
+
+
+def resolved_device(source: Source, device: str, dtype: str) -> tuple[str, str]:
+    """The top-level device and dtype with `auto` resolved for this machine (runtime/device.py), before any task is
+    planned or keyed: a run records, and keys its artifacts by, what it runs on. An error names its key."""
+    from ridgefill.runtime.device import AUTO, resolve_device  # torch: imported once a recipe is read
+
+    try:
+        device = resolve_device(device, AUTO)[0]
+    except RidgefillError as exc:
+        raise RidgefillError(f"{source.at('device')}: {exc}") from None
+    try:
+        return resolve_device(device, dtype)
+    except RidgefillError as exc:
+        raise RidgefillError(f"{source.at('dtype')}: {exc}") from None
 
 
 def _top_value(where: str, value, kind):

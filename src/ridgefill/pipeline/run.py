@@ -79,7 +79,7 @@ DEMO = Command("demo", DemoConfig, demo)
 def run_recipe(spec: str | Path, out_dir: str | Path | None = None, force=(), dry_run: bool = False,
                overrides=()) -> Path:
     """Validate, then run every task not already cached, write manifest.json after each, and the report."""
-    from ridgefill.runtime.session import check_device
+    from ridgefill.runtime.device import check_device
 
     recipe = load_recipe(find_recipe(spec), overrides)
     tasks = plan(recipe)
@@ -91,7 +91,7 @@ def run_recipe(spec: str | Path, out_dir: str | Path | None = None, force=(), dr
     if dry_run:
         show_plan(recipe, tasks, run_dir)
         return run_dir
-    check_device(recipe.settings["device"], recipe.settings["dtype"])
+    check_device(recipe.settings["device"], recipe.settings["dtype"])  # resolved as the recipe was read
     model = model_identity(recipe)
     forget_forced(tasks, run_dir, force)
     manifest = Manifest(run_dir, recipe, model)

@@ -6,13 +6,12 @@ import os
 import warnings
 from dataclasses import dataclass
 
-import torch
-
 from ridgefill.commands import Config, option
 from ridgefill.engine import Engine, ModelShape, Stopwatch
 from ridgefill.engine.prefill import DEFAULT_CHUNK
 from ridgefill.errors import RidgefillError
-from ridgefill.runtime.models import DTYPES, LoadedModel, load_model
+from ridgefill.runtime.device import DEVICE_HELP, DTYPE_HELP, check_device, resolve_device
+from ridgefill.runtime.models import LoadedModel, load_model
 
 
 @dataclass
@@ -21,9 +20,17 @@ class ModelConfig(Config):
 
     model: str = option("smollm2-135m", "Local HF folder, Hub id, or alias 'smollm2-135m'.", top="model",
                         keyed=False)  # a recipe keys artifacts by the weights hash instead
-    dtype: str = option("fp32", "fp32, bf16 or fp16.", top="dtype")
-    device: str = option("cpu", "cpu or cuda.", top="device")
+    dtype: str = option("auto", DTYPE_HELP, top="dtype")
+    device: str = option("auto", DEVICE_HELP, top="device")
     chunk: int = option(DEFAULT_CHUNK, "Prompt rows run at once (bounds activation memory).", top="chunk")
+
+    def __post_init__(self) -> None:
+        """`auto` resolved as the config is built: what the command keys, loads, relaunches with and records."""
+        self.device, self.dtype = resolve_device(self.device, self.dtype, self.cpu_only())
+
+    def cpu_only(self) -> str | None:
+        """Why the program that runs this command's model runs on the CPU alone (None: it runs where torch does)."""
+        return None
 
     def open(self, projection: str = "auto") -> "Session":
         """The model of these options, loaded, with its engine."""
@@ -37,17 +44,6 @@ def quiet_libraries() -> None:
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-
-
-def check_device(device: str, dtype: str) -> None:
-    if device not in ("cpu", "cuda"):
-        raise RidgefillError(f"unknown device '{device}': use cpu or cuda")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise RidgefillError("--device cuda but no CUDA GPU is visible: use --device cpu")
-    if dtype not in DTYPES:
-        raise RidgefillError(f"unknown dtype '{dtype}': use one of {', '.join(DTYPES)}")
-    if device == "cuda" and dtype == "bf16" and not torch.cuda.is_bf16_supported():
-        raise RidgefillError("this GPU cannot run bf16: use --dtype fp16 or fp32")
 
 
 @dataclass
@@ -81,7 +77,9 @@ class Session:
 
 def open_session(model: str, dtype: str = "fp32", device: str = "cpu", chunk: int = DEFAULT_CHUNK,
                  projection: str = "auto") -> Session:
+    """The model loaded (dtype and device may be auto) with its engine."""
     quiet_libraries()
+    device, dtype = resolve_device(device, dtype)
     check_device(device, dtype)
     if chunk < 1:
         raise RidgefillError(f"--chunk must be at least 1, got {chunk}")

@@ -15,7 +15,7 @@ from ridgefill.runtime.paths import read_text
 from ridgefill.runtime.ranges import parse_ranges
 from ridgefill.runtime.session import ModelConfig
 from ridgefill.runtime.spans import token_span
-from ridgefill.serve.vllm_engine import check_engine, engine_option
+from ridgefill.serve.vllm_engine import check_engine, engine_cpu_only, engine_option
 
 
 @dataclass
@@ -33,6 +33,9 @@ class GenerateConfig(ServedOptions, ModelConfig):
 
     def source_rule(self):
         return (), None if self.exact else ", or pass --exact"
+
+    def cpu_only(self) -> str | None:
+        return engine_cpu_only(self.engine)
 
     def check(self) -> None:
         if (self.prompt is None) == (self.prompt_file is None):

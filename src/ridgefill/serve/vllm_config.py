@@ -27,7 +27,8 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen
                  "Qwen3NextForCausalLM": "qwen3_next"}
 HYBRID = {"Qwen3NextForCausalLM"}  # Gated DeltaNet + full attention (docs/hybrid.md)
 LAYER_TYPES = ("full_attention", "linear_attention")  # the hybrid layer kinds the plugin fills
-# ridgefill's dtype names (ModelConfig's) -> vLLM's; "auto": the checkpoint's own
+# ridgefill's dtype names -> vLLM's; "auto": the checkpoint's own (serve's and bench-serve's --dtype auto; a
+# ModelConfig's --dtype auto is resolved, runtime/device.py, before it gets here)
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "auto": "auto"}
 DEV_MODE = "VLLM_SERVER_DEV_MODE"  # vLLM's server dev mode: endpoints that change the weights (check_dev_mode)
 

