@@ -54,6 +54,8 @@ from ridgefill.runtime.models import checkpoint_fingerprint
 from ridgefill.method.fill import FillSettings
 from ridgefill.serve.vllm_config import check_engine_config
 from ridgefill.serve.vllm.metrics import FillCounters
+from ridgefill.serve.vllm.private import (cpu_gemm, gdn_core, gdn_core_inputs, gdn_mixer, gdn_output,
+                                          gdn_split_forward, layer_scales, layer_type)
 from ridgefill.serve.vllm.rows import outlier_tokens, segments
 from ridgefill.serve.vllm.runner import StepLog
 
@@ -104,16 +106,10 @@ def rope_at(rotary_emb, positions: torch.Tensor, dtype: torch.dtype) -> tuple[to
 
 def linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable:
     """x [N, in] -> x·weightᵀ + bias, run as vLLM runs its own linear layers: on a CPU through vLLM's CPU GEMM
-    dispatch (oneDNN or its packed kernels, the weight prepacked once); elsewhere torch's F.linear."""
+    dispatch (private.cpu_gemm); elsewhere torch's F.linear."""
     if weight.device.type != "cpu":
         return functools.partial(F.linear, weight=weight, bias=bias)
-    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-
-    holder = torch.nn.Module()
-    holder.weight = torch.nn.Parameter(weight.contiguous(), requires_grad=False)
-    holder.bias = None if bias is None else torch.nn.Parameter(bias.contiguous(), requires_grad=False)
-    dispatch_cpu_unquantized_gemm(holder, remove_weight=False)
-    return lambda x: holder.cpu_linear(x, holder.weight, holder.bias)
+    return cpu_gemm(weight, bias)
 
 
 @dataclass
@@ -184,7 +180,7 @@ def filled_forward(model, state: FillState, batch, input_ids, positions, inputs_
     windows, whole = lookback_windows(positions.cpu(), batch.request, outliers, state.filler.lookback,
                                       state.filler.lookback_start)  # [N, K], [N]
     unwindowed = ~(batch.full | outliers | whole)  # filled rows whose window is not in this step: run in full
-    full = batch.bounded(batch.full | outliers | unwindowed)  # the rows it adds may not break the run bound
+    full = batch.bounded(batch.full | outliers | unwindowed)  # every full row known: the step's runs bounded
     batch.filled, batch.outliers, batch.unwindowed = ~full, outliers, unwindowed  # what the runner counts
     filled_cpu = torch.nonzero(~full).flatten()
     filled = filled_cpu.to(x.device)  # [nF]
@@ -218,9 +214,7 @@ def filled_forward(model, state: FillState, batch, input_ids, positions, inputs_
 
 def layer_kind(layer) -> str:
     """A decoder layer's kind: `attention` (it has `self_attn`) or `linear` (a Gated DeltaNet layer)."""
-    if getattr(layer, "layer_type", "full_attention") == "linear_attention":
-        return "linear"
-    return "attention"
+    return "linear" if layer_type(layer) == "linear_attention" else "attention"
 
 
 def linear_layer(layer, x: torch.Tensor, hf: torch.Tensor, rf: torch.Tensor | None, rows: torch.Tensor,
@@ -239,15 +233,16 @@ def linear_layer(layer, x: torch.Tensor, hf: torch.Tensor, rf: torch.Tensor | No
         normed[rows] = layer.input_layernorm(hf)
     else:  # the fused add-norm, as the stock layer runs it: the full rows' input and residual bit for bit
         normed[rows], full_in = layer.input_layernorm(hf, rf)
-    mixed = mixer_rows(layer.linear_attn, normed, rows)  # [F, H]
+    mixed = mixer_rows(gdn_mixer(layer), normed, rows)  # [F, H]
     if rows.numel() == 0:  # every row of the step filled: only the states moved
         return hf, full_in
-    if getattr(layer, "layer_scale", False):
-        mixed = mixed * (layer.attn_layer_scale.to(mixed.dtype)[0] + 1)
+    scales = layer_scales(layer)
+    if scales is not None:
+        mixed = mixed * (scales[0].to(mixed.dtype)[0] + 1)
     hf, rf = layer.post_attention_layernorm(mixed, full_in)
     hf = layer.mlp(hf)
-    if getattr(layer, "layer_scale", False):
-        hf = hf * (layer.ffn_layer_scale.to(hf.dtype)[0] + 1)
+    if scales is not None:
+        hf = hf * (scales[1].to(hf.dtype)[0] + 1)
     return hf, rf
 
 
@@ -256,22 +251,13 @@ def mixer_rows(attn, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     its output [F, H] for `rows` only. On a CPU the output gate's norm and out_proj run for those rows alone
     (vLLM 0.32's forward_cpu, split before its output projection); elsewhere vLLM's own forward runs over every
     row and the rows are taken from its output."""
-    if attn._forward_method.__name__ != "forward_cpu" or attn.gqa_interleaved_layout is False:
+    if not gdn_split_forward(attn):
         return attn(hidden)[rows]
-    from einops import rearrange
-    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import _encode_layer_name
-
-    mixed_qkvz, _ = attn.in_proj_qkvz(hidden)
-    ba, _ = attn.in_proj_ba(hidden)
-    query, key, value, z, b, a = attn.fix_query_key_value_ordering(mixed_qkvz, ba)
-    query, key, value = (rearrange(t, "l p d -> l (p d)") for t in (query, key, value))
-    core = torch.zeros((hidden.size(0), attn.num_v_heads // attn.tp_size, attn.head_v_dim), dtype=hidden.dtype,
-                       device=hidden.device)  # [N, Hv, Dv]
-    torch.ops.vllm.cpu_gdn_attention_core(torch.cat((query, key, value), dim=-1), b, a, core,
-                                          _encode_layer_name(attn.prefix))
+    mixed_qkv, z, b, a = gdn_core_inputs(attn, hidden)  # [N, q + k + v], [N, Hv, Dv], [N, Hv], [N, Hv]
+    core = gdn_core(attn, mixed_qkv, b, a)  # [N, Hv, Dv]
     if rows.numel() == 0:
         return hidden[:0]
-    return attn._output_projection(core[rows], z[rows])
+    return gdn_output(attn, core[rows], z[rows])
 
 
 def local_heads(per_head: torch.Tensor, attn) -> torch.Tensor:

@@ -27,6 +27,8 @@ from __future__ import annotations
 import hashlib
 
 from ridgefill.method.fill import FillSettings
+from ridgefill.serve.vllm.private import (block_lists, cache_blocks, cache_salt, prompt_length, prompt_tokens,
+                                          sampling_params, set_cache_salt)
 from ridgefill.serve.vllm_requests import request_rule
 
 
@@ -38,9 +40,8 @@ def fill_salt(fill: FillSettings, keep_first: int) -> str:
 
 def request_fill(request, fill: FillSettings) -> tuple[int, int] | None:
     """(tail, keep_first) of a request that fills, None for one that runs exact."""
-    prompt = len(request.prompt_token_ids) if request.prompt_token_ids is not None else \
-        int(request.prompt_embeds.shape[0])
-    tail, keep = request_rule(request.sampling_params, prompt, fill.tail, fill.keep_first)
+    prompt = prompt_length(request)
+    tail, keep = request_rule(sampling_params(request), prompt, fill.tail, fill.keep_first)
     return None if tail + keep >= prompt else (tail, keep)
 
 
@@ -50,25 +51,24 @@ def salted(salt: str | None, ours: str) -> str:
 
 def salted_request(stock, cls, request, block_hasher, fill: FillSettings):
     """Request.from_engine_core_request (vLLM's `stock`) with a filled request's cache salt joined to its own."""
-    rule = None if request.sampling_params is None else request_fill(request, fill)
+    rule = None if sampling_params(request) is None else request_fill(request, fill)
     if rule is not None:
-        request.cache_salt = salted(request.cache_salt, fill_salt(fill, rule[1]))
+        set_cache_salt(request, salted(cache_salt(request), fill_salt(fill, rule[1])))
     return stock(cls, request, block_hasher)
 
 
 def cut_cache_hit(stock, manager, request, fill: FillSettings):
     """KVCacheManager.get_computed_blocks (vLLM's `stock`) with a filled request's hit cut to the blocks that end
     before its tail."""
-    from ridgefill.serve.vllm.private import cache_blocks
-
     blocks, hit, boundary = stock(manager, request)
-    if hit == 0 or request.sampling_params is None:
+    if hit == 0 or sampling_params(request) is None:
         return blocks, hit, boundary
     rule = request_fill(request, fill)
     if rule is None:
         return blocks, hit, boundary
-    size = hit // max(1, len(blocks.blocks[0]))  # tokens per block (one KV cache group: dense models)
-    keep = max(0, (request.num_prompt_tokens - rule[0]) // size)  # blocks that end before the tail
+    groups = block_lists(blocks)
+    size = hit // max(1, len(groups[0]))  # tokens per block (one KV cache group: dense models)
+    keep = max(0, (prompt_tokens(request) - rule[0]) // size)  # blocks that end before the tail
     if keep * size >= hit:
         return blocks, hit, boundary
-    return cache_blocks(tuple(group[:keep] for group in blocks.blocks)), keep * size, 0
+    return cache_blocks(tuple(group[:keep] for group in groups)), keep * size, 0

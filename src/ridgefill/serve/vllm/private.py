@@ -1,10 +1,13 @@
-"""The private vLLM state the plugin reads, in one place, checked at start-up (vLLM imported only when called).
+"""The private vLLM state the plugin reads and the vLLM internals it calls, in one place, checked at start-up (vLLM
+imported only when called).
 
-`READS` lists every class (or module) whose private fields or attributes the plugin reads and why; `check_reads`
-(run by the plugin when it registers, before any patch is applied) checks that each of them still exists in the
-installed vLLM: a dataclass's or msgspec struct's fields, a class's attributes (defined on it, or assigned by its
-methods: `self.x = ...`), a module's functions. A vLLM that renamed or dropped one fails start-up with one line
-naming what is missing. The accessors below are how the plugin's runner and prefix-cache code reach that state.
+`READS` is the table: each entry names a vLLM class (or module), what the plugin reads or calls there, why, and the
+functions below that do it (`by`). Every read of vLLM's internals by the plugin's code goes through one of these
+functions (serve/vllm/*.py reads no private vLLM attribute itself). `check_reads` (run by the plugin when it
+registers, before any patch is applied) checks each entry against the installed vLLM: a `Read`'s names are a
+dataclass's or msgspec struct's fields, a class's attributes (defined on it, or assigned by its methods:
+`self.x = ...`) or a module's names; a `Call`'s function or method exists with the parameter names the plugin
+calls it with. A vLLM that renamed, dropped or re-signed one fails start-up with one line naming it.
 """
 
 from __future__ import annotations
@@ -14,72 +17,141 @@ import dis
 import importlib
 import inspect
 import types
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from ridgefill.errors import RidgefillError
 from ridgefill.serve.vllm_config import VLLM_PIN
 
 GDN = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn"
-# the keyword arguments FillBatch.attend builds the full rows' attention metadata with
+CPU_GDN = "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention"
+CPU_ATTN = "vllm.v1.attention.backends.cpu_attn"
+RUNNER = "vllm.v1.worker.gpu_model_runner"
+# the keyword arguments full_rows_metadata builds the full rows' attention metadata with
 METADATA_FIELDS = ("query_start_loc", "query_start_loc_cpu", "seq_lens", "seq_lens_cpu_upper_bound", "num_reqs",
                    "num_actual_tokens", "max_query_len", "max_seq_len", "block_table_tensor", "slot_mapping",
                    "causal", "positions")
 
 
 class Read(NamedTuple):
+    """Names the plugin reads: fields or attributes of a class, or a module's own names."""
+
     module: str
     owner: str | None  # the class read; None: `names` are the module's own
     names: tuple[str, ...]
     why: str
+    by: tuple[str, ...] = ()  # the functions of this module that read them
+
+    def problem(self) -> str | None:
+        missing = [n for n in self.names if n not in available(self)]
+        if not missing:
+            return None
+        return (f"vLLM's {where(self)} has no {', '.join(missing)}, which ridgefill's vLLM plugin reads "
+                f"({self.why}); this vLLM is not the release it was written for: {VLLM_PIN}")
+
+
+class Call(NamedTuple):
+    """A vLLM function (owner None) or method the plugin calls, with the parameter names it calls it with."""
+
+    module: str
+    owner: str | None
+    name: str
+    params: tuple[str, ...]
+    why: str
+    by: tuple[str, ...] = ()
+
+    def problem(self) -> str | None:
+        found = parameter_names(self)
+        if found == self.params:
+            return None
+        change = found if isinstance(found, str) else f"takes ({', '.join(found)})"
+        return (f"vLLM's {where(self)}.{self.name} {change}, which ridgefill's vLLM plugin calls as "
+                f"({', '.join(self.params)}) ({self.why}); this vLLM is not the release it was written for: "
+                f"{VLLM_PIN}")
 
 
 READS = (
     Read("vllm.v1.attention.backend", "CommonAttentionMetadata", METADATA_FIELDS,
-         "the full rows' attention metadata (FillBatch.attend)"),
-    Read("vllm.v1.attention.backends.cpu_attn", "CPUAttentionMetadata", ("block_table",),
-         "the step's block table, indexed for the full rows (FillBatch.attend)"),
+         "the full rows' attention metadata", ("full_rows_metadata",)),
+    Call("vllm.v1.worker.utils", "AttentionGroup", "get_metadata_builder", ("self", "ubatch_id"),
+         "the builder of a group's attention metadata", ("full_rows_metadata",)),
+    Call("vllm.v1.attention.backend", "AttentionMetadataBuilder", "build",
+         ("self", "common_prefix_len", "common_attn_metadata", "fast_build"),
+         "builds the full rows' attention metadata (every backend's builder)", ("full_rows_metadata",)),
+    Read(CPU_ATTN, "CPUAttentionMetadata", ("block_table",),
+         "the step's block table, indexed for the full rows", ("block_table",)),
+    Read("vllm.forward_context", None, ("get_forward_context",), "the step's forward context",
+         ("step_metadata", "set_step_metadata")),
     Read("vllm.forward_context", "ForwardContext", ("attn_metadata", "slot_mapping"),
-         "swapped for the full rows' while the late layers run (FillBatch.attend, write_kv)"),
-    Read("vllm.v1.worker.utils", "AttentionGroup", ("layer_names", "kv_cache_spec", "get_metadata_builder"),
-         "each attention group's layers and metadata builder (FillBatch.attend)"),
-    Read("vllm.v1.kv_cache_interface", None, ("AttentionSpec",), "attention groups, not Gated DeltaNet ones"),
+         "swapped for the full rows' while the late layers run", ("step_metadata", "set_step_metadata")),
+    Read("vllm.v1.worker.utils", "AttentionGroup", ("layer_names", "kv_cache_spec"),
+         "each attention group's layers, attention or Gated DeltaNet", ("group_layers", "is_attention")),
+    Read("vllm.v1.kv_cache_interface", None, ("AttentionSpec",), "attention groups, not Gated DeltaNet ones",
+         ("is_attention",)),
     Read("vllm.model_executor.layers.attention.attention", "Attention", ("layer_name", "kv_cache", "impl"),
-         "writes the filled rows' K/V into a layer's paged cache (FillBatch.write_kv)"),
-    Read("vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl", ("do_kv_cache_update",),
-         "the backend's own cache write (FillBatch.write_kv)"),
-    Read("vllm.v1.worker.gpu_model_runner", "GPUModelRunner",
-         ("input_batch", "query_start_loc", "requests", "attn_groups", "vllm_config", "get_model"),
-         "the step's requests, token offsets and attention groups (plan_step, model_forward)"),
+         "writes the filled rows' K/V into a layer's paged cache", ("layer_name", "write_layer_kv")),
+    Call(CPU_ATTN, "CPUAttentionBackendImpl", "do_kv_cache_update",
+         ("self", "layer", "key", "value", "kv_cache", "slot_mapping"), "the backend's own cache write",
+         ("write_layer_kv",)),
+    Read(RUNNER, "GPUModelRunner", ("input_batch", "query_start_loc", "requests", "attn_groups", "vllm_config"),
+         "the step's requests, token offsets, attention groups and configuration",
+         ("prompt_progress", "step_requests", "request_params", "live_requests", "attention_groups",
+          "runner_config")),
+    Call(RUNNER, "GPUModelRunner", "get_model", ("self",), "the model, and its fill state", ("runner_model",)),
     Read("vllm.v1.worker.gpu_input_batch", "InputBatch",
          ("num_reqs", "num_computed_tokens_cpu", "num_prompt_tokens", "req_ids"),
-         "each request's prompt length and progress (plan_step)"),
+         "each request's prompt length and progress", ("prompt_progress", "step_requests")),
+    Read("vllm.v1.utils", "CpuGpuBuffer", ("np",), "the step's token offsets (the runner's query_start_loc)",
+         ("step_requests",)),
+    Read("vllm.v1.worker.gpu_input_batch", "CachedRequestState", ("sampling_params",),
+         "a running request's options", ("request_params",)),
     Read("vllm.v1.engine", "EngineCoreRequest", ("prompt_token_ids", "prompt_embeds", "sampling_params",
-                                                 "cache_salt"), "a new request's prompt, options and salt"),
-    Read("vllm.v1.request", "Request", ("num_prompt_tokens", "sampling_params"), "a cache hit's request"),
-    Read("vllm.v1.core.kv_cache_manager", "KVCacheBlocks", ("blocks",), "a cache hit cut before the tail"),
-    Read(GDN, "QwenGatedDeltaNetAttention",
-         ("_forward_method", "gqa_interleaved_layout", "in_proj_qkvz", "in_proj_ba", "fix_query_key_value_ordering",
-          "num_v_heads", "tp_size", "head_v_dim", "prefix", "_output_projection"),
-         "a Gated DeltaNet mixer run over every row, its output kept for the full rows (model.mixer_rows)"),
-    Read(GDN, None, ("_encode_layer_name",), "the layer name vLLM's CPU Gated DeltaNet kernel takes"),
+                                                 "cache_salt"),
+         "a new request's prompt, options and salt", ("prompt_length", "sampling_params", "cache_salt",
+                                                     "set_cache_salt")),
+    Read("vllm.v1.request", "Request", ("num_prompt_tokens", "sampling_params"), "a cache hit's request",
+         ("prompt_tokens", "sampling_params")),
+    Read("vllm.v1.core.kv_cache_manager", "KVCacheBlocks", ("blocks",), "a cache hit cut before the tail",
+         ("block_lists", "cache_blocks")),
+    Read("vllm.model_executor.models.qwen3_next", "Qwen3NextDecoderLayer",
+         ("layer_type", "linear_attn", "layer_scale", "attn_layer_scale", "ffn_layer_scale"),
+         "a hybrid's decoder layer: its kind, its Gated DeltaNet mixer and its scales",
+         ("layer_type", "gdn_mixer", "layer_scales")),
+    Read(GDN, "QwenGatedDeltaNetAttention", ("_forward_method", "gqa_interleaved_layout"),
+         "whether a Gated DeltaNet mixer runs vLLM's CPU forward, which the plugin splits", ("gdn_split_forward",)),
+    Read(GDN, "QwenGatedDeltaNetAttention", ("in_proj_qkvz", "in_proj_ba"),
+         "a Gated DeltaNet mixer's input projections", ("gdn_core_inputs",)),
+    Call(GDN, "QwenGatedDeltaNetAttention", "fix_query_key_value_ordering", ("self", "mixed_qkvz", "mixed_ba"),
+         "splits a Gated DeltaNet mixer's projected input", ("gdn_core_inputs",)),
+    Read(GDN, "QwenGatedDeltaNetAttention", ("num_v_heads", "tp_size", "head_v_dim", "prefix"),
+         "the shape of a Gated DeltaNet mixer's core output, and its layer name", ("gdn_core",)),
+    Call("vllm.utils.torch_utils", None, "_encode_layer_name", ("layer_name",),
+         "the layer name vLLM's CPU Gated DeltaNet kernel takes", ("gdn_core",)),
+    Call(CPU_GDN, None, "cpu_gdn_attention_core", ("mixed_qkv", "b", "a", "core_attn_out", "layer_name"),
+         "vLLM's CPU Gated DeltaNet kernel (torch.ops.vllm.cpu_gdn_attention_core), over every row",
+         ("gdn_core",)),
+    Call(GDN, "QwenGatedDeltaNetAttention", "_output_projection", ("self", "core_attn_out", "z"),
+         "a Gated DeltaNet mixer's gated norm and output projection, for the full rows only", ("gdn_output",)),
+    Call("vllm.model_executor.layers.utils", None, "dispatch_cpu_unquantized_gemm", ("layer", "remove_weight"),
+         "runs the maps as vLLM runs a linear layer on a CPU (its `cpu_linear`)", ("cpu_gemm",)),
 )
 
 
 def check_reads(reads=READS) -> None:
-    """Raise a one-line RidgefillError naming the first read whose class or fields the installed vLLM lacks."""
+    """Raise a one-line RidgefillError naming the first entry of `reads` the installed vLLM does not match."""
     for read in reads:
-        missing = [n for n in read.names if n not in available(read)]
-        if missing:
-            where = f"{read.module}.{read.owner}" if read.owner else read.module
-            raise RidgefillError(f"vLLM's {where} has no {', '.join(missing)}, which ridgefill's vLLM plugin reads "
-                                 f"({read.why}); this vLLM is not the release it was written for: {VLLM_PIN}")
+        problem = read.problem()
+        if problem:
+            raise RidgefillError(problem)
+
+
+def where(read: Read | Call) -> str:
+    return f"{read.module}.{read.owner}" if read.owner else read.module
 
 
 def available(read: Read) -> set[str]:
     """The names `read` may use: the module's attributes, or its class's fields and attributes."""
-    try:
-        module = importlib.import_module(read.module)
-    except ImportError:
+    module = imported(read.module)
+    if module is None:
         return set()
     if read.owner is None:
         return set(vars(module))
@@ -88,6 +160,32 @@ def available(read: Read) -> set[str]:
         return set()
     fields = {f.name for f in dataclasses.fields(owner)} if dataclasses.is_dataclass(owner) else set()
     return fields | set(getattr(owner, "__struct_fields__", ())) | set(dir(owner)) | assigned(owner)
+
+
+def imported(name: str) -> types.ModuleType | None:
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+def parameter_names(call: Call) -> tuple[str, ...] | str:
+    """The parameter names of `call`'s function in the installed vLLM, or what it is instead ("is missing", "is not
+    a function")."""
+    holder = imported(call.module)
+    if holder is not None and call.owner is not None:
+        holder = getattr(holder, call.owner, None)
+        holder = holder if isinstance(holder, type) else None
+    raw = None if holder is None else inspect.getattr_static(holder, call.name, None)
+    function = getattr(raw, "__func__", raw)  # a classmethod's or staticmethod's function
+    if function is None:
+        return "is missing"
+    if not callable(function):
+        return "is not a function"
+    try:
+        return tuple(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        return "is not a function"
 
 
 def assigned(cls: type) -> set[str]:
@@ -109,39 +207,7 @@ def _stored(code: types.CodeType) -> set[str]:
     return names
 
 
-def forward_context():
-    from vllm.forward_context import get_forward_context
-
-    return get_forward_context()
-
-
-def cache_blocks(blocks: tuple):
-    """vLLM's KVCacheBlocks of `blocks` (one tuple of blocks per KV cache group)."""
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-
-    return KVCacheBlocks(blocks)
-
-
-def is_attention(group) -> bool:
-    """An attention group of attention layers (not Gated DeltaNet ones)."""
-    from vllm.v1.kv_cache_interface import AttentionSpec
-
-    return isinstance(group.kv_cache_spec, AttentionSpec)
-
-
-def full_rows_metadata(group, seg, base, slots, positions):
-    """The attention metadata of the full rows `seg` for one attention group, built by the group's own builder from
-    the step's metadata `base` (its block table) and the rows' `slots` and `positions`."""
-    from vllm.v1.attention.backend import CommonAttentionMetadata
-
-    device = base.block_table.device
-    common = CommonAttentionMetadata(
-        query_start_loc=seg.query_start.to(device), query_start_loc_cpu=seg.query_start,
-        seq_lens=seg.seq_lens.to(device), seq_lens_cpu_upper_bound=seg.seq_lens, num_reqs=seg.n,
-        num_actual_tokens=int(seg.rows.numel()), max_query_len=seg.max_query_len,
-        max_seq_len=int(seg.seq_lens.max()), block_table_tensor=base.block_table[seg.request.to(device)],
-        slot_mapping=slots, causal=True, positions=positions)
-    return group.get_metadata_builder().build(common_prefix_len=0, common_attn_metadata=common)
+# The model runner and its step.
 
 
 def prompt_progress(runner):
@@ -156,3 +222,204 @@ def step_requests(runner):
     """(req_ids [R], query_start [R + 1] token offsets, numpy) of the runner's step."""
     n = runner.input_batch.num_reqs
     return list(runner.input_batch.req_ids[:n]), runner.query_start_loc.np[: n + 1]
+
+
+def request_params(runner, req_id: str):
+    """The sampling parameters of the runner's request `req_id` (None: not a sampling request, or not running)."""
+    return getattr(runner.requests.get(req_id), "sampling_params", None)
+
+
+def live_requests(runner):
+    """The ids of the runner's requests not finished (a mapping keyed by id)."""
+    return runner.requests
+
+
+def attention_groups(runner) -> list:
+    """The runner's attention groups, every KV cache group's in turn."""
+    return [group for groups in runner.attn_groups for group in groups]
+
+
+def runner_config(runner):
+    """The runner's VllmConfig."""
+    return runner.vllm_config
+
+
+def runner_model(runner):
+    return runner.get_model()
+
+
+# Attention: the step's metadata and the paged cache.
+
+
+def step_metadata():
+    """(attention metadata, slot mappings) of the step under way, each a dict by layer name."""
+    from vllm.forward_context import get_forward_context
+
+    ctx = get_forward_context()
+    return ctx.attn_metadata, ctx.slot_mapping
+
+
+def set_step_metadata(metadata: dict, slots: dict) -> None:
+    """Make the attention layers that run next see `metadata` and `slots` (dicts by layer name)."""
+    from vllm.forward_context import get_forward_context
+
+    ctx = get_forward_context()
+    ctx.attn_metadata, ctx.slot_mapping = metadata, slots
+
+
+def block_table(metadata):
+    """The block table [R, blocks] of an attention layer's metadata for the step."""
+    return metadata.block_table
+
+
+def group_layers(group) -> list[str]:
+    """The names of an attention group's layers."""
+    return group.layer_names
+
+
+def is_attention(group) -> bool:
+    """An attention group of attention layers (not Gated DeltaNet ones)."""
+    from vllm.v1.kv_cache_interface import AttentionSpec
+
+    return isinstance(group.kv_cache_spec, AttentionSpec)
+
+
+def full_rows_metadata(group, seg, base, slots, positions):
+    """The attention metadata of the full rows `seg` for one attention group, built by the group's own builder from
+    the step's metadata `base` (its block table) and the rows' `slots` and `positions`."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    table = block_table(base)
+    device = table.device
+    common = CommonAttentionMetadata(
+        query_start_loc=seg.query_start.to(device), query_start_loc_cpu=seg.query_start,
+        seq_lens=seg.seq_lens.to(device), seq_lens_cpu_upper_bound=seg.seq_lens, num_reqs=seg.n,
+        num_actual_tokens=int(seg.rows.numel()), max_query_len=seg.max_query_len,
+        max_seq_len=int(seg.seq_lens.max()), block_table_tensor=table[seg.request.to(device)],
+        slot_mapping=slots, causal=True, positions=positions)
+    return group.get_metadata_builder().build(common_prefix_len=0, common_attn_metadata=common)
+
+
+def layer_name(attn) -> str:
+    """The name an attention layer's metadata and slots are keyed by."""
+    return attn.layer_name
+
+
+def write_layer_kv(attn, key, value, slots) -> None:
+    """key, value [n, kv_heads, head_dim] -> the paged cache of attention layer `attn` at `slots` [n], through the
+    backend's own cache write."""
+    attn.impl.do_kv_cache_update(attn, key, value, attn.kv_cache, slots)
+
+
+# Requests and the prefix cache (the engine core).
+
+
+def sampling_params(request):
+    """A request's sampling parameters (None: not a sampling request)."""
+    return request.sampling_params
+
+
+def prompt_length(request) -> int:
+    """The prompt length of a new request (EngineCoreRequest): its token ids, or its prompt embeddings' rows."""
+    if request.prompt_token_ids is not None:
+        return len(request.prompt_token_ids)
+    return int(request.prompt_embeds.shape[0])
+
+
+def cache_salt(request) -> str | None:
+    return request.cache_salt
+
+
+def set_cache_salt(request, salt: str) -> None:
+    request.cache_salt = salt
+
+
+def prompt_tokens(request) -> int:
+    """The prompt length of a scheduled request (vLLM's Request)."""
+    return request.num_prompt_tokens
+
+
+def block_lists(blocks) -> tuple:
+    """A cache hit's blocks: one list of blocks per KV cache group."""
+    return blocks.blocks
+
+
+def cache_blocks(blocks: tuple):
+    """vLLM's KVCacheBlocks of `blocks` (one tuple of blocks per KV cache group)."""
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+
+    return KVCacheBlocks(blocks)
+
+
+# A hybrid's decoder layers and their Gated DeltaNet mixers (Qwen3-Next).
+
+
+def layer_type(layer) -> str:
+    """A decoder layer's type: `linear_attention` (a Gated DeltaNet layer) or `full_attention` (also every layer of
+    a dense model, which has no type)."""
+    return getattr(layer, "layer_type", "full_attention")
+
+
+def gdn_mixer(layer):
+    """A Gated DeltaNet layer's mixer (vLLM's QwenGatedDeltaNetAttention)."""
+    return layer.linear_attn
+
+
+def layer_scales(layer):
+    """(attention, MLP) output scales [1, ...] of a hybrid decoder layer that scales them, else None."""
+    if not getattr(layer, "layer_scale", False):
+        return None
+    return layer.attn_layer_scale, layer.ffn_layer_scale
+
+
+def gdn_split_forward(attn) -> bool:
+    """Whether a Gated DeltaNet mixer runs vLLM's CPU forward on Qwen3-Next's interleaved layout, the one
+    mixer_rows splits before its output projection (else vLLM's own forward runs whole)."""
+    return attn._forward_method.__name__ == "forward_cpu" and attn.gqa_interleaved_layout is not False
+
+
+def gdn_core_inputs(attn, hidden):
+    """The core inputs of a Gated DeltaNet mixer over `hidden` [N, H], as vLLM 0.32's forward_cpu derives them:
+    (mixed_qkv [N, q + k + v], z [N, Hv, Dv], b [N, Hv], a [N, Hv]) for this rank's heads."""
+    import torch
+    from einops import rearrange
+
+    mixed_qkvz, _ = attn.in_proj_qkvz(hidden)
+    ba, _ = attn.in_proj_ba(hidden)
+    query, key, value, z, b, a = attn.fix_query_key_value_ordering(mixed_qkvz, ba)
+    query, key, value = (rearrange(t, "l p d -> l (p d)") for t in (query, key, value))
+    return torch.cat((query, key, value), dim=-1), z, b, a
+
+
+def gdn_core(attn, mixed_qkv, b, a):
+    """vLLM's CPU Gated DeltaNet kernel over every row of the step (the layer's recurrent and conv states advance
+    over all of them): the core output [N, Hv, Dv]."""
+    import torch
+    from vllm.utils.torch_utils import _encode_layer_name
+
+    core = torch.zeros((mixed_qkv.size(0), attn.num_v_heads // attn.tp_size, attn.head_v_dim),
+                       dtype=mixed_qkv.dtype, device=mixed_qkv.device)  # [N, Hv, Dv]
+    torch.ops.vllm.cpu_gdn_attention_core(mixed_qkv, b, a, core, _encode_layer_name(attn.prefix))
+    return core
+
+
+def gdn_output(attn, core, z):
+    """A Gated DeltaNet mixer's output [n, H] from its core output [n, Hv, Dv] and gate z [n, Hv, Dv]: its gated
+    norm and output projection."""
+    return attn._output_projection(core, z)
+
+
+# Linear layers on a CPU.
+
+
+def cpu_gemm(weight, bias) -> Callable:
+    """x [N, in] -> x·weightᵀ + bias through vLLM's CPU GEMM dispatch (oneDNN or its packed kernels, the weight
+    prepacked once), as vLLM runs its own linear layers on a CPU."""
+    import torch
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    holder = torch.nn.Module()
+    holder.weight = torch.nn.Parameter(weight.contiguous(), requires_grad=False)
+    holder.bias = None if bias is None else torch.nn.Parameter(bias.contiguous(), requires_grad=False)
+    dispatch_cpu_unquantized_gemm(holder, remove_weight=False)
+    return lambda x: holder.cpu_linear(x, holder.weight, holder.bias)

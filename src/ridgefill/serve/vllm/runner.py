@@ -19,9 +19,10 @@ FillBatch gives the model two things the stock layers cannot do:
 The model reports back which rows it filled (`FillBatch.filled`, `.outliers`, `.unwindowed`).
 
 `attend` builds one pseudo-request per run of full rows; vLLM's CUDA backends size some metadata buffers by
-max_num_seqs (and the CUDA graph capture size), so the plan bounds a step's runs (`max_runs`, rows.bound_runs:
-beyond the bound the shortest stretches of filled rows between two runs of one request run in full, counted as
-`run_bound`), and `FillBatch.bounded` applies the same bound to the rows the model adds.
+max_num_seqs (and the CUDA graph capture size), so a step's runs are bounded (`max_runs`, rows.bound_runs: beyond
+the bound the shortest stretches of filled rows between two runs of one request run in full, counted as
+`run_bound`). The bound is applied once, by the model (`FillBatch.bounded`), to every row it runs in full: the
+rule's, and the outlier and lookback rows only the model can find; the plan carries the bound, not its result.
 
 Every prompt token is counted once (`account`): filled or full when its position is first computed, `cached` when
 the prefix cache served it; a prompt computed again after vLLM preempted its request counts as `recomputed`.
@@ -38,8 +39,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ridgefill.serve.vllm.private import (forward_context, full_rows_metadata, is_attention,
-                                          prompt_progress, step_requests)
+from ridgefill.serve.vllm.private import (attention_groups, block_table, full_rows_metadata, group_layers,
+                                          is_attention, layer_name, live_requests, prompt_progress, request_params,
+                                          runner_config, runner_model, set_step_metadata, step_metadata,
+                                          step_requests, write_layer_kv)
 from ridgefill.serve.vllm_requests import request_rule
 from ridgefill.serve.vllm.rows import Segments, bound_runs, full_tokens, token_requests
 
@@ -48,7 +51,7 @@ log = logging.getLogger("ridgefill.vllm")
 
 @dataclass
 class FillBatch:
-    full: torch.Tensor  # [N] bool, CPU: tokens that run the full model (before outlier rows are added)
+    full: torch.Tensor  # [N] bool, CPU: the rule's full tokens (before the model adds its rows and bounds the runs)
     request: torch.Tensor  # [N] long, CPU: each token's request index in the step (-1: padding)
     groups: list  # the runner's attention groups (layer names + metadata builder each)
     max_runs: int = 0  # the most runs of full rows `attend` may describe (runner.max_runs; 0: no bound)
@@ -63,13 +66,13 @@ class FillBatch:
     def write_kv(self, attn, key: torch.Tensor, value: torch.Tensor, rows: torch.Tensor) -> None:
         """key, value [n, kv_heads, head_dim] of the batch rows `rows` [n] -> attention layer `attn`'s cache (also
         within `attend`: the rows index the step's batch)."""
-        slots = (self.step_slots or forward_context().slot_mapping)[attn.layer_name][rows]
-        attn.impl.do_kv_cache_update(attn, key, value, attn.kv_cache, slots)
+        slots = (self.step_slots or step_metadata()[1])[layer_name(attn)][rows]
+        write_layer_kv(attn, key, value, slots)
 
     def bounded(self, full: torch.Tensor) -> torch.Tensor:
         """full [N] bool (the model's full rows: `full` and the rows it adds, outliers and rows without a lookback
         window) with gaps closed until its runs fit `max_runs` (rows.bound_runs), for `attend`; the rows it
-        closes are counted (`promoted`)."""
+        closes are counted (`promoted`). The one place the run bound is applied: the model calls it once a step."""
         out = full if self.max_runs <= 0 else bound_runs(full, self.request, self.max_runs)
         self.promoted = out & ~full
         return out
@@ -77,26 +80,27 @@ class FillBatch:
     @contextmanager
     def attend(self, seg: Segments, positions: torch.Tensor):
         """Within: attention layers see a batch of only the full rows `seg.rows` (at `positions` [F])."""
-        ctx = forward_context()
-        stock_meta, stock_slots = ctx.attn_metadata, ctx.slot_mapping
+        stock_meta, stock_slots = step_metadata()
         if seg.n == 0:  # no full row: no attention layer runs (linear layers keep the step's own metadata)
             yield
             return
         meta, slots = dict(stock_meta), dict(stock_slots)
         for group in self.groups:
-            names = [n for n in group.layer_names if n in stock_meta] if is_attention(group) else []
+            names = [n for n in group_layers(group) if n in stock_meta] if is_attention(group) else []
             if not names:  # Gated DeltaNet layers run over every row
                 continue
             base = stock_meta[names[0]]
-            rows = seg.rows.to(base.block_table.device)
+            rows = seg.rows.to(block_table(base).device)
             built = full_rows_metadata(group, seg, base, stock_slots[names[0]][rows], positions)
             for name in names:
                 meta[name], slots[name] = built, stock_slots[name][rows]
-        ctx.attn_metadata, ctx.slot_mapping, self.step_slots = meta, slots, stock_slots
+        set_step_metadata(meta, slots)
+        self.step_slots = stock_slots
         try:
             yield
         finally:
-            ctx.attn_metadata, ctx.slot_mapping, self.step_slots = stock_meta, stock_slots, None
+            set_step_metadata(stock_meta, stock_slots)
+            self.step_slots = None
 
 
 @dataclass
@@ -111,16 +115,14 @@ class Step:
     positions: torch.Tensor  # [N] each token's position
     in_prompt: torch.Tensor  # [N] bool: prompt tokens (decode tokens are not)
     last: torch.Tensor  # [N] bool: a request's last prompt token
-    full: torch.Tensor  # [N] bool: the tokens that run in full (the rule's, and those over the run bound)
-    promoted: torch.Tensor  # [N] bool: tokens the rule fills that run in full: the step's runs are bounded
-    max_runs: int = 0  # the run bound of the step's full tokens (rows.bound_runs; 0: none)
+    full: torch.Tensor  # [N] bool: the tokens the rule runs in full (padding too)
+    max_runs: int = 0  # the run bound of the step's full tokens, applied by the model (FillBatch.bounded; 0: none)
 
     def batch(self, runner) -> FillBatch | None:
         """The FillBatch to pass to the model, or None when the rule fills no token of this step."""
         if bool(self.full.all()):
             return None
-        return FillBatch(self.full, self.request, [g for groups in runner.attn_groups for g in groups],
-                         self.max_runs)
+        return FillBatch(self.full, self.request, attention_groups(runner), self.max_runs)
 
 
 @dataclass
@@ -147,7 +149,7 @@ def max_runs(runner) -> int:
     """The most runs of full tokens (pseudo-requests of `FillBatch.attend`) a step may have: vLLM's attention
     backends size per-request metadata buffers by max_num_seqs, and under CUDA graphs some by the largest capture
     size. The CPU backend has no such buffers; the bound holds there too, so it is the same everywhere."""
-    config = runner.vllm_config
+    config = runner_config(runner)
     limit = int(config.scheduler_config.max_num_seqs)
     compilation = config.compilation_config
     mode = getattr(compilation, "cudagraph_mode", None)
@@ -173,16 +175,13 @@ def plan_step(runner, positions: torch.Tensor, served_tail: int, served_keep: in
         return None
     tails, keeps = [], []
     for i, req_id in enumerate(req_ids):
-        params = getattr(runner.requests.get(req_id), "sampling_params", None)
-        tail, keep = request_rule(params, int(prompt[i]), served_tail, served_keep)
+        tail, keep = request_rule(request_params(runner, req_id), int(prompt[i]), served_tail, served_keep)
         tails.append(tail)
         keeps.append(keep)
-    rule = full_tokens(positions, request, prompt, torch.tensor(tails, dtype=torch.long),
+    full = full_tokens(positions, request, prompt, torch.tensor(tails, dtype=torch.long),
                        torch.tensor(keeps, dtype=torch.long))
-    limit = max_runs(runner)
-    full = bound_runs(rule, request, limit)
     last = in_prompt & (positions == prompt[request.clamp(min=0)] - 1)
-    return Step(req_ids, prompt, tails, keeps, request, positions, in_prompt, last, full, full & ~rule, limit)
+    return Step(req_ids, prompt, tails, keeps, request, positions, in_prompt, last, full, max_runs(runner))
 
 
 def account(state, step: Step, batch: FillBatch | None, book: StepLog, live=None) -> None:
@@ -206,8 +205,8 @@ def account(state, step: Step, batch: FillBatch | None, book: StepLog, live=None
     state.count(filled=int((fresh & filled).sum()), full=int((fresh & ~filled).sum()), cached=cached,
                 recomputed=int((step.in_prompt & ~fresh).sum()), outliers=int((fresh & outliers).sum()),
                 unwindowed=int((fresh & unwindowed).sum()),
-                run_bound=int((fresh & (step.promoted | bound)).sum()))
-    rule = torch.bincount(mine[fresh & (~step.full | step.promoted)], minlength=n)  # [R]
+                run_bound=int((fresh & bound).sum()))
+    rule = torch.bincount(mine[fresh & ~step.full], minlength=n)  # [R]
     got = torch.bincount(mine[fresh & filled], minlength=n)  # [R]
     reached = torch.zeros(n, dtype=torch.long).scatter_reduce(0, mine[step.in_prompt],
                                                              step.positions[step.in_prompt] + 1, "amax")
@@ -244,7 +243,7 @@ def model_forward(stock, runner, input_ids=None, positions=None, intermediate_te
                   **model_kwargs):
     """The runner's `_model_forward` with the fill (serve/vllm/patches.ModelForwardPatch wraps vLLM's `stock` with
     it): plan the step, pass its FillBatch to the model, count what it did."""
-    state = getattr(runner.get_model(), "ridgefill", None)
+    state = getattr(runner_model(runner), "ridgefill", None)
     step = batch = None
     if state is not None and positions is not None:
         try:
@@ -258,7 +257,7 @@ def model_forward(stock, runner, input_ids=None, positions=None, intermediate_te
     out = stock(runner, input_ids=input_ids, positions=positions, intermediate_tensors=intermediate_tensors,
                 inputs_embeds=inputs_embeds, **model_kwargs)
     if step is not None:
-        account(state, step, batch, state.log, runner.requests)
+        account(state, step, batch, state.log, live_requests(runner))
     return out
 
 
