@@ -54,8 +54,10 @@ from ridgefill.runtime.models import checkpoint_fingerprint
 from ridgefill.method.fill import FillSettings
 from ridgefill.serve.vllm_config import check_engine_config
 from ridgefill.serve.vllm.metrics import FillCounters
-from ridgefill.serve.vllm.private import (cpu_gemm, gdn_core, gdn_core_inputs, gdn_mixer, gdn_output,
-                                          gdn_split_forward, layer_scales, layer_type)
+from ridgefill.serve.vllm.private import (cpu_gemm, decoder_layers, embed, final_norm, gdn_core, gdn_core_inputs,
+                                          gdn_mixer, gdn_output, gdn_split_forward, kv_layout, layer_mlp,
+                                          layer_norms, layer_scales, layer_type, norm_params, paged_attention,
+                                          rope_table, rotary, self_attention)
 from ridgefill.serve.vllm.rows import outlier_tokens, segments
 from ridgefill.serve.vllm.runner import StepLog
 
@@ -71,28 +73,26 @@ class LateKV:
 
 def late_kv(layer, index: int, key_scale: torch.Tensor | None) -> LateKV:
     """The LateKV of decoder layer `index` (copied from its modules while vLLM still holds their weights)."""
-    attn = layer.self_attn
-    if not attn.rotary_emb.is_neox_style:
+    attn = self_attention(layer)
+    if not rope_table(rotary(attn))[1]:
         raise RidgefillError(f"layer {index} rotates its keys GPT-J style (interleaved): the fill supports the NeoX "
                              "(rotate-half) RoPE of Llama, Qwen2, Qwen3 and Qwen3-Next; serve this model without maps")
-    qkv, kv, k_norm = attn.qkv_proj, attn.kv_size, getattr(attn, "k_norm", None)
-    q_rows = attn.q_size * (2 if getattr(attn, "attn_output_gate", False) else 1)  # Qwen3-Next: + gate
-    k_rows, v_rows = slice(q_rows, q_rows + kv), slice(q_rows + kv, q_rows + 2 * kv)
-    bias = getattr(qkv, "bias", None)
-    weights = KVWeights(norm_weight(layer.input_layernorm), layer.input_layernorm.variance_epsilon,
-                        qkv.weight[k_rows].detach(), None if bias is None else bias[k_rows].detach(),
-                        qkv.weight[v_rows].detach(), None if bias is None else bias[v_rows].detach(),
+    kv = kv_layout(attn)
+    weight, bias, k_norm = kv.qkv_weight, kv.qkv_bias, kv.k_norm
+    input_norm = layer_norms(layer)[0]
+    weights = KVWeights(norm_weight(input_norm), norm_params(input_norm)[1],
+                        weight[kv.k_rows].detach(), None if bias is None else bias[kv.k_rows].detach(),
+                        weight[kv.v_rows].detach(), None if bias is None else bias[kv.v_rows].detach(),
                         None if k_norm is None else norm_weight(k_norm),
-                        0.0 if k_norm is None else k_norm.variance_epsilon)
-    stack = stack_weights([weights], [index], None, kv // attn.head_dim, attn.head_dim, qkv.weight.dtype,
-                          qkv.weight.device)
+                        0.0 if k_norm is None else norm_params(k_norm)[1])
+    stack = stack_weights([weights], [index], None, kv.kv_heads, kv.head_dim, weight.dtype, weight.device)
     return LateKV(stack, key_scale)
 
 
 def norm_weight(norm) -> torch.Tensor:
     """The weight a vLLM RMSNorm multiplies by, in float32: its weight, or 1 + weight for the zero-centred
     GemmaRMSNorm (Qwen3-Next)."""
-    weight = norm.weight.detach().float()
+    weight = norm_params(norm)[0].detach().float()
     return weight + 1.0 if isinstance(norm, GemmaRMSNorm) else weight
 
 
@@ -100,7 +100,7 @@ def rope_at(rotary_emb, positions: torch.Tensor, dtype: torch.dtype) -> tuple[to
     """vLLM's RoPE tables at `positions` [n] in the layout the engine applies (engine/families/base.py apply_rope):
     cos, sin [n, Dr]. A row of vLLM's cos_sin_cache holds the cos, then the sin, of the Dr/2 frequencies; the NeoX
     style rotates the two halves of the rotated dims by the same angles, so each is repeated."""
-    cos, sin = rotary_emb.cos_sin_cache[positions.long()].to(dtype).chunk(2, dim=-1)
+    cos, sin = rope_table(rotary_emb)[0][positions.long()].to(dtype).chunk(2, dim=-1)
     return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
 
 
@@ -144,8 +144,8 @@ class RidgeFillMixin:
         return loaded
 
     def _load_fill_state(self, fill: FillSettings) -> FillState:
-        layers = self.model.layers
-        ref = layers[0].input_layernorm.weight
+        layers = decoder_layers(self.model)
+        ref = norm_params(layer_norms(layers[0])[0])[0]
         info = {"weights_hash": checkpoint_fingerprint(self._ridgefill_folder)}
         filler, meta = load_filler(fill.maps, info, dtype=ref.dtype, device=ref.device, sha256=fill.maps_sha256)
         if meta["n_layers"] != len(layers):
@@ -155,7 +155,7 @@ class RidgeFillMixin:
             if layer_kind(layer) != "attention":  # a linear layer: no K/V, its mixer runs over the filled rows
                 late.append(None)
                 continue
-            scale = None if filler.key_scale is None else local_heads(filler.key_scale[j], layer.self_attn)
+            scale = None if filler.key_scale is None else local_heads(filler.key_scale[j], self_attention(layer))
             late.append(late_kv(layer, filler.split + j, scale))
         if hasattr(filler, "use_gemm"):  # each map as vLLM runs a linear layer (prepacked on a CPU), layer by layer
             filler.use_gemm(linear)
@@ -169,9 +169,9 @@ class RidgeFillMixin:
 
 def filled_forward(model, state: FillState, batch, input_ids, positions, inputs_embeds) -> torch.Tensor:
     """The decoder stack of one step with filled rows; returns the final-normed hidden states [N, H]."""
-    h = inputs_embeds if inputs_embeds is not None else model.embed_input_ids(input_ids)  # [N, H]
+    h = inputs_embeds if inputs_embeds is not None else embed(model, input_ids)  # [N, H]
     residual = None
-    layers, s = model.layers, state.split
+    layers, s = decoder_layers(model), state.split
     for layer in layers[:s]:
         h, residual = layer(positions=positions, hidden_states=h, residual=residual)
     x = h if residual is None else h + residual  # [N, H] the split state
@@ -207,7 +207,7 @@ def filled_forward(model, state: FillState, batch, input_ids, positions, inputs_
                 hf, rf = linear_layer(layer, x, hf, rf, rows, filled, predicted)
     if rows.numel() == 0:
         return out
-    normed = model.norm(hf, rf)
+    normed = final_norm(model)(hf, rf)
     out[rows] = normed[0] if isinstance(normed, tuple) else normed
     return out
 
@@ -227,20 +227,21 @@ def linear_layer(layer, x: torch.Tensor, hf: torch.Tensor, rf: torch.Tensor | No
     u = x.clone()  # [N, H]
     if predicted is not None:
         u[filled] = predicted.to(u.dtype)
-    normed = layer.input_layernorm(u)  # [N, H]; the full rows' are replaced next
+    input_norm, post_norm = layer_norms(layer)
+    normed = input_norm(u)  # [N, H]; the full rows' are replaced next
     if rf is None:
         full_in = hf
-        normed[rows] = layer.input_layernorm(hf)
+        normed[rows] = input_norm(hf)
     else:  # the fused add-norm, as the stock layer runs it: the full rows' input and residual bit for bit
-        normed[rows], full_in = layer.input_layernorm(hf, rf)
+        normed[rows], full_in = input_norm(hf, rf)
     mixed = mixer_rows(gdn_mixer(layer), normed, rows)  # [F, H]
     if rows.numel() == 0:  # every row of the step filled: only the states moved
         return hf, full_in
     scales = layer_scales(layer)
     if scales is not None:
         mixed = mixed * (scales[0].to(mixed.dtype)[0] + 1)
-    hf, rf = layer.post_attention_layernorm(mixed, full_in)
-    hf = layer.mlp(hf)
+    hf, rf = post_norm(mixed, full_in)
+    hf = layer_mlp(layer)(hf)
     if scales is not None:
         hf = hf * (scales[1].to(hf.dtype)[0] + 1)
     return hf, rf
@@ -263,8 +264,8 @@ def mixer_rows(attn, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 def local_heads(per_head: torch.Tensor, attn) -> torch.Tensor:
     """The entries of a per-KV-head tensor [total KV heads] that this tensor-parallel rank holds: heads
     rank·local.. when the heads are split, head rank // replicas when each is replicated on several ranks."""
-    total, size = attn.total_num_kv_heads, get_tensor_model_parallel_world_size()
-    local = attn.kv_size // attn.head_dim
+    layout = kv_layout(attn)
+    total, size, local = layout.total_kv_heads, get_tensor_model_parallel_world_size(), layout.kv_heads
     start = (get_tensor_model_parallel_rank() // max(1, size // total)) * local
     return per_head[start : start + local].contiguous()
 
@@ -272,10 +273,10 @@ def local_heads(per_head: torch.Tensor, attn) -> torch.Tensor:
 def write_filled_kv(layer, kv: LateKV, u: torch.Tensor, positions: torch.Tensor, batch, filled: torch.Tensor) -> None:
     """Write the K/V of the filled rows (predicted layer input u [nF, H] at `positions` [nF]) into `layer`'s cache,
     computed by the engine's projection (layer_kv)."""
-    attn = layer.self_attn
-    cos, sin = rope_at(attn.rotary_emb, positions, kv.stack.weight.dtype)  # [nF, Dr] each
+    attn = self_attention(layer)
+    cos, sin = rope_at(rotary(attn), positions, kv.stack.weight.dtype)  # [nF, Dr] each
     k, v = layer_kv(kv.stack, u, cos, sin, kv.key_scale)  # [nF, local KV heads, D] each
-    batch.write_kv(attn.attn, k.contiguous(), v.contiguous(), filled)
+    batch.write_kv(paged_attention(attn), k.contiguous(), v.contiguous(), filled)
 
 
 class RidgeFillLlamaForCausalLM(RidgeFillMixin, LlamaForCausalLM):

@@ -3,7 +3,8 @@
 vLLM calls `register()` in every process it starts (API server, engine core, workers), possibly more than once.
 Unconfigured (RIDGEFILL_MAPS unset) it does nothing: vLLM runs exactly as stock. Configured, it
 1. refuses any vLLM other than the release it was written for (serve/vllm_config.VLLM_VERSION), and checks that
-   the private vLLM state it reads is there (serve/vllm/private.check_reads) and that every attribute it patches
+   the private vLLM state it reads and the internals it calls are there, as it reads and calls them
+   (serve/vllm/private.check_reads, the table every such read goes through) and that every attribute it patches
    exists with the signature it was written against (serve/vllm/patch.Patch): a vLLM that changed one fails
    start-up with one line naming it, before anything is patched;
 2. makes vLLM use its V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0 unless set), the one the plugin hooks;

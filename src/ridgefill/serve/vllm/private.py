@@ -3,70 +3,30 @@ imported only when called).
 
 `READS` is the table: each entry names a vLLM class (or module), what the plugin reads or calls there, why, and the
 functions below that do it (`by`). Every read of vLLM's internals by the plugin's code goes through one of these
-functions (serve/vllm/*.py reads no private vLLM attribute itself). `check_reads` (run by the plugin when it
-registers, before any patch is applied) checks each entry against the installed vLLM: a `Read`'s names are a
-dataclass's or msgspec struct's fields, a class's attributes (defined on it, or assigned by its methods:
-`self.x = ...`) or a module's names; a `Call`'s function or method exists with the parameter names the plugin
-calls it with. A vLLM that renamed, dropped or re-signed one fails start-up with one line naming it.
+functions (no other module of serve/vllm/ reads a private vLLM attribute itself). `check_reads` (run by the plugin
+when it registers, before any patch is applied) checks each entry against the installed vLLM (serve/vllm/surface.py:
+a Read's fields and attributes, a Call's parameter names): a vLLM that renamed, dropped or re-signed one fails
+start-up with one line naming it.
 """
-
 from __future__ import annotations
 
-import dataclasses
-import dis
-import importlib
-import inspect
-import types
 from typing import Callable, NamedTuple
 
 from ridgefill.errors import RidgefillError
-from ridgefill.serve.vllm_config import VLLM_PIN
+from ridgefill.serve.vllm.surface import Call, Read
 
 GDN = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn"
 CPU_GDN = "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention"
 CPU_ATTN = "vllm.v1.attention.backends.cpu_attn"
 RUNNER = "vllm.v1.worker.gpu_model_runner"
+MODELS = "vllm.model_executor.models"
+ATTENTION = ("qkv_proj", "q_size", "kv_size", "head_dim", "total_num_kv_heads", "rotary_emb", "attn")
+DECODER = ("self_attn", "input_layernorm", "post_attention_layernorm", "mlp")
+FAMILIES = (("llama", "Llama"), ("qwen2", "Qwen2"), ("qwen3", "Qwen3"), ("qwen3_next", "Qwen3Next"))
 # the keyword arguments full_rows_metadata builds the full rows' attention metadata with
 METADATA_FIELDS = ("query_start_loc", "query_start_loc_cpu", "seq_lens", "seq_lens_cpu_upper_bound", "num_reqs",
                    "num_actual_tokens", "max_query_len", "max_seq_len", "block_table_tensor", "slot_mapping",
                    "causal", "positions")
-
-
-class Read(NamedTuple):
-    """Names the plugin reads: fields or attributes of a class, or a module's own names."""
-
-    module: str
-    owner: str | None  # the class read; None: `names` are the module's own
-    names: tuple[str, ...]
-    why: str
-    by: tuple[str, ...] = ()  # the functions of this module that read them
-
-    def problem(self) -> str | None:
-        missing = [n for n in self.names if n not in available(self)]
-        if not missing:
-            return None
-        return (f"vLLM's {where(self)} has no {', '.join(missing)}, which ridgefill's vLLM plugin reads "
-                f"({self.why}); this vLLM is not the release it was written for: {VLLM_PIN}")
-
-
-class Call(NamedTuple):
-    """A vLLM function (owner None) or method the plugin calls, with the parameter names it calls it with."""
-
-    module: str
-    owner: str | None
-    name: str
-    params: tuple[str, ...]
-    why: str
-    by: tuple[str, ...] = ()
-
-    def problem(self) -> str | None:
-        found = parameter_names(self)
-        if found == self.params:
-            return None
-        change = found if isinstance(found, str) else f"takes ({', '.join(found)})"
-        return (f"vLLM's {where(self)}.{self.name} {change}, which ridgefill's vLLM plugin calls as "
-                f"({', '.join(self.params)}) ({self.why}); this vLLM is not the release it was written for: "
-                f"{VLLM_PIN}")
 
 
 READS = (
@@ -112,6 +72,21 @@ READS = (
          ("prompt_tokens", "sampling_params")),
     Read("vllm.v1.core.kv_cache_manager", "KVCacheBlocks", ("blocks",), "a cache hit cut before the tail",
          ("block_lists", "cache_blocks")),
+    *(Read(f"{MODELS}.{module}", f"{family}Model", ("layers", "norm"), "the decoder stack and its final norm",
+           ("decoder_layers", "final_norm")) for module, family in FAMILIES),
+    *(Call(f"{MODELS}.{module}", f"{family}Model", "embed_input_ids", ("self", "input_ids"),
+           "the token embeddings of a filled step", ("embed",)) for module, family in FAMILIES),
+    *(Read(f"{MODELS}.{module}", f"{family}DecoderLayer", DECODER, "a decoder layer's attention, norms and MLP",
+           ("self_attention", "layer_norms", "layer_mlp")) for module, family in FAMILIES),
+    *(Read(f"{MODELS}.{module}", f"{family}Attention", ATTENTION + extra,
+           "an attention layer's K/V rows of its qkv_proj, k-norm, RoPE and paged attention",
+           ("kv_layout", "rotary", "paged_attention")) for (module, family), extra in
+      zip(FAMILIES, ((), (), ("k_norm",), ("k_norm", "attn_output_gate")))),
+    Read("vllm.model_executor.layers.rotary_embedding.base", "RotaryEmbedding", ("cos_sin_cache", "is_neox_style"),
+         "the RoPE tables the filled keys are rotated with", ("rope_table",)),
+    *(Read("vllm.model_executor.layers.layernorm", norm, ("weight", "variance_epsilon"),
+           "the input norm and k-norm the filled K/V go through", ("norm_params",))
+      for norm in ("RMSNorm", "GemmaRMSNorm")),
     Read("vllm.model_executor.models.qwen3_next", "Qwen3NextDecoderLayer",
          ("layer_type", "linear_attn", "layer_scale", "attn_layer_scale", "ffn_layer_scale"),
          "a hybrid's decoder layer: its kind, its Gated DeltaNet mixer and its scales",
@@ -142,69 +117,6 @@ def check_reads(reads=READS) -> None:
         problem = read.problem()
         if problem:
             raise RidgefillError(problem)
-
-
-def where(read: Read | Call) -> str:
-    return f"{read.module}.{read.owner}" if read.owner else read.module
-
-
-def available(read: Read) -> set[str]:
-    """The names `read` may use: the module's attributes, or its class's fields and attributes."""
-    module = imported(read.module)
-    if module is None:
-        return set()
-    if read.owner is None:
-        return set(vars(module))
-    owner = getattr(module, read.owner, None)
-    if not isinstance(owner, type):
-        return set()
-    fields = {f.name for f in dataclasses.fields(owner)} if dataclasses.is_dataclass(owner) else set()
-    return fields | set(getattr(owner, "__struct_fields__", ())) | set(dir(owner)) | assigned(owner)
-
-
-def imported(name: str) -> types.ModuleType | None:
-    try:
-        return importlib.import_module(name)
-    except ImportError:
-        return None
-
-
-def parameter_names(call: Call) -> tuple[str, ...] | str:
-    """The parameter names of `call`'s function in the installed vLLM, or what it is instead ("is missing", "is not
-    a function")."""
-    holder = imported(call.module)
-    if holder is not None and call.owner is not None:
-        holder = getattr(holder, call.owner, None)
-        holder = holder if isinstance(holder, type) else None
-    raw = None if holder is None else inspect.getattr_static(holder, call.name, None)
-    function = getattr(raw, "__func__", raw)  # a classmethod's or staticmethod's function
-    if function is None:
-        return "is missing"
-    if not callable(function):
-        return "is not a function"
-    try:
-        return tuple(inspect.signature(function).parameters)
-    except (TypeError, ValueError):
-        return "is not a function"
-
-
-def assigned(cls: type) -> set[str]:
-    """The attribute names the methods of `cls` (and its bases) assign (`self.x = ...`)."""
-    names: set[str] = set()
-    for klass in cls.__mro__:
-        for value in vars(klass).values():
-            function = inspect.unwrap(getattr(value, "__func__", getattr(value, "fget", value)) or value)
-            if isinstance(function, types.FunctionType):
-                names |= _stored(function.__code__)
-    return names
-
-
-def _stored(code: types.CodeType) -> set[str]:
-    names = {i.argval for i in dis.get_instructions(code) if i.opname == "STORE_ATTR"}
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names |= _stored(const)
-    return names
 
 
 # The model runner and its step.
@@ -349,6 +261,81 @@ def cache_blocks(blocks: tuple):
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 
     return KVCacheBlocks(blocks)
+
+
+# The model: its decoder layers, their attention, norms and RoPE.
+
+
+def decoder_layers(model):
+    """A vLLM causal LM's decoder stack (its `model`)'s layers."""
+    return model.layers
+
+
+def final_norm(model):
+    return model.norm
+
+
+def embed(model, input_ids):
+    """The token embeddings [N, H] of `input_ids` [N]."""
+    return model.embed_input_ids(input_ids)
+
+
+def self_attention(layer):
+    """A decoder layer's attention module (vLLM's LlamaAttention, Qwen2Attention, ...)."""
+    return layer.self_attn
+
+
+def layer_norms(layer):
+    """(input norm, post-attention norm) of a decoder layer."""
+    return layer.input_layernorm, layer.post_attention_layernorm
+
+
+def layer_mlp(layer):
+    return layer.mlp
+
+
+class KVLayout(NamedTuple):
+    """Where an attention layer's K and V rows sit in its (tensor-parallel shard of) qkv_proj, and its k-norm."""
+
+    qkv_weight: object  # [rows, H] the qkv_proj weight
+    qkv_bias: object  # [rows] or None
+    k_rows: slice
+    v_rows: slice
+    head_dim: int
+    kv_heads: int  # this rank's KV heads
+    total_kv_heads: int
+    k_norm: object  # the k-norm module, or None (Llama, Qwen2)
+
+
+def kv_layout(attn) -> KVLayout:
+    """The KVLayout of attention module `attn`: its qkv_proj's rows are the queries (and, in Qwen3-Next, their
+    output gate), then K, then V."""
+    qkv, kv = attn.qkv_proj, attn.kv_size
+    q_rows = attn.q_size * (2 if getattr(attn, "attn_output_gate", False) else 1)
+    return KVLayout(qkv.weight, getattr(qkv, "bias", None), slice(q_rows, q_rows + kv),
+                    slice(q_rows + kv, q_rows + 2 * kv), attn.head_dim, kv // attn.head_dim,
+                    attn.total_num_kv_heads, getattr(attn, "k_norm", None))
+
+
+def rotary(attn):
+    """An attention module's rotary embedding."""
+    return attn.rotary_emb
+
+
+def rope_table(rotary_emb):
+    """(cos_sin_cache [positions, Dr], NeoX style) of a rotary embedding: a row holds the cos, then the sin, of its
+    Dr/2 frequencies."""
+    return rotary_emb.cos_sin_cache, rotary_emb.is_neox_style
+
+
+def norm_params(norm):
+    """(weight, epsilon) of a vLLM RMSNorm (GemmaRMSNorm: the zero-centred weight, as stored)."""
+    return norm.weight, norm.variance_epsilon
+
+
+def paged_attention(attn):
+    """An attention module's paged attention layer (vLLM's Attention), whose cache the filled K/V are written to."""
+    return attn.attn
 
 
 # A hybrid's decoder layers and their Gated DeltaNet mixers (Qwen3-Next).
