@@ -1,5 +1,7 @@
 """Local attention for filled rows below the split (engine/window.py): checked against transformers' own layers
-with the window as an explicit mask, for chunk invariance, and for the O(rows x W) work it promises."""
+with the window as an explicit mask, for chunk invariance, and for the O(rows x W) work it promises. Both window
+routes run here: "blocks" (the CPU's) and "masked_band" (the CUDA band route's logic with its band kernel's exact
+stand-in; engine/routes.py)."""
 
 import numpy as np
 import pytest
@@ -12,6 +14,14 @@ from ridgefill.errors import RidgefillError
 from ridgefill.evals.flops import prefill_flops
 
 TOL = 1e-5
+ROUTES = ["blocks", "masked_band"]
+
+
+@pytest.fixture(params=ROUTES)
+def window_route(request, monkeypatch):
+    """Every engine the test builds takes this window route."""
+    monkeypatch.setenv("RIDGEFILL_ROUTES", f"window={request.param}")
+    return request.param
 
 
 def window_mask(positions, local, window):
@@ -42,7 +52,7 @@ def hf_forward(model, ids, masks, positions=None, h=None, layers=None):
 @pytest.mark.parametrize("size,first,last,sinks,chunk", [(3, 0, 3, 1, 4096), (5, 1, 2, 2, 16), (40, 0, 1, 0, 7),
                                                           (1, 2, 3, 1, 1)])
 def test_windowed_forward_equals_transformers_layers_with_the_window_as_a_mask(dense_model, size, first, last, sinks,
-                                                                            chunk):
+                                                                            chunk, window_route):
     """Calibration's forward (no fill, a window): every row past the sinks attends locally in the window's layers."""
     n = 90  # past one block of windowed rows (block_size >= 32) and across chunks
     ids = random_ids(n)
@@ -52,14 +62,16 @@ def test_windowed_forward_equals_transformers_layers_with_the_window_as_a_mask(d
     causal = window_mask(positions, torch.zeros(n, dtype=torch.bool), window)
     ref = hf_forward(dense_model, ids, lambda i: local if first <= i <= last else causal)
     ref = dense_model.lm_head(dense_model.model.norm(ref))
-    out = Engine(adapter_for(dense_model)).prefill(ids, logits_at="full", chunk=chunk, window=window)
+    engine = Engine(adapter_for(dense_model))
+    assert engine.routes.window == window_route
+    out = engine.prefill(ids, logits_at="full", chunk=chunk, window=window)
     assert (out.logits - ref).abs().max() <= TOL
     plain = Engine(adapter_for(dense_model)).prefill(ids, logits_at="full")
     assert (plain.logits - ref).abs().max() > 1e-3  # the window changes the model: the test can fail
 
 
 @pytest.mark.parametrize("chunk", [4096, 13])
-def test_a_windowed_fill_windows_its_filled_rows_below_the_split_only(dense_model, chunk):
+def test_a_windowed_fill_windows_its_filled_rows_below_the_split_only(dense_model, chunk, window_route):
     """Drop fill with a window: below the split, filled rows attend locally and full rows (kept, tail) to every
     row; above it, the full rows alone (the drop control), so the full rows' logits are transformers' layers run
     that way."""
@@ -88,7 +100,7 @@ def test_a_window_changes_nothing_when_every_row_is_full(dense_model):
             ).abs().max() <= TOL
 
 
-def test_identity_fill_with_a_window_writes_the_windowed_split_state_into_layer_s(dense_model):
+def test_identity_fill_with_a_window_writes_the_windowed_split_state_into_layer_s(dense_model, window_route):
     """The filled rows' layer-S keys come from their split state, which the window shaped: the same keys as the
     windowed forward without a fill has at those rows."""
     n, split = 60, 2
@@ -105,7 +117,7 @@ def test_identity_fill_with_a_window_writes_the_windowed_split_state_into_layer_
 
 
 @pytest.mark.parametrize("family", HYBRID_FAMILIES)
-def test_hybrid_windowed_fill_is_chunk_invariant(family):
+def test_hybrid_windowed_fill_is_chunk_invariant(family, window_route):
     """Hybrids window their attention layers below the split; the linear layers' state passes every row as before."""
     model = tiny_hybrid_model(family)
     eng = Engine(adapter_for(model))

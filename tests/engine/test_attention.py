@@ -1,0 +1,114 @@
+"""The attention routes' math on the CPU (engine/attention.py, engine/window.py's band route): each against attention
+with an explicit mask, element-wise. The CUDA kernels themselves are checked in tests/gpu/test_attention_gpu.py."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ridgefill.engine.attention import causal_attention, flash_cpu, merge, prefix_then_block
+from ridgefill.engine.window import FilledWindow, band_masked, banded_attention, sink_attention
+
+TOL = 1e-5
+
+
+def qkv(nq, n_keys, heads=4, kv_heads=2, d=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(1, heads, nq, d, generator=g), torch.randn(1, kv_heads, n_keys, d, generator=g),
+            torch.randn(1, kv_heads, n_keys, d, generator=g))
+
+
+def masked(q, k, v, allowed, scale):
+    """Reference: attention with the boolean mask `allowed` [nq, n_keys], in float64, and its log-sum-exp."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1).double(), v.repeat_interleave(groups, 1).double()
+    scores = (q.double() @ k.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf"))
+    return (torch.softmax(scores, -1) @ v).float(), scores.logsumexp(-1).float()
+
+
+def window_allowed(positions, n_keys, window: FilledWindow):
+    """[n, n_keys] what a windowed row at each of `positions` sees: causal, its W rows before it and the sinks
+    (tests/engine/test_window.py's window_mask, for one row set)."""
+    p, k = positions.unsqueeze(1), torch.arange(n_keys).unsqueeze(0)
+    return (k <= p) & ((k >= p - window.size) | (k < window.sinks))
+
+
+@pytest.mark.parametrize("route", ["cpu_split", "lower_right"])
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+def test_causal_routes_equal_the_masked_reference(route, kv_heads):
+    q, k, v = qkv(7, 19, kv_heads=kv_heads)
+    allowed = torch.arange(19).unsqueeze(0) <= torch.arange(12, 19).unsqueeze(1)
+    ref, _ = masked(q, k, v, allowed, 0.3)
+    assert (causal_attention(route, q, k, v, 0.3) - ref).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("nq", [1, 9])
+def test_causal_attention_without_a_prefix_is_plain_causal_attention(nq):
+    """One query (decode) over every key, or a first chunk (as many queries as keys): no prefix to split."""
+    q, k, v = qkv(nq, 9 if nq == 9 else 5)
+    allowed = torch.arange(k.shape[2]).unsqueeze(0) <= torch.arange(k.shape[2] - nq, k.shape[2]).unsqueeze(1)
+    ref, _ = masked(q, k, v, allowed, 0.25)
+    for route in ("cpu_split", "lower_right", "flash", "cudnn_split"):  # no CUDA kernel is called here
+        assert (causal_attention(route, q, k, v, 0.25) - ref).abs().max() <= TOL
+
+
+def test_merge_of_two_disjoint_key_sets_is_attention_over_their_union():
+    q, k, v = qkv(5, 12)
+    out_a, lse_a = flash_cpu(q, k[:, :, :4], v[:, :, :4], False, 0.5)
+    out_b, lse_b = flash_cpu(q, k[:, :, 4:], v[:, :, 4:], False, 0.5)
+    ref, ref_lse = masked(q, k, v, torch.ones(5, 12, dtype=torch.bool), 0.5)
+    assert (merge(out_a, lse_a, out_b.clone(), lse_b) - ref).abs().max() <= TOL
+    assert (torch.logaddexp(lse_a, lse_b) - ref_lse).abs().max() <= TOL  # the kernels' lse is what merge assumes
+    empty = torch.full_like(lse_a, float("-inf"))
+    assert torch.equal(merge(torch.zeros_like(out_a), empty, out_b.clone(), lse_b), out_b)  # no keys: weight 0
+
+
+def test_prefix_then_block_takes_any_kernel_of_the_contract():
+    """The split route with another (out, lse) kernel (cuDNN's on CUDA): here the masked reference as one."""
+    q, k, v = qkv(6, 20)
+
+    def reference_kernel(q, k, v, causal, scale):
+        nq, nk = q.shape[2], k.shape[2]
+        allowed = torch.ones(nq, nk, dtype=torch.bool).tril() if causal else torch.ones(nq, nk, dtype=torch.bool)
+        return masked(q, k, v, allowed, scale)
+
+    allowed = torch.arange(20).unsqueeze(0) <= torch.arange(14, 20).unsqueeze(1)
+    ref, _ = masked(q, k, v, allowed, 0.3)
+    assert (prefix_then_block(q, k, v, 14, 0.3, kernel=reference_kernel) - ref).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("w", [1, 5, 40])
+def test_the_band_kernel_contract_its_masked_stand_in(w):
+    """The band of the last nq of nk positions: itself and the W keys before it; out and lse."""
+    nq, nk = 10, 25
+    q, k, v = qkv(nq, nk)
+    p = torch.arange(nk - nq, nk).unsqueeze(1)
+    allowed = (torch.arange(nk).unsqueeze(0) <= p) & (torch.arange(nk).unsqueeze(0) >= p - w)
+    ref, ref_lse = masked(q, k, v, allowed, 0.3)
+    out, lse = band_masked(q, k, v, w, 0.3)
+    assert (out - ref).abs().max() <= TOL and (lse - ref_lse).abs().max() <= TOL
+
+
+def test_sink_attention_sees_only_sinks_before_each_rows_band():
+    q, k, v = qkv(4, 3)
+    positions = torch.tensor([2, 5, 6, 30])  # W = 4: row 2 sees no sink outside its band, row 5 sink 0, 6: 0, 1
+    out, lse = sink_attention(q, k, v, positions, 4, 0.5)
+    assert torch.isneginf(lse[..., 0]).all() and (out[..., 0, :] == 0).all()
+    seen = torch.arange(3).unsqueeze(0) < (positions - 4).unsqueeze(1)
+    ref, ref_lse = masked(q[..., 1:, :], k, v, seen[1:], 0.5)
+    assert (out[..., 1:, :] - ref).abs().max() <= TOL and (lse[..., 1:] - ref_lse).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("sinks", [0, 1, 4])
+@pytest.mark.parametrize("size", [3, 16, 60])  # W smaller than the chunk, about it, larger than every position
+@pytest.mark.parametrize("start", [0, 2, 37])  # the chunk at position 0, near it, far from it
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_band_plus_sinks_equals_the_masked_window(sinks, size, start, kv_heads):
+    """The CUDA window route's logic (band kernel, then the sinks merged by log-sum-exp), with the band kernel's
+    exact stand-in: every chunk row over its sinks and window equals the window as an explicit mask."""
+    n = 20
+    window = FilledWindow(size, 0, 3, sinks)
+    q, k, v = qkv(n, start + n, kv_heads=kv_heads, seed=sinks + size + start)
+    positions = torch.arange(start, start + n)
+    ref, _ = masked(q, k, v, window_allowed(positions, start + n, window), 0.3)
+    out = banded_attention(q, k, v, start, positions, window, 0.3, band_masked)
+    assert (out - ref).abs().max() <= TOL
