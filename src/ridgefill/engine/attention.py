@@ -46,9 +46,12 @@ def cudnn(q, k, v, causal: bool, scale: float):
 def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
     """Attention over the union of two disjoint key sets from each set's (out [..., nq, D], lse [..., nq]): each
     part weighted by its share of the softmax mass, sigmoid(lse_a - lse_b) for a. A part whose lse is -inf (no
-    key) weighs 0. Written into out_b."""
-    w = torch.sigmoid(lse_a.float() - lse_b.float()).unsqueeze(-1).to(out_a.dtype)  # [..., nq, 1] a's share
-    return out_b.add_((out_a - out_b).mul_(w))
+    key) weighs 0. In float32 (written into out_b when it is float32): merged in bf16, the two rounded parts' sum
+    rounds again, which measured 9x the error of one kernel call (scripts/attention_check.py, CPU, bf16)."""
+    w = torch.sigmoid(lse_a.float() - lse_b.float()).unsqueeze(-1)  # [..., nq, 1] a's share
+    if out_b.dtype == torch.float32:
+        return out_b.add_((out_a - out_b).mul_(w))
+    return out_b.float().lerp_(out_a.float(), w).to(out_b.dtype)
 
 
 def prefix_then_block(q, keys, values, prefix: int, scale: float, kernel=flash_cpu) -> torch.Tensor:
