@@ -112,3 +112,27 @@ def test_band_plus_sinks_equals_the_masked_window(sinks, size, start, kv_heads):
     ref, _ = masked(q, k, v, window_allowed(positions, start + n, window), 0.3)
     out = banded_attention(q, k, v, start, positions, window, 0.3, band_masked)
     assert (out - ref).abs().max() <= TOL
+
+
+def test_the_cuda_kernels_calls_on_meta_tensors():
+    """The CUDA routes' torch calls, run on meta tensors (torch's shape functions, no values): the arguments and
+    keywords this torch takes, the layouts (band_flash's lse [B, Hq, nq], as merge reads it), GQA K/V unrepeated,
+    and no host sync anywhere in the band route (a meta tensor has no value to read)."""
+    from ridgefill.engine.window import band_flash
+
+    q, k, v = (t.to("meta", torch.bfloat16) for t in qkv(64, 300, heads=8, kv_heads=2, d=128))
+    assert causal_attention("flash", q, k, v, 0.1).shape == q.shape
+    out, lse = band_flash(q, k, v, 32, 0.1)
+    assert out.shape == q.shape and lse.shape == q.shape[:3] and lse.dtype == torch.float32
+    positions = torch.arange(236, 300, device="meta")
+    assert banded_attention(q, k, v, 236, positions, FilledWindow(32, 0, 1, 4), 0.1, band_flash).shape == q.shape
+
+
+def test_a_split_in_half_precision_is_as_accurate_as_one_kernel_call():
+    """The log-sum-exp merge of bf16 parts adds no rounding of its own (it runs in float32)."""
+    q, k, v = (t.bfloat16() for t in qkv(32, 300, seed=3))
+    allowed = torch.arange(300).unsqueeze(0) <= torch.arange(268, 300).unsqueeze(1)
+    ref, _ = masked(q.float(), k.float(), v.float(), allowed, 0.25)
+    one = flash_cpu(q, k, v, False, 0.25, torch.zeros(32, 300, dtype=torch.bfloat16).masked_fill(~allowed, -torch.inf))[0]
+    split = prefix_then_block(q, k, v, 268, 0.25)
+    assert (split.float() - ref).abs().max() <= 1.5 * (one.float() - ref).abs().max()
