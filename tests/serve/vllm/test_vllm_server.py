@@ -1,0 +1,424 @@
+"""`ridgefill serve` as a user runs it, with vLLM: one server with serve's defaults on the embedded SmolLM2
+(compiled, prefix caching on: the settings operators keep) answers OpenAI completion requests (per-request tail,
+bad and oversized requests, the API key, SIGTERM); a server from the serving config `ridgefill tune` wrote; bad
+configurations in real processes. The in-process checks of what serve hands to vLLM are in tests/serve/test_serve.py.
+Skipped where vLLM is not installed (the fixtures skip)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import random
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from helpers import free_port
+from ridgefill.serve import serve
+from ridgefill.serve.vllm.middleware import NESTED
+from vllm_fixtures import prompts, reference, vocab_of
+
+RIDGEFILL = [sys.executable, "-m", "ridgefill"]
+START_TIMEOUT = 300.0  # seconds for vLLM to load a tiny model on a busy 2-core machine (~40 s when quiet)
+
+
+# --- the server, end to end -------------------------------------------------------------------------------------
+def post(url: str, body: dict | bytes, timeout: float = 120.0, key: str | None = None) -> tuple[int, dict]:
+    """POST a JSON body (a dict, or its bytes as sent), with the API key when one is given: (status, answer)."""
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    request = urllib.request.Request(url, body if isinstance(body, bytes) else json.dumps(body).encode(), headers)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+
+
+def wait_until_up(proc: subprocess.Popen, url: str, log: Path) -> None:
+    deadline = time.monotonic() + START_TIMEOUT
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"ridgefill serve exited ({proc.returncode}) before answering:\n{tail(log)}")
+        try:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(2)
+    pytest.fail(f"ridgefill serve did not answer {url} within {START_TIMEOUT:.0f} s:\n{tail(log)}")
+
+
+def tail(log: Path, lines: int = 40) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM to ridgefill serve (it forwards it to vLLM); after 60 s SIGKILL to it and to vLLM's process group."""
+    children = []
+    try:
+        children = [int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
+    except OSError:
+        pass
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+        for pid in children:  # vLLM's API server leads its own process group (engine core and workers in it)
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def exact_logprobs(folder: Path, prompt: list[int], tokens: list[int]) -> tuple[list[float], list[float]]:
+    """Under transformers' forward of the checkpoint: the log-prob of each of `tokens` after `prompt` and what
+    came before it, and the largest log-prob at that step."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
+    logp = torch.log_softmax(logits.double(), -1)
+    return ([float(logp[i, t]) for i, t in enumerate(tokens)], [float(v) for v in logp.max(-1).values])
+
+
+# --- one server with serve's defaults (SmolLM2, split 15, tail 64), used by the tests below, in order ---------
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    base: str  # http://127.0.0.1:PORT
+    log: Path  # serve's stdout and stderr
+    maps: Path  # the maps file it serves (a copy: the tests change it while it serves)
+    folder: Path  # the checkpoint folder
+    key: str  # its API key (VLLM_API_KEY in serve's environment)
+
+    def get(self, path: str, key: str | None = None) -> tuple[int, bytes]:
+        """GET `path`, with `key` as the bearer token if given: (status, body)."""
+        request = urllib.request.Request(self.base + path, headers={"Authorization": f"Bearer {key}"} if key else {})
+        try:
+            with urllib.request.urlopen(request, timeout=30) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read()
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_maps, tmp_path_factory):
+    """`ridgefill serve --model smollm2-135m --maps M --tail 64 --port P`: nothing else, no KV cache setting in the
+    environment either (serve's defaults must start on this machine), and an API key in VLLM_API_KEY. Where vLLM is
+    installed and the plugin's entry point is not, the tests fail: a broken install must not pass as a skip."""
+    assert serve.plugin_installed(), ("ridgefill's vllm.general_plugins entry point is not installed beside vLLM: "
+                                      "reinstall ridgefill (pip install -e '.[vllm]')")
+    folder, maps = smollm2_maps
+    root = tmp_path_factory.mktemp("server")
+    served = root / "maps.safetensors"
+    shutil.copy(maps, served)
+    port, log = free_port(), root / "serve.log"
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_PLUGINS")}
+    key = secrets.token_hex(16)
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([*RIDGEFILL, "serve", "--model", "smollm2-135m", "--maps", str(served), "--tail", "64",
+                                 "--port", str(port), "--log-file", str(root / "vllm.log")],
+                                stdout=out, stderr=subprocess.STDOUT, cwd=root,
+                                env={**env, "TOKENIZERS_PARALLELISM": "false", "VLLM_API_KEY": key})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_up(proc, f"{base}/health", log)
+        deadline = time.monotonic() + 30  # serve prints its line just after vLLM answers
+        while "ridgefill serve: " not in log.read_text(errors="replace") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        yield Server(proc, base, log, served, folder, key)
+    finally:
+        stop(proc)
+
+
+def complete(server: Server, prompt, **options) -> tuple[int, dict]:
+    body = {"model": "smollm2-135m", "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, **options}
+    return post(f"{server.base}/v1/completions", body, key=server.key)
+
+
+def answer(server: Server, prompt, **options) -> tuple[list[int], list[float]]:
+    status, body = complete(server, prompt, logprobs=1, **options)
+    assert status == 200, body
+    (choice,) = body["choices"]
+    return choice["token_ids"], choice["logprobs"]["token_logprobs"]
+
+
+def metrics(server: Server) -> dict[str, float]:
+    """The ridgefill_* counters on the server's /metrics."""
+    with urllib.request.urlopen(f"{server.base}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+            if line.startswith("ridgefill_") and " " in line}
+
+
+def test_serve_starts_with_its_defaults_and_says_what_it_serves(server):
+    first = server.log.read_text(errors="replace").splitlines()[0]
+    assert first.startswith("ridgefill serve: smollm2-135m through vLLM at http://127.0.0.1:"), first
+    assert "split 15 of 30 layers" in first and "tail 64" in first and "KV cache" in first, first
+    assert "Traceback" not in server.log.read_text(errors="replace")
+    status, models = server.get("/v1/models", server.key)
+    assert status == 200 and [m["id"] for m in json.loads(models)["data"]] == ["smollm2-135m"]
+
+
+UNAUTHORIZED = {"error": "Unauthorized"}  # vLLM's answer to a request without its API key
+
+
+def unfinished(server: Server, length: int, key: str | None = None) -> tuple[int, dict]:
+    """A completion request that declares a `length`-byte body and sends only its first bytes, then waits for the
+    answer (one that needs the whole body never comes: the read times out)."""
+    conn = http.client.HTTPConnection("127.0.0.1", urllib.parse.urlsplit(server.base).port, timeout=60)
+    try:
+        conn.putrequest("POST", "/v1/completions")
+        for name, value in [("Content-Type", "application/json"), ("Content-Length", str(length))] + (
+                [("Authorization", f"Bearer {key}")] if key else []):
+            conn.putheader(name, value)
+        conn.endheaders(b'{"vllm_xargs": {"ridgefill_tail": 0}, "prompt": "')
+        r = conn.getresponse()
+        return r.status, json.loads(r.read())
+    finally:
+        conn.close()
+
+
+def streamed(server: Server, chunks: int, key: str) -> tuple[int, dict]:
+    """A completion request sent in `chunks` chunks of 1 MiB, without a Content-Length: (status, answer)."""
+    conn = http.client.HTTPConnection("127.0.0.1", urllib.parse.urlsplit(server.base).port, timeout=120)
+    body = (b'{"prompt": "' if i == 0 else b"w" * (1 << 20) for i in range(chunks))
+    try:
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json",
+                                                         "Authorization": f"Bearer {key}"}, encode_chunked=True)
+        r = conn.getresponse()
+        return r.status, json.loads(r.read())
+    finally:
+        conn.close()
+
+
+def test_without_the_key_every_guarded_request_is_401_before_its_body_is_read(server):
+    """ridgefill's request check runs after vLLM's key check: bad RidgeFill options, a body of any size (declared 1
+    GiB, a few bytes sent: the answer comes without it) and /v1/models are vLLM's 401 without the key."""
+    url, bad = f"{server.base}/v1/completions", {"model": "smollm2-135m", "prompt": [5, 6, 7],
+                                                  "vllm_xargs": {"ridgefill_tail": 0}}
+    assert post(url, bad) == (401, UNAUTHORIZED)
+    assert post(url, bad, key="not-" + server.key) == (401, UNAUTHORIZED)
+    assert unfinished(server, 1 << 30) == (401, UNAUTHORIZED)
+    assert server.get("/v1/models") == (401, b'{"error":"Unauthorized"}')
+    assert server.get("/health")[0] == 200  # vLLM leaves /health open
+    status, body = post(url, bad, key=server.key)
+    assert status == 400 and body["error"]["message"].startswith("ridgefill_tail=0 is not valid"), body
+
+
+def test_nested_escaped_and_oversized_requests_are_400_or_413_and_the_server_serves_on(server):
+    """With the key: JSON nested 100,000 deep, an option behind a JSON escape, a vllm_xargs over 64 KiB, a huge
+    integer literal, and bodies over the 8 MiB bound (declared, or streamed without a length) are each 400 or 413
+    with one line, no 500 and no traceback in vLLM's log; a good request then gets the answer it got before."""
+    prompt = prompts(1, [60], 49152, seed=12)[0]
+    before = answer(server, prompt, max_tokens=4)
+    log = server.log.parent / "vllm.log"
+    tracebacks = log.read_text(errors="replace").count("Traceback")
+
+    def request(xargs: str) -> bytes:
+        return f'{{"model": "smollm2-135m", "prompt": {prompt}, "max_tokens": 1, "vllm_xargs": {xargs}}}'.encode()
+
+    cases = [(request('{"ridgefill_tail": ' + "[" * 100_000 + "]" * 100_000 + "}"), 400, NESTED),
+             (request('{"ridgefill\\u005ftail": true}'), 400, "ridgefill_tail=True is not valid"),
+             (request(json.dumps({"ridgefill_tail": 4, "pad": "p" * 70_000})), 400,
+              "vllm_xargs holds 70,032 bytes of JSON, over the 65,536 this server accepts"),
+             (request(json.dumps({"ridgefill_tail": 4, "pad": "p" * (9 << 20)})), 413,
+              "the request body is over 8,388,608 bytes, the most this server reads"),
+             (request('{"ridgefill_tail": 1' + "0" * 5000 + "}"), 400,
+              "the request body holds an integer of over 4,300 digits")]  # past int()'s digit limit
+    for body, status, message in cases:
+        got, answered = post(f"{server.base}/v1/completions", body, key=server.key)
+        assert got == status and answered["error"]["message"].startswith(message), (got, answered, body[:80])
+        assert "\n" not in answered["error"]["message"]
+    assert unfinished(server, 1 << 30, server.key)[0] == 413
+    status, answered = streamed(server, 10, server.key)
+    assert status == 413 and answered["error"]["message"].startswith("the request body is over 8,388,608"), answered
+    assert server.get("/health")[0] == 200
+    assert answer(server, prompt, max_tokens=4) == before
+    assert log.read_text(errors="replace").count("Traceback") == tracebacks, tail(log)
+
+
+def test_filled_requests_match_ridgefills_engine(server):
+    """Test 2 on the embedded SmolLM2 (split 15 of 30, tail 64) through the server: first-token top-5 log-probs
+    within 1e-3 of ridgefill's own filled prefill, at least 7 of 8 greedy 32-token continuations equal; the
+    server's counters count each filled row."""
+    batch = prompts(8, [300, 420, 256, 380], 49152, seed=4)
+    before = metrics(server)
+    got = []
+    for p in batch:
+        status, body = complete(server, p, max_tokens=32, logprobs=5, return_tokens_as_token_ids=True)
+        assert status == 200, body
+        (choice,) = body["choices"]
+        top = {int(k.split(":")[1]): v for k, v in choice["logprobs"]["top_logprobs"][0].items()}
+        got.append((choice["token_ids"], top))
+    after = metrics(server)
+    tokens, first = reference(server.folder, server.maps, 64, batch, 32)
+    gaps = [max(abs(lp - float(f[t])) for t, lp in top.items()) for (_, top), f in zip(got, first)]
+    same = sum(g[0] == t for g, t in zip(got, tokens))
+    print(f"SmolLM2 through serve: max first-token log-prob gap {max(gaps):.2e}; {same} of 8 continuations agree")
+    assert max(gaps) < 1e-3 and same >= 7, (gaps, same)
+    delta = {k: after[k] - before.get(k, 0.0) for k in after}
+    outliers = delta["ridgefill_outlier_tokens_total"]
+    assert delta["ridgefill_filled_tokens_total"] == sum(len(p) - 65 for p in batch) - outliers
+    assert delta["ridgefill_full_tokens_total"] == 65 * len(batch) + outliers
+    assert delta["ridgefill_stock_steps_total"] == 0
+
+
+def test_a_request_sets_its_tail_and_a_tail_over_the_prompt_is_exact(server):
+    prompt = prompts(1, [120], 49152, seed=9)[0]
+    filled = answer(server, prompt)
+    exact = answer(server, prompt, vllm_xargs={"ridgefill_tail": 10000})
+    tokens, logprobs = exact
+    expected, best = exact_logprobs(server.folder, prompt, tokens)
+    assert logprobs == pytest.approx(expected, abs=1e-3)  # transformers' own forward
+    assert expected == pytest.approx(best, abs=1e-3)  # and its greedy choices
+    assert filled[0] != tokens or filled[1] != pytest.approx(logprobs, abs=1e-4)  # RidgeFill ran
+
+
+def malformed(rng: random.Random) -> dict:
+    """A request whose RidgeFill options are bad in one of many ways (vLLM's request model or RidgeFill's checks
+    must refuse it)."""
+    key = rng.choice(["ridgefill_tail", "ridgefill_keep_first", "ridgefill_tial", "ridgefill_", "ridgefill_split",
+                      "ridgefill_tail_", "ridgefill_keepfirst"])
+    huge = rng.choice([2**31, 2**32, 2**53 + 1, 2**63 - 1, 2**63, 2**64 - 1, 2**64, 2**100, 10**30])
+    value = rng.choice([
+        huge, -huge, -1, -(2**31), rng.randint(-10**6, -1), 0.5, 1.0, 64.0, -3.5, 1e300, "64", "", "ten", "1e3",
+        True, False, None, [64], [1, 2, 3], {"tail": 64}, {"a": {"b": [1, {"c": 2}]}}, [[1]], "∞",
+    ])
+    if key == "ridgefill_keep_first" and value in (0, 1, 64) and type(value) is int:  # noqa: E721  (valid)
+        value = -1
+    if key == "ridgefill_tail" and type(value) is int and 1 <= value < 2**31:  # noqa: E721  (valid)
+        value = 0
+    xargs = {key: value}
+    if rng.random() < 0.3:  # beside a valid option, before or after it
+        valid = ("ridgefill_keep_first", 2) if key == "ridgefill_tail" else ("ridgefill_tail", 32)
+        xargs = {**xargs, valid[0]: valid[1]} if rng.random() < 0.5 else {valid[0]: valid[1], **xargs}
+    return {"vllm_xargs": xargs} if rng.random() < 0.9 else {"vllm_xargs": rng.choice(
+        [[key, value] if isinstance(value, (int, float, str)) else [key], "ridgefill_tail=5", 17, True])}
+
+
+def test_malformed_requests_are_400_and_the_server_serves_on(server):
+    """A bounded fuzz: 240 requests with malformed RidgeFill options (unknown ridgefill_* keys, huge and negative
+    integers, floats, strings, booleans, nulls, nested objects, a vllm_xargs that is no object) are each answered
+    400; the server stays up, and a well-formed request gives the same output before and after."""
+    prompt = prompts(1, [200], 49152, seed=10)[0]
+    before = answer(server, prompt, max_tokens=8)
+    rng = random.Random(23)
+    answers = []
+    deadline = time.monotonic() + 600
+    for i in range(240):
+        extra = malformed(rng)
+        status, body = complete(server, prompt[: 20 + i % 50], max_tokens=1, **extra)
+        answers.append((status, extra, body))
+        assert time.monotonic() < deadline, "the fuzz took over 10 minutes"
+    bad = [(status, extra, body) for status, extra, body in answers if status != 400]
+    assert not bad, bad[:5]
+    messages = [body["error"]["message"] for _, _, body in answers]
+    ours = [m for m in messages if m.startswith(("ridgefill_", "unknown RidgeFill request option"))]
+    assert len(ours) > 150 and all("\n" not in m for m in ours), ours  # most are RidgeFill's own, one line each
+    with urllib.request.urlopen(f"{server.base}/health", timeout=30) as r:
+        assert r.status == 200
+    assert answer(server, prompt, max_tokens=8) == before
+
+
+def test_changing_the_maps_file_while_serving_changes_nothing(server):
+    """The maps were read into private memory when the server started: overwriting the file in place, then
+    truncating it, leaves every answer as it was (no SIGBUS, no other maps)."""
+    prompt = prompts(1, [300], 49152, seed=11)[0]
+    before = answer(server, prompt, max_tokens=8)
+    size = server.maps.stat().st_size
+    with open(server.maps, "r+b") as f:  # the same file, its bytes replaced (the tensors' part zeroed)
+        f.seek(size // 2)
+        f.write(bytes(size - size // 2))
+    assert answer(server, prompt, max_tokens=8) == before
+    with open(server.maps, "r+b") as f:
+        f.truncate(100)
+    assert answer(server, prompt, max_tokens=8) == before
+
+
+def test_sigterm_stops_the_server_with_exit_code_0(server):
+    stop(server.proc)
+    assert server.proc.returncode == 0, tail(server.log)
+
+
+
+# --- bad configurations and tune's serving config, in real processes ------------------------------------
+def test_a_bad_configuration_in_a_real_process_is_one_line_and_exit_2(vllm_tiny, tmp_path):
+    """The same through `python -m ridgefill` (one case: each process pays ridgefill's imports)."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    r = subprocess.run([*RIDGEFILL, "serve", "--model", str(vllm_tiny["qwen2"][0]), "--maps", str(vllm_tiny["llama"][1]),
+                        "--port", str(free_port())], capture_output=True, text=True, timeout=300, cwd=cwd)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: ") and "fitted for another model" in r.stderr
+    assert "Traceback" not in r.stderr and not any(cwd.iterdir())
+
+
+def test_a_setting_vllm_reads_from_a_config_file_that_breaks_the_fill_ends_serve_with_one_line(vllm_tiny, tmp_path):
+    """LoRA turned on in a vLLM --config file (no option serve could refuse): the plugin refuses vLLM's resolved
+    configuration in the API server before any engine starts; serve prints that reason as its one line and exits 2."""
+    folder, maps = vllm_tiny["llama"]
+    config = tmp_path / "vllm.yaml"
+    config.write_text("enable-lora: true\n")
+    log = tmp_path / "vllm.log"
+    r = subprocess.run([*RIDGEFILL, "serve", "--model", str(folder), "--maps", str(maps), "--port", str(free_port()),
+                        "--log-file", str(log), "--config", str(config)],
+                       capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: LoRA is not supported with RidgeFill"), r.stderr
+    assert f"(vLLM's log: {log})" in r.stderr and "Traceback" in log.read_text()  # the whole story is in the log
+
+
+def test_serve_serves_the_ridge_config_tune_wrote(vllm_tuned, vllm_tiny, tmp_path):
+    """`ridgefill tune` -> serving.json -> `ridgefill serve --serving-config` on the CPU vLLM, ridge variant: the server
+    fills with the tuned maps (pinned by their sha256), split and tail; a request's first-token log-probs match
+    ridgefill's own engine on the same config, and /metrics counts its filled rows. Eager (--enforce-eager, handed on
+    to vLLM): what is tested is the config; the server with serve's defaults above runs compiled."""
+    from ridgefill.method.fill import load_serving
+
+    folder, _ = vllm_tiny["llama"]
+    fill = load_serving(vllm_tuned["ridge"]).fill
+    port, log = free_port(), tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([*RIDGEFILL, "serve", "--model", str(folder), "--serving-config",
+                                 str(vllm_tuned["ridge"]), "--port", str(port), "--max-model-len", "1024",
+                                 "--enforce-eager"],
+                                stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path,
+                                env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_up(proc, f"{base}/health", log)
+        prompt = prompts(1, [200], vocab_of(folder), seed=14)[0]
+        status, body = post(f"{base}/v1/completions", {"model": str(folder), "prompt": prompt, "max_tokens": 1,
+                                                       "temperature": 0, "logprobs": 5,
+                                                       "return_tokens_as_token_ids": True})
+        assert status == 200, body
+        with urllib.request.urlopen(f"{base}/metrics", timeout=30) as r:
+            counters = {line.split()[0]: float(line.split()[1]) for line in r.read().decode().splitlines()
+                        if line.startswith("ridgefill_")}
+    finally:
+        stop(proc)
+    assert f"split {fill.split} of 6 layers" in log.read_text() and "tail 32" in log.read_text()
+    top = {int(k.split(":")[1]): v for k, v in body["choices"][0]["logprobs"]["top_logprobs"][0].items()}
+    _, first = reference(folder, fill.maps, 32, [prompt], 1)
+    assert max(abs(lp - float(first[0][t])) for t, lp in top.items()) < 1e-3
+    assert counters["ridgefill_filled_tokens_total"] + counters["ridgefill_outlier_tokens_total"] == 200 - 33
+
+
