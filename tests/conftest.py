@@ -156,15 +156,15 @@ def one_thread():
 
 # --- running in parallel (pytest-xdist: `make test` runs two workers) ----------------------------------------------
 # The tests that start vLLM engines, or use the session fixtures that fit maps for them (tests/vllm_fixtures.py), go
-# to two groups (`--dist loadgroup`), each on one worker: the engine-pool tests (the pool's engines start once) and
-# the tests that start `ridgefill serve` / bench-serve servers as processes. vLLM's automatic CPU binding is
-# deterministic (here: 2 cores, one kept for its scheduler), so two engines side by side got the same core and ran
-# slower than one group alone (measured); each xdist worker's engines and servers get cores of their own instead
-# (vllm_cores). The session fixtures are built once per worker that uses them. Measured on 2 cores (a fresh clone,
-# cold compile cache): one vLLM group 24 min 41 s of pytest; two groups, one core each, 21 min 49 s; the same after
-# three tests were trimmed (CHANGELOG), 15 min 39 s.
+# to groups (`--dist loadgroup`), each run on one worker: the engine-pool tests (the pool's engines start once, in
+# one process) and, for each other module, its vLLM tests (a module fixture, such as test_vllm_server.py's server,
+# starts once). xdist sends the largest group first, the pool, and balances the rest over the workers. vLLM's
+# automatic CPU binding is deterministic (here: 2 cores, one kept for its scheduler), so two engines side by side got
+# the same core and ran slower than one group alone (measured); each xdist worker's engines and servers get cores of
+# their own instead (vllm_cores). The session fixtures are built once per run (vllm_fixtures.built_once). Measured on
+# 2 cores (a fresh clone, cold compile cache): one vLLM group 24 min 41 s of pytest; two groups, one core each,
+# 21 min 49 s; the same after three tests were trimmed (CHANGELOG), 15 min 39 s.
 VLLM_FIXTURES = {"vllm_tiny", "vllm_lookback", "vllm_hybrid", "smollm2_maps", "engines", "vllm_tuned"}
-SERVER_MODULES = ("test_serve.py", "test_bench_serve.py")  # the "vllm-serve" group; the others are "vllm"
 
 
 def vllm_cores(worker: str, workers: int, cpus: list[int]) -> str | None:
@@ -191,8 +191,9 @@ def pytest_configure(config):
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the marks (it names the groups from them)
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if VLLM_FIXTURES & set(getattr(item, "fixturenames", ())):
-            group = "vllm-serve" if item.path.name in SERVER_MODULES else "vllm"
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if VLLM_FIXTURES & fixtures:
+            group = "vllm-pool" if "engines" in fixtures else f"vllm-{item.path.stem}"
             item.add_marker(pytest.mark.xdist_group(group))
 
 

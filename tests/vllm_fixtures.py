@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -71,11 +72,35 @@ def sharpen(folder: Path, scale: float = 12.0, offset: float = 0.0) -> Path:
     return folder
 
 
+def built_once(tmp_path_factory, name: str, build):
+    """build(folder) -> its result (paths), run once per test run: pytest-xdist's workers share one folder under the
+    run's base temporary folder, the first builds in it while the others wait on a lock and read its result (each
+    worker had built its own copy: the same calibrations and fits twice). Without xdist, a fresh folder."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return build(tmp_path_factory.mktemp(name))
+    import fcntl
+    import pickle
+
+    root = tmp_path_factory.getbasetemp().parent / name  # the run's folder, above each worker's own
+    with open(f"{root}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        result = root / "result.pickle"
+        if not result.exists():
+            if root.exists():
+                pytest.fail(f"building {name} failed in another pytest-xdist worker: see its error")
+            root.mkdir()
+            result.write_bytes(pickle.dumps(build(root)))
+        return pickle.loads(result.read_bytes())
+
+
 @pytest.fixture(scope="session")
 def vllm_tiny(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     """family -> (checkpoint folder, maps at split 2)."""
     pytest.importorskip("vllm")
-    root = tmp_path_factory.mktemp("vllm-tiny")
+    return built_once(tmp_path_factory, "vllm-tiny", tiny_checkpoints)
+
+
+def tiny_checkpoints(root: Path) -> dict[str, tuple[Path, Path]]:
     data = write_corpus(root / "corpus.txt", seed=3, lines_per_document=30)
     out = {}
     for family in DENSE:
@@ -98,11 +123,14 @@ def vllm_hybrid(tmp_path_factory) -> tuple[Path, Path]:
     this random model the fitted maps' fill is within bf16 rounding of exact prefill, so it would hide a wrong fill;
     the perturbed maps move the first token's log-probs by 1-2.3 nats at tail 4, measured)."""
     pytest.importorskip("vllm")
+    return built_once(tmp_path_factory, "vllm-hybrid", hybrid_checkpoint)
+
+
+def hybrid_checkpoint(root: Path) -> tuple[Path, Path]:
     import torch
 
     from conftest import A, L
 
-    root = tmp_path_factory.mktemp("vllm-hybrid")
     folder = sharpen(save_tiny_checkpoint(root / "qwen3_next", "qwen3_next", dtype=torch.bfloat16, hidden_size=128,
                                           intermediate_size=256, layer_types=[L, L, L, A] * 2, head_dim=64,
                                           linear_key_head_dim=64, linear_value_head_dim=64, moe_intermediate_size=64,
@@ -133,9 +161,12 @@ def perturbed(maps: Path, out: Path) -> Path:
 def vllm_lookback(vllm_tiny, tmp_path_factory) -> tuple[Path, Path]:
     """(the tiny llama checkpoint, maps at split 2 with lookback 1, fitted on the same text)."""
     folder, _ = vllm_tiny["llama"]
-    work = tmp_path_factory.mktemp("vllm-lookback")
-    data = write_corpus(work / "corpus.txt", seed=3, lines_per_document=30)
-    return folder, fit_maps(str(folder), data, work, SPLIT, tokens=4096, seq_len=256, lookback=1)
+
+    def build(work: Path) -> tuple[Path, Path]:
+        data = write_corpus(work / "corpus.txt", seed=3, lines_per_document=30)
+        return folder, fit_maps(str(folder), data, work, SPLIT, tokens=4096, seq_len=256, lookback=1)
+
+    return built_once(tmp_path_factory, "vllm-lookback", build)
 
 
 @pytest.fixture(scope="session")
@@ -146,8 +177,8 @@ def smollm2_maps(tmp_path_factory) -> tuple[Path, Path]:
     from ridgefill.runtime.models import model_folder
 
     folder = Path(model_folder("smollm2-135m"))
-    work = tmp_path_factory.mktemp("smollm2-maps")
-    return folder, fit_maps("smollm2-135m", Path("wiki-leads"), work, 15, tokens=4096, seq_len=512)
+    return built_once(tmp_path_factory, "smollm2-maps", lambda work: (
+        folder, fit_maps("smollm2-135m", Path("wiki-leads"), work, 15, tokens=4096, seq_len=512)))
 
 
 class EnginePool:
@@ -210,12 +241,15 @@ def vllm_tuned(vllm_tiny, tmp_path_factory) -> dict[str, Path]:
     from ridgefill.commands import command
 
     folder, _ = vllm_tiny["llama"]
-    root = tmp_path_factory.mktemp("vllm-tune")
-    data = write_corpus(root / "text.txt", seed=5, lines_per_document=40)
-    out = {}
-    for variant in ("identity", "ridge"):
-        out[variant] = root / f"{variant}.json"
-        command("tune")(model=str(folder), data=str(data), splits="2-3", variants=variant, tail=32, tokens=2048,
-                        seq_len=128, holdout=0.25, lengths="320", tasks="niah_single_1", samples=1, max_new_tokens=4,
-                        nll_check=False, out_dir=root / "run", config_out=out[variant])
-    return out
+
+    def build(root: Path) -> dict[str, Path]:
+        data = write_corpus(root / "text.txt", seed=5, lines_per_document=40)
+        out = {}
+        for variant in ("identity", "ridge"):
+            out[variant] = root / f"{variant}.json"
+            command("tune")(model=str(folder), data=str(data), splits="2-3", variants=variant, tail=32, tokens=2048,
+                            seq_len=128, holdout=0.25, lengths="320", tasks="niah_single_1", samples=1,
+                            max_new_tokens=4, nll_check=False, out_dir=root / "run", config_out=out[variant])
+        return out
+
+    return built_once(tmp_path_factory, "vllm-tune", build)
