@@ -162,3 +162,24 @@ def test_a_damaged_manifest_of_an_earlier_run_is_rewritten(count_step, tmp_path,
     (tmp_path / "run" / "manifest.json").write_text(text)
     assert cached(tmp_path) is True
     assert json.loads((tmp_path / "run" / "manifest.json").read_text())["status"] == "complete"
+
+
+def test_auto_device_and_dtype_key_as_what_the_machine_runs(tmp_path, monkeypatch):
+    """The recipe's device and dtype default to auto, resolved as the recipe is read (issue 38): on a CPU-only machine
+    a task keys as under explicit cpu/fp32 (that result is reused) and not as under cuda/bf16; with a GPU that runs
+    bf16 (simulated) the same recipe keys as cuda/bf16, so a CPU result is never served to a GPU run, nor the reverse."""
+    import torch
+
+    recipe = BASE + "[loss]\n"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    on_cpu = keys(tmp_path, recipe)
+    assert keys(tmp_path, 'device = "auto"\ndtype = "auto"\n' + recipe) == on_cpu
+    assert keys(tmp_path, 'device = "cpu"\ndtype = "fp32"\n' + recipe) == on_cpu
+    gpu = keys(tmp_path, 'device = "cuda"\ndtype = "bf16"\n' + recipe)
+    assert all(gpu[label] != on_cpu[label] for label in on_cpu)
+    assert keys(tmp_path, 'dtype = "bf16"\n' + recipe)["calibrate"] != on_cpu["calibrate"]  # the dtype alone too
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    assert keys(tmp_path, recipe) == gpu
+    assert keys(tmp_path, 'device = "cpu"\n' + recipe) == on_cpu  # explicit cpu on a GPU machine: the CPU's key
