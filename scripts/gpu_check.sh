@@ -14,7 +14,7 @@
 #   8. ttft-128k    the same at 128K, one timed run after one warm-up
 #   9. chunk-*      exact (and identity) at 32K with --chunk 2,048 / 8,192 / 32,768 (the one the ttft step ran with
 #                   is taken from it): the CUDA default chunk by measurement
-#  10. calibrate    calibrate --device cuda (16K tokens) + fit: it runs, fit's table prints
+#  10. calibrate    calibrate --device cuda (16K tokens, a quarter held out) + fit: it runs, fit's table prints
 # A failed step is recorded (its exit code and log) and the next one runs. After every step the results are bundled
 # into $OUT (the device tool returns at most 8 files): $OUT/summary.md, $OUT/results.tar.gz (every JSON and log),
 # $OUT/gpu_check.log.
@@ -45,7 +45,7 @@ if [ "$SHAPE" = 8b ]; then
   CKPT=llama-8b SPLIT=16 LENGTHS=8192,32768 LONG=131072 WLEN=32768 WINDOW=2048 CHUNKS="2048 8192 32768"
   CAL_TOKENS=16384 CAL_SEQ=2048 PSHAPE=8b PREPEATS=20 ATTN_ARGS=""
 elif [ "$SHAPE" = tiny ]; then
-  CKPT=tiny SPLIT=2 LENGTHS=512,1024 LONG=2048 WLEN=1024 WINDOW=64 CHUNKS="128 512 1024"
+  CKPT=tiny SPLIT=2 LENGTHS=512,1024 LONG=2048 WLEN=1024 WINDOW=64 CHUNKS="128 512 2048"
   CAL_TOKENS=2048 CAL_SEQ=256 PSHAPE=tiny PREPEATS=3 ATTN_ARGS="--tiny"
 else
   echo "SHAPE must be 8b or tiny, got '$SHAPE'" >&2
@@ -109,7 +109,7 @@ for c in $CHUNKS; do
   bench "chunk-$c" --split "$SPLIT" --chunk "$c" --variants exact,identity --lengths "$WLEN" --repeats 2 --warmup 1
 done
 step calibrate "$PY" -m ridgefill calibrate --model "$MODEL" --data "$WORK/calibration.txt" --split "$SPLIT" --tokens "$CAL_TOKENS" \
-  --seq-len "$CAL_SEQ" --device "$DEVICE" --dtype bf16 --restart --out "$WORK/stats.safetensors"
+  --seq-len "$CAL_SEQ" --holdout 0.25 --device "$DEVICE" --dtype bf16 --restart --out "$WORK/stats.safetensors"
 step fit "$PY" -m ridgefill fit --stats "$WORK/stats.safetensors" --lam 1e-3 --out "$WORK/maps-fit.safetensors"
 step fit-meta "$PY" scripts/gpu_summary.py --maps-meta "$WORK/maps-fit.safetensors" "$RESULTS/fit.json"
 

@@ -34,7 +34,7 @@ def maps_meta(maps: Path, out: Path) -> None:
 
     doc = read_meta(maps, "maps")
     out.write_text(json.dumps(doc, indent=1, default=str))
-    print(f"maps {maps}: kind {doc.get('kind')}, mean held-out error {doc.get('mean_error_map')}")
+    print(f"maps {maps}: kind {doc.get('kind')}, split {doc.get('split')}, {len(doc.get('layers') or [])} layers")
 
 
 def load(path: Path) -> dict | None:
@@ -68,6 +68,10 @@ def gib(timing: dict | None) -> float | None:
 
 def ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None or not b else a / b
+
+
+def percent(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.0f} %"
 
 
 def steps_section(results: Path) -> list[str]:
@@ -112,15 +116,17 @@ def projection_section(results: Path) -> list[str]:
 
 
 def attention_section(results: Path) -> list[str]:
-    """scripts/attention_check.py's JSON: its rows (a list of flat records under "results") as they are."""
+    """scripts/attention_check.py's JSON: the routes it ran by default, and each list of flat records in it (one
+    table per list, its scalar fields as columns)."""
     doc = load(results / "attention.json")
-    if doc is None:
+    if not isinstance(doc, dict):
         return []
-    rows = doc.get("results") if isinstance(doc, dict) else doc
-    if not isinstance(rows, list) or not rows or not isinstance(rows[0], dict):
-        return ["## Attention routes", "(attention.json holds no list of results: see the file)", ""]
-    head = [k for k in rows[0] if not isinstance(rows[0][k], (dict, list))]
-    return ["## Attention routes", *table(head, [[r.get(k) for k in head] for r in rows])]
+    lines = ["## Attention routes", f"default routes: {doc.get('routes')}", ""]
+    for name, rows in doc.items():
+        if isinstance(rows, list) and rows and all(isinstance(r, dict) for r in rows):
+            head = [k for k in rows[0] if not isinstance(rows[0][k], (dict, list))]
+            lines += [f"{name}:", "", *table(head, [[r.get(k) for k in head] for r in rows])]
+    return lines
 
 
 def ttft_rows(doc: dict) -> list[list]:
@@ -130,14 +136,15 @@ def ttft_rows(doc: dict) -> list[list]:
         hf, exact = ms(t.get("transformers")), ms(t.get("exact"))
         for name in fill:
             f = fill[name]
-            rows.append([e["length"], name, hf, exact, ms(t[name]), ratio(hf, exact), f["speedup"], f["limit_speedup"],
-                         f["achieved_over_limit"], ratio(hf, ms(t[name])), gib(t.get("transformers")),
+            rows.append([e["length"], name, hf, exact, ms(t[name]), ratio(exact, hf), f["speedup"], f["limit_speedup"],
+                         percent(f["achieved_over_limit"]), ratio(hf, ms(t[name])), gib(t.get("transformers")),
                          gib(t.get("exact")), gib(t[name])])
     return rows
 
 
-TTFT_HEAD = ["tokens", "fill", "transformers ms", "exact ms", "fill ms", "transformers / exact", "speedup",
-             "FLOP limit", "of limit", "fill vs transformers", "transformers GiB", "exact GiB", "fill GiB"]
+TTFT_HEAD = ["tokens", "fill", "transformers ms", "exact ms", "fill ms", "exact / transformers (time)",
+             "fill speedup vs exact", "FLOP limit", "of limit", "fill speedup vs transformers", "transformers GiB",
+             "exact GiB", "fill GiB"]
 
 
 def ttft_section(results: Path) -> list[str]:
@@ -170,19 +177,22 @@ def chunk_section(results: Path) -> list[str]:
         for e in doc["results"]:
             t = e["timings"]
             rows.append([doc["config"]["chunk"], e["length"], ms(t.get("transformers")), ms(t.get("exact")),
-                         ms(t.get("identity")), ratio(ms(t.get("transformers")), ms(t.get("exact"))),
+                         ms(t.get("identity")), ratio(ms(t.get("exact")), ms(t.get("transformers"))),
                          gib(t.get("transformers")), gib(t.get("exact"))])
     return ["## Chunk sweep (exact)", *table(["chunk", "tokens", "transformers ms", "exact ms", "identity ms",
-                                              "transformers / exact", "transformers GiB", "exact GiB"], rows)]
+                                              "exact / transformers (time)", "transformers GiB", "exact GiB"], rows)]
 
 
 def fit_section(results: Path) -> list[str]:
     doc = load(results / "fit.json")
     if doc is None:
         return []
-    return ["## calibrate (CUDA) + fit", f"maps kind {doc.get('kind')}, split {doc.get('split')}, mean held-out "
-            f"error {_fmt(doc.get('mean_error_map'))} (random weights: the number means nothing; the check is that "
-            "it runs)", ""]
+    layers = doc.get("layers") or []
+    mean = {k: sum(layer[k] for layer in layers) / len(layers) if layers else None
+            for k in ("error_map", "error_identity")}
+    return ["## calibrate + fit", f"maps kind {doc.get('kind')}, split {doc.get('split')}, {len(layers)} layers, mean "
+            f"{doc.get('errors_on')} error: ridge {_fmt(mean['error_map'])}, identity {_fmt(mean['error_identity'])} "
+            "(random weights: the numbers mean nothing; the check is that calibrate and fit run)", ""]
 
 
 def summary(results: Path) -> str:
