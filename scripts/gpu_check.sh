@@ -108,8 +108,9 @@ for c in $CHUNKS; do
   [ "$c" = "$MAIN_CHUNK" ] && continue
   bench "chunk-$c" --split "$SPLIT" --chunk "$c" --variants exact,identity --lengths "$WLEN" --repeats 2 --warmup 1
 done
-step calibrate "$PY" -m ridgefill calibrate --model "$MODEL" --data "$WORK/calibration.txt" --split "$SPLIT" --tokens "$CAL_TOKENS" \
-  --seq-len "$CAL_SEQ" --holdout 0.25 --device "$DEVICE" --dtype bf16 --restart --out "$WORK/stats.safetensors"
+step calibrate "$PY" -m ridgefill calibrate --model "$MODEL" --data "$WORK/calibration.txt" --split "$SPLIT" \
+  --tokens "$CAL_TOKENS" --seq-len "$CAL_SEQ" --holdout 0.25 --device "$DEVICE" --dtype bf16 --restart \
+  --out "$WORK/stats.safetensors"
 step fit "$PY" -m ridgefill fit --stats "$WORK/stats.safetensors" --lam 1e-3 --out "$WORK/maps-fit.safetensors"
 step fit-meta "$PY" scripts/gpu_summary.py --maps-meta "$WORK/maps-fit.safetensors" "$RESULTS/fit.json"
 
