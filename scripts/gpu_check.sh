@@ -106,7 +106,7 @@ MAIN_CHUNK=$("$PY" -c "import json, sys; print(json.load(open(sys.argv[1]))['con
   "$RESULTS/ttft.json" 2>/dev/null || echo none)
 for c in $CHUNKS; do
   [ "$c" = "$MAIN_CHUNK" ] && continue
-  bench "chunk-$c" --split "$SPLIT" --chunk "$c" --variants exact,identity --lengths "$WLEN" --repeats 2 --warmup 1
+  bench "chunk-$c" --split "$SPLIT" --chunk "$c" --variants exact,identity --lengths "$WLEN" --repeats 1 --warmup 1
 done
 step calibrate "$PY" -m ridgefill calibrate --model "$MODEL" --data "$WORK/calibration.txt" --split "$SPLIT" \
   --tokens "$CAL_TOKENS" --seq-len "$CAL_SEQ" --holdout 0.25 --device "$DEVICE" --dtype bf16 --restart \
