@@ -190,3 +190,19 @@ def test_lm_eval_model_resolves_auto_and_reports_it(tiny_checkpoint, monkeypatch
     assert next(lm.session.model.parameters()).dtype == {"fp32": torch.float32, "bf16": torch.bfloat16}[expected[1]]
     with pytest.raises(RidgefillError, match="unknown dtype 'fp64'"):
         preflight({"pretrained": str(tiny_checkpoint), "dtype": "fp64"})
+
+
+@NO_GPU
+def test_the_exact_store_is_scoped_by_the_resolved_pair(tiny_checkpoint, tmp_path, monkeypatch):
+    """A measuring command's exact store (evals/common.start) keys its files by the pair the model runs in: auto here
+    scopes as explicit cpu/fp32 (their stored answers are shared), and a GPU's bf16 would scope apart."""
+    from ridgefill.evals.common import start
+
+    def scope(**given):
+        config = command("loss").make(model=str(tiny_checkpoint), data="shakespeare", out=tmp_path / "l.json",
+                                      exact_cache=tmp_path / "exact", **given)
+        return start("loss", config, ["exact"]).store.scope
+
+    auto = scope()
+    assert (auto["device"], auto["dtype"]) == ("cpu", "fp32") and auto == scope(device="cpu", dtype="fp32")
+    assert scope(dtype="bf16") != auto
