@@ -83,8 +83,9 @@ def errors(x: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
 
 
 def within(err: tuple[float, float], base: tuple[float, float], ref: torch.Tensor, dtype: torch.dtype) -> bool:
-    """err (max, RMS) at most FACTOR x the baseline's, plus one rounding step of dtype at the reference's scale."""
-    step = torch.finfo(dtype).eps
+    """err (max, RMS) at most FACTOR x the baseline's, plus one rounding step of dtype (half its eps: 2^-8 for
+    bf16) at the reference's scale."""
+    step = torch.finfo(dtype).eps / 2
     floor_max, floor_rms = step * ref.abs().max().item(), step * ref.square().mean().sqrt().item()
     return err[0] <= FACTOR * base[0] + floor_max and err[1] <= FACTOR * base[1] + floor_rms
 
