@@ -167,7 +167,8 @@ def test_a_damaged_manifest_of_an_earlier_run_is_rewritten(count_step, tmp_path,
 def test_auto_device_and_dtype_key_as_what_the_machine_runs(tmp_path, monkeypatch):
     """The recipe's device and dtype default to auto, resolved as the recipe is read (issue 38): on a CPU-only machine
     a task keys as under explicit cpu/fp32 (that result is reused) and not as under cuda/bf16; with a GPU that runs
-    bf16 (simulated) the same recipe keys as cuda/bf16, so a CPU result is never served to a GPU run, nor the reverse."""
+    bf16 (simulated) the same recipe keys as cuda/bf16, so a CPU result is never served to a GPU run, nor the
+    reverse."""
     import torch
 
     recipe = BASE + "[loss]\n"

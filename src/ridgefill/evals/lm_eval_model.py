@@ -9,13 +9,13 @@ after that import:
     ridgefill lm-eval --model ridgefill --model_args pretrained=M --tasks T          # exact prefill
 
 model_args: pretrained (a --model spec: alias, folder or Hub id), fill (exact | identity | ridge; default ridge
-with maps, else exact), dtype (auto: bf16 on a GPU that supports it, else fp32), chunk (engine.DEFAULT_CHUNK), max_gen_toks (256), and the fill's options
-by their names (method/fill_fields.OPTIONS: maps, split, tail, keep_first, outlier_factor, filled_window,
-filled_window_layers, with their defaults). Every request's context is prefilled with the plan; the scored
-continuation and every generated token run the full model. Contexts that share their tokens (a multiple-choice
-question's options) are prefilled once. loglikelihood_rolling is refused: filled rows have no logits to score. lm-eval's --device picks the device (none
-given: auto, cuda when a GPU is visible); the results' config records the resolved pair as model_device and
-model_dtype.
+with maps, else exact), dtype (auto: bf16 on a GPU that supports it, else fp32), chunk (engine.DEFAULT_CHUNK),
+max_gen_toks (256), and the fill's options by their names (method/fill_fields.OPTIONS: maps, split, tail,
+keep_first, outlier_factor, filled_window, filled_window_layers, with their defaults). Every request's context is
+prefilled with the plan; the scored continuation and every generated token run the full model. Contexts that share
+their tokens (a multiple-choice question's options) are prefilled once. loglikelihood_rolling is refused: filled
+rows have no logits to score. lm-eval's --device picks the device (none given: auto, cuda when a GPU is visible);
+the results' config records the resolved pair as model_device and model_dtype.
 """
 
 from __future__ import annotations
