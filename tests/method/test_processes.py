@@ -153,8 +153,8 @@ def test_nproc_relaunch_repeats_every_option_but_nproc(tmp_path):
     argv = relaunch_argv(config, "calibrate", config.nproc)
     assert argv[:8] == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
                         "-m", "ridgefill"]
-    assert argv[8:] == ["calibrate", "--data", "docs.jsonl", "--split", "2,3", "--out", str(tmp_path / "s.safetensors"),
-                        "--resume", "--holdout", "0.25"]
+    assert argv[8:] == ["calibrate", "--dtype", "fp32", "--device", "cpu", "--data", "docs.jsonl", "--split", "2,3",
+                        "--out", str(tmp_path / "s.safetensors"), "--resume", "--holdout", "0.25"]  # resolved, not auto
     assert not options(type(config))["nproc"].keyed
 
 
