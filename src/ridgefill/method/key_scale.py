@@ -30,8 +30,9 @@ from ridgefill.method.maps import filler_of
 from ridgefill.runtime.artifacts import load_private, save_artifact
 from ridgefill.runtime.console import progress_bar, table
 from ridgefill.runtime.data import sequence_budget
+from ridgefill.runtime.device import check_device
 from ridgefill.runtime.paths import check_output, write_json
-from ridgefill.runtime.session import ModelConfig, check_device
+from ridgefill.runtime.session import ModelConfig
 
 
 @dataclass
