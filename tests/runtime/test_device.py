@@ -160,6 +160,8 @@ def test_a_real_command_writes_the_resolved_pair(tiny_checkpoint, tmp_path):
     doc = json.loads(out.read_text())
     assert (doc["config"]["device"], doc["config"]["dtype"]) == ("cpu", "fp32")
     assert (doc["device"]["device"], doc["device"]["dtype"]) == ("cpu", "float32")
+    assert doc["device"]["routes"] == {"device": "cpu", "dtype": "float32", "causal": "cpu_split", "window": "blocks",
+                                       "projection": "torch", "delta_rule": "torch"}  # the routes it ran
 
 
 @NO_GPU

@@ -351,9 +351,11 @@ def _device_info(engine: Engine, load_before: float | None) -> dict:
     device = engine.device
     info = {"device": str(device), "dtype": str(engine.dtype).replace("torch.", ""),
             "threads": torch.get_num_threads(), "cpu": cpu_name(), "cpu_count": os.cpu_count(),
-            "load_average_1m": {"start": load_before, "end": _load_1m()}}
+            "load_average_1m": {"start": load_before, "end": _load_1m()},
+            "routes": engine.routes.describe()}  # the attention, window, projection and delta-rule routes taken
     if device.type == "cuda":
-        info["gpu"] = device_info("cuda")["name"]
+        gpu = device_info("cuda")
+        info.update(gpu=gpu["name"], cuda=gpu["cuda"])
     return info
 
 
