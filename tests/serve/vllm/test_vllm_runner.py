@@ -67,25 +67,31 @@ def test_the_run_bound_is_max_num_seqs_or_the_cuda_graph_capture_size_where_grap
 
 
 def test_a_step_with_more_runs_than_max_num_seqs_runs_the_shortest_gaps_in_full():
-    """Three 100-200 token prompts in one step (served tail 16, keep-first 1: two runs each) with max_num_seqs 4:
-    the two shortest filled stretches run in full (their requests exact), so the step has 4 runs; the model's
-    FillBatch carries the bound for the rows it adds."""
+    """Three 100-200 token prompts in one step (served tail 16, keep-first 1: two runs each) with max_num_seqs 4.
+    The plan leaves the rule's rows as they are and carries the bound; the model's FillBatch applies it once, to
+    the full rows and those it adds: the two shortest filled stretches (83 and 133 rows) run in full, so the step
+    has 4 runs. With an outlier row inside request 1's stretch (7 runs) the three shortest gaps close: 49, 83 and
+    the earlier of the two 133s (request 1's)."""
     prompts = [100, 200, 150]
     r = runner(prompts, [0, 0, 0], prompts, sampling=True, vllm_config=config(4))
     step = plan_step(r, positions_of([0, 0, 0], prompts), served_tail=16, served_keep=1)
     assert step.max_runs == 4
-    assert step.full[:100].all() and step.full[300:].all()  # requests 0 and 2: exact
-    assert (~step.full[100:300]).sum() == 200 - 16 - 1  # request 1: filled as the rule says
-    assert int(step.promoted.sum()) == (100 - 17) + (150 - 17)
+    assert int((~step.full).sum()) == 83 + 183 + 133  # the plan itself is unbounded
     batch = step.batch(SimpleNamespace(attn_groups=[]))
     assert batch.max_runs == 4
+    bounded = batch.bounded(step.full)
+    assert bounded[:100].all() and bounded[300:].all()  # requests 0 and 2: exact
+    assert int((~bounded[100:300]).sum()) == 200 - 16 - 1  # request 1: filled as the rule says
+    assert int(batch.promoted.sum()) == 83 + 133 and not (batch.promoted & step.full).any()
     outlier = step.full.clone()
-    outlier[150] = True  # an outlier row the model adds inside request 1's filled stretch: 5 runs
+    outlier[150] = True  # an outlier row the model adds inside request 1's filled stretch: 7 runs
     bounded = batch.bounded(outlier)
-    assert bounded[101:150].all() and not bounded[151:284].any()  # the shorter of request 1's two gaps closes
-    assert batch.promoted.sum() == 49
+    assert bounded[:300].all() and int((~bounded[300:]).sum()) == 133  # request 2 keeps its stretch
+    assert int(batch.promoted.sum()) == 49 + 83 + 133
     roomy = plan_step(runner(prompts, [0, 0, 0], prompts, sampling=True), positions_of([0, 0, 0], prompts), 16, 1)
-    assert not roomy.promoted.any() and int((~roomy.full).sum()) == 83 + 183 + 133
+    roomy_batch = roomy.batch(SimpleNamespace(attn_groups=[]))
+    assert roomy_batch.max_runs <= 0 or roomy_batch.max_runs >= 6
+    assert torch.equal(roomy_batch.bounded(roomy.full), roomy.full) and not roomy_batch.promoted.any()
 
 
 class Counted:
