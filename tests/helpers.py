@@ -1,9 +1,13 @@
 """Helpers the test modules share (one definition each): an engine over a tiny model, transformers' own hidden
-states, cache equality over both kinds of layer, and a free loopback port."""
+states, cache equality over both kinds of layer, a free loopback port, and the one start-up line of a vLLM plugin
+registered in a probe process."""
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 
 import torch
 
@@ -52,3 +56,27 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# The head of a probe that registers the vLLM plugin in a process of its own: a maps file for it to read at argv[1].
+PLUGIN_PROBE_HEAD = r"""
+import sys
+from ridgefill.runtime.artifacts import save_artifact
+save_artifact(sys.argv[1], {}, {"artifact": "maps", "kind": "identity", "split": 1})
+"""
+
+
+def plugin_startup_line(probe: str, tmp_path) -> str:
+    """Run `probe` (PLUGIN_PROBE_HEAD, then code that changes vLLM and registers the plugin) in a fresh Python
+    without the caller's RIDGEFILL_ settings; it must fail, and the line `ridgefill serve` shows for it is returned
+    (process.startup_error, as for a vLLM server that fails to start)."""
+    from ridgefill.serve.process import startup_error
+
+    maps = tmp_path / "maps.safetensors"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RIDGEFILL_")}
+    r = subprocess.run([sys.executable, "-c", probe, str(maps)], capture_output=True, text=True,
+                       env={**env, "RIDGEFILL_MAPS": str(maps)}, timeout=600)
+    assert r.returncode != 0, r.stderr[-2000:]
+    line = startup_error(r.stderr, r.returncode, tmp_path / "vllm.log")
+    assert "\n" not in line
+    return line

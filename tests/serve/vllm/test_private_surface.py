@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import ast
 import inspect
-import os
-import subprocess
 import sys
 import types
 from pathlib import Path
@@ -19,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 import ridgefill.serve.vllm as vllm_package
+from helpers import PLUGIN_PROBE_HEAD, plugin_startup_line
 from ridgefill.errors import RidgefillError
 from ridgefill.serve.vllm import private
 from ridgefill.serve.vllm.private import READS, Call, Read, check_reads
@@ -227,10 +226,7 @@ def test_each_entry_matches_the_installed_vllm(entry):
     assert entry.problem() is None
 
 
-PROBE = r"""
-import sys
-from ridgefill.runtime.artifacts import save_artifact
-save_artifact(sys.argv[1], {}, {"artifact": "maps", "kind": "identity", "split": 1})
+PROBE = PLUGIN_PROBE_HEAD + r"""
 from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
 QwenGatedDeltaNetAttention._output_projection = lambda self, out, gate: out  # as a vLLM release that re-signed it
 from ridgefill.serve.vllm.plugin import register
@@ -241,15 +237,7 @@ register()
 def test_a_vllm_whose_gated_deltanet_changed_fails_start_up_with_one_line_naming_it(tmp_path):
     """A private read the plugin makes of a hybrid's Gated DeltaNet mixer, changed in the installed vLLM: the plugin
     refuses at registration, before anything is patched, and `ridgefill serve` shows the one line."""
-    from ridgefill.serve.process import startup_error
-
-    maps = tmp_path / "maps.safetensors"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RIDGEFILL_")}
-    r = subprocess.run([sys.executable, "-c", PROBE, str(maps)], capture_output=True, text=True,
-                       env={**env, "RIDGEFILL_MAPS": str(maps)}, timeout=600)
-    assert r.returncode != 0
-    line = startup_error(r.stderr, r.returncode, tmp_path / "vllm.log")
+    line = plugin_startup_line(PROBE, tmp_path)
     assert line.startswith("vLLM's vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn."
                            "QwenGatedDeltaNetAttention._output_projection takes (self, out, gate), which ridgefill's "
                            "vLLM plugin calls as (self, core_attn_out, z)"), line
-    assert "\n" not in line

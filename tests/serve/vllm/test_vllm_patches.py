@@ -6,15 +6,13 @@ target gives `ridgefill serve` (no engine started)."""
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
 import sys
 import types
 
 import pytest
 
+from helpers import PLUGIN_PROBE_HEAD, plugin_startup_line
 from ridgefill.errors import RidgefillError
-from ridgefill.serve.process import startup_error
 from ridgefill.serve.vllm.patch import Patch, apply_patches
 from ridgefill.serve.vllm.private import READS, Read, check_reads
 
@@ -169,10 +167,7 @@ def test_every_private_read_of_the_plugin_is_in_the_installed_vllm():
     assert len(READS) >= 10
 
 
-PROBE = r"""
-import sys
-from ridgefill.runtime.artifacts import save_artifact
-save_artifact(sys.argv[1], {}, {"artifact": "maps", "kind": "identity", "split": 1})
+PROBE = PLUGIN_PROBE_HEAD + r"""
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 del KVCacheManager.get_computed_blocks  # as a vLLM release that renamed it
 from ridgefill.serve.vllm.plugin import register
@@ -183,12 +178,6 @@ register()
 def test_a_vllm_without_a_patch_target_fails_start_up_with_one_line_naming_it(tmp_path):
     """The plugin's refusal reaches `ridgefill serve` as its other start-up refusals do: a RidgefillError in vLLM's
     log, which serve turns into one line (process.startup_error)."""
-    maps = tmp_path / "maps.safetensors"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RIDGEFILL_")}
-    r = subprocess.run([sys.executable, "-c", PROBE, str(maps)], capture_output=True, text=True,
-                       env={**env, "RIDGEFILL_MAPS": str(maps)}, timeout=600)
-    assert r.returncode != 0
-    line = startup_error(r.stderr, r.returncode, tmp_path / "vllm.log")
+    line = plugin_startup_line(PROBE, tmp_path)
     assert line.startswith("vLLM's vllm.v1.core.kv_cache_manager.KVCacheManager.get_computed_blocks is missing: "
                            "ridgefill's vLLM plugin patches it as (self, request)"), line
-    assert "\n" not in line
