@@ -84,8 +84,7 @@ def two_requests(prompt_a: int, prompt_b: int, first_a: int, n_a: int, first_b: 
     full = full_tokens(positions, request, prompt, torch.tensor([tail, tail]), torch.tensor([1, 1]))
     in_prompt = positions < prompt[request]
     last = in_prompt & (positions == prompt[request] - 1)
-    return Step(["a", "b"], prompt, [tail, tail], [1, 1], request, positions, in_prompt, last, full,
-                torch.zeros_like(full))
+    return Step(["a", "b"], prompt, [tail, tail], [1, 1], request, positions, in_prompt, last, full, max_runs=8)
 
 
 def test_account_counts_and_warns_for_a_request_that_filled_nothing(caplog):
