@@ -129,7 +129,8 @@ class RidgeFillMixin:
     """Adds the filled forward to a stock vLLM causal LM whose decoder layers are (positions, h, residual) ->
     (h, residual) with `input_layernorm` and `self_attn.{qkv_proj, q_size, kv_size, head_dim, rotary_emb, attn}`."""
 
-    def _ridgefill_setup(self, vllm_config) -> None:
+    def __init__(self, *, vllm_config, prefix: str = "", **kwargs):
+        super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)  # the stock model's __init__ (next in MRO)
         fill = FillSettings.from_env()
         if fill is not None:
             check_engine_config(vllm_config, fill)
@@ -280,27 +281,16 @@ def write_filled_kv(layer, kv: LateKV, u: torch.Tensor, positions: torch.Tensor,
 
 
 class RidgeFillLlamaForCausalLM(RidgeFillMixin, LlamaForCausalLM):
-    def __init__(self, *, vllm_config, prefix: str = "", **kwargs):
-        super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
-        self._ridgefill_setup(vllm_config)
+    """vLLM's Llama with the filled forward."""
 
 
 class RidgeFillQwen2ForCausalLM(RidgeFillMixin, Qwen2ForCausalLM):
-    def __init__(self, *, vllm_config, prefix: str = "", **kwargs):
-        super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
-        self._ridgefill_setup(vllm_config)
+    """vLLM's Qwen2 with the filled forward."""
 
 
 class RidgeFillQwen3ForCausalLM(RidgeFillMixin, Qwen3ForCausalLM):
-    def __init__(self, *, vllm_config, prefix: str = "", **kwargs):
-        super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
-        self._ridgefill_setup(vllm_config)
-
+    """vLLM's Qwen3 with the filled forward."""
 
 
 class RidgeFillQwen3NextForCausalLM(RidgeFillMixin, Qwen3NextForCausalLM):
     """Qwen3-Next: Gated DeltaNet layers between gated full-attention layers, MoE MLPs (docs/hybrid.md)."""
-
-    def __init__(self, *, vllm_config, prefix: str = "", **kwargs):
-        super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
-        self._ridgefill_setup(vllm_config)
