@@ -178,12 +178,17 @@ def vllm_cores(worker: str, workers: int, cpus: list[int]) -> str | None:
 
 
 def pytest_configure(config):
-    """In an xdist worker, vLLM engines and servers started from it bind to that worker's cores (unless the
-    environment already says how: an operator's VLLM_CPU_OMP_THREADS_BIND wins)."""
+    """In an xdist worker, torch runs on the worker's share of the cores (two workers on two cores each ran two
+    threads, four spinning threads on two cores), and vLLM engines and servers started from it bind to that
+    worker's cores (unless the environment already says how: an operator's VLLM_CPU_OMP_THREADS_BIND wins)."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")
-    if worker is None or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+    if worker is None:
         return
-    cores = vllm_cores(worker, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), sorted(os.sched_getaffinity(0)))
+    workers, cpus = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), sorted(os.sched_getaffinity(0))
+    torch.set_num_threads(max(1, min(torch.get_num_threads(), len(cpus) // workers)))
+    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return
+    cores = vllm_cores(worker, workers, cpus)
     if cores is not None:
         os.environ.update(VLLM_CPU_OMP_THREADS_BIND=cores, VLLM_CPU_NUM_OF_RESERVED_CPU="0")
 
