@@ -161,9 +161,11 @@ def one_thread():
 # starts once). xdist sends the largest group first, the pool, and balances the rest over the workers. vLLM's
 # automatic CPU binding is deterministic (here: 2 cores, one kept for its scheduler), so two engines side by side got
 # the same core and ran slower than one group alone (measured); each xdist worker's engines and servers get cores of
-# their own instead (vllm_cores). The session fixtures are built once per run (vllm_fixtures.built_once). Measured on
-# 2 cores (a fresh clone, cold compile cache): one vLLM group 24 min 41 s of pytest; two groups, one core each,
-# 21 min 49 s; the same after three tests were trimmed (CHANGELOG), 15 min 39 s.
+# their own instead (vllm_cores), and torch in each worker runs on its share of the cores (pytest_configure). The
+# session fixtures are built once per run (vllm_fixtures.built_once). Measured on 2 cores (a fresh clone, cold
+# compile cache): one vLLM group 24 min 41 s of pytest; two groups, one core each, 21 min 49 s; the same after three
+# tests were trimmed (CHANGELOG), 15 min 39 s; with the pool's forkserver 13 min 1 s; with one torch thread per
+# worker 10 min 26 s (two threads per worker kept four spinning OpenMP threads on the two cores).
 VLLM_FIXTURES = {"vllm_tiny", "vllm_lookback", "vllm_hybrid", "smollm2_maps", "engines", "vllm_tuned"}
 
 
