@@ -2,6 +2,8 @@
 that the engine takes the routes it chose."""
 
 import dataclasses
+import inspect
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -42,7 +44,8 @@ def test_projection_and_delta_rule_choices():
     with pytest.raises(RidgefillError, match="not one of auto, torch, layers"):
         projection_route("triton")
     assert delta_rule_route(torch.device("cpu")) == "torch"
-    assert delta_rule._fla_kernel(torch.zeros(1)) is None  # the delta rule asks routes, not the device itself
+    assert inspect.signature(delta_rule.chunk_gated_delta_rule).parameters["use_kernel"].default is False  # the
+    # delta rule asks its caller (the engine's route), not the device itself
 
 
 def test_overrides_replace_routes_and_refuse_what_the_device_cannot_run(monkeypatch):
@@ -78,6 +81,10 @@ def test_the_engine_takes_its_routes(dense_model, monkeypatch):
     assert len(calls) == 3 * 3  # 3 chunks x the 3 windowed layers below the split
 
 
-def test_a_hybrid_engine_records_its_delta_rule_route():
-    eng = Engine(adapter_for(tiny_hybrid_model("qwen3_5")))
+def test_a_hybrid_engine_records_its_delta_rule_route_and_its_adapter_runs_it():
+    adapter = adapter_for(tiny_hybrid_model("qwen3_5"))
+    adapter.use_routes(SimpleNamespace(delta_rule="fla"))  # as a CUDA engine's routes would
+    assert adapter.delta_kernel
+    eng = Engine(adapter)
     assert eng.routes.delta_rule == "torch" and eng.routes.describe()["device"] == "cpu"
+    assert not adapter.delta_kernel  # the route the engine chose (and records) is the one its layers run

@@ -79,6 +79,7 @@ class Engine:
         self.chunk = chunk
         self.routes = Routes.for_model(adapter.device, adapter.dtype, adapter.n_heads, adapter.n_kv_heads,
                                        adapter.head_dim, projection)
+        adapter.use_routes(self.routes)
         self.projection = FillProjection(adapter, self.routes.projection, timer)  # the filled rows' fused K/V
 
     def with_timer(self, timer: Stopwatch | None) -> "Engine":

@@ -105,6 +105,10 @@ class Adapter:
         """Final norm and LM head: [B, n, H] -> [B, n, V]."""
         return self.model.lm_head(self.decoder.norm(h))
 
+    def use_routes(self, routes) -> None:
+        """The routes its engine chose (engine/routes.py, once per engine); a family with a route of its own (the
+        hybrids' delta rule) keeps what it needs, so that an overridden route is the one that runs."""
+
     def layer_kind(self, layer: int) -> str:
         return "attention"
 

@@ -11,8 +11,8 @@ Per value head, with q and k L2-normalised and q scaled by Dk^-1/2, the gated de
 
 `chunk_gated_delta_rule` evaluates it chunk by chunk (the WY/UT form: one triangular solve per chunk and a
 scan over chunks, never over tokens; chunks are `chunk_size` rows, the last one zero-padded, as in transformers'
-torch fallback; a single row takes one recurrent step). Where engine/routes.py's delta rule route is "fla" (CUDA
-with flash-linear-attention installed) it uses fla's kernel.
+torch fallback; a single row takes one recurrent step). With `use_kernel` (the engine's delta rule route is "fla":
+CUDA with flash-linear-attention installed, engine/routes.py) it uses fla's kernel.
 """
 
 from __future__ import annotations
@@ -21,8 +21,6 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-
-from ridgefill.engine.routes import delta_rule_route
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -59,15 +57,15 @@ def chunk_gated_delta_rule(
     beta: torch.Tensor,
     initial_state: torch.Tensor | None = None,
     chunk_size: int = 64,
-    use_kernel: bool = True,
+    use_kernel: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gated delta rule over n rows from `initial_state` (None = zeros), q/k L2-normalised inside.
+    """The gated delta rule over n rows from `initial_state` (None = zeros), q/k L2-normalised inside; with
+    `use_kernel`, by fla's fused kernel (the caller's route says so).
 
     Returns out [B, n, Hv, Dv] (dtype of v) and the final state [B, Hv, Dk, Dv] (float32).
     """
-    kernel = _fla_kernel(q) if use_kernel else None
-    if kernel is not None:
-        return _run_fla(kernel, q, k, v, g, beta, initial_state)
+    if use_kernel:
+        return _run_fla(_fla_kernel(), q, k, v, g, beta, initial_state)
     out_dtype = v.dtype
     b, n, _, dk = k.shape
     hv, dv = v.shape[-2:]
@@ -136,12 +134,10 @@ def _step(q, k, v, g, beta, state):
 
 
 # --- optional kernel hook (flash-linear-attention) -------------------------------------------------------
-# NOT exercised by the test suite (fla needs CUDA + Triton). Where the route for the tensors' device is "fla"
+# NOT exercised by the test suite (fla needs CUDA + Triton). Where the engine's delta rule route is "fla"
 # (engine/routes.py: CUDA, fla importable), `chunk_gated_delta_rule` hands the work to fla's fused kernel, which
 # computes the same rule.
-def _fla_kernel(like: torch.Tensor):
-    if delta_rule_route(like.device) != "fla":
-        return None
+def _fla_kernel():
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
 
     return fla_chunk

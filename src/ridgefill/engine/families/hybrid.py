@@ -39,6 +39,7 @@ class HybridAdapter(Adapter):
 
     family = "hybrid"
     delta_chunk = 64  # rows per chunk of the gated delta rule (math is exact for any value)
+    delta_kernel = False  # the delta rule by fla's kernel: the engine's route is "fla" (use_routes)
 
     def __init__(self, model: nn.Module) -> None:
         if not hasattr(getattr(model, "model", None), "layers"):
@@ -53,6 +54,9 @@ class HybridAdapter(Adapter):
             raise RidgefillError(f"unsupported layer types {unknown}: ridgefill supports {sorted(_KINDS)}")
         self.kinds = [_KINDS[t] for t in types]
         self.activation = ACT2FN[self.config.hidden_act]
+
+    def use_routes(self, routes) -> None:
+        self.delta_kernel = routes.delta_rule == "fla"
 
     def layer_kind(self, layer: int) -> str:
         return self.kinds[layer]
@@ -112,7 +116,8 @@ class HybridAdapter(Adapter):
         v = v.reshape(bsz, n, -1, lin.head_v_dim)  # [B, n, Hv, Dv]
         beta = b.sigmoid()
         g = -lin.A_log.float().exp() * nn.functional.softplus(a.float() + lin.dt_bias)  # [B, n, Hv] log decay
-        out, cache.recurrent = chunk_gated_delta_rule(q, k, v, g, beta, cache.recurrent, self.delta_chunk)
+        out, cache.recurrent = chunk_gated_delta_rule(q, k, v, g, beta, cache.recurrent, self.delta_chunk,
+                                                     use_kernel=self.delta_kernel)
         cache.length += n
         out = lin.norm(out.reshape(-1, lin.head_v_dim), z.reshape(-1, lin.head_v_dim))  # gated RMSNorm
         return lin.out_proj(out.reshape(bsz, n, -1))
