@@ -23,10 +23,11 @@ class Client:
     request's messages were taken from the server."""
 
     def __init__(self, body: bytes | list[bytes] = b"", method: str = "POST", path: str = "/v1/completions",
-                 headers: dict[str, str] | None = None, disconnect: bool = False) -> None:
+                 headers: dict[str, str] | list[tuple[str, str]] | None = None, disconnect: bool = False) -> None:
         self.chunks = [body] if isinstance(body, bytes) else body
+        pairs = headers.items() if isinstance(headers, dict) else headers or []  # a list may repeat a header
         self.scope = {"type": "http", "method": method, "path": path, "root_path": "",
-                      "headers": [(k.lower().encode(), v.encode("latin-1")) for k, v in (headers or {}).items()]}
+                      "headers": [(k.lower().encode(), v.encode("latin-1")) for k, v in pairs]}
         self.disconnect = disconnect
         self.taken, self.sent, self.reached = 0, [], None
 
@@ -105,7 +106,9 @@ def test_with_the_key_or_off_the_guarded_paths_the_request_goes_on():
     assert Client(ok, headers={"Authorization": f"bearer {KEY}"}).run(environ).reached == ok  # the scheme's case
     assert Client(b"", method="GET", path="/health").run(environ).reached == b""  # vLLM leaves these open
     assert Client(ok, path="/tokenize").run(environ).reached == ok
-    assert Client(b"", method="OPTIONS").run(environ).reached == b""  # CORS preflight
+    preflight = {"Origin": "http://page.example", "Access-Control-Request-Method": "POST"}
+    assert Client(b"", method="OPTIONS", headers=preflight).run(environ).reached == b""  # CORS preflight
+    assert Client(b"", method="OPTIONS").run(environ).status == 401  # no preflight: stricter than vLLM
     assert Client(ok, path="/api/v1/completions", headers=keyed()).run(environ).reached == ok
     rooted = Client(BAD_XARGS, path="/api/v1/completions")
     rooted.scope["root_path"] = "/api"  # the path vLLM checks is under the root path
@@ -114,15 +117,71 @@ def test_with_the_key_or_off_the_guarded_paths_the_request_goes_on():
     assert Client(ok).run({"VLLM_API_KEY": ""}).reached == ok
 
 
+OPEN_PATHS = ["/health", "/ping", "/metrics", "/tokenize", "/detokenize"]  # documented in docs/serving.md
+
+
+@pytest.mark.parametrize("path", [
+    "/invocations",  # SageMaker's: vLLM runs chat and completion requests there, outside its guarded prefixes
+    "/version", "/load", "/pooling", "/classify", "/score", "/rerank", "/pause", "/abort_requests",
+    "/a/route/vllm/adds/later", "/", "", "/health/", "/healthz", "//health", "/metrics/", "/tokenize/x",
+    "/HEALTH", "/health;x", "/v1/../health",
+])
+def test_every_path_outside_the_open_list_needs_the_key(path):
+    """Decided by the open list, not by vLLM's guarded prefixes: a generating route vLLM registers elsewhere
+    (/invocations) or adds later, and near-misses of the open paths, are 401 before any body is read."""
+    environ = {"VLLM_API_KEY": KEY}
+    body = json.dumps({"model": "m", "prompt": "hi", "vllm_xargs": {"ridgefill_tail": 0}}).encode()
+    c = Client(body, path=path).run(environ)
+    assert c.status == 401 and c.answer == UNAUTHORIZED and c.taken == 0 and c.reached is None
+    assert Client(body, path=path, headers=keyed()).run(environ).status == 400  # with the key: checked, refused
+    assert Client(body[:-3] + b"3}}", path=path, headers=keyed()).run(environ).reached == body[:-3] + b"3}}"
+
+
+@pytest.mark.parametrize("path", OPEN_PATHS)
+def test_only_the_open_paths_go_on_without_the_key(path):
+    environ = {"VLLM_API_KEY": KEY}
+    ok = json.dumps({"prompt": "hi"}).encode()
+    assert Client(ok, path=path).run(environ).reached == ok
+    assert Client(b"", method="GET", path=path).run(environ).reached == b""
+    rooted = Client(ok, path="/api" + path)
+    rooted.scope["root_path"] = "/api"  # under --root-path, as Starlette routes it
+    assert rooted.run(environ).reached == ok
+    elsewhere = Client(ok, path="/api" + path)
+    elsewhere.scope["root_path"] = "/ap"  # not below the root path: routed as /api/health, guarded
+    assert elsewhere.run(environ).status == 401
+    bad = Client(BAD_XARGS, path=path).run(environ)  # the body check still runs on an open path
+    assert bad.status == 400 and bad.error().startswith("ridgefill_tail=0 is not valid")
+
+
+def test_a_websocket_without_the_key_is_refused_before_vllm_sees_it():
+    """vLLM's 401 where the server can answer a handshake over HTTP, else a close before it is accepted."""
+    seen, sent = [], []
+
+    async def app(scope, receive, send):
+        seen.append(scope["path"])
+
+    async def send(message):
+        sent.append(message)
+
+    middleware = RidgeFillRequestArgs(app, environ={"VLLM_API_KEY": KEY})
+    http_answer = {"type": "websocket", "path": "/v1/realtime", "headers": [],
+                   "extensions": {"websocket.http.response": {}}}
+    asyncio.run(middleware(http_answer, None, send))
+    assert [m["type"] for m in sent] == ["websocket.http.response.start", "websocket.http.response.body"]
+    assert sent[0]["status"] == 401 and sent[1]["body"] == UNAUTHORIZED
+    sent.clear()
+    asyncio.run(middleware({"type": "websocket", "path": "/a/later/socket", "headers": []}, None, send))
+    assert sent == [{"type": "websocket.close", "code": 1008}] and seen == []
+
+
 def test_the_401_and_the_keys_are_vllms_own():
     """vLLM's AuthenticationMiddleware answers the same bytes; when vLLM's stack holds one (keys from --api-key),
     its keys are checked, not VLLM_API_KEY's."""
     pytest.importorskip("vllm")
     from vllm.entrypoints.serve.middleware.authenticate import GUARDED_PREFIX, AuthenticationMiddleware
 
-    from ridgefill.serve.vllm.middleware import GUARDED
-
-    assert GUARDED == GUARDED_PREFIX
+    for prefix in GUARDED_PREFIX:  # what vLLM guards is guarded here too
+        assert Client(BAD_XARGS, path=prefix + "/anything").run({"VLLM_API_KEY": KEY}).status == 401
     for client in (Client(BAD_XARGS), Client(b"", method="GET", path="/v1/models")):
         ours, theirs = client, Client(client.chunks[0], client.scope["method"], client.scope["path"])
         ours.run({"VLLM_API_KEY": KEY})
@@ -155,6 +214,54 @@ def test_a_body_declared_over_the_bound_is_413_and_never_kept():
     assert exact.reached == b"x" * 100  # at the bound: read and passed on
 
 
+CLOSE = (b"connection", b"close")
+
+
+def test_a_413_closes_the_connection_and_a_400_after_a_whole_body_keeps_it():
+    """`Connection: close` on every 413 (the server then reads no more of the body); a refusal after the whole body
+    was read leaves the connection open for the client's next request."""
+    small = {"RIDGEFILL_MAX_REQUEST_BYTES": "100"}
+    for c in (Client(b"x" * 10, headers={"Content-Length": str(8 * BODY_LIMIT + 1)}).run(),
+              Client([b"x" * 50] * 3, headers={"Content-Length": "150", "Expect": "100-continue"}).run(small),
+              Client([b"x" * 50] * 16, headers={"Content-Length": "800"}).run(small),
+              Client([b"y" * 40] * 1000).run(small)):
+        assert c.status == 413 and CLOSE in c.sent[0]["headers"] and c.reached is None
+    refused = Client(BAD_XARGS).run()
+    assert refused.status == 400 and CLOSE not in refused.sent[0]["headers"]
+
+
+LENGTH_ERROR = ("the request's Content-Length is not a number of bytes of at most 18 digits: send one "
+                "Content-Length header with the body's length in bytes")
+
+
+@pytest.mark.parametrize("lengths, message", [
+    (["0" * 5000 + "5"], LENGTH_ERROR),  # 5,001 digits: int() raises past Python's digit limit
+    (["9" * 5001], LENGTH_ERROR), (["1" + "0" * 18], LENGTH_ERROR), (["-5"], LENGTH_ERROR), (["+5"], LENGTH_ERROR),
+    (["five"], LENGTH_ERROR), (["0x10"], LENGTH_ERROR), (["1e3"], LENGTH_ERROR), ([""], LENGTH_ERROR),
+    (["5, 5"], LENGTH_ERROR), (["5 5"], LENGTH_ERROR), (["\u0665"], LENGTH_ERROR),  # an Arabic-Indic 5 (isdigit)
+    (["5", "5"], "the request has 2 Content-Length headers: send one, the body's length in bytes"),
+    (["5", "7", "5"], "the request has 3 Content-Length headers: send one, the body's length in bytes"),
+], ids=["5001-digits", "huge", "19-digits", "negative", "plus", "word", "hex", "float", "empty", "list", "spaced",
+        "unicode-digit", "twice", "thrice"])
+@pytest.mark.parametrize("method, path, headers", [
+    ("POST", "/v1/completions", keyed()), ("POST", "/tokenize", {}), ("GET", "/health", {}),
+], ids=["guarded", "open", "get"])
+def test_a_bad_content_length_is_one_400_that_closes_the_connection(lengths, message, method, path, headers):
+    """On guarded (with the key) and open paths alike: one 400 in vLLM's format, no exception, not a byte read,
+    the connection closed (its body's end is unknown)."""
+    pairs = list(headers.items()) + [("Content-Length", n.encode("utf-8").decode("latin-1")) for n in lengths]
+    c = Client([b"hello"], method=method, path=path, headers=pairs).run({"VLLM_API_KEY": KEY})
+    assert c.status == 400 and c.error() == message and c.taken == 0 and c.reached is None
+    assert CLOSE in c.sent[0]["headers"]
+
+
+def test_a_plain_content_length_goes_on():
+    for length in ("5", "005", "0" * 13 + "5", " 5\t"):
+        assert Client(b"hello", headers={"Content-Length": length}).run().reached == b"hello"
+    assert Client(b"", headers={"Content-Length": "9" * 18}).run().status == 413  # 18 digits: a number, too large
+    assert Client(BAD_XARGS, headers={"Content-Length": "-5"}).run({"VLLM_API_KEY": KEY}).status == 401  # key first
+
+
 def test_a_streamed_body_is_413_once_it_passes_the_bound_and_is_dropped_up_to_8_times_it():
     small = {"RIDGEFILL_MAX_REQUEST_BYTES": "100"}
     c = Client([b"y" * 40] * 10).run(small)  # 400 bytes without a Content-Length
@@ -179,9 +286,10 @@ def nested(depth: int, inner: bytes = b"1") -> bytes:
 
 @pytest.mark.parametrize("body", [
     b'{"vllm_xargs": {"ridgefill_tail": ' + nested(100_000) + b"}}",
-    b'{"prompt": "ridgefill_tail", "x": ' + nested(5_000) + b"}",
+    b'{"prompt": "vllm_xargs", "x": ' + nested(5_000) + b"}",
+    b'{"prompt": "\\n", "x": ' + nested(5_000) + b"}",
     nested(100_000, b'{"vllm_xargs": {"ridgefill_tail": 1}}'),
-], ids=["in-xargs", "beside", "around"])
+], ids=["in-xargs", "beside", "beside-an-escape", "around"])
 def test_json_nested_too_deeply_is_400_not_a_recursion_error(body):
     c = Client(body).run()
     assert c.status == 400 and c.error() == NESTED and c.reached is None
@@ -228,6 +336,96 @@ def test_an_oversized_vllm_xargs_is_400_and_a_large_body_is_parsed_off_the_event
     assert small.status == 400 and len(threads) == 1  # a small body is parsed in the loop
 
 
+def spellings() -> list[bytes]:
+    """`{"vllm_xargs": {"ridgefill_tail": true}}` as json.loads reads it: each letter of the key escaped in turn
+    (\\uXXXX, upper and lower case hex), in every encoding json.loads detects (UTF-8 with and without a BOM,
+    UTF-16 and UTF-32 in either byte order, with and without a BOM)."""
+    key = "vllm_xargs"
+    keys = [key] + [key[:i] + f"\\u{ord(ch):04{case}}" + key[i + 1:] for i, ch in enumerate(key) for case in "xX"]
+    texts = ['{"%s": {"ridgefill_tail": true}}' % k for k in keys]
+    codecs = ["utf-8", "utf-8-sig", "utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le", "utf-32-be"]
+    return [text.encode(codec) for text in texts for codec in codecs]
+
+
+def test_every_spelling_of_vllm_xargs_is_parsed_and_refused():
+    """The pre-filter is sound: whatever the escape or encoding, json.loads finds the key, and so does the check."""
+    bodies = spellings()
+    assert len(bodies) == 21 * 8 and all(json.loads(b) == {"vllm_xargs": {"ridgefill_tail": True}} for b in bodies)
+    for body in bodies:
+        c = Client(body).run()
+        assert c.status == 400 and c.error().startswith("ridgefill_tail=True is not valid"), body
+
+
+def counted_parses(monkeypatch, delay: float = 0.0) -> dict:
+    """Count the middleware's parses (its body_error calls) and the most running at once."""
+    import threading
+    import time
+
+    from ridgefill.serve.vllm import middleware
+
+    original, lock, seen = middleware.body_error, threading.Lock(), {"calls": 0, "now": 0, "most": 0}
+
+    def body_error(body):
+        with lock:
+            seen["calls"] += 1
+            seen["now"] += 1
+            seen["most"] = max(seen["most"], seen["now"])
+        try:
+            time.sleep(delay)  # holds the parse open, so parses allowed at once overlap
+            return original(body)
+        finally:
+            with lock:
+                seen["now"] -= 1
+
+    monkeypatch.setattr(middleware, "body_error", body_error)
+    return seen
+
+
+EMPTY_OBJECTS = b"[" + b",".join([b"{}"] * ((2 << 20) // 3)) + b"]"  # 2 MiB of [{},{},...]: ~48 MiB once parsed
+
+
+@pytest.mark.parametrize("body", [
+    EMPTY_OBJECTS, b'{"prompt": "ridgefill_tail", "x": ' + nested(5_000) + b"}", b'{"prompt": "hi", "max_tokens": 4}',
+    json.dumps({"prompt": "w " * THREAD_PARSE, "extra": {"ridgefill_tail": True}}).encode(),
+], ids=["empty-objects", "nested", "small", "large"])
+def test_a_body_that_cannot_set_an_option_is_passed_on_unparsed(body, monkeypatch):
+    seen = counted_parses(monkeypatch)
+    assert Client(body).run().reached == body and seen["calls"] == 0
+
+
+def test_the_2_mib_of_empty_objects_cost_no_parse():
+    """What the pre-filter saves: the body's bytes are passed on without the ~48 MiB of objects a parse builds."""
+    import tracemalloc
+
+    c = Client(EMPTY_OBJECTS)
+    tracemalloc.start()
+    try:
+        c.run()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert c.reached == EMPTY_OBJECTS and peak < 2 * len(EMPTY_OBJECTS), peak
+
+
+def test_large_bodies_are_parsed_one_at_a_time_and_every_one_answered(monkeypatch):
+    """Four large bodies that can set an option arrive at once: each is parsed, never two at once (the others wait
+    their turn), and each gets its answer."""
+    seen = counted_parses(monkeypatch, delay=0.2)
+    bad = json.dumps({"prompt": "w " * THREAD_PARSE, "vllm_xargs": {"ridgefill_tail": True}}).encode()
+    good = json.dumps({"prompt": "w " * THREAD_PARSE, "vllm_xargs": {"ridgefill_tail": 5}}).encode()
+    clients = [Client(bad), Client(good), Client(bad), Client(good)]
+
+    async def together():  # one middleware (one server) for all four
+        apps = {id(c.scope): c.app for c in clients}
+        middleware = RidgeFillRequestArgs(lambda scope, receive, send: apps[id(scope)](scope, receive, send),
+                                          environ={})
+        await asyncio.gather(*(middleware(c.scope, c.receive, c.send) for c in clients))
+
+    asyncio.run(together())
+    assert seen["calls"] == 4 and seen["most"] == 1
+    assert [c.status for c in clients] == [400, 200, 400, 200] and [c.reached for c in clients] == [None, good] * 2
+
+
 def test_the_check_refuses_what_the_client_wrote_and_replays_the_rest():
     ok = json.dumps({"prompt": "hi", "vllm_xargs": {"ridgefill_tail": 3, "other": [1, "a"]}}).encode()
     assert Client(ok).run().reached == ok  # passed on, the body unchanged
@@ -256,9 +454,9 @@ def test_a_client_that_goes_away_is_passed_on_and_other_traffic_untouched():
     async def app(scope, receive, send):
         seen.append(scope["type"])
 
-    for kind in ("lifespan", "websocket"):  # vLLM's own middleware checks a websocket's key
-        asyncio.run(RidgeFillRequestArgs(app, environ={"VLLM_API_KEY": KEY})({"type": kind, "path": "/v1/x"},
-                                                                            None, None))
+    for kind in ("lifespan", "websocket"):  # a websocket with the key goes on to vLLM, untouched
+        asyncio.run(RidgeFillRequestArgs(app, environ={"VLLM_API_KEY": KEY})(
+            {"type": kind, "path": "/v1/x", "headers": [(b"authorization", f"Bearer {KEY}".encode())]}, None, None))
     assert seen == ["lifespan", "websocket"]
     assert hashlib.sha256(KEY.encode()).digest() in RidgeFillRequestArgs(app, environ={"VLLM_API_KEY": KEY}).tokens
 

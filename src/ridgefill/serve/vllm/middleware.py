@@ -7,14 +7,21 @@ in vLLM's error format for a bad `ridgefill_*` key (vllm_requests.check_request_
 wrote them, escapes decoded), so `{"ridgefill_tail": true}` is refused like any other non-integer.
 
 vLLM adds its --middleware classes last, and Starlette runs the last one added first: this check runs before vLLM's
-API-key check. So it authenticates first itself, as vLLM 0.32's AuthenticationMiddleware does (the same keys, paths,
-status and body): an unauthenticated request to a guarded path gets vLLM's 401 before a byte of its body is read.
-(vLLM's 401 comes without CORS headers: its key check runs outside its CORS middleware. The 400 and 413 below go
-out through that middleware, as vLLM's own 400s do.)
-Then the body is bounded: over BODY_LIMIT bytes (RIDGEFILL_MAX_REQUEST_BYTES overrides it) it is 413, by its
-Content-Length, else as soon as the bytes read pass the bound; no byte past the bound is kept (see DRAIN_FACTOR).
-JSON nested too deeply for the parser and a `vllm_xargs` over XARGS_LIMIT bytes are 400. Everything else is passed
-on, the body replayed unchanged (a body that is no JSON object is vLLM's to answer).
+API-key check. So it authenticates first itself, with vLLM's keys, status and body, but stricter than vLLM 0.32's
+AuthenticationMiddleware: vLLM guards four path prefixes (/v1, /v2, /inference, /cohere) and leaves every other
+route open, /invocations (SageMaker's: full chat and completion generation) among them; here every path needs the
+key except those in OPEN and CORS preflights, so a route vLLM adds later is guarded too. An unauthenticated request
+gets vLLM's 401 before a byte of its body is read. (vLLM's 401 comes without CORS headers: its key check runs outside
+its CORS middleware. The 400 and 413 below go out through that middleware, as vLLM's own 400s do.)
+Then the request's framing: a Content-Length that is not one plain number of at most LENGTH_DIGITS digits (repeated,
+negative, a list, or thousands of digits, which int() refuses past Python's digit limit) is 400 and the connection
+is closed. Then the body is bounded: over BODY_LIMIT bytes (RIDGEFILL_MAX_REQUEST_BYTES overrides it) it is 413 and
+the connection is closed, by its Content-Length, else as soon as the bytes read pass the bound; no byte past the
+bound is kept (see DRAIN_FACTOR). Only a body that can set a RidgeFill option is parsed (may_set_options: it holds
+`xargs` or a backslash, in any encoding JSON reads), at most PARSES at a time off the event loop (others wait their
+turn); in such a body JSON nested too deeply for the parser, an integer past Python's digit limit and a `vllm_xargs`
+over XARGS_LIMIT bytes are 400. Everything else is passed on, the body replayed unchanged (a body that is no JSON
+object is vLLM's to answer).
 """
 
 from __future__ import annotations
@@ -41,7 +48,19 @@ BODY_LIMIT = 8 << 20
 DRAIN_FACTOR = 8
 XARGS_LIMIT = 64 << 10  # bytes of JSON in vllm_xargs (RidgeFill's own options take a few dozen)
 THREAD_PARSE = 64 << 10  # bodies over this many bytes are parsed in a worker thread, not in the event loop
-GUARDED = ("/v1", "/v2", "/inference", "/cohere")  # the paths vLLM's key guards (authenticate.GUARDED_PREFIX)
+# Bodies parsed in worker threads at once (json's parser holds the GIL: a second thread would parse no faster, and
+# each parse holds up to ~25 bytes of objects per byte of JSON); the next waits for its turn.
+PARSES = 1
+# The only paths open without the key (under --root-path when one is set; the method is the route's business):
+# health probes (vLLM's and SageMaker's GET or POST /ping), Prometheus' counters and the tokenizer. Every other
+# path needs it, including /invocations, /version, /load and /v1/models.
+OPEN = frozenset({"/health", "/ping", "/metrics", "/tokenize", "/detokenize"})
+LENGTH_DIGITS = 18  # the most digits of a Content-Length (up to 10^18 - 1 bytes; int() refuses over 4,300)
+# What the JSON of a body that sets a RidgeFill option must hold: "xargs" (of the key vllm_xargs) or a backslash
+# (an escape can spell any of the key's letters), in each encoding json.loads reads (UTF-8, UTF-16 and UTF-32,
+# either byte order; a backslash in any of them holds the byte 0x5c)
+OPTION_MARKS = (b"\\",) + tuple("xargs".encode(codec) for codec in ("utf-8", "utf-16-le", "utf-16-be", "utf-32-le",
+                                                                     "utf-32-be"))
 UNAUTHORIZED = b'{"error":"Unauthorized"}'  # vLLM's JSONResponse({"error": "Unauthorized"}, 401), byte for byte
 UNREAD = ("GET", "HEAD", "OPTIONS")  # methods whose body nothing reads: passed on as they came
 NESTED = ("the request body's JSON nests too deeply to be read: send vllm_xargs and the request's other fields "
@@ -68,12 +87,23 @@ def api_tokens(app, environ: Mapping[str, str]) -> list[bytes]:
     return [hashlib.sha256(key.encode()).digest()] if key else []
 
 
+def route_path(scope) -> str:
+    """The path Starlette routes a request by: its path below --root-path (Starlette's get_route_path)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if not root or not path.startswith(root):
+        return path
+    if path == root:
+        return ""
+    return path[len(root):] if path[len(root)] == "/" else path
+
+
 def authorized(scope, tokens: list[bytes]) -> bool:
-    """Whether vLLM's key check lets this request through (vLLM 0.32's AuthenticationMiddleware: OPTIONS and paths
-    outside GUARDED pass; else an `Authorization: Bearer KEY` header with one of the keys)."""
-    if not tokens or scope.get("method") == "OPTIONS":
+    """Whether a request may go on: no key set; a path in OPEN; a CORS preflight (OPTIONS asking
+    Access-Control-Request-Method, which vLLM's CORS middleware answers itself); else an `Authorization: Bearer KEY`
+    header with one of the keys, checked as vLLM 0.32's AuthenticationMiddleware checks it."""
+    if not tokens or route_path(scope) in OPEN:
         return True
-    if not scope["path"].removeprefix(scope.get("root_path", "")).startswith(GUARDED):
+    if scope.get("method") == "OPTIONS" and header(scope, b"access-control-request-method") is not None:
         return True
     value = (header(scope, b"authorization") or b"").decode("latin-1")
     scheme, _, param = value.partition(" ")
@@ -103,9 +133,24 @@ def header(scope, name: bytes) -> bytes | None:
 
 
 def declared_length(scope) -> int | None:
-    """The Content-Length a request declares, or None."""
-    value = header(scope, b"content-length")
-    return int(value) if value is not None and value.strip().isdigit() else None
+    """The Content-Length a request declares, or None without one. ValueError, one line, for a header that is not
+    one plain number of at most LENGTH_DIGITS digits: repeated, negative, a list, not a number, or thousands of
+    digits (`000...05`: int() refuses over 4,300)."""
+    values = [v for k, v in scope.get("headers", []) if k.lower() == b"content-length"]
+    if not values:
+        return None
+    if len(values) > 1:
+        raise ValueError(f"the request has {len(values)} Content-Length headers: send one, the body's length in bytes")
+    text = values[0].strip(b" \t")
+    if not text.isdigit() or len(text) > LENGTH_DIGITS:  # bytes.isdigit: ASCII digits only
+        raise ValueError(f"the request's Content-Length is not a number of bytes of at most {LENGTH_DIGITS} digits: "
+                         "send one Content-Length header with the body's length in bytes")
+    return int(text)
+
+
+def may_set_options(body: bytes) -> bool:
+    """Whether a body's JSON can hold `vllm_xargs` (OPTION_MARKS); one that cannot is passed on unparsed."""
+    return any(mark in body for mark in OPTION_MARKS)
 
 
 def too_large(limit: int) -> str:
@@ -155,39 +200,57 @@ class RidgeFillRequestArgs:
         self.tokens = api_tokens(app, environ)
         self.limit = body_limit(environ)
         self.cors = inner(app, "CORSMiddleware")  # vLLM's --allowed-origins: its headers go on our 400 and 413 too
+        self.parsing = asyncio.Semaphore(PARSES)
 
     async def __call__(self, scope, receive, send) -> None:
+        if scope.get("type") == "websocket" and not authorized(scope, self.tokens):
+            await deny_websocket(scope, send)
+            return
         if scope.get("type") != "http":
             await self.app(scope, receive, send)
             return
         if not authorized(scope, self.tokens):
             await respond(send, 401, UNAUTHORIZED)
             return
+        try:
+            declared = declared_length(scope)
+        except ValueError as exc:  # the body's end is unknown: nothing more is read on this connection
+            await self.refuse(scope, send, 400, str(exc), close=True)
+            return
         if scope.get("method") in UNREAD:
             await self.app(scope, receive, send)
             return
-        declared = declared_length(scope)
         if declared is not None and declared > self.limit:
             waits = (header(scope, b"expect") or b"").lower() == b"100-continue"  # sends nothing unless asked
             if declared <= DRAIN_FACTOR * self.limit and not waits:
                 await drain(receive, declared)
-            await self.refuse(scope, send, 413, too_large(self.limit))
+            await self.refuse(scope, send, 413, too_large(self.limit), close=True)
             return
         body, first = await read_body(receive, self.limit)
         if body is None:
-            await self.refuse(scope, send, 413, too_large(self.limit))
+            await self.refuse(scope, send, 413, too_large(self.limit), close=True)
             return
-        error = None if first is not None else await checked(body)
+        error = None if first is not None else await self.checked(body)
         if error is not None:
             await self.refuse(scope, send, 400, error)
             return
         await self.app(scope, replayed(receive, first or {"type": "http.request", "body": body, "more_body": False}),
                        send)
 
-    async def refuse(self, scope, send, status: int, message: str) -> None:
+    async def checked(self, body: bytes) -> str | None:
+        """body_error for a body that may set a RidgeFill option (else None, unparsed); a large one in a worker
+        thread (a few MiB of JSON take tens of milliseconds to parse), at most PARSES at once."""
+        if not may_set_options(body):
+            return None
+        if len(body) <= THREAD_PARSE:
+            return body_error(body)
+        async with self.parsing:
+            return await asyncio.to_thread(body_error, body)
+
+    async def refuse(self, scope, send, status: int, message: str, close: bool = False) -> None:
         """refuse(), through vLLM's CORS middleware when it has one (as vLLM's own errors are answered)."""
         async def refusal(scope, receive, send) -> None:
-            await refuse(send, status, message)
+            await refuse(send, status, message, close)
 
         if self.cors is None:
             await refusal(scope, None, send)
@@ -227,13 +290,6 @@ async def drain(receive, most: int) -> None:
             return
 
 
-async def checked(body: bytes) -> str | None:
-    """body_error, in a worker thread for a large body (a few MiB of JSON take tens of milliseconds to parse)."""
-    if len(body) > THREAD_PARSE:
-        return await asyncio.to_thread(body_error, body)
-    return body_error(body)
-
-
 def replayed(receive, first: dict):
     """A receive that gives `first`, then what `receive` gives."""
     done = False
@@ -248,14 +304,25 @@ def replayed(receive, first: dict):
     return replay
 
 
-async def refuse(send, status: int, message: str) -> None:
-    """An error in vLLM's format (ErrorResponse: message, type, param, code)."""
+async def refuse(send, status: int, message: str, close: bool = False) -> None:
+    """An error in vLLM's format (ErrorResponse: message, type, param, code); with `close`, `Connection: close` (the
+    server then closes the connection after it, reading no more of the request)."""
     kind = HTTPStatus(status).phrase.replace(" ", "") + "Error"  # BadRequestError, RequestEntityTooLargeError
     await respond(send, status, json.dumps({"error": {"message": message, "type": kind, "param": None,
-                                                      "code": status}}).encode())
+                                                      "code": status}}).encode(), close)
 
 
-async def respond(send, status: int, payload: bytes) -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-length", str(len(payload)).encode()), (b"content-type", b"application/json")]})
-    await send({"type": "http.response.body", "body": payload})
+async def respond(send, status: int, payload: bytes, close: bool = False, prefix: str = "") -> None:
+    headers = [(b"content-length", str(len(payload)).encode()), (b"content-type", b"application/json")]
+    await send({"type": f"{prefix}http.response.start", "status": status,
+                "headers": headers + [(b"connection", b"close")] * close})
+    await send({"type": f"{prefix}http.response.body", "body": payload})
+
+
+async def deny_websocket(scope, send) -> None:
+    """vLLM's 401 to a websocket handshake, where the server can send an HTTP answer to one (ASGI's
+    websocket.http.response extension), else a close before it is accepted (the server answers 403)."""
+    if "websocket.http.response" in scope.get("extensions", {}):
+        await respond(send, 401, UNAUTHORIZED, prefix="websocket.")
+    else:
+        await send({"type": "websocket.close", "code": 1008})
