@@ -13,6 +13,7 @@ import random
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -209,9 +210,31 @@ def streamed(server: Server, chunks: int, key: str) -> tuple[int, dict]:
         conn.close()
 
 
+def raw(server: Server, path: str, headers: list[tuple[str, str]], body: bytes) -> tuple[int, dict, dict, bool]:
+    """One POST written byte for byte on its own connection (http.client would not send a malformed header):
+    (status, its headers, its JSON, whether the server closed the connection within 3 s of its answer, before its
+    5 s keep-alive timeout)."""
+    with socket.create_connection(("127.0.0.1", urllib.parse.urlsplit(server.base).port), timeout=60) as s:
+        head = "".join(f"{k}: {v}\r\n" for k, v in [("Host", "127.0.0.1"), *headers])
+        s.sendall(f"POST {path} HTTP/1.1\r\n{head}\r\n".encode("latin-1") + body)
+        r = http.client.HTTPResponse(s)
+        r.begin()
+        answered = json.loads(r.read())
+        s.settimeout(3)
+        try:
+            closed = s.recv(1) == b""
+        except ConnectionResetError:
+            closed = True
+        except TimeoutError:
+            closed = False
+        return r.status, {k.lower(): v for k, v in r.getheaders()}, answered, closed
+
+
 def test_without_the_key_every_guarded_request_is_401_before_its_body_is_read(server):
     """ridgefill's request check runs after vLLM's key check: bad RidgeFill options, a body of any size (declared 1
-    GiB, a few bytes sent: the answer comes without it) and /v1/models are vLLM's 401 without the key."""
+    GiB, a few bytes sent: the answer comes without it), /v1/models, and routes outside vLLM's guarded prefixes
+    (SageMaker's /invocations, which generates; /version) are vLLM's 401 without the key. Only /health, /ping,
+    /metrics, /tokenize and /detokenize are open."""
     url, bad = f"{server.base}/v1/completions", {"model": "smollm2-135m", "prompt": [5, 6, 7],
                                                   "vllm_xargs": {"ridgefill_tail": 0}}
     assert post(url, bad) == (401, UNAUTHORIZED)
@@ -221,6 +244,16 @@ def test_without_the_key_every_guarded_request_is_401_before_its_body_is_read(se
     assert server.get("/health")[0] == 200  # vLLM leaves /health open
     status, body = post(url, bad, key=server.key)
     assert status == 400 and body["error"]["message"].startswith("ridgefill_tail=0 is not valid"), body
+    invocations = f"{server.base}/invocations"
+    assert post(invocations, {"model": "smollm2-135m", "prompt": "Hi", "max_tokens": 2}) == (401, UNAUTHORIZED)
+    status, body = post(invocations, bad, key=server.key)  # with the key: reached, and its options checked
+    assert status == 400 and body["error"]["message"].startswith("ridgefill_tail=0 is not valid"), body
+    status, body = post(invocations, {"model": "smollm2-135m", "prompt": [5, 6, 7], "max_tokens": 2},
+                        key=server.key)
+    assert status == 200 and len(body["choices"]) == 1 and body["usage"]["completion_tokens"] == 2, body
+    assert server.get("/version") == (401, b'{"error":"Unauthorized"}')  # stricter than vLLM
+    assert server.get("/ping")[0] == 200 and server.get("/metrics")[0] == 200
+    assert post(f"{server.base}/tokenize", {"model": "smollm2-135m", "prompt": "Hi"})[0] == 200
 
 
 def test_nested_escaped_and_oversized_requests_are_400_or_413_and_the_server_serves_on(server):
@@ -250,6 +283,21 @@ def test_nested_escaped_and_oversized_requests_are_400_or_413_and_the_server_ser
     assert unfinished(server, 1 << 30, server.key)[0] == 413
     status, answered = streamed(server, 10, server.key)
     assert status == 413 and answered["error"]["message"].startswith("the request body is over 8,388,608"), answered
+    # a 413 closes the connection (nothing more of the body is read); a 400 after the whole body keeps it open
+    status, headers, _, closed = raw(server, "/v1/completions", [("Authorization", f"Bearer {server.key}"),
+                                                                 ("Content-Length", str(1 << 30))], b'{"prompt": "')
+    assert (status, headers.get("connection"), closed) == (413, "close", True), headers
+    bad = request('{"ridgefill_tail": 0}')
+    status, headers, _, closed = raw(server, "/v1/completions", [("Authorization", f"Bearer {server.key}"),
+                                                                 ("Content-Length", str(len(bad)))], bad)
+    assert (status, headers.get("connection"), closed) == (400, None, False), headers
+    # a Content-Length of 5,001 digits (int() refuses it) is one 400 that closes the connection, no traceback, on
+    # an open path and, with the key, on a guarded one
+    for path, headers in [("/tokenize", []), ("/v1/completions", [("Authorization", f"Bearer {server.key}")])]:
+        status, answer_headers, answered, closed = raw(server, path, [*headers, ("Content-Length", "0" * 5000 + "5")],
+                                                       b"{}   ")
+        assert (status, answer_headers.get("connection"), closed) == (400, "close", True), (answered, answer_headers)
+        assert answered["error"]["message"].startswith("the request's Content-Length is not a number of bytes")
     assert server.get("/health")[0] == 200
     assert answer(server, prompt, max_tokens=4) == before
     assert log.read_text(errors="replace").count("Traceback") == tracebacks, tail(log)
