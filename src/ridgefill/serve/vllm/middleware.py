@@ -17,11 +17,11 @@ Then the request's framing: a Content-Length that is not one plain number of at 
 negative, a list, or thousands of digits, which int() refuses past Python's digit limit) is 400 and the connection
 is closed. Then the body is bounded: over BODY_LIMIT bytes (RIDGEFILL_MAX_REQUEST_BYTES overrides it) it is 413 and
 the connection is closed, by its Content-Length, else as soon as the bytes read pass the bound; no byte past the
-bound is kept (see DRAIN_FACTOR). Only a body that can set a RidgeFill option is parsed (may_set_options: it holds
-`xargs` or a backslash, in any encoding JSON reads), at most PARSES at a time off the event loop (others wait their
-turn); in such a body JSON nested too deeply for the parser, an integer past Python's digit limit and a `vllm_xargs`
-over XARGS_LIMIT bytes are 400. Everything else is passed on, the body replayed unchanged (a body that is no JSON
-object is vLLM's to answer).
+bound is kept (see DRAIN_FACTOR). Only a body that can set a RidgeFill option (it holds `xargs` or a backslash, or is
+no UTF-8) or that json.loads could raise on (deep nesting, a huge integer: judged on its bytes) is parsed
+(needs_parse), at most PARSES at a time off the event loop (others wait their turn); there JSON nested too deeply
+for the parser, an integer past Python's digit limit and a `vllm_xargs` over XARGS_LIMIT bytes are 400. Everything
+else is passed on, the body replayed unchanged (a body that is no JSON object is vLLM's to answer).
 """
 
 from __future__ import annotations
@@ -31,10 +31,13 @@ import copy
 import hashlib
 import json
 import os
+import re
 import secrets
 import sys
 from http import HTTPStatus
 from typing import Mapping
+
+import numpy as np
 
 from ridgefill.serve.vllm_requests import check_request_args
 
@@ -56,11 +59,16 @@ PARSES = 1
 # path needs it, including /invocations, /version, /load and /v1/models.
 OPEN = frozenset({"/health", "/ping", "/metrics", "/tokenize", "/detokenize"})
 LENGTH_DIGITS = 18  # the most digits of a Content-Length (up to 10^18 - 1 bytes; int() refuses over 4,300)
-# What the JSON of a body that sets a RidgeFill option must hold: "xargs" (of the key vllm_xargs) or a backslash
-# (an escape can spell any of the key's letters), in each encoding json.loads reads (UTF-8, UTF-16 and UTF-32,
-# either byte order; a backslash in any of them holds the byte 0x5c)
-OPTION_MARKS = (b"\\",) + tuple("xargs".encode(codec) for codec in ("utf-8", "utf-16-le", "utf-16-be", "utf-32-le",
-                                                                     "utf-32-be"))
+# A body json.loads reads as UTF-8 (others are always parsed) can set a RidgeFill option only if it holds "xargs" (of
+# the key vllm_xargs) or a backslash (an escape can spell any of the key's letters)
+OPTION_MARKS = (b"xargs", b"\\")
+# One that cannot is still parsed where json.loads could raise rather than answer: JSON that may nest over DEEP levels
+# (its RecursionError comes at about 1,000) or an integer of over 4,300 digits (Python's int() limit). Both are judged
+# on its bytes with its strings cut out (without a backslash a string is a quote, anything but a quote, a quote).
+DEEP = 256
+STRING = re.compile(rb'"[^"]*"')
+DIGITS = bytes.maketrans(bytes(range(256)), bytes(48 if 48 <= b <= 57 else 32 for b in range(256)))  # digit -> "0"
+BRACKETS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff"), bytes(set(range(256)) - set(b"[{]}"))
 UNAUTHORIZED = b'{"error":"Unauthorized"}'  # vLLM's JSONResponse({"error": "Unauthorized"}, 401), byte for byte
 UNREAD = ("GET", "HEAD", "OPTIONS")  # methods whose body nothing reads: passed on as they came
 NESTED = ("the request body's JSON nests too deeply to be read: send vllm_xargs and the request's other fields "
@@ -148,9 +156,26 @@ def declared_length(scope) -> int | None:
     return int(text)
 
 
-def may_set_options(body: bytes) -> bool:
-    """Whether a body's JSON can hold `vllm_xargs` (OPTION_MARKS); one that cannot is passed on unparsed."""
-    return any(mark in body for mark in OPTION_MARKS)
+def needs_parse(body: bytes) -> bool:
+    """Whether a body is parsed: JSON not in UTF-8, one that may set a RidgeFill option (OPTION_MARKS), or one on
+    which json.loads could raise (nested over DEEP levels, an integer of over 4,300 digits). Every other body is
+    passed on unparsed: 2 MiB of `[{},{},...]` are ~50 MiB of objects once parsed."""
+    if json.detect_encoding(body) not in ("utf-8", "utf-8-sig") or any(mark in body for mark in OPTION_MARKS):
+        return True
+    bare = STRING.sub(b"", body)
+    if b"0" * 4301 in bare.translate(DIGITS):  # a run of 4,301 digits (a regex takes 20x longer)
+        return True
+    if bare.count(b"[") + bare.count(b"{") <= DEEP:
+        return False
+    steps = np.frombuffer(bare.translate(*BRACKETS), np.int8)  # +1 for each opening bracket, -1 for each closing one
+    depth = 0
+    for start in range(0, len(steps), 1 << 18):  # the running depth 256 Ki brackets at a time (1 MiB of int32)
+        running = np.cumsum(steps[start:start + (1 << 18)], dtype=np.int32)
+        running += depth
+        if running.max() > DEEP:
+            return True
+        depth = int(running[-1])
+    return False
 
 
 def too_large(limit: int) -> str:
@@ -238,12 +263,13 @@ class RidgeFillRequestArgs:
                        send)
 
     async def checked(self, body: bytes) -> str | None:
-        """body_error for a body that may set a RidgeFill option (else None, unparsed); a large one in a worker
-        thread (a few MiB of JSON take tens of milliseconds to parse), at most PARSES at once."""
-        if not may_set_options(body):
-            return None
+        """body_error for a body that needs it (needs_parse; else None, unparsed). A large body is screened and
+        parsed in worker threads (2 MiB take ~20 ms to screen, a few MiB of JSON tens of milliseconds to parse), at
+        most PARSES parses at once."""
         if len(body) <= THREAD_PARSE:
-            return body_error(body)
+            return body_error(body) if needs_parse(body) else None
+        if not await asyncio.to_thread(needs_parse, body):
+            return None
         async with self.parsing:
             return await asyncio.to_thread(body_error, body)
 
