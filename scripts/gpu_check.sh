@@ -42,7 +42,7 @@ PY=${PY:-python3}
 OUT=${OUT:-$ROOT/runs/gpu-check}
 WORK=${WORK:-${TMPDIR:-/tmp}/ridgefill-gpu-check}
 STEP_TIMEOUT=${STEP_TIMEOUT:-240}  # seconds: no one step can take the whole run
-TOTAL=${TOTAL:-480}  # seconds for the whole plan: no step runs past it
+TOTAL=${TOTAL:-}  # seconds for the whole plan, no step runs past it: 480 (8 min) on the 8B shape, 2,400 tiny (CPU)
 ONLY=${ONLY:-}  # step names to run (space- or comma-separated; a name ending in * matches a prefix); empty: all
 WHEELS=${WHEELS:-.gpu/wheels}
 RESULTS=$WORK/results
@@ -54,10 +54,10 @@ START=$(date +%s)
 
 if [ "$SHAPE" = 8b ]; then
   CKPT=llama-8b SPLIT=16 LENGTHS=8192,32768 LONG=131072 WLEN=32768 WINDOW=2048 CHUNKS="2048 8192 32768"
-  CAL_TOKENS=16384 CAL_SEQ=2048 PSHAPE=8b PREPEATS=20 ATTN_ARGS=""
+  CAL_TOKENS=16384 CAL_SEQ=2048 PSHAPE=8b PREPEATS=20 ATTN_ARGS="" TOTAL=${TOTAL:-480}
 elif [ "$SHAPE" = tiny ]; then
   CKPT=tiny SPLIT=2 LENGTHS=512,1024 LONG=2048 WLEN=1024 WINDOW=64 CHUNKS="128 512 2048"
-  CAL_TOKENS=2048 CAL_SEQ=256 PSHAPE=tiny PREPEATS=3 ATTN_ARGS="--tiny"
+  CAL_TOKENS=2048 CAL_SEQ=256 PSHAPE=tiny PREPEATS=3 ATTN_ARGS="--tiny" TOTAL=${TOTAL:-2400}
 else
   echo "SHAPE must be 8b or tiny, got '$SHAPE'" >&2
   exit 2
@@ -89,7 +89,7 @@ if ! importable pytest; then  # the tests step needs it: the carried wheels that
     mod=${mod%%-*}
     importable "${mod,,}" || missing+=("$w")
   done
-  install_wheels "${missing[@]}" 2>&1 | tee -a "$LOG"
+  install_wheels ${missing[@]+"${missing[@]}"} 2>&1 | tee -a "$LOG"
   if importable pytest; then
     echo "pytest: from the carried wheels (${#missing[@]} installed into $WORK/site)" | tee -a "$LOG"
   else
