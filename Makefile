@@ -48,13 +48,21 @@ test: install
 # scripts/gpu_check.sh installs into a temporary folder on PYTHONPATH (docs/performance.md, "Results: GPU"). The
 # transformers here is the one `make install` resolves (the vllm extra caps it below 5.20); it is pure Python, and
 # the GPU image has the versions of its dependencies it needs (huggingface-hub, tokenizers, safetensors).
+# pytest may not be on the GPU image: it and what it needs (iniconfig, pluggy, packaging, pygments; exceptiongroup,
+# tomli and typing-extensions for a Python below 3.11: pip resolves markers for the Python that runs it, so they are
+# named, as pure-Python wheels) go to
+# .gpu/wheels/pytest, which gpu_check.sh installs from only where the Python cannot import pytest. All pure Python.
 GPU_WHEELS := .gpu/wheels
 GPU_TRANSFORMERS ?= 5.19.0
+GPU_PYTEST ?= 9.1.1
 gpu-carry:
-	mkdir -p $(GPU_WHEELS)
-	rm -f $(GPU_WHEELS)/*.whl
+	mkdir -p $(GPU_WHEELS)/pytest
+	rm -f $(GPU_WHEELS)/*.whl $(GPU_WHEELS)/pytest/*.whl
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: -d $(GPU_WHEELS) transformers==$(GPU_TRANSFORMERS)
-	ls -l $(GPU_WHEELS)
+	$(PYTHON) -m pip download -q --only-binary=:all: -d $(GPU_WHEELS)/pytest pytest==$(GPU_PYTEST)
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --platform any --implementation py --abi none \
+	  --python-version 3.10 -d $(GPU_WHEELS)/pytest exceptiongroup tomli typing-extensions
+	ls -l $(GPU_WHEELS) $(GPU_WHEELS)/pytest
 
 clean:
 	rm -rf $(VENV)

@@ -80,7 +80,13 @@ def steps_section(results: Path) -> list[str]:
         return []
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return ["## Steps", *table(["step", "exit", "seconds"],
-                               [[r["step"], "ok" if r["rc"] == 0 else f"**{r['rc']}**", r["ms"] / 1000] for r in rows])]
+                               [[r["step"], exit_cell(r), r["ms"] / 1000] for r in rows])]
+
+
+def exit_cell(step: dict) -> str:
+    if step.get("skipped"):
+        return f"not run ({step['skipped']})"
+    return "ok" if step["rc"] == 0 else f"**{step['rc']}**"
 
 
 def tests_section(results: Path) -> list[str]:
@@ -157,7 +163,7 @@ def ttft_section(results: Path) -> list[str]:
         title = title or (f"{doc['model']['id']}, {c['dtype']} on {doc['device'].get('gpu', doc['device']['device'])}, "
                           f"split {doc['split']}, tail {c['tail']}")
         window = f" W={doc['filled_window']['size']}" if doc.get("filled_window") else ""
-        rows += [[r[0], f"{r[1]}{window} ({c['repeats']}x, chunk {c['chunk']})", *r[2:]] for r in ttft_rows(doc)]
+        rows += [[r[0], f"{r[1]}{window} ({c['repeats']}x after {c.get('warmup', '?')} warm-up, chunk {c['chunk']})", *r[2:]] for r in ttft_rows(doc)]
     if not rows:
         return []
     return [f"## Time to first token ({title})", *table(TTFT_HEAD, rows)]

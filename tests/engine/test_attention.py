@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ridgefill.engine.attention import causal_attention, flash_cpu, merge, prefix_then_block
-from ridgefill.engine.window import FilledWindow, band_masked, banded_attention, sink_attention
+from ridgefill.engine.window import FilledWindow, band_masked, banded_attention, merge_sinks, sink_scores
 
 TOL = 1e-5
 
@@ -88,14 +88,64 @@ def test_the_band_kernel_contract_its_masked_stand_in(w):
     assert (out - ref).abs().max() <= TOL and (lse - ref_lse).abs().max() <= TOL
 
 
-def test_sink_attention_sees_only_sinks_before_each_rows_band():
-    q, k, v = qkv(4, 3)
+@pytest.mark.parametrize("heads_last", [False, True])
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+def test_sink_scores_see_only_sinks_before_each_rows_band(heads_last, kv_heads):
+    """Each query head against its own KV head's sinks, -inf where the sink is in (or after) the row's band; q as
+    the projections leave it ([B, n, Hq, D] behind a transpose) or contiguous."""
+    q, k, _ = qkv(4, 3, kv_heads=kv_heads)
+    if heads_last:
+        q = q.transpose(1, 2).contiguous().transpose(1, 2)
+        assert not q.is_contiguous()
     positions = torch.tensor([2, 5, 6, 30])  # W = 4: row 2 sees no sink outside its band, row 5 sink 0, 6: 0, 1
-    out, lse = sink_attention(q, k, v, positions, 4, 0.5)
-    assert torch.isneginf(lse[..., 0]).all() and (out[..., 0, :] == 0).all()
+    scores = sink_scores(q, k, positions, 4, 0.5)
     seen = torch.arange(3).unsqueeze(0) < (positions - 4).unsqueeze(1)
-    ref, ref_lse = masked(q[..., 1:, :], k, v, seen[1:], 0.5)
-    assert (out[..., 1:, :] - ref).abs().max() <= TOL and (lse[..., 1:] - ref_lse).abs().max() <= TOL
+    ref = (q.double() @ k.repeat_interleave(4 // kv_heads, 1).double().transpose(-1, -2) * 0.5)
+    assert scores.dtype == torch.float32 and scores.shape == (1, 4, 4, 3)
+    assert torch.equal(torch.isneginf(scores), ~seen.expand_as(scores))
+    assert (scores[..., seen] - ref[..., seen]).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_merge_sinks_is_the_attention_over_band_and_sinks(kv_heads):
+    """merge_sinks (every device's merge) of a band's (out, lse) and the sinks' scores equals attention over both
+    key sets at once; a row that sees no sink keeps its band's output."""
+    q, k, v = qkv(6, 40, kv_heads=kv_heads, seed=5)
+    sinks, band = slice(0, 3), slice(10, 40)
+    seen = torch.ones(6, 3, dtype=torch.bool)
+    seen[0] = False  # row 0 sees no sink
+    seen[1, 2] = False
+    out_b, lse_b = masked(q, k[:, :, band], v[:, :, band], torch.ones(6, 30, dtype=torch.bool), 0.3)
+    scores = (q @ k[:, :, sinks].repeat_interleave(4 // kv_heads, 1).transpose(-1, -2) * 0.3).masked_fill(~seen,
+                                                                                                      float("-inf"))
+    ref, _ = masked(q, k[:, :, :40], v[:, :, :40], torch.cat([seen, torch.zeros(6, 7, dtype=torch.bool),
+                                                            torch.ones(6, 30, dtype=torch.bool)], 1), 0.3)
+    out = merge_sinks(out_b, lse_b, scores, v[:, :, sinks])
+    assert (out - ref).abs().max() <= TOL
+    assert torch.equal(out[:, :, 0], out_b[:, :, 0])
+
+
+def test_merge_sinks_in_bf16_rounds_once():
+    """In bf16 the merge is computed in float32 and rounded once: its result is the float64 merge of the same
+    inputs (the band's bf16 output, the float32 log-sum-exps and scores) rounded to bf16, to within float32's own
+    rounding of the intermediate terms, with sinks that hold most of the mass. Rounding the sinks' part to bf16
+    before the merge (as the old route did) is off by up to half a step more."""
+    g = torch.Generator().manual_seed(7)
+    b, hq, hkv, n, d, s = 1, 8, 2, 64, 64, 2
+    out_b = torch.randn(b, hq, n, d, generator=g).bfloat16()
+    lse_b = torch.randn(b, hq, n, generator=g) * 2
+    scores = torch.randn(b, hq, n, s, generator=g) * 2 + 1.5
+    v = torch.randn(b, hkv, s, d, generator=g).bfloat16()
+    total = torch.logaddexp(lse_b.double(), scores.double().logsumexp(-1))
+    band_part = out_b.double() * (lse_b.double() - total).exp().unsqueeze(-1)
+    sinks_part = (scores.double() - total.unsqueeze(-1)).exp() @ v.double().repeat_interleave(hq // hkv, 1)
+    exact = band_part + sinks_part
+    step = exact.abs().float().bfloat16().float()  # each element's bf16 step: 2^-8 of its magnitude's power of 2
+    step = torch.where(step > 0, 2.0 ** (torch.floor(torch.log2(step)) - 7), 2.0 ** -133)
+    allowed = 0.5 * step + 2.0 ** -15 * (band_part.abs() + sinks_part.abs())  # one rounding; float32 weights
+    assert ((merge_sinks(out_b, lse_b, scores, v).double() - exact).abs() <= allowed).all()
+    twice = (band_part + sinks_part.bfloat16().double()).bfloat16()  # the sinks' part rounded first, then the sum
+    assert ((twice.double() - exact).abs() > allowed).any()
 
 
 @pytest.mark.parametrize("sinks", [0, 1, 4])

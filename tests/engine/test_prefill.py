@@ -104,3 +104,67 @@ def test_bad_keep_rows_are_refused_not_dropped(dense_model):
         engine.prefill(random_ids(20), fill=FillPlan(filler, 8, (0, 25)))
     with pytest.raises(RidgefillError, match="outlier factor -1"):
         FillPlan(filler, 8, outlier_factor=-1)
+
+
+# --- rows that are not one block ending at the last key ---------------------------------------------------------
+def test_runs_of_consecutive_positions():
+    from ridgefill.engine.chunk_rows import runs_of
+
+    assert runs_of(torch.tensor([3, 4, 5, 9, 12, 13])) == [(0, 3, 5), (3, 4, 9), (4, 6, 13)]
+    assert runs_of(torch.tensor([7])) == [(0, 1, 7)] and runs_of(torch.tensor([], dtype=torch.long)) == []
+
+
+@pytest.mark.parametrize("route", ["cpu_split", "lower_right"])
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_attention_by_runs_equals_the_masked_reference(route, kv_heads):
+    """Rows at positions 0-2, 5, 9-13 and 19 (the last key) over 20 cached keys: each run a lower-right block by the
+    causal route, equal to attention with an explicit causal mask at those positions."""
+    import torch.nn.functional as F
+
+    from ridgefill.engine.chunk_rows import attention_by_runs, runs_of
+
+    g = torch.Generator().manual_seed(1)
+    positions = torch.tensor([0, 1, 2, 5, 9, 10, 11, 12, 13, 19])
+    q = torch.randn(2, 4, len(positions), 16, generator=g)
+    k, v = torch.randn(2, kv_heads, 20, 16, generator=g), torch.randn(2, kv_heads, 20, 16, generator=g)
+    mask = torch.arange(20).unsqueeze(0) <= positions.unsqueeze(1)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=kv_heads != 4)
+    assert (attention_by_runs(route, q, k, v, runs_of(positions), 0.3) - ref).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_kept_and_outlier_rows_take_the_causal_route_by_runs(dense_model, monkeypatch, window):
+    """Kept rows mid-chunk and outliers (rows that are not one block ending at the last key) run by the causal route,
+    one lower-right block per run of consecutive positions, never a masked SDPA call (on CUDA a masked call with GQA
+    falls to the math backend and repeats the K/V prefix in float32); the prefill still equals the oracle fill (its
+    exactness: tests/engine/test_invariants.py)."""
+    import torch.nn.functional as F
+
+    from ridgefill.engine import FilledWindow, OracleFiller
+    from ridgefill.engine import chunk_rows
+
+    ids, split = random_ids(40, seed=2), 3
+    engine = engine_for(dense_model, chunk=16)
+    exact = engine.prefill(ids, logits_at="full")
+    masked, runs = [], []
+    sdpa, by_runs = F.scaled_dot_product_attention, chunk_rows.attention_by_runs
+
+    def recording_sdpa(*args, attn_mask=None, **kwargs):
+        if isinstance(attn_mask, torch.Tensor):
+            masked.append(attn_mask.shape)
+        return sdpa(*args, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording_sdpa)
+    monkeypatch.setattr(chunk_rows, "attention_by_runs", lambda *a: runs.append(a[4]) or by_runs(*a))
+    keep = (5, 6, 7, 20, 33)  # a run of three and single rows, in chunks 0, 1 and 2
+    filler = OracleFiller(split, hf_hidden(dense_model, ids))
+    if window is None:
+        plan = FillPlan(filler, tail=4, keep_rows=keep)
+        got = engine.prefill(ids, fill=plan, logits_at="full")
+        assert (got.logits - exact.logits[:, got.rows]).abs().max() <= TOL
+        assert not masked
+    else:  # the window's "blocks" route masks its own key blocks (window_blocks): those masks span a block's keys
+        plan = FillPlan(filler, tail=4, keep_rows=keep, window=FilledWindow(window, 0, split - 1))
+        engine.prefill(ids, fill=plan, logits_at="full")
+        assert all(shape[-1] <= window + 1 + 32 + 1 for shape in masked)  # never a chunk's whole prefix
+    assert [(0, 3, 7)] in runs and [(0, 1, 20)] in runs  # the kept rows' runs (chunk-relative rows, positions)

@@ -88,3 +88,63 @@ def test_a_hybrid_engine_records_its_delta_rule_route_and_its_adapter_runs_it():
     eng = Engine(adapter)
     assert eng.routes.delta_rule == "torch" and eng.routes.describe()["device"] == "cpu"
     assert not adapter.delta_kernel  # the route the engine chose (and records) is the one its layers run
+
+
+def test_overrides_are_checked_against_the_dtype():
+    """causal=flash in fp32 would fail inside mha_fwd on the first chunk: one line naming the fix instead. Routes of a
+    CUDA engine are built here without a GPU (the dataclass checks, no kernel runs)."""
+    fp32 = Routes("cuda", "float32", "lower_right", "blocks", "torch", "torch")
+    with pytest.raises(RidgefillError) as info:
+        fp32.overridden("causal=flash")
+    assert str(info.value) == ("causal route 'flash' runs in float16 or bfloat16 only, not in float32: run with "
+                               "--dtype bf16, or pick lower_right for float32")
+    with pytest.raises(RidgefillError) as info:
+        fp32.overridden("window=flash_band")
+    assert str(info.value) == ("window route 'flash_band' runs in float16 or bfloat16 only, not in float32: run with "
+                               "--dtype bf16, or pick masked_band or blocks for float32")
+    with pytest.raises(RidgefillError, match="'cudnn_split' runs in float16 or bfloat16 only, not in float32"):
+        fp32.overridden("causal=cudnn_split")
+    with pytest.raises(RidgefillError) as info:
+        fp32.overridden("causal=cpu_split")
+    assert str(info.value) == ("causal route 'cpu_split' runs on the CPU only, not on cuda: pick one of flash, "
+                               "cudnn_split, lower_right")
+    bf16 = Routes("cuda", "bfloat16", "flash", "flash_band", "torch", "torch")
+    assert bf16.overridden("causal=cudnn_split").causal == "cudnn_split"
+    with pytest.raises(RidgefillError) as info:
+        bf16.overridden("delta_rule=fla")  # this engine's probe found no fla
+    assert str(info.value) == ("RIDGEFILL_ROUTES asks for delta_rule=fla but flash-linear-attention does not import "
+                               "here: install fla, or leave delta_rule out (the torch rule)")
+
+
+@pytest.mark.parametrize("body,kind", [("raise RuntimeError('Triton 3.6 is too new\\nmore')", "RuntimeError"),
+                                       ("raise AttributeError('triton has no attribute autotune')", "AttributeError"),
+                                       ("import triton_that_is_not_here", "ModuleNotFoundError")])
+def test_an_fla_that_fails_to_import_falls_back_with_one_warning(tmp_path, monkeypatch, body, kind):
+    """Any failure of an installed fla's import (not only ImportError) is the torch rule and one warning; an fla that
+    is not installed is the torch rule silently."""
+    import sys
+    import warnings
+
+    ops = tmp_path / "fla" / "ops"
+    ops.mkdir(parents=True)
+    (tmp_path / "fla" / "__init__.py").write_text("")
+    (ops / "__init__.py").write_text("")
+    (ops / "gated_delta_rule.py").write_text(body + "\n")
+    for name in [m for m in sys.modules if m == "fla" or m.startswith("fla.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert delta_rule_route(torch.device("cuda")) == "torch"
+    first = {"RuntimeError": "Triton 3.6 is too new", "AttributeError": "triton has no attribute autotune",
+             "ModuleNotFoundError": "No module named 'triton_that_is_not_here'"}[kind]
+    assert [(w.category, str(w.message)) for w in caught] == [(RuntimeWarning, (
+        f"flash-linear-attention (fla) is installed but does not import ({kind}: {first}): the Gated DeltaNet rule "
+        "takes the torch route (slower on CUDA); reinstall fla for this torch and Triton, or uninstall it"))]
+    (ops / "gated_delta_rule.py").unlink()
+    (tmp_path / "fla").rename(tmp_path / "not_fla")
+    for name in [m for m in sys.modules if m == "fla" or m.startswith("fla.")]:
+        monkeypatch.delitem(sys.modules, name)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert delta_rule_route(torch.device("cuda")) == "torch" and not caught

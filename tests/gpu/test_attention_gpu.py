@@ -32,10 +32,10 @@ NQ = 2048
 SCALE = 128 ** -0.5
 
 
-def assert_bounded(name, out, q, k, v, allowed):
+def assert_bounded(name, out, q, k, v, allowed, three_tf32=False):
     ref = check.reference(q, k, v, allowed, SCALE)
     err, base = check.errors(out, ref), check.errors(check.reference(q, k, v, allowed, SCALE, eager=True), ref)
-    assert check.within(err, base, ref, q.dtype), f"{name}: error {err} against eager {q.dtype} {base}"
+    assert check.within(err, base, ref, q.dtype, three_tf32), f"{name}: error {err} against eager {q.dtype} {base}"
 
 
 @torch.inference_mode()
@@ -61,7 +61,10 @@ def test_lower_right_is_the_fp32_route_on_cuda(fp32_reference):
     s = dict(SHAPE)
     q, k, v = check.inputs(512, 4096, s, torch.float32, torch.device("cuda"))
     out = causal_attention("lower_right", q, k, v, SCALE)
-    assert_bounded("lower_right fp32", out, q, k, v, check.causal_allowed(512, 4096, q.device))
+    # the memory-efficient kernel multiplies fp32 in 3xTF32 on sm80+ (scripts/attention_check.py, THREE_TF32 cites
+    # its source): bounded by what it is built to do, not by 1.5x eager fp32
+    assert_bounded("lower_right fp32", out, q, k, v, check.causal_allowed(512, 4096, q.device),
+                   check.fast_fp32(q.device, q.dtype))
 
 
 @torch.inference_mode()

@@ -4,7 +4,6 @@ the attention of the rows that run (causal over the cached keys, or local in a f
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ridgefill.engine.attention import causal_attention
 from ridgefill.engine.routes import Routes
@@ -29,12 +28,12 @@ class ChunkRows:
         # are the run rows the last keys of every layer's cache, in order? Always before the split (every row runs and
         # was just appended) and after a drop fill's split (the late caches hold full rows only); else found on use
         self._block: bool | None = True if dropped or not split_done else None
-        self._mask: torch.Tensor | None = None  # additive causal mask of the run rows, built once per chunk
+        self._runs: list[Run] | None = None  # the run rows' runs of consecutive positions, found once per chunk
         self._window: FilledWindow | None = None  # with a window, before the split:
         self._start = 0  # the chunk's first position
         self._local: list[WindowBlock] = []  # the windowed rows' blocks ("blocks" route)
         self._others: torch.Tensor | None = None  # [nO] the rows that attend to everything beside them
-        self._others_mask: torch.Tensor | None = None  # [nO, n_keys] their causal mask, built once per chunk
+        self._others_runs: list[Run] | None = None  # their runs of consecutive positions, found once per chunk
         self._suffix = 0  # band routes: how many of the others end the chunk (causal over every key, no mask)
 
     def windowed(self, local: torch.Tensor, start: int, window: FilledWindow, dtype: torch.dtype) -> None:
@@ -75,18 +74,20 @@ class ChunkRows:
         SDPA's is_causal aligns top-left, right only when the queries are positions 0..n_keys-1. When the
         queries are the last nq positions (every row before the split; a tail that ends the chunk), the
         routes' causal route (engine/attention.py: one flash call on CUDA, the log-sum-exp merge of prefix and
-        block on the CPU). Any other query set gets an additive mask, built once per chunk and shared by every
-        layer."""
+        block on the CPU). Any other query set (kept rows or outliers among filled rows, a tail after them) is
+        taken by runs of consecutive positions, each the last rows of the keys up to its last position, so each is
+        one lower-right causal block by the same route (`attention_by_runs`): never a masked SDPA call, which with
+        GQA fell to CUDA's math backend and repeated the whole K/V prefix in float32. The runs are found once per
+        chunk (one host read of the positions) and shared by every layer."""
         nq, n_keys = q.shape[2], keys.shape[2]
-        gqa = q.shape[1] != keys.shape[1]
         if self._block is None:
             first, last = self.positions_run[[0, -1]].tolist() if nq else (0, -1)
             self._block = last == n_keys - 1 and last - first + 1 == nq
         if self._block:
             return causal_attention(self.routes.causal, q, keys, values, scale)
-        if self._mask is None:
-            self._mask = causal_mask(self.positions_run, n_keys, q.dtype)
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=self._mask, scale=scale, enable_gqa=gqa)
+        if self._runs is None:
+            self._runs = runs_of(self.positions_run)
+        return attention_by_runs(self.routes.causal, q, keys, values, self._runs, scale)
 
     def attend_locally(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                        scale: float) -> torch.Tensor:
@@ -103,16 +104,35 @@ class ChunkRows:
             out[:, :, self.n - self._suffix:] = causal_attention(self.routes.causal, q[:, :, self.n - self._suffix:],
                                                                  keys, values, scale)
         if len(self._others):
-            if self._others_mask is None:
-                self._others_mask = causal_mask(self.positions[self._others], keys.shape[2], q.dtype)
-            attn = F.scaled_dot_product_attention(q.index_select(2, self._others), keys, values,
-                                                  attn_mask=self._others_mask, scale=scale,
-                                                  enable_gqa=q.shape[1] != keys.shape[1])
+            if self._others_runs is None:
+                self._others_runs = runs_of(self.positions[self._others])
+            attn = attention_by_runs(self.routes.causal, q.index_select(2, self._others), keys, values,
+                                     self._others_runs, scale)
             out.index_copy_(2, self._others, attn)
         return out
 
 
-def causal_mask(positions: torch.Tensor, n_keys: int, dtype: torch.dtype) -> torch.Tensor:
-    """[n, n_keys] additive mask of query rows at `positions` [n] over keys 0..n_keys-1: -inf after each row."""
-    later = torch.arange(n_keys, device=positions.device).unsqueeze(0) > positions.unsqueeze(1)
-    return torch.zeros(later.shape, dtype=dtype, device=positions.device).masked_fill_(later, float("-inf"))
+Run = tuple[int, int, int]  # (first query row, end query row, last position): a run of consecutive positions
+
+
+def runs_of(positions: torch.Tensor) -> list[Run]:
+    """The runs of consecutive positions in `positions` [n] (ascending): (first row, end row, its last position)."""
+    pos = positions.tolist()
+    runs, first = [], 0
+    for i in range(1, len(pos) + 1):
+        if i == len(pos) or pos[i] != pos[i - 1] + 1:
+            runs.append((first, i, pos[i - 1]))
+            first = i
+    return runs
+
+
+def attention_by_runs(route: str, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, runs: list[Run],
+                      scale: float) -> torch.Tensor:
+    """Causal attention of query rows q [B, Hq, nq, D] made of `runs` over the cached keys/values [B, Hkv, n_keys, D]
+    (key j at position j): a run of rows at positions p0..p1 is the last rows of keys 0..p1, one lower-right causal
+    block by the causal `route` (engine/attention.py; GQA K/V as they are on the flash route). -> [B, Hq, nq, D]."""
+    parts = [causal_attention(route, q[:, :, a:b], keys[:, :, :last + 1], values[:, :, :last + 1], scale)
+             for a, b, last in runs]
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat(parts, 2) if parts else torch.empty_like(q)

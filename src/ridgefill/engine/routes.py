@@ -13,11 +13,12 @@ it, and `describe()` is what results record.
 - projection: the filled rows' late K/V (engine/projection.py): "torch" (the fused projection, one bmm) for auto
   on every device, or "layers" (per layer) when asked for.
 - delta_rule: Gated DeltaNet's chunked rule (engine/families/delta_rule.py): "fla" on CUDA when
-  flash-linear-attention imports, else "torch".
+  flash-linear-attention imports, else "torch" (an installed fla that fails to import: one warning).
 
 For measurement (scripts/attention_check.py, bench-ttft runs of a GPU check), the environment variable
 RIDGEFILL_ROUTES overrides routes, e.g. RIDGEFILL_ROUTES="causal=cudnn_split,window=blocks"; a route the device
-cannot run is refused in one line. What a GPU session must decide by measurement (bf16, the 8B shape): whether
+or the dtype cannot run (flash, flash_band and cudnn_split are fp16/bf16 only; fla where it does not import) is
+refused in one line. What a GPU session must decide by measurement (bf16, the 8B shape): whether
 "flash" beats "cudnn_split" (and FlexAttention, not wired here: it needs torch.compile per shape) for chunk
 attention at 8K-128K keys, and whether "flash_band" beats full attention and "blocks" for the window at W = 2,048;
 the defaults above are the routes expected to win and are correct by construction.
@@ -26,6 +27,7 @@ the defaults above are the routes expected to win and are correct by constructio
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -39,6 +41,8 @@ DELTA_RULE_ROUTES = ("fla", "torch")
 PROJECTION_BACKENDS = ("auto",) + PROJECTION_ROUTES
 ENV = "RIDGEFILL_ROUTES"
 CUDA_ONLY = {"flash", "cudnn_split", "flash_band", "fla"}
+CPU_ONLY = {"cpu_split"}  # the CPU flash kernel (aten's _for_cpu op)
+HALF_ONLY = {"flash", "cudnn_split", "flash_band"}  # flash-attention 2's and cuDNN's kernels: fp16 / bf16 only
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -56,14 +60,30 @@ def flash_applies(device: torch.device, dtype: torch.dtype, heads: int, kv_heads
 
 
 def delta_rule_route(device: torch.device) -> str:
-    """fla's fused Gated DeltaNet kernel on CUDA when flash-linear-attention imports, else the torch rule."""
+    """fla's fused Gated DeltaNet kernel on CUDA when flash-linear-attention imports, else the torch rule. An fla
+    that is installed but fails to import for any reason (a Triton or torch it was not built for raises
+    AttributeError, RuntimeError, ...) falls back to the torch rule with one warning: it must not stop every engine,
+    dense ones included."""
     if torch.device(device).type != "cuda":
         return "torch"
     try:
         import fla.ops.gated_delta_rule  # noqa: F401
-    except ImportError:
+    except ImportError as e:
+        if e.name is None or not (e.name == "fla" or e.name.startswith("fla.")):
+            warnings.warn(fla_broken(e), RuntimeWarning, stacklevel=2)  # fla is there, something it imports is not
+        return "torch"
+    except Exception as e:  # noqa: BLE001 (any failure of a third-party import: fall back, say so)
+        warnings.warn(fla_broken(e), RuntimeWarning, stacklevel=2)
         return "torch"
     return "fla"
+
+
+def fla_broken(error: BaseException) -> str:
+    """The one warning of an fla that does not import."""
+    first = (str(error).splitlines() or [""])[0][:200]
+    return (f"flash-linear-attention (fla) is installed but does not import ({type(error).__name__}: {first}): the "
+            "Gated DeltaNet rule takes the torch route (slower on CUDA); reinstall fla for this torch and Triton, or "
+            "uninstall it")
 
 
 def projection_route(backend: str) -> str:
@@ -92,6 +112,13 @@ class Routes:
             if value in CUDA_ONLY and self.device != "cuda":
                 raise RidgefillError(f"{name} route {value!r} runs on CUDA only, not on {self.device}: pick one of "
                                      f"{', '.join(r for r in allowed if r not in CUDA_ONLY)}")
+            if value in CPU_ONLY and self.device != "cpu":
+                raise RidgefillError(f"{name} route {value!r} runs on the CPU only, not on {self.device}: pick one "
+                                     f"of {', '.join(r for r in allowed if r not in CPU_ONLY)}")
+            if value in HALF_ONLY and self.dtype not in ("float16", "bfloat16"):
+                others = [r for r in allowed if r not in HALF_ONLY and r not in CPU_ONLY | CUDA_ONLY]
+                raise RidgefillError(f"{name} route {value!r} runs in float16 or bfloat16 only, not in {self.dtype}: "
+                                     f"run with --dtype bf16, or pick {' or '.join(others)} for {self.dtype}")
 
     @classmethod
     def for_model(cls, device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
@@ -120,7 +147,11 @@ class Routes:
                 raise RidgefillError(f"{ENV} item {item!r} is not name=route with name one of causal, window, "
                                      "projection, delta_rule")
             changes[name.strip()] = value.strip()
-        return replace(self, **changes)
+        routes = replace(self, **changes)
+        if routes.delta_rule == "fla" and self.delta_rule != "fla" and self.device == "cuda":
+            raise RidgefillError(f"{ENV} asks for delta_rule=fla but flash-linear-attention does not import here: "
+                                 "install fla, or leave delta_rule out (the torch rule)")
+        return routes
 
     def describe(self) -> dict:
         """What a result records: the device, dtype and each route."""

@@ -11,8 +11,9 @@ attention. The work is O(rows x W) per layer, by one of two routes (engine/route
 - "flash_band" (CUDA): below the split every chunk row runs and is the last key, so the band of every row
   (positions p-W..p) is one fused sliding-window kernel call over the keys from W before the chunk to its end
   (`band_flash`: flash-attention's causal mask with window_size_left=W), returning each row's log-sum-exp; the
-  sinks a row sees besides its band (positions s < min(sinks, p-W), at most `sinks` keys) are attended in plain
-  torch (`sink_attention`) and merged with the band by their log-sum-exps (`banded_attention`); the few rows that
+  sinks a row sees besides its band (positions s < min(sinks, p-W), at most `sinks` keys) are scored from q as it
+  is (bf16 products summed in float32, `sink_scores`) and merged with the band in one float32 pass that rounds once
+  (`merge_sinks`, the same on every device: the CPU's tests run it); the few rows that
   are not windowed then overwrite theirs with causal attention over every key. No loop over blocks, no host sync.
   "masked_band" is the same route with the band kernel's exact masked stand-in (`band_masked`, any device),
   which tests it on the CPU.
@@ -26,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ridgefill.engine.attention import flash_cpu, merge
+from ridgefill.engine.attention import flash_cpu
 from ridgefill.errors import RidgefillError
 
 
@@ -169,21 +170,47 @@ def band_masked(q, k, v, window: int, scale: float):
 BAND_KERNELS = {"flash_band": band_flash, "masked_band": band_masked}
 
 
-def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, window: int,
-                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [B, Hq, n, D] at `positions` [n] over the sink keys k, v [B, Hkv, S, D] (positions 0..S-1) that lie
-    before each row's band (s < p - W), in float32 -> (out [B, Hq, n, D], lse [B, Hq, n]; -inf and out 0 where a
-    row sees none)."""
+def sink_scores(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, window: int,
+                scale: float) -> torch.Tensor:
+    """The scores [B, Hq, n, S] (float32) of q [B, Hq, n, D] at `positions` [n] against the sink keys k [B, Hkv, S, D]
+    (positions 0..S-1), -inf where a sink lies in the row's band or after it (s >= p - W): computed as the flash
+    kernel computes its own, bf16 products (exact in float32) summed in float32, without a float32 copy of q. One
+    GEMM of every query row against every KV head's sinks (Hkv x S columns: a handful), each head's own picked after;
+    q is read in the layout it has ([B, n, Hq, D] behind a transpose, as the projections leave it, or contiguous).
+    On CUDA the GEMM takes bf16/fp16 and writes float32 (torch.bmm's out_dtype: CUDA only, fp16/bf16 -> fp32);
+    elsewhere (the CPU: tests, not the speed target) it runs in float32."""
     b, hq, n, d = q.shape
     hkv, s = k.shape[1], k.shape[2]
-    grouped = q.float().reshape(b, hkv, hq // hkv * n, d)  # q head h reads K/V head h // (Hq / Hkv)
-    scores = (grouped @ k.float().transpose(-1, -2)).mul_(scale).view(b, hq, n, s)
+    heads_last = not q.is_contiguous() and q.transpose(1, 2).is_contiguous()
+    rows = q.transpose(1, 2).reshape(b, n * hq, d) if heads_last else q.reshape(b, hq * n, d)  # views
+    keys = k.reshape(b, hkv * s, d).transpose(1, 2)  # [B, D, Hkv*S]
+    if rows.dtype in (torch.float16, torch.bfloat16) and rows.device.type in ("cuda", "meta"):
+        every = torch.bmm(rows, keys, out_dtype=torch.float32)
+    else:
+        every = torch.bmm(rows.float(), keys.float())
+    own = torch.arange(hq, device=q.device) // (hq // hkv)  # q head h reads K/V head h // (Hq / Hkv)
+    if heads_last:
+        picked = every.view(b, n, hq, hkv, s).gather(3, own.view(1, 1, hq, 1, 1).expand(b, n, hq, 1, s))
+        scores = picked.view(b, n, hq, s).transpose(1, 2)
+    else:
+        picked = every.view(b, hq, n, hkv, s).gather(3, own.view(1, hq, 1, 1, 1).expand(b, hq, n, 1, s))
+        scores = picked.view(b, hq, n, s)
     seen = torch.arange(s, device=q.device).unsqueeze(0) < (positions - window).unsqueeze(1)  # [n, S]
-    scores.masked_fill_(~seen, float("-inf"))
-    lse = scores.logsumexp(-1)  # [B, Hq, n]
-    weights = (scores - torch.where(lse.isfinite(), lse, 0.0).unsqueeze(-1)).exp_()  # 0 where unseen
-    out = (weights.view(b, hkv, -1, s) @ v.float()).view(b, hq, n, d)
-    return out.to(q.dtype), lse
+    return scores.mul(scale).masked_fill_(~seen, float("-inf"))
+
+
+def merge_sinks(out: torch.Tensor, lse: torch.Tensor, scores: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The band's attention (out [B, Hq, n, D] in its dtype, lse [B, Hq, n] float32) merged with the sinks' (their
+    scores [B, Hq, n, S] float32, -inf where unseen; their values v [B, Hkv, S, D]): with L the log-sum-exp of all
+    of a row's keys, out * exp(lse - L) + sum_s exp(score_s - L) v_s, computed in float32 and rounded once into
+    out's dtype. Per element of out: one small GEMM writes the sinks' part (K = S), and one fused pass reads out and
+    that part and writes the result (addcmul computes in float32 and casts on store). Every device runs this."""
+    total = torch.logaddexp(lse, scores.logsumexp(-1))  # [B, Hq, n]; rows that see no sink: lse itself
+    band_share = (lse - total).exp_().unsqueeze(-1)  # [B, Hq, n, 1]
+    weights = (scores - total.unsqueeze(-1)).exp_()  # [B, Hq, n, S]; 0 where unseen
+    groups = out.shape[1] // v.shape[1]
+    sinks = weights @ v.float().repeat_interleave(groups, 1)  # [B, Hq, n, D] float32 (v: S rows per head)
+    return torch.addcmul(sinks, out, band_share, out=torch.empty_like(out))
 
 
 def banded_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, positions: torch.Tensor,
@@ -196,5 +223,4 @@ def banded_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     sinks = min(window.sinks, max(0, start + n - 1 - w))  # sinks that some row sees outside its band
     if sinks == 0:
         return out
-    out_s, lse_s = sink_attention(q, keys[:, :, :sinks], values[:, :, :sinks], positions, w, scale)
-    return merge(out_s, lse_s, out, lse)
+    return merge_sinks(out, lse, sink_scores(q, keys[:, :, :sinks], positions, w, scale), values[:, :, :sinks])

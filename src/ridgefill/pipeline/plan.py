@@ -11,12 +11,9 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ridgefill.commands import Command, command, steps
-
-if TYPE_CHECKING:
-    from ridgefill.pipeline.recipe import Recipe
 
 AXES = {"splits": ("split", "s"), "tails": ("tail", "t"), "seeds": ("seed", "seed")}  # key: (Task field, label)
 
@@ -32,7 +29,15 @@ class Task:
     needs: str | None = None  # label of the task whose artifact it reads
 
 
-def plan(recipe: "Recipe") -> list[Task]:
+class Planned(Protocol):
+    """What a plan reads of a recipe (pipeline/recipe.Recipe): its top-level settings and its steps' values. A
+    protocol, so that recipe.py imports this module and never the other way round."""
+
+    settings: dict
+    steps: dict[str, dict]
+
+
+def plan(recipe: Planned) -> list[Task]:
     tasks: list[Task] = []
     for step, values in recipe.steps.items():
         cmd = command(step)
