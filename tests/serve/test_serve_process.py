@@ -41,6 +41,9 @@ threading.Timer(120, os._exit, (3,)).start()
 
 class Handler(BaseHTTPRequestHandler):
     def do_GET(self):
+        if self.headers.get("Authorization"):
+            sys.stdout.write("authorization on %s\n" % self.path)
+            sys.stdout.flush()
         body = {"/health": b"", "/metrics": a["metrics"].encode()}.get(self.path)
         self.send_response(404 if body is None else 200)
         self.send_header("Content-Length", str(len(body or b"")))
@@ -273,6 +276,53 @@ def test_a_server_with_the_plugin_passes_and_stock_plans_are_not_checked(tmp_pat
     assert stock.marker is None
     with running(stock) as child:
         assert child.poll() is None
+
+
+def test_the_start_up_checks_never_go_through_a_proxy_and_send_no_key(tmp_path, monkeypatch):
+    """http_proxy (and https_proxy, all_proxy) point at a listener of the test's: serve's checks of /health and
+    /metrics go straight to the server, so the listener receives nothing (an API key sent through it would travel in
+    clear text), and the server gets no Authorization header (/health and /metrics are open)."""
+    import socket
+
+    received = []
+    with socket.socket() as proxy:
+        proxy.bind(("127.0.0.1", 0))
+        proxy.listen(8)
+        proxy.settimeout(0.2)
+        stop = threading.Event()
+
+        def listen():
+            while not stop.is_set():
+                try:
+                    conn, _ = proxy.accept()
+                except OSError:
+                    continue
+                with conn:
+                    conn.settimeout(2)
+                    try:
+                        received.append(conn.recv(65536))
+                    except OSError:
+                        received.append(b"(connected)")
+
+        thread = threading.Thread(target=listen, daemon=True)
+        thread.start()
+        url = f"http://127.0.0.1:{proxy.getsockname()[1]}"
+        for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+            monkeypatch.setenv(name, url)
+        for name in ("no_proxy", "NO_PROXY"):
+            monkeypatch.delenv(name, raising=False)
+        monkeypatch.setattr(process, "PLUGIN_WAIT_S", 5.0)  # the old code waited this long, then refused
+        plan = stand_in(tmp_path, marker=serve.MARKER)
+        plan = Launch(plan.argv, {**plan.env, "VLLM_API_KEY": "s3cret"}, plan.health, plan.banner, plan.log,
+                      plan.marker)
+        try:
+            with running(plan) as child:
+                assert child.poll() is None
+        finally:
+            stop.set()
+            thread.join()
+    assert received == []
+    assert b"authorization" not in plan.log.read_bytes()
 
 
 # --- serve's plan: the key, the default log, the plugin's counter ------------------------------------------------

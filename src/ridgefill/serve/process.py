@@ -275,11 +275,13 @@ def wait_until_up(child: subprocess.Popen, health: str, relay: Relay) -> bool:
             status.stop()
 
 
-def _fetch(url: str, key: str | None = None) -> str | None:
-    """The body of `url` if it answers 200, else None."""
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
+def _fetch(url: str) -> str | None:
+    """The body of `url` if it answers 200, else None. Straight to the server, never through a proxy (http_proxy,
+    https_proxy and all_proxy are ignored: the server is on this machine), and with no credentials: /health and
+    /metrics are open in vLLM's server, with or without --api-key."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=5) as r:
+        with opener.open(urllib.request.Request(url), timeout=5) as r:
             return r.read().decode(errors="replace") if r.status == 200 else None
     except (OSError, ValueError):
         return None
@@ -292,10 +294,10 @@ def check_plugin(plan: Launch, child: subprocess.Popen) -> bool:
     RidgefillError if it answers without the marker (vLLM logs a plugin that failed to load and serves stock)."""
     if plan.marker is None:
         return True
-    url, key = plan.health.removesuffix("/health") + "/metrics", plan.env.get("VLLM_API_KEY")
+    url = plan.health.removesuffix("/health") + "/metrics"
     deadline = time.monotonic() + PLUGIN_WAIT_S
     while child.poll() is None:
-        body = _fetch(url, key)
+        body = _fetch(url)
         if body is not None and any(line.startswith(plan.marker) for line in body.splitlines()):
             return True
         if body is not None or time.monotonic() > deadline:
