@@ -370,6 +370,45 @@ def test_an_api_key_serve_cannot_hand_on_is_refused(args, match):
                                                                                    "k")
 
 
+API_K = ("an abbreviation of serve's --api-key: write --api-key in full: serve takes the key off vLLM's command line, "
+         "which every local user can read, only then")
+
+
+@pytest.mark.parametrize("args, line", [
+    (["--api-k", "s3cret"], f"--api-k: {API_K}"),
+    (["--api-k=s3cret"], f"--api-k=s3cret: {API_K}"),
+    (["--api", "s3cret"], f"--api: {API_K}"),
+    (["--seed", "3", "--api_k", "s3cret"], f"--api_k: {API_K}"),
+    (["--log-f", "x.log"], "--log-f: an abbreviation of serve's --log-file: write it in full"),
+    (["--kv-cache-g", "2"], "--kv-cache-g: an abbreviation of serve's --kv-cache-gib: write it in full"),
+    (["--ke", "2"], "--ke: an abbreviation of serve's --keep-first: write it in full"),
+])
+def test_an_abbreviation_of_serves_own_options_is_refused_naming_the_option(args, line, plan_of):
+    """vLLM's parser reads `--api-k K` as --api-key (tests/serve/vllm/test_vllm_cli.py): the key would land on vLLM's
+    command line. Refused in one line, before anything starts; split_api_key refuses it too."""
+    with pytest.raises(RidgefillError) as refused:
+        plan_of(*args)
+    assert str(refused.value) == line
+    if line.endswith("only then"):
+        with pytest.raises(RidgefillError) as split:
+            split_api_key(args)
+        assert str(split.value) == line
+    assert split_api_key(["--api-server-count", "1", "--seed", "3"]) == (["--api-server-count", "1", "--seed", "3"],
+                                                                         None)
+
+
+def test_an_abbreviated_api_key_is_one_line_through_the_command(tmp_path, monkeypatch, capfd):
+    from ridgefill import cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["ridgefill", "serve", "--split", "3", "--api-k", "s3cret"])
+    capfd.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        cli.main()
+    assert exited.value.code == 2 and capfd.readouterr().err == f"error: --api-k: {API_K}\n"
+    assert not any(tmp_path.iterdir())
+
+
 # --- refused: context parallelism, weight updates, dev mode ------------------------------------------------------
 @pytest.mark.parametrize("arg, match", [
     ("--decode-context-parallel-size", "context parallelism is not supported with RidgeFill (each rank would hold "

@@ -29,7 +29,7 @@ import os
 import socket
 import sys
 import tempfile
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from ridgefill.commands import Command, option
@@ -40,7 +40,8 @@ from ridgefill.method.fill import V2_RUNNER, FillSettings, ServedOptions
 from ridgefill.serve.kv_sizing import (KV_OPTIONS, KvPlan, available_memory, kv_bytes_per_token, kv_cache_plan,
                                        on_cpu, state_bytes_per_request)
 from ridgefill.serve.process import Launch, default_log, launch, running, say, startup_error
-from ridgefill.serve.vllm_args import API_KEY, API_KEY_ENV, option_flag, option_name, split_api_key
+from ridgefill.serve.vllm_args import (API_KEY, API_KEY_ENV, option_flag, option_name, refuse_abbreviations,
+                                       split_api_key)
 from ridgefill.serve.vllm_config import (PREFIX_CACHING_HYBRID, VLLM_DTYPES, VLLM_PIN, check_dev_mode, check_fill,
                                          check_hybrid_dtype, check_vllm_version, read_model_config,
                                          served_prefix_caching, started_process_env)
@@ -152,10 +153,16 @@ def check_vllm_args(args: list[str], kv_sized: bool) -> None:
     for arg, name in zip(args, named):
         if name in REFUSED_OPTIONS:
             raise RidgefillError(f"{arg}: {REFUSED_OPTIONS[name]}")
+    refuse_abbreviations(args, [*serve_options(), API_KEY])
     split_api_key(args)
     if kv_sized and any(n in KV_OPTIONS for n in named):
         raise RidgefillError("--kv-cache-gib and vLLM's --kv-cache-memory-bytes / --gpu-memory-utilization both "
                              "size the KV cache: give one")
+
+
+def serve_options() -> list[str]:
+    """serve's own options, as written on its command line (every field of ServeConfig's but the vLLM arguments)."""
+    return [f"--{f.name.replace('_', '-')}" for f in fields(ServeConfig) if f.name != "vllm_args"]
 
 
 def installed_vllm_version() -> str | None:
