@@ -212,6 +212,63 @@ def test_log_file_as_a_folder_is_refused_by_the_command_before_anything(tmp_path
     assert not any(tmp_path.iterdir())
 
 
+def serve_exits_with(tmp_path, monkeypatch, capfd, *args: str) -> tuple[int, str]:
+    """`ridgefill serve ARGS` through the console entry point: its exit code and stderr."""
+    from ridgefill import cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["ridgefill", "serve", *args])
+    capfd.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        cli.main()
+    return exited.value.code, capfd.readouterr().err
+
+
+def test_a_log_file_that_is_a_fifo_or_has_another_name_is_one_line(tmp_path, monkeypatch, capfd):
+    """A FIFO would block serve's open() until something reads it; a file with a second hard link would be emptied
+    and rewritten under both names. Each is refused in one line before anything starts; nothing written."""
+    fifo, linked, other = tmp_path / "fifo.log", tmp_path / "linked.log", tmp_path / "other-name.log"
+    os.mkfifo(fifo)
+    linked.write_text("kept\n")
+    os.link(linked, other)
+    code, err = serve_exits_with(tmp_path, monkeypatch, capfd, "--split", "3", "--log-file", str(fifo))
+    assert code == 2 and err == (f"error: --log-file {fifo} is not a regular file (a FIFO, a socket or a device; a "
+                                 "FIFO would block serve until something reads it): give a file's path\n")
+    code, err = serve_exits_with(tmp_path, monkeypatch, capfd, "--split", "3", "--log-file", str(linked))
+    assert code == 2 and err == (f"error: --log-file {linked} has 2 hard links (serve empties and rewrites its log: "
+                                 "the file under its other names would change too): give a path of its own\n")
+    assert other.read_text() == "kept\n" and sorted(p.name for p in tmp_path.iterdir()) == [
+        "fifo.log", "linked.log", "other-name.log"]
+
+
+@pytest.mark.parametrize("case", ["fifo", "hard link"])
+def test_a_log_that_became_a_fifo_or_a_link_after_the_checks_is_refused_not_waited_on(case, tmp_path):
+    """Put there after serve's checks, just before vLLM starts: open_log refuses it at once (a FIFO nobody reads
+    is opened without blocking) and nothing starts."""
+    log = tmp_path / "vllm.log"
+    if case == "fifo":
+        os.mkfifo(log)
+    else:
+        log.write_text("kept\n")
+        os.link(log, tmp_path / "other-name.log")
+    outcome = []
+
+    def start():
+        try:
+            launch(stand_in(tmp_path, log=log))
+        except RidgefillError as refused:
+            outcome.append(str(refused))
+
+    thread = threading.Thread(target=start, daemon=True)
+    thread.start()
+    thread.join(60)  # a hang guard: the old open() of a FIFO never returned
+    why = "a FIFO" if case == "fifo" else "2 hard links"
+    assert outcome == [f"cannot write vLLM's log to {log} ({why}): give another --log-file"]
+    assert not (tmp_path / "drained").exists()
+    if case == "hard link":
+        assert (tmp_path / "other-name.log").read_text() == "kept\n"
+
+
 def test_the_default_log_is_private_to_the_user(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
     old = os.umask(0)  # the most permissive umask: the modes below are serve's own

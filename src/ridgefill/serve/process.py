@@ -9,6 +9,7 @@ the server stop answering without exiting. A log file that cannot be opened is o
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import signal
@@ -115,20 +116,45 @@ class LogFile:
             self.fd = -1
 
 
+def check_log_file(path: Path) -> None:
+    """A --log-file the user gave: a new path, or a regular file with one name. A folder, a FIFO (opening it would
+    block until something reads it), a socket or a device is refused, and so is a file with more than one hard link
+    (serve empties and rewrites its log: the file under its other names would change too)."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return  # missing (created later), or unreadable: open_log says why, before vLLM starts
+    if stat.S_ISDIR(info.st_mode):
+        raise RidgefillError(f"--log-file {path} is a folder: give a file, e.g. {path}/vllm.log")
+    if not stat.S_ISREG(info.st_mode):
+        raise RidgefillError(f"--log-file {path} is not a regular file (a FIFO, a socket or a device; a FIFO would "
+                             "block serve until something reads it): give a file's path")
+    if info.st_nlink > 1:
+        raise RidgefillError(f"--log-file {path} has {info.st_nlink} hard links (serve empties and rewrites its log: "
+                             "the file under its other names would change too): give a path of its own")
+
+
 def open_log(path: Path, error: type[Exception] = RidgefillError) -> int:
     """A file descriptor writing `path` from its start, created 0600; `error` (one line naming the fix) for a path
     that cannot be written, a folder, a symbolic link or another user's file."""
     try:
         if not os.path.lexists(path.parent):
             path.parent.mkdir(parents=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        # O_NONBLOCK: a FIFO put there since serve's checks fails at once (ENXIO) instead of blocking until read
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
+        os.set_blocking(fd, True)
     except OSError as exc:
-        why = "a symbolic link" if os.path.islink(path) else exc.strerror or str(exc)
+        why = ("a symbolic link" if os.path.islink(path) else "a FIFO" if exc.errno == errno.ENXIO
+               else exc.strerror or str(exc))
         raise error(f"cannot write vLLM's log to {path} ({why}): give another --log-file") from None
     info = os.fstat(fd)
     if stat.S_ISREG(info.st_mode) and info.st_uid != os.geteuid():
         os.close(fd)
         raise error(f"cannot write vLLM's log to {path} (another user's file): give another --log-file")
+    if stat.S_ISFIFO(info.st_mode) or (stat.S_ISREG(info.st_mode) and info.st_nlink > 1):
+        os.close(fd)
+        why = "a FIFO" if stat.S_ISFIFO(info.st_mode) else f"{info.st_nlink} hard links"
+        raise error(f"cannot write vLLM's log to {path} ({why}): give another --log-file")
     if stat.S_ISREG(info.st_mode):
         os.ftruncate(fd, 0)
         os.fchmod(fd, 0o600)

@@ -39,7 +39,7 @@ from ridgefill.method.fill import V2_RUNNER, FillSettings, ServedOptions
 # and the tests, which read them as serve's, as before the split)
 from ridgefill.serve.kv_sizing import (KV_OPTIONS, KvPlan, available_memory, kv_bytes_per_token, kv_cache_plan,
                                        on_cpu, state_bytes_per_request)
-from ridgefill.serve.process import Launch, default_log, launch, running, say, startup_error
+from ridgefill.serve.process import Launch, check_log_file, default_log, launch, running, say, startup_error
 from ridgefill.serve.vllm_args import (API_KEY, API_KEY_ENV, option_flag, option_name, refuse_abbreviations,
                                        split_api_key)
 from ridgefill.serve.vllm_config import (PREFIX_CACHING_HYBRID, VLLM_DTYPES, VLLM_PIN, check_dev_mode, check_fill,
@@ -138,8 +138,8 @@ class ServeConfig(ServedFill):
             raise RidgefillError(f"--kv-cache-gib {self.kv_cache_gib:g} must be a positive number of GiB")
         if self.concurrency < 1:
             raise RidgefillError(f"--concurrency {self.concurrency} must be at least 1")
-        if self.log_file is not None and self.log_file.is_dir():
-            raise RidgefillError(f"--log-file {self.log_file} is a folder: give a file, e.g. {self.log_file}/vllm.log")
+        if self.log_file is not None:
+            check_log_file(self.log_file)
         check_vllm_args(self.vllm_args, self.kv_cache_gib is not None)
 
 
