@@ -466,6 +466,21 @@ def test_an_abbreviated_api_key_is_one_line_through_the_command(tmp_path, monkey
     assert not any(tmp_path.iterdir())
 
 
+def test_the_stock_baseline_is_plain_vllm(plan_of, tmp_path):
+    """bench-serve's "stock vLLM" runs the same command with nothing of RidgeFill's: no middleware (its request checks
+    and body parsing), no plugin (VLLM_PLUGINS empty: none of its refusals), no RIDGEFILL_* setting, no marker
+    looked for; the rest of the command line is the served one's."""
+    plan = plan_of("--max-model-len", "256", "--middleware", "my.Middleware")
+    stock = serve.stock_plan(plan, tmp_path / "stock.log")
+    ours = plan.argv.index(serve.MIDDLEWARE)
+    assert plan.argv[ours - 1] == "--middleware"
+    assert stock.argv == plan.argv[:ours - 1] + plan.argv[ours + 1:]  # the user's own middleware stays
+    assert not any("ridgefill" in arg.lower() for arg in stock.argv[1:]), stock.argv
+    assert stock.env["VLLM_PLUGINS"] == "" and not any(k.startswith("RIDGEFILL_") for k in stock.env)
+    assert any(k.startswith("RIDGEFILL_") for k in plan.env) and stock.marker is None and stock.log == tmp_path / \
+        "stock.log"
+
+
 # --- refused: context parallelism, weight updates, dev mode ------------------------------------------------------
 @pytest.mark.parametrize("arg, match", [
     ("--decode-context-parallel-size", "context parallelism is not supported with RidgeFill (each rank would hold "

@@ -1,7 +1,7 @@
 """`ridgefill bench-serve`: a load test of RidgeFill in vLLM against stock vLLM, on loopback, bounded in time.
 
 It starts `ridgefill serve` (the fill) and then the same server as stock vLLM (the same command line, KV cache,
-dtype, threads and options, no plugin loaded: serve.stock_plan), one at a time, and drives each with the same seeded
+dtype, threads and options, no plugin loaded and no RidgeFill middleware: serve.stock_plan), one at a time, and drives each with the same seeded
 request stream through vLLM's own benchmark client (vllm.benchmarks.serve.benchmark): Poisson arrivals at each of
 `--rates` (requests/s), `--requests` prompts per rate of about `--prompt-tokens` tokens (each drawn uniformly within
 ±25 %) cut from evaluation documents of `--data`, `--output-tokens` greedy tokens each (end-of-sequence ignored).

@@ -264,9 +264,12 @@ def check_hybrid(c: ServeConfig, config: dict) -> None:
 
 def stock_plan(plan: Launch, log: Path) -> Launch:
     """The same server as `plan` (command, KV cache, threads, options) as stock vLLM: no plugin loaded (and none
-    looked for on /metrics)."""
+    looked for on /metrics), no RidgeFill setting in its environment, and no RidgeFill middleware (its request
+    checks are RidgeFill's, not vLLM's)."""
     env = {k: v for k, v in plan.env.items() if not k.startswith("RIDGEFILL_")}
-    return replace(plan, env={**env, "VLLM_PLUGINS": ""}, banner=plan.banner.split(" with RidgeFill")[0] +
+    ours = [i for i in range(len(plan.argv) - 1) if plan.argv[i:i + 2] == ["--middleware", MIDDLEWARE]]
+    argv = [a for i, a in enumerate(plan.argv) if not any(i in (j, j + 1) for j in ours)]
+    return replace(plan, argv=argv, env={**env, "VLLM_PLUGINS": ""}, banner=plan.banner.split(" with RidgeFill")[0] +
                    " (stock vLLM)", log=log, marker=None)
 
 
