@@ -107,6 +107,11 @@ class ServedFill(ServedOptions):
     def source_rule(self):
         return (), ""  # one of --maps, --split and --serving-config is needed
 
+    def input_folders(self) -> dict:
+        from ridgefill.runtime.models import model_input
+
+        return model_input(self.model)
+
 
 @dataclass
 class ServeConfig(ServedFill):
