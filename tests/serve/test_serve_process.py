@@ -481,6 +481,27 @@ def test_the_stock_baseline_is_plain_vllm(plan_of, tmp_path):
         "stock.log"
 
 
+@pytest.mark.parametrize("cuda, native_bf16, want", [(False, False, "fp32"), (True, True, "bf16"),
+                                                     (True, False, "fp32")])
+def test_serve_defaults_to_dtype_auto_resolved_as_every_command(cuda, native_bf16, want, plan_of, monkeypatch):
+    """serve and bench-serve default to --dtype auto, like every other command: fp32 on a CPU build, bf16 where vLLM
+    runs on a CUDA GPU with bf16 units (runtime/device.py's rule); vLLM gets the resolved dtype, and the banner says
+    it. A hybrid model on a CPU resolves to bf16, the one dtype vLLM's CPU Gated DeltaNet kernel runs."""
+    from ridgefill.evals.bench_serve import BenchServeConfig
+    from ridgefill.runtime import device
+    from ridgefill.serve.vllm_config import served_dtype
+
+    assert serve.ServeConfig().dtype == "auto" and BenchServeConfig(out=Path("o.json")).dtype == "auto"
+    monkeypatch.setattr(serve, "on_cpu", lambda: not cuda)
+    monkeypatch.setattr(device, "native_bf16", lambda: native_bf16)
+    plan = plan_of("--max-model-len", "256")
+    at = plan.argv.index("--dtype")
+    assert plan.argv[at + 1] == serve.DTYPES[want] and f"; dtype {want}; " in plan.banner
+    hybrid = {"architectures": ["Qwen3NextForCausalLM"]}
+    assert served_dtype("auto", hybrid, cpu=not cuda) == ("bf16" if not cuda else want)
+    assert served_dtype("fp16", hybrid, cpu=True) == "fp16" and served_dtype("fp32", {}, cpu=False) == "fp32"
+
+
 # --- refused: context parallelism, weight updates, dev mode ------------------------------------------------------
 @pytest.mark.parametrize("arg, match", [
     ("--decode-context-parallel-size", "context parallelism is not supported with RidgeFill (each rank would hold "

@@ -44,11 +44,13 @@ from ridgefill.serve.vllm_args import (API_KEY, API_KEY_ENV, option_flag, option
                                        split_api_key)
 from ridgefill.serve.vllm_config import (PREFIX_CACHING_HYBRID, VLLM_DTYPES, VLLM_PIN, check_dev_mode, check_fill,
                                          check_hybrid_dtype, check_vllm_version, read_model_config,
-                                         served_prefix_caching, started_process_env)
+                                         served_dtype, served_prefix_caching, started_process_env)
 from ridgefill.serve.vllm.middleware import body_limit
 from ridgefill.serve.vllm.metrics import COUNTERS
 
 DTYPES = VLLM_DTYPES
+SERVED_DTYPE_HELP = ("auto (bf16 where vLLM runs on a CUDA GPU, fp32 on a CPU build, bf16 there for a hybrid model), "
+                     "fp32, bf16 or fp16; recorded resolved.")
 PLUGIN = "ridgefill"  # the plugin's name in the vllm.general_plugins entry points (and in VLLM_PLUGINS)
 PLUGIN_TARGET = "ridgefill.serve.vllm.plugin:register"
 # vLLM's OpenAI-compatible API server: what `vllm serve` runs for one API server, and what the deprecated
@@ -117,7 +119,7 @@ class ServedFill(ServedOptions):
 class ServeConfig(ServedFill):
     host: str = option("127.0.0.1", "Address the server listens on.")
     port: int = option(8000, "Port the server listens on.")
-    dtype: str = option("fp32", "fp32, bf16, fp16, or auto (the checkpoint's own).")
+    dtype: str = option("auto", SERVED_DTYPE_HELP)
     kv_cache_gib: float | None = option(None, "KV cache memory in GiB, on a CPU build of vLLM (default: room for "
                                         "--concurrency requests of the longest length served, at most half the "
                                         "memory free at start-up).")
@@ -243,6 +245,7 @@ def serve_plan(c: ServeConfig, scratch: Path) -> Launch:
     check_vllm()
     fill, meta = check_fill(served_fill(c, folder, scratch), folder)
     config = read_model_config(folder)
+    c = replace(c, dtype=served_dtype(c.dtype, config, on_cpu()))
     check_hybrid(c, config)
     kv = kv_cache_plan(c, config, available_memory(), on_cpu())
     check_port(c.host, c.port)
@@ -256,7 +259,7 @@ def serve_plan(c: ServeConfig, scratch: Path) -> Launch:
     banner = (f"ridgefill serve: {c.model} through vLLM at http://{c.host}:{c.port}/v1 with RidgeFill: "
               f"{fill.variant} fill, maps {c.maps or c.serving_config or 'identity'} (split {meta.get('split')} of "
               f"{meta.get('n_layers')} layers), tail {fill.tail}, keep-first {fill.keep_first}, outlier factor "
-              f"{fill.outlier_factor:g}; {kv.summary}; vLLM's log: {log}")
+              f"{fill.outlier_factor:g}; dtype {c.dtype}; {kv.summary}; vLLM's log: {log}")
     return Launch(vllm_command(c, folder, kv.args), env, health_url(c.host, c.port), banner, Path(log), MARKER)
 
 
