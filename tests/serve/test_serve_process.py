@@ -138,6 +138,68 @@ def test_a_closed_stderr_leaves_a_server_that_keeps_answering_and_its_log_draine
             proc.wait()
 
 
+def launched(plan: Launch) -> subprocess.Popen:
+    """`plan` run by launch() in a process of its own whose stderr is a pipe (the test reads it, or never does)."""
+    fields = {"argv": plan.argv, "env": plan.env, "health": plan.health, "banner": plan.banner, "log": str(plan.log),
+              "log_limit": plan.log_limit}
+    return subprocess.Popen([sys.executable, "-c", LAUNCHER, json.dumps(fields)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+
+
+def test_a_stderr_nobody_reads_never_holds_up_the_server(tmp_path):
+    """`ridgefill serve ... 2>&1 | less` left unscrolled: stderr is a pipe that nobody reads. The server writes 2 MiB
+    (32 pipes' worth) once up: it is read to its end (all of it in the log), the server keeps answering, and
+    SIGTERM still ends both with the server's exit code."""
+    plan = stand_in(tmp_path, go=True, log_limit=64 << 20)
+    proc = launched(plan)
+    try:
+        assert proc.stderr.readline() == b"up\n"  # the banner: from here on the output is echoed
+        (tmp_path / "go").touch()
+        assert wait_for(tmp_path / "drained"), "the server blocked on its output: the echo held up the reading"
+        assert answers(plan.health) and proc.poll() is None
+        assert int(plan.log.read_bytes().splitlines()[-1]) == BURST // 100 - 1  # every line reached the log
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_paused_stderr_gets_the_lines_it_can_and_the_count_of_those_dropped(tmp_path):
+    """stderr paused (a terminal after Ctrl-S) while the server writes 2 MiB, then read again: the server was never
+    held up; stderr shows, in order, the lines that fit the echo's buffer and then one line saying how many were
+    dropped, and those shown plus those dropped are every line the server wrote since it was up (the log has all)."""
+    plan = stand_in(tmp_path, go=True, log_limit=64 << 20)
+    proc = launched(plan)
+    try:
+        assert proc.stderr.readline() == b"up\n"
+        (tmp_path / "go").touch()
+        assert wait_for(tmp_path / "drained"), "the server blocked on its output: the echo held up the reading"
+        assert answers(plan.health)
+        shown = []
+        while not shown or not shown[-1].startswith(b"ridgefill serve: "):  # reading again: it catches up
+            shown.append(proc.stderr.readline())
+        proc.send_signal(signal.SIGTERM)
+        shown += proc.stderr.read().splitlines(keepends=True)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    notices = [line for line in shown if line.startswith(b"ridgefill serve: ")]
+    echoed = [line for line in shown if not line.startswith(b"ridgefill serve: ")]
+    counts = [int(n.split()[2].replace(b",", b"")) for n in notices]
+    assert notices and all(n == b"ridgefill serve: %s lines of vLLM's log were not shown here (stderr did not keep "
+                                 b"up); %s has every line\n" % (f"{c:,}".encode(), str(plan.log).encode())
+                           for n, c in zip(notices, counts))
+    logged = plan.log.read_bytes().splitlines(keepends=True)
+    since = logged[logged.index(echoed[0]):]  # every line written since the echo began: shown or dropped
+    assert len(echoed) + sum(counts) == len(since) and sum(counts) > 0
+    it = iter(since)
+    assert all(line in it for line in echoed)  # the shown lines, in the server's order
+
+
 def test_a_log_that_cannot_be_written_any_more_leaves_the_output_drained(tmp_path, capfd):
     """Every write to /dev/full fails (no space): the relay stops writing the log, says so once, and reads on."""
     plan = stand_in(tmp_path, log=Path("/dev/full"))

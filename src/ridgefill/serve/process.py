@@ -171,32 +171,120 @@ def say(text: str) -> bool:
         return False
 
 
+ECHO_BUFFER = 1 << 20  # bytes of vLLM's output waiting for stderr at most: past it, echoed lines are dropped
+
+
+def _stderr_writer():
+    """Bytes to stderr: straight to its file descriptor where it has one (a blocked write there holds no lock of
+    Python's, so the process can still exit), else through sys.stderr."""
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        fd = None
+
+    def write(data: bytes) -> None:
+        if fd is None:
+            sys.stderr.write(data.decode(errors="replace"))
+            sys.stderr.flush()
+            return
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+
+    return write
+
+
+class Echo(threading.Thread):
+    """vLLM's output echoed to stderr by a thread of its own, so that a stderr that does not keep up (a terminal
+    paused with Ctrl-S, `serve 2>&1 | less` left unscrolled) never holds up the reading of vLLM's output: lines wait
+    in a buffer of at most `limit` bytes, and past it they are dropped (the log file has every line). When it has
+    caught up, and at the end, one line says how many were dropped. A stderr that fails (a closed pipe) ends it."""
+
+    def __init__(self, log: Path, write=None, limit: int = ECHO_BUFFER) -> None:
+        super().__init__(daemon=True)
+        self.log, self.write, self.limit = log, write or _stderr_writer(), limit
+        self.lines, self.waiting, self.dropped, self.closed, self.ok = [], 0, 0, False, True
+        self.cond = threading.Condition()
+
+    def put(self, line: bytes) -> None:
+        """Queue `line` for stderr (never blocks): dropped when `limit` bytes wait already."""
+        with self.cond:
+            if not self.ok:
+                return
+            if self.waiting + len(line) > self.limit:
+                self.dropped += 1
+                return
+            self.lines.append(line)
+            self.waiting += len(line)
+            self.cond.notify()
+
+    def close(self) -> None:
+        """No more lines: write those waiting (and the count of dropped ones), then end."""
+        with self.cond:
+            self.closed = True
+            self.cond.notify()
+
+    def run(self) -> None:
+        while True:
+            with self.cond:
+                while not self.lines and not self.dropped and not self.closed:
+                    self.cond.wait()
+                batch, self.lines, self.waiting = self.lines, [], 0
+                dropped = self.dropped if not batch else 0  # said once what was queued before is written
+                self.dropped -= dropped
+                closed = self.closed and not batch and not self.dropped
+            try:
+                if batch:
+                    self.write(b"".join(batch))
+                if dropped:
+                    self.write(f"ridgefill serve: {dropped:,} lines of vLLM's log were not shown here (stderr did not "
+                               f"keep up); {self.log} has every line\n".encode())
+            except (OSError, ValueError, AttributeError):
+                with self.cond:
+                    self.ok, self.lines, self.waiting = False, [], 0
+                return
+            if closed:
+                return
+
+
 class Relay(threading.Thread):
     """Reads the child's output until it ends, whatever happens to where it goes: into the log file, and to stderr
-    once `go_live` is called. A failing copy ends that copy only."""
+    (through Echo, which never blocks the reading) once `go_live` is called. A failing copy ends that copy only."""
 
     STARTED = b"Application startup complete"  # uvicorn's line once the server accepts requests
 
     def __init__(self, stream, log: LogFile) -> None:
         super().__init__(daemon=True)
         self.stream, self.log = stream, log
-        self.started, self.echo = False, True
+        self.started = False
+        self.echo: Echo | None = None
         self._live = threading.Event()
 
     def go_live(self) -> None:
+        self.echo = Echo(self.log.path)
+        self.echo.start()
         self._live.set()
+
+    def finish(self, timeout: float = 5.0) -> None:
+        """After the child ended: let the echo write what waits (and the count of dropped lines), for at most
+        `timeout` seconds (a stderr nobody reads never takes them)."""
+        self.join()
+        if self.echo is not None:
+            self.echo.join(timeout)
 
     def run(self) -> None:
         try:
             for line in iter(lambda: self.stream.readline(LINE_LIMIT), b""):
                 self.started = self.started or self.STARTED in line
                 if self.log.ok and not self.log.write(line):
-                    self.echo = self.echo and say(f"warning: vLLM's log {self.log.path} cannot be written any more: "
-                                                  "its output goes on to stderr only\n")
-                if self.echo and self._live.is_set():
-                    self.echo = say(line.decode(errors="replace"))
+                    say(f"warning: vLLM's log {self.log.path} cannot be written any more: its output goes on to "
+                        "stderr only\n")
+                if self._live.is_set() and self.echo is not None:
+                    self.echo.put(line)
         finally:
             self.log.close()
+            if self.echo is not None:
+                self.echo.close()
 
 
 # --- running the server -----------------------------------------------------------------------------------------
@@ -226,7 +314,7 @@ def launch(plan: Launch) -> int:
             signal.signal(s, handler)
         if child.poll() is None:  # only if waiting failed, or the server runs without RidgeFill
             stop(child)
-        relay.join()
+        relay.finish()
     code = code if code >= 0 else 128 - code
     if not up and not signalled:
         raise RidgefillError(startup_error(read_log(plan.log), code, plan.log))
