@@ -159,6 +159,11 @@ class Config:
         ask for it, e.g. ("variants", "ridge", "leave ridge out"); None when the command runs without it."""
         return None
 
+    def input_folders(self) -> dict[str, Path]:
+        """Folders the command reads that an option names by something other than their path (--model's alias: its
+        cache folder), by option: runtime/paths.check_output refuses an output inside them as inside any input."""
+        return {}
+
     def as_dict(self) -> dict:
         """Every option as given (paths as strings): the `config` of the result document."""
         return {f.name: (str(v) if isinstance(v, Path) else v) for f in dataclasses.fields(self)

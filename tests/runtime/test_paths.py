@@ -333,3 +333,27 @@ def test_tune_checks_its_config_out(tmp_path):
     with pytest.raises(RidgefillError, match="existing folder"):
         command("tune").make(config_out=tmp_path).check()
     command("tune").make().check()
+
+
+@pytest.mark.parametrize("command", [["loss", "--data", "shakespeare"], ["bench-serve", "--split", "3"]])
+@pytest.mark.parametrize("converted", [True, False])
+def test_an_output_inside_the_folder_of_a_model_alias_is_refused(command, converted, tmp_path, monkeypatch, capfd):
+    """--model smollm2-135m names its cache folder by alias: an output inside that folder (converted already, or to
+    be made by the conversion) is refused like one inside any input folder, in one line, nothing written."""
+    from ridgefill import cli
+
+    monkeypatch.setenv("RIDGEFILL_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "cache" / "models" / "smollm2-135m"
+    if converted:
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text("{}")
+    out = folder / "result.json"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["ridgefill", *command, "--model", "smollm2-135m", "--out", str(out)])
+    capfd.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        cli.main()
+    assert exited.value.code == 2 and capfd.readouterr().err == (
+        f"error: --out {out} is inside the folder --model reads ({folder}): writing there would change that input: "
+        "choose another --out, outside it\n")
+    assert (list(folder.iterdir()) == [folder / "config.json"]) if converted else not folder.exists()

@@ -41,6 +41,9 @@ threading.Timer(120, os._exit, (3,)).start()
 
 class Handler(BaseHTTPRequestHandler):
     def do_GET(self):
+        if self.headers.get("Authorization"):
+            sys.stdout.write("authorization on %s\n" % self.path)
+            sys.stdout.flush()
         body = {"/health": b"", "/metrics": a["metrics"].encode()}.get(self.path)
         self.send_response(404 if body is None else 200)
         self.send_header("Content-Length", str(len(body or b"")))
@@ -135,6 +138,68 @@ def test_a_closed_stderr_leaves_a_server_that_keeps_answering_and_its_log_draine
             proc.wait()
 
 
+def launched(plan: Launch) -> subprocess.Popen:
+    """`plan` run by launch() in a process of its own whose stderr is a pipe (the test reads it, or never does)."""
+    fields = {"argv": plan.argv, "env": plan.env, "health": plan.health, "banner": plan.banner, "log": str(plan.log),
+              "log_limit": plan.log_limit}
+    return subprocess.Popen([sys.executable, "-c", LAUNCHER, json.dumps(fields)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+
+
+def test_a_stderr_nobody_reads_never_holds_up_the_server(tmp_path):
+    """`ridgefill serve ... 2>&1 | less` left unscrolled: stderr is a pipe that nobody reads. The server writes 2 MiB
+    (32 pipes' worth) once up: it is read to its end (all of it in the log), the server keeps answering, and
+    SIGTERM still ends both with the server's exit code."""
+    plan = stand_in(tmp_path, go=True, log_limit=64 << 20)
+    proc = launched(plan)
+    try:
+        assert proc.stderr.readline() == b"up\n"  # the banner: from here on the output is echoed
+        (tmp_path / "go").touch()
+        assert wait_for(tmp_path / "drained"), "the server blocked on its output: the echo held up the reading"
+        assert answers(plan.health) and proc.poll() is None
+        assert int(plan.log.read_bytes().splitlines()[-1]) == BURST // 100 - 1  # every line reached the log
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_paused_stderr_gets_the_lines_it_can_and_the_count_of_those_dropped(tmp_path):
+    """stderr paused (a terminal after Ctrl-S) while the server writes 2 MiB, then read again: the server was never
+    held up; stderr shows, in order, the lines that fit the echo's buffer and then one line saying how many were
+    dropped, and those shown plus those dropped are every line the server wrote since it was up (the log has all)."""
+    plan = stand_in(tmp_path, go=True, log_limit=64 << 20)
+    proc = launched(plan)
+    try:
+        assert proc.stderr.readline() == b"up\n"
+        (tmp_path / "go").touch()
+        assert wait_for(tmp_path / "drained"), "the server blocked on its output: the echo held up the reading"
+        assert answers(plan.health)
+        shown = []
+        while not shown or not shown[-1].startswith(b"ridgefill serve: "):  # reading again: it catches up
+            shown.append(proc.stderr.readline())
+        proc.send_signal(signal.SIGTERM)
+        shown += proc.stderr.read().splitlines(keepends=True)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    notices = [line for line in shown if line.startswith(b"ridgefill serve: ")]
+    echoed = [line for line in shown if not line.startswith(b"ridgefill serve: ")]
+    counts = [int(n.split()[2].replace(b",", b"")) for n in notices]
+    assert notices and all(n == b"ridgefill serve: %s lines of vLLM's log were not shown here (stderr did not keep "
+                                 b"up); %s has every line\n" % (f"{c:,}".encode(), str(plan.log).encode())
+                           for n, c in zip(notices, counts))
+    logged = plan.log.read_bytes().splitlines(keepends=True)
+    since = logged[logged.index(echoed[0]):]  # every line written since the echo began: shown or dropped
+    assert len(echoed) + sum(counts) == len(since) and sum(counts) > 0
+    it = iter(since)
+    assert all(line in it for line in echoed)  # the shown lines, in the server's order
+
+
 def test_a_log_that_cannot_be_written_any_more_leaves_the_output_drained(tmp_path, capfd):
     """Every write to /dev/full fails (no space): the relay stops writing the log, says so once, and reads on."""
     plan = stand_in(tmp_path, log=Path("/dev/full"))
@@ -209,6 +274,63 @@ def test_log_file_as_a_folder_is_refused_by_the_command_before_anything(tmp_path
     assert not any(tmp_path.iterdir())
 
 
+def serve_exits_with(tmp_path, monkeypatch, capfd, *args: str) -> tuple[int, str]:
+    """`ridgefill serve ARGS` through the console entry point: its exit code and stderr."""
+    from ridgefill import cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["ridgefill", "serve", *args])
+    capfd.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        cli.main()
+    return exited.value.code, capfd.readouterr().err
+
+
+def test_a_log_file_that_is_a_fifo_or_has_another_name_is_one_line(tmp_path, monkeypatch, capfd):
+    """A FIFO would block serve's open() until something reads it; a file with a second hard link would be emptied
+    and rewritten under both names. Each is refused in one line before anything starts; nothing written."""
+    fifo, linked, other = tmp_path / "fifo.log", tmp_path / "linked.log", tmp_path / "other-name.log"
+    os.mkfifo(fifo)
+    linked.write_text("kept\n")
+    os.link(linked, other)
+    code, err = serve_exits_with(tmp_path, monkeypatch, capfd, "--split", "3", "--log-file", str(fifo))
+    assert code == 2 and err == (f"error: --log-file {fifo} is not a regular file (a FIFO, a socket or a device; a "
+                                 "FIFO would block serve until something reads it): give a file's path\n")
+    code, err = serve_exits_with(tmp_path, monkeypatch, capfd, "--split", "3", "--log-file", str(linked))
+    assert code == 2 and err == (f"error: --log-file {linked} has 2 hard links (serve empties and rewrites its log: "
+                                 "the file under its other names would change too): give a path of its own\n")
+    assert other.read_text() == "kept\n" and sorted(p.name for p in tmp_path.iterdir()) == [
+        "fifo.log", "linked.log", "other-name.log"]
+
+
+@pytest.mark.parametrize("case", ["fifo", "hard link"])
+def test_a_log_that_became_a_fifo_or_a_link_after_the_checks_is_refused_not_waited_on(case, tmp_path):
+    """Put there after serve's checks, just before vLLM starts: open_log refuses it at once (a FIFO nobody reads
+    is opened without blocking) and nothing starts."""
+    log = tmp_path / "vllm.log"
+    if case == "fifo":
+        os.mkfifo(log)
+    else:
+        log.write_text("kept\n")
+        os.link(log, tmp_path / "other-name.log")
+    outcome = []
+
+    def start():
+        try:
+            launch(stand_in(tmp_path, log=log))
+        except RidgefillError as refused:
+            outcome.append(str(refused))
+
+    thread = threading.Thread(target=start, daemon=True)
+    thread.start()
+    thread.join(60)  # a hang guard: the old open() of a FIFO never returned
+    why = "a FIFO" if case == "fifo" else "2 hard links"
+    assert outcome == [f"cannot write vLLM's log to {log} ({why}): give another --log-file"]
+    assert not (tmp_path / "drained").exists()
+    if case == "hard link":
+        assert (tmp_path / "other-name.log").read_text() == "kept\n"
+
+
 def test_the_default_log_is_private_to_the_user(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
     old = os.umask(0)  # the most permissive umask: the modes below are serve's own
@@ -275,6 +397,53 @@ def test_a_server_with_the_plugin_passes_and_stock_plans_are_not_checked(tmp_pat
         assert child.poll() is None
 
 
+def test_the_start_up_checks_never_go_through_a_proxy_and_send_no_key(tmp_path, monkeypatch):
+    """http_proxy (and https_proxy, all_proxy) point at a listener of the test's: serve's checks of /health and
+    /metrics go straight to the server, so the listener receives nothing (an API key sent through it would travel in
+    clear text), and the server gets no Authorization header (/health and /metrics are open)."""
+    import socket
+
+    received = []
+    with socket.socket() as proxy:
+        proxy.bind(("127.0.0.1", 0))
+        proxy.listen(8)
+        proxy.settimeout(0.2)
+        stop = threading.Event()
+
+        def listen():
+            while not stop.is_set():
+                try:
+                    conn, _ = proxy.accept()
+                except OSError:
+                    continue
+                with conn:
+                    conn.settimeout(2)
+                    try:
+                        received.append(conn.recv(65536))
+                    except OSError:
+                        received.append(b"(connected)")
+
+        thread = threading.Thread(target=listen, daemon=True)
+        thread.start()
+        url = f"http://127.0.0.1:{proxy.getsockname()[1]}"
+        for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+            monkeypatch.setenv(name, url)
+        for name in ("no_proxy", "NO_PROXY"):
+            monkeypatch.delenv(name, raising=False)
+        monkeypatch.setattr(process, "PLUGIN_WAIT_S", 5.0)  # the old code waited this long, then refused
+        plan = stand_in(tmp_path, marker=serve.MARKER)
+        plan = Launch(plan.argv, {**plan.env, "VLLM_API_KEY": "s3cret"}, plan.health, plan.banner, plan.log,
+                      plan.marker)
+        try:
+            with running(plan) as child:
+                assert child.poll() is None
+        finally:
+            stop.set()
+            thread.join()
+    assert received == []
+    assert b"authorization" not in plan.log.read_bytes()
+
+
 # --- serve's plan: the key, the default log, the plugin's counter ------------------------------------------------
 @pytest.fixture
 def plan_of(tiny_checkpoint, tmp_path, monkeypatch):
@@ -318,6 +487,81 @@ def test_an_api_key_serve_cannot_hand_on_is_refused(args, match):
         serve.ServeConfig(maps="m.safetensors", vllm_args=args).check()
     assert split_api_key(["--seed", "3", "--api-key", "k", "--enforce-eager"]) == (["--seed", "3", "--enforce-eager"],
                                                                                    "k")
+
+
+API_K = ("an abbreviation of serve's --api-key: write --api-key in full: serve takes the key off vLLM's command line, "
+         "which every local user can read, only then")
+
+
+@pytest.mark.parametrize("args, line", [
+    (["--api-k", "s3cret"], f"--api-k: {API_K}"),
+    (["--api-k=s3cret"], f"--api-k=s3cret: {API_K}"),
+    (["--api", "s3cret"], f"--api: {API_K}"),
+    (["--seed", "3", "--api_k", "s3cret"], f"--api_k: {API_K}"),
+    (["--log-f", "x.log"], "--log-f: an abbreviation of serve's --log-file: write it in full"),
+    (["--kv-cache-g", "2"], "--kv-cache-g: an abbreviation of serve's --kv-cache-gib: write it in full"),
+    (["--ke", "2"], "--ke: an abbreviation of serve's --keep-first: write it in full"),
+])
+def test_an_abbreviation_of_serves_own_options_is_refused_naming_the_option(args, line, plan_of):
+    """vLLM's parser reads `--api-k K` as --api-key (tests/serve/vllm/test_vllm_cli.py): the key would land on vLLM's
+    command line. Refused in one line, before anything starts; split_api_key refuses it too."""
+    with pytest.raises(RidgefillError) as refused:
+        plan_of(*args)
+    assert str(refused.value) == line
+    if line.endswith("only then"):
+        with pytest.raises(RidgefillError) as split:
+            split_api_key(args)
+        assert str(split.value) == line
+    assert split_api_key(["--api-server-count", "1", "--seed", "3"]) == (["--api-server-count", "1", "--seed", "3"],
+                                                                         None)
+
+
+def test_an_abbreviated_api_key_is_one_line_through_the_command(tmp_path, monkeypatch, capfd):
+    from ridgefill import cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["ridgefill", "serve", "--split", "3", "--api-k", "s3cret"])
+    capfd.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        cli.main()
+    assert exited.value.code == 2 and capfd.readouterr().err == f"error: --api-k: {API_K}\n"
+    assert not any(tmp_path.iterdir())
+
+
+def test_the_stock_baseline_is_plain_vllm(plan_of, tmp_path):
+    """bench-serve's "stock vLLM" runs the same command with nothing of RidgeFill's: no middleware (its request checks
+    and body parsing), no plugin (VLLM_PLUGINS empty: none of its refusals), no RIDGEFILL_* setting, no marker
+    looked for; the rest of the command line is the served one's."""
+    plan = plan_of("--max-model-len", "256", "--middleware", "my.Middleware")
+    stock = serve.stock_plan(plan, tmp_path / "stock.log")
+    ours = plan.argv.index(serve.MIDDLEWARE)
+    assert plan.argv[ours - 1] == "--middleware"
+    assert stock.argv == plan.argv[:ours - 1] + plan.argv[ours + 1:]  # the user's own middleware stays
+    assert not any("ridgefill" in arg.lower() for arg in stock.argv[1:]), stock.argv
+    assert stock.env["VLLM_PLUGINS"] == "" and not any(k.startswith("RIDGEFILL_") for k in stock.env)
+    assert any(k.startswith("RIDGEFILL_") for k in plan.env) and stock.marker is None and stock.log == tmp_path / \
+        "stock.log"
+
+
+@pytest.mark.parametrize("cuda, native_bf16, want", [(False, False, "fp32"), (True, True, "bf16"),
+                                                     (True, False, "fp32")])
+def test_serve_defaults_to_dtype_auto_resolved_as_every_command(cuda, native_bf16, want, plan_of, monkeypatch):
+    """serve and bench-serve default to --dtype auto, like every other command: fp32 on a CPU build, bf16 where vLLM
+    runs on a CUDA GPU with bf16 units (runtime/device.py's rule); vLLM gets the resolved dtype, and the banner says
+    it. A hybrid model on a CPU resolves to bf16, the one dtype vLLM's CPU Gated DeltaNet kernel runs."""
+    from ridgefill.evals.bench_serve import BenchServeConfig
+    from ridgefill.runtime import device
+    from ridgefill.serve.vllm_config import served_dtype
+
+    assert serve.ServeConfig().dtype == "auto" and BenchServeConfig(out=Path("o.json")).dtype == "auto"
+    monkeypatch.setattr(serve, "on_cpu", lambda: not cuda)
+    monkeypatch.setattr(device, "native_bf16", lambda: native_bf16)
+    plan = plan_of("--max-model-len", "256")
+    at = plan.argv.index("--dtype")
+    assert plan.argv[at + 1] == serve.DTYPES[want] and f"; dtype {want}; " in plan.banner
+    hybrid = {"architectures": ["Qwen3NextForCausalLM"]}
+    assert served_dtype("auto", hybrid, cpu=not cuda) == ("bf16" if not cuda else want)
+    assert served_dtype("fp16", hybrid, cpu=True) == "fp16" and served_dtype("fp32", {}, cpu=False) == "fp32"
 
 
 # --- refused: context parallelism, weight updates, dev mode ------------------------------------------------------

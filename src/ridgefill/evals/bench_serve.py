@@ -1,7 +1,7 @@
 """`ridgefill bench-serve`: a load test of RidgeFill in vLLM against stock vLLM, on loopback, bounded in time.
 
 It starts `ridgefill serve` (the fill) and then the same server as stock vLLM (the same command line, KV cache,
-dtype, threads and options, no plugin loaded: serve.stock_plan), one at a time, and drives each with the same seeded
+dtype, threads and options, no plugin loaded and no RidgeFill middleware: serve.stock_plan), one at a time, and drives each with the same seeded
 request stream through vLLM's own benchmark client (vllm.benchmarks.serve.benchmark): Poisson arrivals at each of
 `--rates` (requests/s), `--requests` prompts per rate of about `--prompt-tokens` tokens (each drawn uniformly within
 ±25 %) cut from evaluation documents of `--data`, `--output-tokens` greedy tokens each (end-of-sequence ignored).
@@ -24,7 +24,7 @@ import contextlib
 import math
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +35,7 @@ from ridgefill.evals.common import ResultWriter
 from ridgefill.runtime.console import note, table
 from ridgefill.runtime.paths import check_output
 from ridgefill.runtime.stats import ratio_of_medians
-from ridgefill.serve.serve import ServedFill
+from ridgefill.serve.serve import SERVED_DTYPE_HELP, ServedFill
 
 VARIANTS = ("exact", "ridge")  # stock vLLM, then RidgeFill's plugin (the fill of the fill options)
 SPREAD = 0.25  # prompt lengths are drawn uniformly within ±SPREAD of --prompt-tokens
@@ -51,7 +51,7 @@ class BenchServeConfig(ServedFill):
     output_tokens: int = option(32, "Tokens each request generates (greedy; end-of-sequence ignored).")
     slo_ttft: float = option(5.0, "TTFT objective (seconds): goodput counts the requests that meet it.")
     time_limit: float = option(1800.0, "Seconds one rate's run of one variant may take before the test stops.")
-    dtype: str = option("fp32", "fp32, bf16, fp16, or auto (the checkpoint's own).")
+    dtype: str = option("auto", SERVED_DTYPE_HELP)
     seed: int = option(0, "Seed of the prompts, the arrivals and the bootstrap.")
     out: Path = option(REQUIRED, "Result JSON to write (and <out>.png beside it).")
     vllm_args: list[str] = option([], "options of `vllm serve` given to both servers (e.g. --max-num-seqs 8).")
@@ -82,10 +82,12 @@ class BenchServeConfig(ServedFill):
 def run(c: BenchServeConfig) -> dict:
     from ridgefill.runtime.models import model_folder
     from ridgefill.serve.process import log_folder
-    from ridgefill.serve.serve import ServeConfig, free_port, running, serve_plan, stock_plan
+    from ridgefill.serve.serve import ServeConfig, free_port, on_cpu, running, serve_plan, stock_plan
+    from ridgefill.serve.vllm_config import read_model_config, served_dtype
 
-    writer = ResultWriter("bench-serve", c.as_dict(), c.seed)
     folder = model_folder(c.model)
+    c = replace(c, dtype=served_dtype(c.dtype, read_model_config(folder), on_cpu()))  # recorded resolved
+    writer = ResultWriter("bench-serve", c.as_dict(), c.seed)
     tokenizer = _tokenizer(folder)
     prompts = request_prompts(tokenizer, c.data, c.requests, c.prompt_tokens, c.seed)
     longest = max(map(len, prompts)) + c.output_tokens + 8

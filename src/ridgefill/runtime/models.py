@@ -150,10 +150,23 @@ def _from_hub(repo_id: str) -> str:
         ) from None
 
 
+def alias_folder(spec: str) -> Path | None:
+    """The cache folder an alias's checkpoint is (or will be) converted into, without converting it; None for a
+    spec that is no alias (a folder or a Hub id)."""
+    return cache_dir() / "models" / spec if spec in ALIASES else None
+
+
+def model_input(spec: str) -> dict[str, Path]:
+    """--model's folder where the option names it by alias ({} otherwise: a folder is checked by its path): what
+    Config.input_folders gives runtime/paths.check_output."""
+    folder = alias_folder(spec)
+    return {} if folder is None else {"model": folder}
+
+
 def _embedded_folder(alias: str, embedded: EmbeddedModel) -> Path:
     """Convert the GGUF once into a plain safetensors folder under the cache and reuse it. Processes converting at
     the same time take turns (paths.publish_folder_once): none replaces or removes the folder another loads."""
-    folder = cache_dir() / "models" / alias
+    folder = alias_folder(alias)
     if not (folder / "config.json").exists():
         gguf_dir = _gguf_dir(alias, embedded)
         publish_folder_once(folder, lambda tmp: _convert_gguf(gguf_dir, embedded.filename, tmp))

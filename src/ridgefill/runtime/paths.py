@@ -206,7 +206,8 @@ def check_output(config, field: str = "out", beside: tuple[str, ...] = ()) -> No
     destroy an input: it is an existing folder; its folder is a file or cannot be written; it is the same file as
     another option's value, or lies inside a folder another option names (the command's inputs: every other option
     that names an existing file or folder, e.g. --model's checkpoint folder or --data's corpus folder; not the
-    folders the command writes: an option whose role is output or store, or one named out_dir). `beside`: the
+    folders the command writes: an option whose role is output or store, or one named out_dir; and the folders
+    config.input_folders() names, e.g. the cache folder of --model's alias, resolved). `beside`: the
     suffixes of files the command writes next to it (".json": `<out>.json`), checked the same way. A file that only
     the command itself reads and writes (calibrate's `<out>.partial` on --resume) names no option: it is allowed.
     Nothing to check when the option is None (its default goes elsewhere)."""
@@ -216,6 +217,8 @@ def check_output(config, field: str = "out", beside: tuple[str, ...] = ()) -> No
     flag = "--" + field.replace("_", "-")
     out = Path(out)
     inputs = _inputs(config, field)
+    resolved = config.input_folders() if hasattr(config, "input_folders") else {}
+    inputs.update(resolved)
     for target in [out, *(Path(f"{out}{suffix}") for suffix in beside)]:
         what = f"{flag} {out}" if target == out else f"{flag} {out}: {target} (written beside it)"
         _check_writable(target, what, flag, target == out)
@@ -224,7 +227,7 @@ def check_output(config, field: str = "out", beside: tuple[str, ...] = ()) -> No
             if _same_file(target, value):
                 raise RidgefillError(f"{what} is the file {option} reads: writing it would replace that input: choose "
                                      f"another {flag}")
-            if _inside(target, value):
+            if _inside(target, value, name in resolved):
                 raise RidgefillError(f"{what} is inside the folder {option} reads ({value}): writing there would "
                                      f"change that input: choose another {flag}, outside it")
 
@@ -261,10 +264,11 @@ def _same_file(path: Path, other: str | Path) -> bool:
         return False
 
 
-def _inside(path: Path, folder: str | Path) -> bool:
-    """Whether `path` (existing or not) is `folder`, an existing folder, or lies inside it (links resolved)."""
+def _inside(path: Path, folder: str | Path, folder_to_be: bool = False) -> bool:
+    """Whether `path` (existing or not) is `folder`, an existing folder (or one still to be made: `folder_to_be`), or
+    lies inside it (links resolved)."""
     try:
-        if not os.path.isdir(folder):
+        if not (folder_to_be or os.path.isdir(folder)):
             return False
         return path.resolve().is_relative_to(Path(folder).resolve())
     except (OSError, ValueError, RuntimeError):

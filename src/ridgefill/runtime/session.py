@@ -11,7 +11,7 @@ from ridgefill.engine import Engine, ModelShape, Stopwatch
 from ridgefill.engine.prefill import DEFAULT_CHUNK
 from ridgefill.errors import RidgefillError
 from ridgefill.runtime.device import DEVICE_HELP, DTYPE_HELP, check_device, resolve_device
-from ridgefill.runtime.models import LoadedModel, load_model
+from ridgefill.runtime.models import LoadedModel, load_model, model_input
 
 
 @dataclass
@@ -23,6 +23,9 @@ class ModelConfig(Config):
     dtype: str = option("auto", DTYPE_HELP, top="dtype")
     device: str = option("auto", DEVICE_HELP, top="device")
     chunk: int = option(DEFAULT_CHUNK, "Prompt rows run at once (bounds activation memory).", top="chunk")
+
+    def input_folders(self) -> dict:
+        return model_input(self.model)
 
     def __post_init__(self) -> None:
         """`auto` resolved as the config is built: what the command keys, loads, relaunches with and records."""

@@ -8,16 +8,23 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ridgefill.errors import RidgefillError
 from ridgefill.serve.vllm_args import option_name, option_value
 
-if TYPE_CHECKING:
-    from ridgefill.serve.serve import ServeConfig
-
 GIB = 1 << 30
 KV_OPTIONS = ("--kv-cache-memory-bytes", "--gpu-memory-utilization")  # the user sizes vLLM's KV cache
+
+
+class KvOptions(Protocol):
+    """The options the KV cache is sized from (serve's ServeConfig has them; serve.py imports this module, never the
+    other way)."""
+
+    vllm_args: list[str]
+    dtype: str
+    kv_cache_gib: float | None
+    concurrency: int
 
 
 @dataclass(frozen=True)
@@ -26,7 +33,7 @@ class KvPlan:
     summary: str  # what was chosen, in words (printed at start-up)
 
 
-def kv_cache_plan(c: ServeConfig, config: dict, available: int, cpu: bool, environ=os.environ) -> KvPlan:
+def kv_cache_plan(c: KvOptions, config: dict, available: int, cpu: bool, environ=os.environ) -> KvPlan:
     """How much memory vLLM's KV cache gets. On a GPU, and wherever the user sized it (vLLM's --kv-cache-memory-bytes
     or --gpu-memory-utilization, VLLM_CPU_KVCACHE_SPACE), vLLM's own rule. On a CPU build: --kv-cache-gib, else room
     for --concurrency requests of the longest length served, capped at half of `available` bytes; refused when not

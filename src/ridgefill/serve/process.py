@@ -9,6 +9,7 @@ the server stop answering without exiting. A log file that cannot be opened is o
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import signal
@@ -115,20 +116,45 @@ class LogFile:
             self.fd = -1
 
 
+def check_log_file(path: Path) -> None:
+    """A --log-file the user gave: a new path, or a regular file with one name. A folder, a FIFO (opening it would
+    block until something reads it), a socket or a device is refused, and so is a file with more than one hard link
+    (serve empties and rewrites its log: the file under its other names would change too)."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return  # missing (created later), or unreadable: open_log says why, before vLLM starts
+    if stat.S_ISDIR(info.st_mode):
+        raise RidgefillError(f"--log-file {path} is a folder: give a file, e.g. {path}/vllm.log")
+    if not stat.S_ISREG(info.st_mode):
+        raise RidgefillError(f"--log-file {path} is not a regular file (a FIFO, a socket or a device; a FIFO would "
+                             "block serve until something reads it): give a file's path")
+    if info.st_nlink > 1:
+        raise RidgefillError(f"--log-file {path} has {info.st_nlink} hard links (serve empties and rewrites its log: "
+                             "the file under its other names would change too): give a path of its own")
+
+
 def open_log(path: Path, error: type[Exception] = RidgefillError) -> int:
     """A file descriptor writing `path` from its start, created 0600; `error` (one line naming the fix) for a path
     that cannot be written, a folder, a symbolic link or another user's file."""
     try:
         if not os.path.lexists(path.parent):
             path.parent.mkdir(parents=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        # O_NONBLOCK: a FIFO put there since serve's checks fails at once (ENXIO) instead of blocking until read
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
+        os.set_blocking(fd, True)
     except OSError as exc:
-        why = "a symbolic link" if os.path.islink(path) else exc.strerror or str(exc)
+        why = ("a symbolic link" if os.path.islink(path) else "a FIFO" if exc.errno == errno.ENXIO
+               else exc.strerror or str(exc))
         raise error(f"cannot write vLLM's log to {path} ({why}): give another --log-file") from None
     info = os.fstat(fd)
     if stat.S_ISREG(info.st_mode) and info.st_uid != os.geteuid():
         os.close(fd)
         raise error(f"cannot write vLLM's log to {path} (another user's file): give another --log-file")
+    if stat.S_ISFIFO(info.st_mode) or (stat.S_ISREG(info.st_mode) and info.st_nlink > 1):
+        os.close(fd)
+        why = "a FIFO" if stat.S_ISFIFO(info.st_mode) else f"{info.st_nlink} hard links"
+        raise error(f"cannot write vLLM's log to {path} ({why}): give another --log-file")
     if stat.S_ISREG(info.st_mode):
         os.ftruncate(fd, 0)
         os.fchmod(fd, 0o600)
@@ -145,32 +171,120 @@ def say(text: str) -> bool:
         return False
 
 
+ECHO_BUFFER = 1 << 20  # bytes of vLLM's output waiting for stderr at most: past it, echoed lines are dropped
+
+
+def _stderr_writer():
+    """Bytes to stderr: straight to its file descriptor where it has one (a blocked write there holds no lock of
+    Python's, so the process can still exit), else through sys.stderr."""
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        fd = None
+
+    def write(data: bytes) -> None:
+        if fd is None:
+            sys.stderr.write(data.decode(errors="replace"))
+            sys.stderr.flush()
+            return
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+
+    return write
+
+
+class Echo(threading.Thread):
+    """vLLM's output echoed to stderr by a thread of its own, so that a stderr that does not keep up (a terminal
+    paused with Ctrl-S, `serve 2>&1 | less` left unscrolled) never holds up the reading of vLLM's output: lines wait
+    in a buffer of at most `limit` bytes, and past it they are dropped (the log file has every line). When it has
+    caught up, and at the end, one line says how many were dropped. A stderr that fails (a closed pipe) ends it."""
+
+    def __init__(self, log: Path, write=None, limit: int = ECHO_BUFFER) -> None:
+        super().__init__(daemon=True)
+        self.log, self.write, self.limit = log, write or _stderr_writer(), limit
+        self.lines, self.waiting, self.dropped, self.closed, self.ok = [], 0, 0, False, True
+        self.cond = threading.Condition()
+
+    def put(self, line: bytes) -> None:
+        """Queue `line` for stderr (never blocks): dropped when `limit` bytes wait already."""
+        with self.cond:
+            if not self.ok:
+                return
+            if self.waiting + len(line) > self.limit:
+                self.dropped += 1
+                return
+            self.lines.append(line)
+            self.waiting += len(line)
+            self.cond.notify()
+
+    def close(self) -> None:
+        """No more lines: write those waiting (and the count of dropped ones), then end."""
+        with self.cond:
+            self.closed = True
+            self.cond.notify()
+
+    def run(self) -> None:
+        while True:
+            with self.cond:
+                while not self.lines and not self.dropped and not self.closed:
+                    self.cond.wait()
+                batch, self.lines, self.waiting = self.lines, [], 0
+                dropped = self.dropped if not batch else 0  # said once what was queued before is written
+                self.dropped -= dropped
+                closed = self.closed and not batch and not self.dropped
+            try:
+                if batch:
+                    self.write(b"".join(batch))
+                if dropped:
+                    self.write(f"ridgefill serve: {dropped:,} lines of vLLM's log were not shown here (stderr did not "
+                               f"keep up); {self.log} has every line\n".encode())
+            except (OSError, ValueError, AttributeError):
+                with self.cond:
+                    self.ok, self.lines, self.waiting = False, [], 0
+                return
+            if closed:
+                return
+
+
 class Relay(threading.Thread):
     """Reads the child's output until it ends, whatever happens to where it goes: into the log file, and to stderr
-    once `go_live` is called. A failing copy ends that copy only."""
+    (through Echo, which never blocks the reading) once `go_live` is called. A failing copy ends that copy only."""
 
     STARTED = b"Application startup complete"  # uvicorn's line once the server accepts requests
 
     def __init__(self, stream, log: LogFile) -> None:
         super().__init__(daemon=True)
         self.stream, self.log = stream, log
-        self.started, self.echo = False, True
+        self.started = False
+        self.echo: Echo | None = None
         self._live = threading.Event()
 
     def go_live(self) -> None:
+        self.echo = Echo(self.log.path)
+        self.echo.start()
         self._live.set()
+
+    def finish(self, timeout: float = 5.0) -> None:
+        """After the child ended: let the echo write what waits (and the count of dropped lines), for at most
+        `timeout` seconds (a stderr nobody reads never takes them)."""
+        self.join()
+        if self.echo is not None:
+            self.echo.join(timeout)
 
     def run(self) -> None:
         try:
             for line in iter(lambda: self.stream.readline(LINE_LIMIT), b""):
                 self.started = self.started or self.STARTED in line
                 if self.log.ok and not self.log.write(line):
-                    self.echo = self.echo and say(f"warning: vLLM's log {self.log.path} cannot be written any more: "
-                                                  "its output goes on to stderr only\n")
-                if self.echo and self._live.is_set():
-                    self.echo = say(line.decode(errors="replace"))
+                    say(f"warning: vLLM's log {self.log.path} cannot be written any more: its output goes on to "
+                        "stderr only\n")
+                if self._live.is_set() and self.echo is not None:
+                    self.echo.put(line)
         finally:
             self.log.close()
+            if self.echo is not None:
+                self.echo.close()
 
 
 # --- running the server -----------------------------------------------------------------------------------------
@@ -200,7 +314,7 @@ def launch(plan: Launch) -> int:
             signal.signal(s, handler)
         if child.poll() is None:  # only if waiting failed, or the server runs without RidgeFill
             stop(child)
-        relay.join()
+        relay.finish()
     code = code if code >= 0 else 128 - code
     if not up and not signalled:
         raise RidgefillError(startup_error(read_log(plan.log), code, plan.log))
@@ -275,11 +389,13 @@ def wait_until_up(child: subprocess.Popen, health: str, relay: Relay) -> bool:
             status.stop()
 
 
-def _fetch(url: str, key: str | None = None) -> str | None:
-    """The body of `url` if it answers 200, else None."""
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
+def _fetch(url: str) -> str | None:
+    """The body of `url` if it answers 200, else None. Straight to the server, never through a proxy (http_proxy,
+    https_proxy and all_proxy are ignored: the server is on this machine), and with no credentials: /health and
+    /metrics are open in vLLM's server, with or without --api-key."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=5) as r:
+        with opener.open(urllib.request.Request(url), timeout=5) as r:
             return r.read().decode(errors="replace") if r.status == 200 else None
     except (OSError, ValueError):
         return None
@@ -292,10 +408,10 @@ def check_plugin(plan: Launch, child: subprocess.Popen) -> bool:
     RidgefillError if it answers without the marker (vLLM logs a plugin that failed to load and serves stock)."""
     if plan.marker is None:
         return True
-    url, key = plan.health.removesuffix("/health") + "/metrics", plan.env.get("VLLM_API_KEY")
+    url = plan.health.removesuffix("/health") + "/metrics"
     deadline = time.monotonic() + PLUGIN_WAIT_S
     while child.poll() is None:
-        body = _fetch(url, key)
+        body = _fetch(url)
         if body is not None and any(line.startswith(plan.marker) for line in body.splitlines()):
             return True
         if body is not None or time.monotonic() > deadline:

@@ -29,7 +29,7 @@ import os
 import socket
 import sys
 import tempfile
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from ridgefill.commands import Command, option
@@ -39,15 +39,18 @@ from ridgefill.method.fill import V2_RUNNER, FillSettings, ServedOptions
 # and the tests, which read them as serve's, as before the split)
 from ridgefill.serve.kv_sizing import (KV_OPTIONS, KvPlan, available_memory, kv_bytes_per_token, kv_cache_plan,
                                        on_cpu, state_bytes_per_request)
-from ridgefill.serve.process import Launch, default_log, launch, running, say, startup_error
-from ridgefill.serve.vllm_args import API_KEY, API_KEY_ENV, option_flag, option_name, split_api_key
+from ridgefill.serve.process import Launch, check_log_file, default_log, launch, running, say, startup_error
+from ridgefill.serve.vllm_args import (API_KEY, API_KEY_ENV, option_flag, option_name, refuse_abbreviations,
+                                       split_api_key)
 from ridgefill.serve.vllm_config import (PREFIX_CACHING_HYBRID, VLLM_DTYPES, VLLM_PIN, check_dev_mode, check_fill,
                                          check_hybrid_dtype, check_vllm_version, read_model_config,
-                                         served_prefix_caching, started_process_env)
+                                         served_dtype, served_prefix_caching, started_process_env)
 from ridgefill.serve.vllm.middleware import body_limit
 from ridgefill.serve.vllm.metrics import COUNTERS
 
 DTYPES = VLLM_DTYPES
+SERVED_DTYPE_HELP = ("auto (bf16 where vLLM runs on a CUDA GPU, fp32 on a CPU build, bf16 there for a hybrid model), "
+                     "fp32, bf16 or fp16; recorded resolved.")
 PLUGIN = "ridgefill"  # the plugin's name in the vllm.general_plugins entry points (and in VLLM_PLUGINS)
 PLUGIN_TARGET = "ridgefill.serve.vllm.plugin:register"
 # vLLM's OpenAI-compatible API server: what `vllm serve` runs for one API server, and what the deprecated
@@ -106,12 +109,17 @@ class ServedFill(ServedOptions):
     def source_rule(self):
         return (), ""  # one of --maps, --split and --serving-config is needed
 
+    def input_folders(self) -> dict:
+        from ridgefill.runtime.models import model_input
+
+        return model_input(self.model)
+
 
 @dataclass
 class ServeConfig(ServedFill):
     host: str = option("127.0.0.1", "Address the server listens on.")
     port: int = option(8000, "Port the server listens on.")
-    dtype: str = option("fp32", "fp32, bf16, fp16, or auto (the checkpoint's own).")
+    dtype: str = option("auto", SERVED_DTYPE_HELP)
     kv_cache_gib: float | None = option(None, "KV cache memory in GiB, on a CPU build of vLLM (default: room for "
                                         "--concurrency requests of the longest length served, at most half the "
                                         "memory free at start-up).")
@@ -137,8 +145,8 @@ class ServeConfig(ServedFill):
             raise RidgefillError(f"--kv-cache-gib {self.kv_cache_gib:g} must be a positive number of GiB")
         if self.concurrency < 1:
             raise RidgefillError(f"--concurrency {self.concurrency} must be at least 1")
-        if self.log_file is not None and self.log_file.is_dir():
-            raise RidgefillError(f"--log-file {self.log_file} is a folder: give a file, e.g. {self.log_file}/vllm.log")
+        if self.log_file is not None:
+            check_log_file(self.log_file)
         check_vllm_args(self.vllm_args, self.kv_cache_gib is not None)
 
 
@@ -152,10 +160,16 @@ def check_vllm_args(args: list[str], kv_sized: bool) -> None:
     for arg, name in zip(args, named):
         if name in REFUSED_OPTIONS:
             raise RidgefillError(f"{arg}: {REFUSED_OPTIONS[name]}")
+    refuse_abbreviations(args, [*serve_options(), API_KEY])
     split_api_key(args)
     if kv_sized and any(n in KV_OPTIONS for n in named):
         raise RidgefillError("--kv-cache-gib and vLLM's --kv-cache-memory-bytes / --gpu-memory-utilization both "
                              "size the KV cache: give one")
+
+
+def serve_options() -> list[str]:
+    """serve's own options, as written on its command line (every field of ServeConfig's but the vLLM arguments)."""
+    return [f"--{f.name.replace('_', '-')}" for f in fields(ServeConfig) if f.name != "vllm_args"]
 
 
 def installed_vllm_version() -> str | None:
@@ -231,6 +245,7 @@ def serve_plan(c: ServeConfig, scratch: Path) -> Launch:
     check_vllm()
     fill, meta = check_fill(served_fill(c, folder, scratch), folder)
     config = read_model_config(folder)
+    c = replace(c, dtype=served_dtype(c.dtype, config, on_cpu()))
     check_hybrid(c, config)
     kv = kv_cache_plan(c, config, available_memory(), on_cpu())
     check_port(c.host, c.port)
@@ -244,7 +259,7 @@ def serve_plan(c: ServeConfig, scratch: Path) -> Launch:
     banner = (f"ridgefill serve: {c.model} through vLLM at http://{c.host}:{c.port}/v1 with RidgeFill: "
               f"{fill.variant} fill, maps {c.maps or c.serving_config or 'identity'} (split {meta.get('split')} of "
               f"{meta.get('n_layers')} layers), tail {fill.tail}, keep-first {fill.keep_first}, outlier factor "
-              f"{fill.outlier_factor:g}; {kv.summary}; vLLM's log: {log}")
+              f"{fill.outlier_factor:g}; dtype {c.dtype}; {kv.summary}; vLLM's log: {log}")
     return Launch(vllm_command(c, folder, kv.args), env, health_url(c.host, c.port), banner, Path(log), MARKER)
 
 
@@ -257,9 +272,12 @@ def check_hybrid(c: ServeConfig, config: dict) -> None:
 
 def stock_plan(plan: Launch, log: Path) -> Launch:
     """The same server as `plan` (command, KV cache, threads, options) as stock vLLM: no plugin loaded (and none
-    looked for on /metrics)."""
+    looked for on /metrics), no RidgeFill setting in its environment, and no RidgeFill middleware (its request
+    checks are RidgeFill's, not vLLM's)."""
     env = {k: v for k, v in plan.env.items() if not k.startswith("RIDGEFILL_")}
-    return replace(plan, env={**env, "VLLM_PLUGINS": ""}, banner=plan.banner.split(" with RidgeFill")[0] +
+    ours = [i for i in range(len(plan.argv) - 1) if plan.argv[i:i + 2] == ["--middleware", MIDDLEWARE]]
+    argv = [a for i, a in enumerate(plan.argv) if not any(i in (j, j + 1) for j in ours)]
+    return replace(plan, argv=argv, env={**env, "VLLM_PLUGINS": ""}, banner=plan.banner.split(" with RidgeFill")[0] +
                    " (stock vLLM)", log=log, marker=None)
 
 

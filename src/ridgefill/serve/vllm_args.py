@@ -45,10 +45,28 @@ def option_flag(args: list[str], name: str) -> bool:
     return on
 
 
+def refuse_abbreviations(args: list[str], own: list[str]) -> None:
+    """Refuse, in one line naming the full option, an argument that abbreviates one of the options `own` (vLLM's
+    parser reads `--api-k K` as `--api-key K`; an abbreviation of serve's own option would reach vLLM as something
+    else, or not at all). No option of vLLM's is a strict prefix of serve's own (tests/serve/vllm/test_vllm_cli.py
+    checks it against vLLM's parser), so nothing vLLM takes is refused here."""
+    for arg in args:
+        name = option_name(arg)
+        if not name.startswith("--") or name in own:
+            continue
+        full = [o for o in own if o.startswith(name)]
+        if full and len(name) > 2:
+            why = (f"write {API_KEY} in full: serve takes the key off vLLM's command line, which every local user "
+                   f"can read, only then" if API_KEY in full else "write it in full")
+            raise RidgefillError(f"{arg}: an abbreviation of serve's {' or '.join(sorted(full))}: {why}")
+
+
 def split_api_key(args: list[str]) -> tuple[list[str], str | None]:
     """`args` without vLLM's --api-key (it takes one or more values: `--api-key K`, `--api-key=K`), and the key the
     last one gave (None without one). More than one key, or none after the option, is refused: serve hands vLLM one
-    key, through VLLM_API_KEY, because a child's command line is readable by every user of the machine."""
+    key, through VLLM_API_KEY, because a child's command line is readable by every user of the machine; so is an
+    abbreviation of --api-key, which vLLM would read as the option."""
+    refuse_abbreviations(args, [API_KEY])
     rest, keys, i = [], None, 0
     while i < len(args):
         if option_name(args[i]) != API_KEY:

@@ -17,6 +17,7 @@ from ridgefill.errors import RidgefillError
 from ridgefill.method.fill import ENV, V2_RUNNER, FillSettings
 from ridgefill.method.maps import check_for_model, check_maps
 from ridgefill.runtime.artifacts import load_private
+from ridgefill.runtime.device import resolve_device
 from ridgefill.runtime.models import checkpoint_fingerprint
 from ridgefill.serve.vllm_malloc import malloc_env
 
@@ -27,8 +28,8 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen
                  "Qwen3NextForCausalLM": "qwen3_next"}
 HYBRID = {"Qwen3NextForCausalLM"}  # Gated DeltaNet + full attention (docs/hybrid.md)
 LAYER_TYPES = ("full_attention", "linear_attention")  # the hybrid layer kinds the plugin fills
-# ridgefill's dtype names -> vLLM's; "auto": the checkpoint's own (serve's and bench-serve's --dtype auto; a
-# ModelConfig's --dtype auto is resolved, runtime/device.py, before it gets here)
+# ridgefill's dtype names -> vLLM's ("auto": the checkpoint's own, vLLM's rule; serve's and bench-serve's --dtype auto
+# is resolved by served_dtype, a ModelConfig's by runtime/device.py, before either reaches vLLM)
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "auto": "auto"}
 DEV_MODE = "VLLM_SERVER_DEV_MODE"  # vLLM's server dev mode: endpoints that change the weights (check_dev_mode)
 
@@ -106,6 +107,17 @@ def served_prefix_caching(config: dict) -> bool:
     """Whether RidgeFill's engines run with prefix caching (config: the checkpoint's config.json): on, as vLLM's
     default, except for hybrid models (PREFIX_CACHING_HYBRID)."""
     return not is_hybrid(config.get("architectures"))
+
+
+def served_dtype(dtype: str, config: dict, cpu: bool) -> str:
+    """serve's and bench-serve's --dtype with auto resolved as every command resolves it (runtime/device.py): bf16
+    where vLLM runs on a CUDA GPU (fp32 on one without bf16 units), fp32 on a CPU build, except a hybrid model
+    there, which vLLM's CPU Gated DeltaNet kernel runs in bf16 only. Explicit values as given."""
+    if dtype != "auto":
+        return dtype
+    if cpu and is_hybrid(config.get("architectures")):
+        return "bf16"
+    return resolve_device("cpu" if cpu else "cuda", "auto")[1]
 
 
 def check_hybrid_dtype(config: dict, dtype: str, cpu: bool) -> None:

@@ -3,11 +3,14 @@ projection (engine/projection.py layer_kv) rotates keys exactly as vLLM's own ro
 
 import pytest
 import torch
-from vllm.config import VllmConfig, set_current_vllm_config
-from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
 
-from ridgefill.engine.families.base import apply_rope
-from ridgefill.serve.vllm.model import rope_at
+pytest.importorskip("vllm")
+
+from vllm.config import VllmConfig, set_current_vllm_config  # noqa: E402
+from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding  # noqa: E402
+
+from ridgefill.engine.families.base import apply_rope  # noqa: E402
+from ridgefill.serve.vllm.model import rope_at  # noqa: E402
 
 
 @pytest.mark.parametrize("rotary_dim", [16, 4])  # whole head (Llama, Qwen) and partial (Qwen3-Next)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -256,8 +257,10 @@ def test_a_hybrid_is_served_in_bf16_without_prefix_caching_on_a_cpu(tmp_path, mo
     assert "--no-enable-prefix-caching" in serve.vllm_command(c, str(folder))
     with pytest.raises(RidgefillError, match=r"^a hybrid model \(Qwen3NextForCausalLM\) runs in vLLM on a CPU in bf16 "
                                              r"only .*: pass --dtype bf16$"):
-        serve.check_hybrid(serve.ServeConfig(maps="m.safetensors"), HYBRID_CONFIG)  # serve's default: fp32
-    serve.check_hybrid(serve.ServeConfig(maps="m.safetensors", dtype="auto"), HYBRID_CONFIG)  # the checkpoint's bf16
+        serve.check_hybrid(serve.ServeConfig(maps="m.safetensors", dtype="fp32"), HYBRID_CONFIG)
+    default = serve.ServeConfig(maps="m.safetensors")
+    assert default.dtype == "auto" and serve.served_dtype(default.dtype, HYBRID_CONFIG, True) == "bf16"
+    serve.check_hybrid(replace(default, dtype="bf16"), HYBRID_CONFIG)  # serve's default, resolved on a CPU
     for args in (["--enable-prefix-caching"], ["--no-enable-prefix-caching", "--enable-prefix-caching=true"]):
         with pytest.raises(RidgefillError, match="^--enable-prefix-caching: prefix caching is not supported with "
                                                  "RidgeFill on a hybrid model"):
