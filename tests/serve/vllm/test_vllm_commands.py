@@ -75,7 +75,7 @@ def test_bench_ttft_in_vllm_takes_tunes_ridge_config_and_writes_the_same_documen
 
 
 def test_bench_ttft_refuses_timings_of_a_fill_that_filled_nothing():
-    from ridgefill.evals.bench_ttft_vllm import check_filled
+    from ridgefill.backends.vllm import check_filled
 
     tally = {"filled_rows": 0, "full_prompt_rows": 600, "stock_steps": 3}
     with pytest.raises(RidgefillError, match="ridge filled none of the 525 prompt rows it should have filled in vLLM "
@@ -86,14 +86,27 @@ def test_bench_ttft_refuses_timings_of_a_fill_that_filled_nothing():
 
 
 @pytest.mark.parametrize("options, message", [
-    ({"engine": "sglang"}, "unknown --engine 'sglang'"),
-    ({"engine": "vllm", "keep_rows": "3-5"}, "not supported with --engine vllm"),
+    ({"engine": "sglang"}, "unknown --engine 'sglang': use one of ridgefill, vllm"),
+    ({"engine": "vllm", "keep_rows": "3-5"}, "--keep-rows is not supported with --engine vllm: drop it"),
+    ({"engine": "vllm", "keep_text": "the"}, "--keep-text is not supported with --engine vllm: drop it"),
+    ({"engine": "vllm", "filled_window": 32}, "--filled-window is not supported with --engine vllm: drop it"),
 ])
 def test_generate_engine_errors(options, message, tmp_path):
-    with pytest.raises(RidgefillError, match=message):
+    """What the vLLM backend lacks (backends/vllm.py's Capabilities) is refused in one line before anything loads."""
+    with pytest.raises(RidgefillError) as err:
         command("generate")(prompt="hi", split=2, **options)
+    assert str(err.value) == message
 
 
-def test_bench_projection_is_ridgefills_own(tmp_path):
-    with pytest.raises(RidgefillError, match="drop it with --engine vllm"):
-        command("bench-ttft")(split=2, engine="vllm", projection="torch", out=tmp_path / "x.json")
+@pytest.mark.parametrize("name, options, message", [
+    ("bench-ttft", {"projection": "torch"}, "--projection is not supported with --engine vllm: drop it"),
+    ("bench-ttft", {"variants": "exact,drop"}, "the drop variant is not supported with --engine vllm: use exact, "
+                                               "identity, ridge, mean"),
+    ("ruler", {"variants": "exact,drop"}, "the drop variant is not supported with --engine vllm: use exact, "
+                                          "identity, ridge, mean"),
+    ("loss", {"filled_window": 16, "data": "wiki-leads"}, "--filled-window is not supported with --engine vllm: drop it"),
+])
+def test_measurements_refuse_what_vllm_lacks(name, options, message, tmp_path):
+    with pytest.raises(RidgefillError) as err:
+        command(name)(split=2, engine="vllm", out=tmp_path / "x.json", **options)
+    assert str(err.value) == message
