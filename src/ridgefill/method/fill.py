@@ -94,7 +94,7 @@ class FillSettings:
         from ridgefill.runtime.artifacts import read_meta
         from ridgefill.runtime.paths import file_sha256
 
-        n_layers = session.n_layers
+        n_layers = session.shape.layers
         rows = tuple(sorted(set(keep_rows)))  # the first keep_first rows are the plan's keep_first (never a list)
         meta, split = None, self.split
         if self.variant in FROM_MAPS:

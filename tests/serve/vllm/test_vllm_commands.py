@@ -110,3 +110,45 @@ def test_measurements_refuse_what_vllm_lacks(name, options, message, tmp_path):
     with pytest.raises(RidgefillError) as err:
         command(name)(split=2, engine="vllm", out=tmp_path / "x.json", **options)
     assert str(err.value) == message
+
+
+LOGPROB_TOL = 1e-3  # nats: the agreement of vLLM's first-token log-probs with ridgefill's engine (test_vllm_plugin)
+
+
+def test_loss_in_vllm_equals_ridgefills_engine(vllm_tiny, tmp_path):
+    """`loss --engine vllm` (exact: stock vLLM's prompt log-probs; ridge: the plugin, a request per tail row) scores
+    every passage's tail as ridgefill's own engine does, per passage within the log-prob agreement of the plugin
+    tests, and marks the same distant-context tokens; what vLLM filled is the plan's rows."""
+    folder, maps = vllm_tiny["llama"]
+    options = dict(model=str(folder), maps=maps, data=str(folder.parent / "corpus.txt"), context=320, tail=48,
+                   short=64, samples=2, alpha=0.5, beta=8.0)
+    ours = command("loss")(out=tmp_path / "own.json", **options)
+    theirs = command("loss")(out=tmp_path / "vllm.json", engine="vllm", **options)
+    assert theirs["config"]["engine"] == "vllm" and ours["variants"] == theirs["variants"] == ["exact", "identity",
+                                                                                                   "ridge"]
+    assert theirs["distant_spread"] == ours["distant_spread"]
+    for name in ours["variants"]:
+        mine, other = ours["results"][name], theirs["results"][name]
+        per, theirs_per = mine["per_passage"], other["per_passage"]
+        assert per["distant_tokens"] == theirs_per["distant_tokens"]
+        for key, counts in (("tail_nll_sum", [47] * 2), ("distant_nll_sum", per["distant_tokens"])):
+            found = [abs(a - b) / max(1, n) for a, b, n in zip(per[key], theirs_per[key], counts)]
+            assert max(found) < LOGPROB_TOL, (name, key, found)
+    assert ours["results"]["ridge"]["tail_nll"] != ours["results"]["exact"]["tail_nll"]  # the fill changed the loss
+    assert theirs["fill_rows"]["ridge"]["filled_rows"] > 0
+
+
+def test_ruler_in_vllm_equals_ridgefills_engine(vllm_tiny, tmp_path):
+    """`ruler --engine vllm` answers RULER samples with stock vLLM (exact) and the plugin (ridge) as ridgefill's own
+    engine answers them: the same scores, and greedy answers equal for all but at most one sample per variant (the
+    plugin tests' bar for greedy continuations)."""
+    folder, maps = vllm_tiny["llama"]
+    options = dict(model=str(folder), maps=maps, lengths="600", tasks="niah_single_1,vt", samples=3, tail=64,
+                   max_new_tokens=12, variants="exact,ridge")
+    ours = command("ruler")(out=tmp_path / "own.json", **options)
+    theirs = command("ruler")(out=tmp_path / "vllm.json", engine="vllm", **options)
+    for name in ("exact", "ridge"):
+        same = sum(a["predictions"][name] == b["predictions"][name]
+                   for a, b in zip(ours["samples"], theirs["samples"]))
+        assert same >= len(ours["samples"]) - 1, (name, same)
+    assert theirs["fill_rows"]["ridge"]["filled_rows"] == ours["fill_rows"]["ridge"]["filled_rows"] > 0
