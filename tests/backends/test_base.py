@@ -32,7 +32,7 @@ BACKEND = Little
 
 @pytest.fixture
 def little(monkeypatch):
-    monkeypatch.setitem(backends.ENGINES, "little", __name__)
+    monkeypatch.setitem(backends.ENGINES, "little", (__name__, "a test's engine"))
     assert backends.backend_class("little") is Little and sys.modules[__name__].BACKEND is Little
 
 

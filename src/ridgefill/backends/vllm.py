@@ -157,8 +157,11 @@ class VllmBackend(Backend):
     def device_info(self) -> dict:
         import torch
 
+        from ridgefill.runtime.models import DTYPES
+
         gpu = torch.cuda.is_available() and not self.cpu_only()
-        return {"device": "cuda" if gpu else "cpu", "dtype": self.config.dtype, "routes": None}
+        return {"device": "cuda" if gpu else "cpu", "dtype": str(DTYPES[self.config.dtype]).replace("torch.", ""),
+                "routes": None}  # vLLM picks its own kernels
 
     def store_scope(self) -> dict:
         return {"engine": self.name}

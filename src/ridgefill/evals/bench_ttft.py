@@ -114,15 +114,9 @@ def run(config: BenchConfig) -> dict:
         for entry in results:
             entry["map_bytes"] = memory["map_bytes"]
         doc = m.write(results, intervals, split=m.split, map_memory=memory,
-                      device=_device_info(m.backend, load_before), versions=versions(), **_engines(m.backend))
+                      device=_device_info(m.backend, load_before), versions=versions())
     _print(doc, c.out, m.backend.title)
     return doc
-
-
-def _engines(backend: Backend) -> dict:
-    """The engines' own settings, under the engine's name (vllm_engines), when it has any."""
-    described = backend.describe()
-    return {f"{backend.name}_engines": described} if described else {}
 
 
 def _check_model(m: Measurement, longest: int) -> None:
