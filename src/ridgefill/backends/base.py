@@ -24,6 +24,7 @@ from ridgefill.commands import Config, option
 from ridgefill.engine.fill_plan import FillTally
 from ridgefill.errors import RidgefillError
 
+REFERENCE = "transformers"  # the timed name of transformers' own forward, beside exact (caps.reference_forward)
 Tally = FillTally  # the one tally: rows filled, and rows run in full instead (outliers, unwhole lookback windows)
 
 
