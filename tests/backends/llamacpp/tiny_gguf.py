@@ -133,3 +133,22 @@ def write(m, path: Path, family: str) -> Path:
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def missing_build() -> str | None:
+    """None when the patched llama-cpp-python is installed; else why not (its one line)."""
+    from ridgefill.backends.llamacpp.driver import check_installed
+    from ridgefill.errors import RidgefillError
+
+    try:
+        check_installed()
+    except RidgefillError as exc:
+        return str(exc)
+    return None
+
+
+def embedded_gguf() -> Path:
+    """The embedded model's GGUF file (runtime/models.py's alias smollm2-135m)."""
+    from ridgefill.runtime.models import ALIASES, _gguf_dir
+
+    return _gguf_dir("smollm2-135m", ALIASES["smollm2-135m"]) / ALIASES["smollm2-135m"].filename

@@ -78,6 +78,28 @@ def _declare(lib) -> None:
     lib.llama_ridgefill_norm_pos.restype = ctypes.POINTER(ctypes.c_int32)
 
 
+def gguf_architecture(path: str | Path) -> str:
+    """A GGUF file's general.architecture, read from its header (the `gguf` package; no weights loaded)."""
+    from gguf import GGUFReader
+
+    try:
+        field = GGUFReader(str(path)).get_field("general.architecture")
+        return field.contents()
+    except Exception as exc:  # not GGUF, truncated: llama.cpp could not load it either
+        raise RidgefillError(f"{path} is not a readable GGUF file ({type(exc).__name__}): point --model at a "
+                             ".gguf file or an embedded alias") from None
+
+
+def check_family(path: str | Path) -> str:
+    """The architecture of a GGUF file the fill runs (FAMILIES); anything else (hybrid models among them) is one
+    line."""
+    arch = gguf_architecture(path)
+    if arch not in FAMILIES:
+        raise RidgefillError(f"{path} is a {arch} model: --engine llamacpp fills {', '.join(FAMILIES)} models "
+                             "(not hybrid or recurrent ones); use --engine ridgefill")
+    return arch
+
+
 def check_installed() -> None:
     """Refuse in one line when the patched llama-cpp-python cannot run here."""
     _library()
@@ -168,6 +190,7 @@ class LlamaCpp:
         path = Path(path)
         if not path.is_file():
             raise RidgefillError(f"{path} is not a GGUF file: point --model at a .gguf file or an embedded alias")
+        check_family(path)
         _quiet(ll)
         ll.llama_backend_init()
         mparams = ll.llama_model_default_params()
@@ -178,7 +201,6 @@ class LlamaCpp:
         self.ctx = None
         self.batch = None
         try:
-            self._check_model(path)
             cparams = ll.llama_context_default_params()
             cparams.n_ctx, cparams.n_batch, cparams.n_ubatch = n_ctx, n_batch, min(n_ubatch, n_batch)
             cparams.n_seq_max = 1
@@ -204,16 +226,6 @@ class LlamaCpp:
         self.n_past = 0  # positions held in the cache
         self._logits: dict[int, np.ndarray] = {}  # a run's logits by position
         self._norms: dict[int, float] = {}  # a prefill's split-state norms of filled rows, by position
-
-    def _check_model(self, path: Path) -> None:
-        ll = self.ll
-        arch = self.meta("general.architecture")
-        if ll.llama_model_is_hybrid(self.model) or ll.llama_model_is_recurrent(self.model):
-            raise RidgefillError(f"{path} is a hybrid or recurrent model ({arch}): --engine llamacpp fills "
-                                 f"{', '.join(FAMILIES)} models; use --engine ridgefill")
-        if arch not in FAMILIES:
-            raise RidgefillError(f"{path} is a {arch} model: --engine llamacpp fills {', '.join(FAMILIES)} models; "
-                                 "use --engine ridgefill")
 
     def meta(self, key: str) -> str | None:
         buf = ctypes.create_string_buffer(256)
