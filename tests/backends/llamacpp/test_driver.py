@@ -197,3 +197,29 @@ def test_outliers_run_in_full(tiny_ggufs):
         lc.prefill(prompt)
         bound = 2 * max(cache_gap(lc, engine.prefill(torch.tensor([prompt])).cache, "llama", heads, layers))
         assert max(gaps) <= bound
+
+
+def test_embedded_filled_cache_within_the_quantized_gap():
+    """On the embedded Q4_1 GGUF against the own engine on its fp32 conversion: the gap llama.cpp's quantized
+    matmul makes on exact rows (measured here, every layer) bounds the gap of its filled rows to the own engine's
+    filled rows (identity fill, split 15 of 30); wrong maps (zero) exceed it."""
+    from ridgefill.runtime.models import load_model
+
+    model = load_model("smollm2-135m").model
+    cfg = model.config
+    layers, heads, n, split, tail = cfg.num_hidden_layers, cfg.num_key_value_heads, 64, 15, 16
+    prompt = ids(n, seed=4, vocab=40000)
+    engine = Engine(adapter_for(model))
+    full = full_rows(n, tail)
+    filler = IdentityFiller(split, layers)
+    with LlamaCpp(tiny_gguf.embedded_gguf(), n_ctx=256, threads=2) as lc, torch.no_grad():
+        lc.prefill(prompt)
+        exact_gap = max(cache_gap(lc, engine.prefill(torch.tensor([prompt])).cache, "llama", heads, layers))
+        want = engine.prefill(torch.tensor([prompt]), fill=FillPlan(filler, tail=tail, keep_first=1)).cache
+        lc.set_maps(maps_of(filler))
+        assert lc.prefill(prompt, full=full).filled == n - tail - 1
+        assert max(cache_gap(lc, want, "llama", heads, layers)) <= 1.5 * exact_gap
+        m, h = layers - split - 1, cfg.hidden_size
+        lc.set_maps(Maps(split, w=np.zeros((m, h, h), np.float32), b=np.zeros((m, h), np.float32)))  # wrong maps
+        lc.prefill(prompt, full=full)
+        assert max(cache_gap(lc, want, "llama", heads, layers)[split + 1:]) > 1.5 * exact_gap

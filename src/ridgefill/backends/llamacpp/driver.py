@@ -255,7 +255,7 @@ class LlamaCpp:
         """Copy `maps` into llama.cpp (checked against this model's shape first)."""
         s, h, m = maps.split, self.n_embd, self.n_layers - maps.split - 1
         if not 1 <= s < self.n_layers:
-            raise RidgefillError(f"split {s} is outside this model's 1..{self.n_layers - 1}")
+            raise RidgefillError(f"split {s} is outside this model's 1..{self.n_layers - 1}: fit maps for this model")
         want = {"w": (m, h, h), "u": (m, maps.rank, h), "v": (m, h, maps.rank), "b": (m, h),
                 "key_scale": (self.n_layers - s, self.n_head_kv)}
         for name, shape in want.items():
