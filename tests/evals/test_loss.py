@@ -15,6 +15,7 @@ from ridgefill.errors import RidgefillError
 from ridgefill.evals.loss import summarise
 from ridgefill.runtime.stats import describe_spread, distant_spread, mean_difference
 from ridgefill.evals.loss import COMMAND as loss_command
+from ridgefill.backends.own import OwnBackend
 from ridgefill.evals.scoring import distant_tokens, short_context_nll, tail_nll
 
 
@@ -46,8 +47,9 @@ def test_short_context_nll_equals_separate_windows(engine, stride):
     fresh sequence; targets with at most `short` tokens before them keep their full-context NLL."""
     n, tail, short = 28, 20, 10
     ids = random_ids(n)
-    full = tail_nll(engine, ids, tail)[0]
-    got = short_context_nll(engine, ids, tail, short, stride, full)
+    backend = OwnBackend.over(engine, {"exact": None})
+    full = tail_nll(backend, "exact", ids, tail)[0]
+    got = short_context_nll(backend, ids, tail, short, stride, full)
     first, start = n - tail + 1, short + 1
     used = max(1, min(stride, n - start))
     for i, t in enumerate(range(first, n)):

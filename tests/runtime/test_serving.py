@@ -8,7 +8,7 @@ from ridgefill.errors import RidgefillError
 from ridgefill.evals.bench_ttft import COMMAND as bench_ttft
 from ridgefill.runtime.models import checkpoint_fingerprint
 from ridgefill.method.fill import SERVING_KIND as KIND, load_serving
-from ridgefill.serve.generate import COMMAND as generate
+from ridgefill.evals.generate import COMMAND as generate
 
 PROMPT = "The grass is green. The sky is blue. One of the special magic numbers for king is: 1234567. " * 3
 

@@ -14,17 +14,16 @@ and `achieved_over_limit` is the measured speedup over that limit.
 
 from __future__ import annotations
 
-import gc
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from ridgefill.backends.base import Backend, EngineOptions, time_first_tokens
 from ridgefill.commands import Command, option
-from ridgefill.engine import BACKENDS, Engine, FillPlan, ModelShape, Stopwatch
+from ridgefill.engine import BACKENDS, ModelShape
 from ridgefill.errors import RidgefillError
 from ridgefill.evals.common import MeasureConfig, Measurement, parse_lengths, start
 from ridgefill.evals.flops import prefill_flops
@@ -33,15 +32,14 @@ from ridgefill.method.fill import ServedOptions, Tuned, load_serving, parse_vari
 from ridgefill.runtime.console import note, progress_bar, table
 from ridgefill.runtime.data import documents_for, load_corpus, passages, token_sequences
 from ridgefill.runtime.provenance import cpu_name, device_info, load_average, versions
-from ridgefill.runtime.session import Session, check_length
-from ridgefill.serve.vllm_engine import check_engine, engine_cpu_only, engine_option
+from ridgefill.runtime.session import check_length
 
-TRANSFORMERS = "transformers"  # the timing entry of transformers' own forward
+TRANSFORMERS = "transformers"  # the timing entry of transformers' own forward (backends/own.py runs it)
 
 
 # --- options -------------------------------------------------------------------------------------------
 @dataclass
-class BenchConfig(MeasureConfig, ServedOptions):
+class BenchConfig(EngineOptions, MeasureConfig, ServedOptions):
     seed: int = option(0, "Seed of random prompts and bootstrap intervals.", top="seeds")
     out: Path = option(Path("ttft.json"), "Result JSON (raw samples included).", role="output")
     lengths: str = option("1024,2048,4096,8192", "Prompt lengths (tokens), comma-separated.", listed=int)
@@ -53,7 +51,6 @@ class BenchConfig(MeasureConfig, ServedOptions):
     threads: int = option(0, "torch CPU threads (0: torch's default).")
     projection: str = option("auto", "Fill projection: auto or torch (all late layers' K/V in one batched "
                              "GEMM), or layers (per layer, unfused).")
-    engine: str = engine_option()
 
     def check(self) -> None:
         super().check()
@@ -65,15 +62,9 @@ class BenchConfig(MeasureConfig, ServedOptions):
             raise RidgefillError(f"unknown --projection '{self.projection}': use one of {', '.join(BACKENDS)}")
         if self.threads < 0:
             raise RidgefillError(f"--threads must be >= 0 (0 keeps torch's default), got {self.threads}")
-        check_engine(self.engine)
-        if self.engine == "vllm" and self.projection != "auto":
-            raise RidgefillError("--projection chooses ridgefill's own fill projection: drop it with --engine vllm")
 
     def source_rule(self):
         return ("variants",), None
-
-    def cpu_only(self) -> str | None:
-        return engine_cpu_only(self.engine)
 
     def names(self) -> list[str]:
         """The variants timed, exact first."""
@@ -113,27 +104,25 @@ def run(config: BenchConfig) -> dict:
     load_before = _load_1m()
     m = start("bench-ttft", c, c.names(), record=c.record(), projection=c.projection)
     if serving is not None:
-        serving.check_model(m.session.loaded.fingerprint, c.serving_config)
+        serving.check_model(m.session.fingerprint, c.serving_config)
     _check_model(m, c.sizes()[-1])
     prompts = _prompts(m.session, c.data, c.sizes(), c.seed)
-    flops_shape = m.session.shape
-    extra = {}
-    if c.engine == "vllm":
-        from ridgefill.evals import bench_ttft_vllm
-
-        with bench_ttft_vllm.scratch_folder() as scratch:
-            results, intervals, extra["vllm_engines"] = bench_ttft_vllm.bench_lengths(
-                m, prompts, lambda entry, plans, names, n: _add_flops(entry, flops_shape, plans, names, n),
-                Path(scratch))
-    else:
-        results, intervals = _bench_lengths(m, prompts, flops_shape)
-    memory = _map_memory(m)
-    for entry in results:
-        entry["map_bytes"] = memory["map_bytes"]
-    doc = m.write(results, intervals, split=m.split, map_memory=memory,
-                  device=_device_info(m.session.engine, load_before), versions=versions(), **extra)
-    _print(doc, c.out)
+    longest = max(ids.shape[1] for ids, _ in prompts.values())
+    with m.backend.start(longest + 8):
+        results, intervals = _bench_lengths(m, prompts, m.session.shape)
+        memory = _map_memory(m)
+        for entry in results:
+            entry["map_bytes"] = memory["map_bytes"]
+        doc = m.write(results, intervals, split=m.split, map_memory=memory,
+                      device=_device_info(m.backend, load_before), versions=versions(), **_engines(m.backend))
+    _print(doc, c.out, m.backend.title)
     return doc
+
+
+def _engines(backend: Backend) -> dict:
+    """The engines' own settings, under the engine's name (vllm_engines), when it has any."""
+    described = backend.describe()
+    return {f"{backend.name}_engines": described} if described else {}
 
 
 def _check_model(m: Measurement, longest: int) -> None:
@@ -147,20 +136,24 @@ COMMAND = Command("bench-ttft", BenchConfig, run, writes=".json", reads="maps")
 
 def _bench_lengths(m: Measurement, prompts: dict, shape: ModelShape | None) -> tuple[list[dict], dict]:
     """Every length's timings, speedups and FLOPs (shape None: no FLOP count), and the speedups' intervals."""
-    c = m.config
+    c, backend = m.config, m.backend
     fill_names = list(m.plans)[1:]  # after exact
     results, intervals = [], {"speedup": {v: {} for v in fill_names}, "exact_vs_transformers": {}}
-    timed = [TRANSFORMERS, *m.plans]
-    runs = len(prompts) * len(timed) * (c.warmup + c.repeats) + len(prompts) * len(fill_names)
-    with progress_bar("timing prefill to first token", runs) as advance:
+    timed = [TRANSFORMERS, *m.plans] if backend.caps.reference_forward else list(m.plans)
+    extra = len(fill_names) if backend.caps.projection else 0
+    runs = len(prompts) * (len(timed) * (c.warmup + c.repeats) + extra)
+    with progress_bar(f"timing {backend.title or 'prefill'} to first token".replace("vLLM", "vLLM prefill"),
+                      runs) as advance:
         for length, (ids, source) in prompts.items():
-            entry = _bench_length(m.session, m.plans, timed, ids, c.repeats, c.warmup, c.seed, advance)
+            entry = _bench_length(m, timed, ids[0].tolist(), advance)
             entry = {"length": length, "prompt": source, **entry}
             _add_flops(entry, shape, m.plans, fill_names, length)
             for v in fill_names:
                 intervals["speedup"][v][str(length)] = entry["fill"][v]["speedup_interval"]
             intervals["exact_vs_transformers"][str(length)] = entry["exact_vs_transformers"]
             results.append(entry)
+    for name in fill_names:  # a fill that filled nothing although it had rows to fill timed the exact path
+        backend.check_filled(name, (c.warmup + c.repeats) * sum(e["fill"][name]["filled_rows"] for e in results))
     return results, intervals
 
 
@@ -188,128 +181,39 @@ def _prompts(session: Session, data: str, sizes: list[int], seed: int) -> dict[i
     return out
 
 
-def _bench_length(session: Session, plans: dict, timed: list[str], ids: torch.Tensor, repeats: int,
-                  warmup: int, seed: int, advance) -> dict:
-    """Time every entry of `timed` (transformers, exact, fill variants) on one prompt, interleaved."""
-    runs = {name: _runner(session.engine, plans[name], ids) if name != TRANSFORMERS else _forward(session, ids)
-            for name in timed}
-    device = session.engine.device
-    samples, peaks, tokens = {name: [] for name in timed}, {name: [] for name in timed}, {}
-    gc.collect()
-    for _ in range(warmup):
-        for name in timed:
-            runs[name]()
-            advance()
-    for r in range(repeats):
-        for name in timed[r % len(timed):] + timed[: r % len(timed)]:  # rotated: no entry always runs first
-            seconds, tokens[name], peak = _timed(runs[name], device)
-            samples[name].append(seconds)
-            peaks[name].append(peak)
-            advance()
-    n = ids.shape[1]
+def _bench_length(m: Measurement, timed: list[str], prompt: list[int], advance) -> dict:
+    """Time every entry of `timed` (transformers where the backend times it, exact, fill variants) on one prompt,
+    interleaved (backends/base.time_first_tokens, the one timing loop)."""
+    backend, c, plans = m.backend, m.config, m.plans
+    runs, tokens = time_first_tokens(backend, timed, prompt, c.repeats, c.warmup, advance)
+    samples = {name: [r.seconds for r in done] for name, done in runs.items()}
+    n = len(prompt)
     fill = {}
-    for name in timed[2:]:
-        iv = ratio_of_medians(samples["exact"], samples[name], seed=seed)
+    for name in list(plans)[1:]:
+        iv = ratio_of_medians(samples["exact"], samples[name], seed=c.seed)
         fill[name] = {"speedup": iv.estimate, "speedup_interval": iv.to_dict(),
-                      "filled_rows": int((~plans[name].full_rows(n)).sum()),
-                      **_projection_time(session, plans[name], ids)}
-        advance()
-    head = timed[-1]  # the headline fill variant: the last one listed (ridge when measured)
+                      "filled_rows": int((~plans[name].full_rows(n)).sum()), **backend.projection_time(name, prompt)}
+        if backend.caps.projection:
+            advance()
+    head = list(plans)[-1]  # the headline fill variant: the last one listed (ridge when measured)
+    reference = (ratio_of_medians(samples["exact"], samples[TRANSFORMERS], seed=c.seed).to_dict()
+                 if TRANSFORMERS in samples else None)
     return {"headline_variant": head, "speedup": fill[head]["speedup"],
-            "timings": {name: _summary(samples[name], peaks[name], n) for name in timed}, "fill": fill,
-            "exact_vs_transformers": ratio_of_medians(samples["exact"], samples[TRANSFORMERS], seed=seed).to_dict(),
-            "first_token": tokens}
+            "timings": {name: _summary(runs[name], n, backend) for name in timed},
+            "fill": fill, "exact_vs_transformers": reference, "first_token": tokens}
 
 
-def _forward(session: Session, ids: torch.Tensor):
-    """A function that runs transformers' own forward on prompt ids and returns the first (greedy) token."""
-    model, device_ids = session.model, ids.to(session.engine.device)
-
-    def transformers_forward() -> int:
-        with torch.inference_mode():
-            logits = model(device_ids, use_cache=True, logits_to_keep=1).logits  # [1, 1, V]
-        return int(logits[0, -1].argmax())
-
-    return transformers_forward
-
-
-def _runner(engine: Engine, plan: FillPlan | None, ids: torch.Tensor):
-    """A function that runs prompt ids to the first (greedy) token with the engine's prefill under `plan`
-    (None: exact), returning the token."""
-    device_ids = ids.to(engine.device)
-    n = ids.shape[1]
-
-    def engine_prefill() -> int:
-        pre = engine.prefill(device_ids, fill=plan, capacity=n + 1)
-        return int(pre.logits[0, -1].argmax())
-
-    return engine_prefill
-
-
-def _timed(run, device: torch.device) -> tuple[float, int, dict]:
-    """One run: seconds (no garbage-collector pause inside), the first token, peak memory."""
-    baseline = _reset_peak(device)
-    gc.disable()
-    try:
-        _sync(device)
-        t0 = time.perf_counter()
-        token = run()
-        _sync(device)
-        seconds = time.perf_counter() - t0
-    finally:
-        gc.enable()
-    return seconds, token, _peak(device, baseline)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _reset_peak(device: torch.device) -> int | None:
-    """Reset the peak-memory mark; returns the memory in use now (bytes). CUDA: allocated tensors; CPU: the
-    process's resident set (Linux: /proc/self/clear_refs resets its high-water mark)."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return torch.cuda.memory_allocated(device)
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return _proc_status("VmRSS")
-    except OSError:
-        return None
-
-
-def _peak(device: torch.device, baseline: int | None) -> dict:
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device)
-    else:
-        peak = _proc_status("VmHWM") if baseline is not None else None
-    return {"peak_bytes": peak, "increase_bytes": None if peak is None or baseline is None else peak - baseline}
-
-
-def _proc_status(field: str) -> int | None:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    return None
-
-
-def _summary(samples: list[float], peaks: list[dict], n: int) -> dict:
+def _summary(runs: list, n: int, backend: Backend) -> dict:
+    samples = [r.seconds for r in runs]
     median = float(np.median(samples))
-    known = [p for p in peaks if p["peak_bytes"] is not None]
-    return {"median_s": median, "p90_s": float(np.percentile(samples, 90)), "min_s": float(min(samples)),
-            "tokens_per_s": n / median, "samples_s": list(samples),
-            "peak_memory_bytes": max((p["peak_bytes"] for p in known), default=None),
+    known = [r.peak for r in runs if r.peak["peak_bytes"] is not None]
+    out = {"median_s": median, "p90_s": float(np.percentile(samples, 90)), "min_s": float(min(samples)),
+           "tokens_per_s": n / median, "samples_s": list(samples)}
+    if backend.caps.first_token_latency:  # the engine's own first-token latency of each request
+        found = [r.latency_s for r in runs if r.latency_s is not None]
+        out[f"{backend.name}_first_token_latency_median_s"] = float(np.median(found)) if found else None
+    return {**out, "peak_memory_bytes": max((p["peak_bytes"] for p in known), default=None),
             "peak_increase_bytes": max((p["increase_bytes"] for p in known), default=None)}
-
-
-def _projection_time(session: Session, plan: FillPlan, ids: torch.Tensor) -> dict:
-    """One more (untimed-for-the-speedup) filled run on an engine whose fill projection is timed: the wall time
-    of the maps and the fused K/V projection, and their share of that run."""
-    timer = Stopwatch(session.engine.device)
-    seconds, _, _ = _timed(_runner(session.timed_engine(timer), plan, ids), session.engine.device)
-    return {"projection_s": timer.elapsed_s, "projection_share": timer.elapsed_s / seconds,
-            "instrumented_run_s": seconds}
 
 
 def _add_flops(entry: dict, shape: ModelShape | None, plans: dict, fill_names: list[str], length: int) -> None:
@@ -335,7 +239,7 @@ def _map_memory(m: Measurement) -> dict:
     meta = m.maps_meta or {}
     layers = meta.get("layers", [])
     return {"map_bytes": ridge.filler.nbytes if ridge is not None else 0,
-            "fused_kv_bytes": m.session.engine.fused_kv_bytes(m.split), "kind": meta.get("kind"),
+            "fused_kv_bytes": m.backend.fused_kv_bytes(m.split), "kind": meta.get("kind"),
             "rank": meta.get("rank"),
             "heldout_error": {k: mean([layer.get(f"error_{k}") for layer in layers])
                               for k in ("map", "full_rank", "identity")} if layers else None}
@@ -347,19 +251,17 @@ def _load_1m() -> float | None:
     return load[0] if load else None
 
 
-def _device_info(engine: Engine, load_before: float | None) -> dict:
-    device = engine.device
-    info = {"device": str(device), "dtype": str(engine.dtype).replace("torch.", ""),
-            "threads": torch.get_num_threads(), "cpu": cpu_name(), "cpu_count": os.cpu_count(),
-            "load_average_1m": {"start": load_before, "end": _load_1m()},
-            "routes": engine.routes.describe()}  # the attention, window, projection and delta-rule routes taken
-    if device.type == "cuda":
+def _device_info(backend: Backend, load_before: float | None) -> dict:
+    info = backend.device_info()
+    info.update(threads=torch.get_num_threads(), cpu=cpu_name(), cpu_count=os.cpu_count(),
+                load_average_1m={"start": load_before, "end": _load_1m()})
+    if info["device"].startswith("cuda"):
         gpu = device_info("cuda")
         info.update(gpu=gpu["name"], cuda=gpu["cuda"])
     return info
 
 
-def _print(doc: dict, out) -> None:
+def _print(doc: dict, out, title: str = "") -> None:
     c, timing_rows, speed_rows = doc["config"], [], []
     for entry in doc["results"]:
         for name, t in entry["timings"].items():
@@ -370,7 +272,7 @@ def _print(doc: dict, out) -> None:
             share = "-" if f["projection_share"] is None else f"{100 * f['projection_share']:.1f}%"
             speed_rows.append([entry["length"], name, _interval(f["speedup_interval"]), f["limit_speedup"] or "-",
                                f["achieved_over_limit"] or "-", share, "-" if hf is None else _interval(hf)])
-    where = "vLLM" if c.get("engine") == "vllm" else f"{doc['device']['device']} ({doc['device']['threads']} threads)"
+    where = title or f"{doc['device']['device']} ({doc['device']['threads']} threads)"
     title = (f"{doc['model']['id']} {c['dtype']} on {where}, split {doc['split']}, tail {c['tail']}, "
              f"{c['repeats']} repeats")
     table(f"time to first token: {title}", ["length", "run", "median ms", "p90 ms", "min ms", "tok/s", "peak MiB"],

@@ -17,11 +17,13 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 from ridgefill import __version__
+from ridgefill.backends import backend_class
+from ridgefill.backends.base import Backend
 from ridgefill.commands import REQUIRED, option
 from ridgefill.engine import FillPlan
 from ridgefill.errors import RidgefillError
 from ridgefill.evals.exact_store import ExactStore
-from ridgefill.method.fill import FROM_MAPS, FillOptions, variant_plans
+from ridgefill.method.fill import FROM_MAPS, FillOptions, variant_fills, variant_plans
 from ridgefill.runtime.console import note, progress_bar
 from ridgefill.runtime.paths import check_output, write_json
 from ridgefill.runtime.session import ModelConfig, Session
@@ -70,14 +72,21 @@ def parse_lengths(text: str, minimum: int = 1) -> list[int]:
 # --- the variant loop ---------------------------------------------------------------------------------------
 @dataclass
 class Measurement:
-    """A measurement under way: the model, the plans measured side by side (exact first), the exact store."""
+    """A measurement under way: the engine (backend) and its model, the fills and plans measured side by side
+    (exact first), the exact store."""
 
     config: MeasureConfig
-    session: Session
+    backend: Backend
+    fills: dict
     plans: dict[str, FillPlan | None]
     maps_meta: dict | None
     store: ExactStore
     writer: "ResultWriter"
+
+    @property
+    def session(self) -> Session:
+        """The model as the backend holds it (tokenizer, shape, context; the own engine's Session)."""
+        return self.backend.model
 
     @property
     def split(self) -> int | None:
@@ -91,14 +100,13 @@ class Measurement:
                 yield item, advance
 
     def answers(self, items: Sequence, description: str, kind: str, key: Callable[[Any], dict],
-                answer: Callable[[Any, FillPlan | None], Any]) -> dict[str, list]:
-        """answer(item, plan) for every item and variant, in order; the exact variant's answers go through the
-        exact store under `kind` and key(item), so a sweep's other splits reuse them."""
+                answer: Callable[[Any, str], Any]) -> dict[str, list]:
+        """answer(item, variant name) for every item and variant, in order; the exact variant's answers go through
+        the exact store under `kind` and key(item), so a sweep's other splits reuse them."""
         out: dict[str, list] = {name: [] for name in self.plans}
         for item, advance in self.progress(items, description, len(self.plans)):
             for name, plan in self.plans.items():
-                out[name].append(self.store.get_exact(plan, kind, key(item),
-                                                      lambda plan=plan: answer(item, plan)))
+                out[name].append(self.store.get_exact(plan, kind, key(item), lambda name=name: answer(item, name)))
                 advance()
         return out
 
@@ -106,7 +114,7 @@ class Measurement:
         """Per fill variant: rows filled, and rows run in full instead because their split state was an outlier
         or their maps' lookback window was not whole (summed over every prompt); says so on stderr when there were
         any."""
-        tallies = {name: plan.tally.to_dict() for name, plan in self.plans.items() if plan is not None}
+        tallies = {name: self.backend.tally(name).to_dict() for name, plan in self.plans.items() if plan is not None}
         why = {"outlier_rows_run_full": f"as split-state outliers (--outlier-factor {self.config.outlier_factor:g})",
                "lookback_rows_run_full": "without a whole lookback window (the first rows of a chunk)"}
         for field, reason in why.items():
@@ -128,20 +136,24 @@ class Measurement:
             extra = {"exact_store": self.store.summary(), **extra}
         extra = {"fill_rows": self.fill_rows(), "filled_window": self.filled_window(), **extra}
         info = maps_info(self.config.maps, self.maps_meta)
-        return self.writer.write(self.config.out, self.session.loaded.info(), info,
+        return self.writer.write(self.config.out, self.session.model_info, info,
                                  list(self.plans) if variants is None else variants, results, intervals, **extra)
 
 
 def start(command: str, config: MeasureConfig, variants: Sequence[str], record: dict | None = None,
           projection: str = "auto") -> Measurement:
-    """Start the clock, load the model, build the plans of `variants` at the config's split and tail.
+    """Start the clock, open the engine (--engine, ridgefill's own where the command has none) and its model,
+    build the plans of `variants` at the config's split and tail. The command starts the backend (`with
+    m.backend.start(longest):`), knowing how long its prompts are.
     record: the `config` of the result document (default: every option as given)."""
     writer = ResultWriter(command, config.as_dict() if record is None else record, config.seed)
-    session = config.open(projection)
+    backend = backend_class(getattr(config, "engine", "ridgefill"))(config, projection)
+    session = backend.model
+    fills = variant_fills(config, variants)
     plans, meta = variant_plans(session, config, variants)
-    store = ExactStore(getattr(config, "exact_cache", None), session.loaded.info(), config.dtype, config.device,
-                       config.chunk)
-    return Measurement(config, session, plans, meta, store, writer)
+    store = ExactStore(getattr(config, "exact_cache", None), session.model_info, config.dtype, config.device,
+                       config.chunk, backend.store_scope())
+    return Measurement(config, backend.use(fills, plans), fills, plans, meta, store, writer)
 
 
 # --- the result document ------------------------------------------------------------------------------------

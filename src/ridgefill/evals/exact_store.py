@@ -36,10 +36,12 @@ STORED = re.compile(rf"(?P<kind>[A-Za-z0-9][A-Za-z0-9_-]*)-[0-9a-f]{{{KEY_DIGITS
 
 
 class ExactStore:
-    def __init__(self, folder: str | Path | None, model_info: dict, dtype: str, device: str, chunk: int) -> None:
+    def __init__(self, folder: str | Path | None, model_info: dict, dtype: str, device: str, chunk: int,
+                 engine: dict | None = None) -> None:
+        """engine: what the scope adds for an engine other than ridgefill's own (backends: store_scope)."""
         self.folder = Path(folder) if folder is not None else None
         self.scope = {"weights": model_info.get("weights_hash"), "model": model_info.get("id"), "dtype": dtype,
-                      "device": device, "chunk": chunk, "versions": result_versions()}
+                      "device": device, "chunk": chunk, "versions": result_versions(), **(engine or {})}
         self.hits = self.misses = 0
 
     def get(self, kind: str, sample: dict, compute: Callable[[], Any]) -> Any:

@@ -285,8 +285,8 @@ def run(c: LongBenchConfig) -> dict:
     answers = m.answers(prompts, f"LongBench v2 ({c.mode})", "longbench-answer",
                         lambda ids: {"ids": ids, "mode": c.mode, "options": options,
                                      "max_new_tokens": c.max_new_tokens},
-                        lambda ids, plan: answer_question(m.session.engine, tokenizer, ids, plan, c.mode, options,
-                                                          c.max_new_tokens))
+                        lambda ids, name: answer_question(m.session.engine, tokenizer, ids, m.plans[name], c.mode,
+                                                          options, c.max_new_tokens))
     record["prompt_tokens"] = {"mean": sum(map(len, prompts)) / len(prompts), "max": max(map(len, prompts))}
     results = {name: summarize(questions, answers[name], answers.get("exact")) for name in m.plans}
     intervals = accuracy_intervals(questions, results, c.seed)

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ridgefill.backends.base import EngineOptions
 from ridgefill.commands import Command, option
 from ridgefill.evals.common import exact_cache_option, start, variants_option
 from ridgefill.evals.passages import (PassageConfig, evaluation_passages, nll_results,
@@ -39,7 +40,8 @@ from ridgefill.runtime.session import check_length
 
 
 @dataclass
-class LossConfig(PassageConfig):
+class LossConfig(EngineOptions, PassageConfig):
+    needs = ("logprobs",)
     samples: int = option(16, "Passages to score.")
     variants: str | None = variants_option()
     exact_cache: Path | None = exact_cache_option()
@@ -59,21 +61,22 @@ def run(config: LossConfig) -> dict:
     scored = min(c.tail, c.context)  # a tail beyond the passage runs every row in full
     sums = {name: {"tail": [], "distant": []} for name in m.plans}
     counts = []
-    for passage, advance in m.progress(texts, f"scoring {len(texts)} passages of {c.context} tokens",
-                                       len(m.plans) + 1):
-        ids = torch.tensor([passage])
-        found = m.store.get("loss-exact-nll", {"ids": passage, "scored": scored, "short": c.short,
-                                               "stride": c.stride},
-                            lambda: exact_nlls(m.session.engine, ids, scored, c.short, c.stride))
-        exact, short_nll = torch.tensor(found["full"]), torch.tensor(found["short"])  # [scored-1] float32
-        key = distant_tokens(exact, short_nll, c.alpha, c.beta)
-        counts.append(int(key.sum()))
-        advance()
-        for name, plan in m.plans.items():
-            nll = exact if plan is None else tail_nll(m.session.engine, ids, scored, plan)[0].float().cpu()
-            sums[name]["tail"].append(float(nll.sum()))
-            sums[name]["distant"].append(float(nll[key].sum()))
+    with m.backend.start(c.context + 1):
+        for passage, advance in m.progress(texts, f"scoring {len(texts)} passages of {c.context} tokens",
+                                           len(m.plans) + 1):
+            ids = torch.tensor([passage])
+            found = m.store.get("loss-exact-nll", {"ids": passage, "scored": scored, "short": c.short,
+                                                   "stride": c.stride},
+                                lambda: exact_nlls(m.backend, ids, scored, c.short, c.stride))
+            exact, short_nll = torch.tensor(found["full"]), torch.tensor(found["short"])  # [scored-1] float32
+            key = distant_tokens(exact, short_nll, c.alpha, c.beta)
+            counts.append(int(key.sum()))
             advance()
+            for name, plan in m.plans.items():
+                nll = exact if plan is None else tail_nll(m.backend, name, ids, scored)[0].float().cpu()
+                sums[name]["tail"].append(float(nll.sum()))
+                sums[name]["distant"].append(float(nll[key].sum()))
+                advance()
     results, intervals = summarise(sums, counts, scored - 1, c.seed)
     if not sum(counts):
         note(f"no distant-context tokens in {len(texts)} passages: lower --alpha/--beta, raise --context or "
@@ -91,10 +94,10 @@ def run(config: LossConfig) -> dict:
 COMMAND = Command("loss", LossConfig, run, writes=".json", reads="maps")
 
 
-def exact_nlls(engine, ids: torch.Tensor, scored: int, short: int, stride: int) -> dict:
+def exact_nlls(backend, ids: torch.Tensor, scored: int, short: int, stride: int) -> dict:
     """The exact model's NLL of the scored tail tokens with the full context and with the short window."""
-    full = tail_nll(engine, ids, scored)[0].float().cpu()  # [scored-1]
-    short_nll = short_context_nll(engine, ids, scored, short, stride, full).float()
+    full = tail_nll(backend, "exact", ids, scored)[0].float().cpu()  # [scored-1]
+    short_nll = short_context_nll(backend, ids, scored, short, stride, full).float()
     return {"full": full.tolist(), "short": short_nll.tolist()}
 
 

@@ -10,14 +10,12 @@ import torch.nn.functional as F
 from ridgefill.engine import Cache, Engine, FillPlan
 
 
-def tail_nll(engine: Engine, ids: torch.Tensor, tail: int, fill: FillPlan | None = None) -> torch.Tensor:
-    """Per-token NLL [B, tail-1] of tokens N-tail+1..N-1, each predicted from the row before it.
-    The filled rows are never scored: every variant scores the same tail tokens."""
+def tail_nll(backend, variant: str, ids: torch.Tensor, tail: int) -> torch.Tensor:
+    """Per-token NLL [B, tail-1] of tokens N-tail+1..N-1, each predicted from the row before it, by `variant` of
+    `backend` (backends/base.Backend.nll). The filled rows are never scored: every variant scores the same tail
+    tokens."""
     n = ids.shape[1]
-    rows = list(range(n - tail, n - 1))
-    logits = engine.prefill(ids, fill=fill, logits_at=rows).logits  # [B, tail-1, V]
-    targets = ids[:, n - tail + 1 :].to(logits.device)
-    return F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none")
+    return backend.nll(variant, ids, list(range(n - tail, n - 1)), ids[:, n - tail + 1 :])
 
 
 def continuation_nll(engine: Engine, cache: Cache, ids: torch.Tensor) -> torch.Tensor:
@@ -30,10 +28,11 @@ def continuation_nll(engine: Engine, cache: Cache, ids: torch.Tensor) -> torch.T
     return F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none")
 
 
-def short_context_nll(engine: Engine, ids: torch.Tensor, tail: int, short: int, stride: int,
+def short_context_nll(backend, ids: torch.Tensor, tail: int, short: int, stride: int,
                       full_nll: torch.Tensor) -> torch.Tensor:
-    """NLL [tail-1] of the tokens `tail_nll` scores (N-tail+1..N-1 of `ids` [1, N]) when the exact model sees
-    only a short window of the tokens before each, as a fresh sequence starting at position 0.
+    """NLL [tail-1] of the tokens `tail_nll` scores (N-tail+1..N-1 of `ids` [1, N]) when the exact model (the
+    backend's exact variant) sees only a short window of the tokens before each, as a fresh sequence starting at
+    position 0.
 
     Targets are taken in blocks of `stride`; one window per block ends just before the block's last target and
     starts `short` tokens before its first, so the j-th target of a block sees short + j tokens (short..
@@ -47,16 +46,16 @@ def short_context_nll(engine: Engine, ids: torch.Tensor, tail: int, short: int, 
     blocks = [(t0, min(t0 + stride, n)) for t0 in range(start, n, stride)]
     width = short + stride - 1  # window length; the last block's window is right-padded (causal: no effect)
     rows = list(range(short - 1, short - 1 + stride))  # window rows whose logits predict the block's targets
-    per_batch = max(1, engine.chunk // width)
+    per_batch = max(1, backend.chunk // width)
     seq = ids[0]
     for b0 in range(0, len(blocks), per_batch):
         batch = blocks[b0 : b0 + per_batch]
         windows = torch.stack([_padded(seq[t0 - short : t1 - 1], width) for t0, t1 in batch])  # [b, width]
-        logits = engine.prefill(windows, logits_at=rows).logits.float()  # [b, stride, V]
-        for (t0, t1), row_logits in zip(batch, logits):
-            k = t1 - t0
-            nll = F.cross_entropy(row_logits[:k], seq[t0:t1].to(row_logits.device), reduction="none")
-            out[t0 - first : t1 - first] = nll.cpu()
+        # a short block's targets past its end are padding (its window's own last token): scored, not kept
+        targets = torch.stack([_padded(seq[t0:t1], stride) for t0, t1 in batch])  # [b, stride]
+        nll = backend.nll("exact", windows, rows, targets).float().cpu()  # [b, stride]
+        for (t0, t1), row_nll in zip(batch, nll):
+            out[t0 - first : t1 - first] = row_nll[: t1 - t0]
     return out
 
 

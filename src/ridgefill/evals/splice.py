@@ -117,7 +117,7 @@ def run(c: SpliceConfig) -> dict:
         keep_first=c.keep_first, max_new_tokens=c.max_new_tokens)
     texts = evaluation_passages(m.session.tokenizer, c.data, c.context, c.samples, c.skip)
 
-    nll, counts = _passage_nll(m.session.engine, texts, plan, fill, splices, c.short, c.stride, c.alpha, c.beta)
+    nll, counts = _passage_nll(m.backend, texts, plan, fill, splices, c.short, c.stride, c.alpha, c.beta)
     answers = _retrieval(m.session, prompts, plan, splices, fill) if prompts else None
 
     results, intervals = summarise(nll, counts, c.tail - 1, answers, fill, c.seed)
@@ -249,10 +249,11 @@ def spliced_keys(filled: torch.Tensor, exact: torch.Tensor, parts: frozenset) ->
 
 
 # --- measurements -------------------------------------------------------------------------------------
-def _passage_nll(engine: Engine, texts: list[list[int]], plan: FillPlan, fill: str, splices, short: int, stride: int,
+def _passage_nll(backend, texts: list[list[int]], plan: FillPlan, fill: str, splices, short: int, stride: int,
                  alpha: float, beta: float) -> tuple[dict, list[int]]:
     """Per passage: tail NLL sums of the exact, filled and spliced caches over all tail tokens and over the
     distant-context tokens (marked with the exact model), and the distant token count."""
+    engine = backend.engine
     nll = {name: {"tail": [], "distant": []} for name in ["exact", fill] + [label(p, r) for p, r in splices]}
     counts = []
     with progress_bar(f"splicing {len(texts)} passages", len(texts) * (len(splices) + 2)) as advance:
@@ -262,7 +263,7 @@ def _passage_nll(engine: Engine, texts: list[list[int]], plan: FillPlan, fill: s
             pair = prefix_pair(engine, ids[:, : n - tail], plan, capacity=n)
             tail_ids = ids[:, n - tail :]
             exact = continuation_nll(engine, pair.exact.clone(), tail_ids)[0].float().cpu()  # [tail-1]
-            key = distant_tokens(exact, short_context_nll(engine, ids, tail, short, stride, exact), alpha, beta)
+            key = distant_tokens(exact, short_context_nll(backend, ids, tail, short, stride, exact), alpha, beta)
             counts.append(int(key.sum()))
             for name, make in [("exact", None)] + candidates(pair, fill, splices):
                 scores = exact if make is None else continuation_nll(engine, make(), tail_ids)[0].float().cpu()

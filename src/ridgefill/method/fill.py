@@ -94,16 +94,16 @@ class FillSettings:
         from ridgefill.runtime.artifacts import read_meta
         from ridgefill.runtime.paths import file_sha256
 
-        n_layers = session.engine.n_layers
+        n_layers = session.shape.layers
         rows = tuple(sorted(set(keep_rows)))  # the first keep_first rows are the plan's keep_first (never a list)
         meta, split = None, self.split
         if self.variant in FROM_MAPS:
-            filler, meta = load_filler(self.maps, session.loaded.info(), self.split, session.engine.dtype,
-                                       session.engine.device, self.maps_sha256, mean=self.variant == "mean")
+            filler, meta = load_filler(self.maps, session.model_info, self.split, session.dtype, session.device,
+                                       self.maps_sha256, mean=self.variant == "mean")
             split = meta["split"]
         elif self.maps is not None:  # identity or drop at the maps' split: their metadata is enough
             meta = {**read_meta(self.maps, "maps"), "sha256": file_sha256(self.maps)}
-            check_for_model(self.maps, meta, session.loaded.info(), self.split)
+            check_for_model(self.maps, meta, session.model_info, self.split)
             split = meta["split"]
         if not 1 <= split <= n_layers:
             raise RidgefillError(f"split {split} is out of range: use 1..{n_layers} for this model")
@@ -231,19 +231,24 @@ def parse_variants(text, maps) -> list[str]:
     return ["exact", *[v for v in VARIANTS if v in names and v != "exact"]]
 
 
-def variant_plans(session, options, variants=VARIANTS) -> tuple[dict, dict | None]:
-    """The plans measured side by side: exact (None) and each fill variant of `options` (FillOptions: maps, split,
-    tail, keep_first, outlier_factor), so every fill fills the same rows. Given maps, every variant runs at the maps'
-    split (--split is checked against it), also when ridge is not among them. Returns (plans, maps metadata)."""
+def variant_fills(options, variants=VARIANTS) -> dict[str, "FillSettings | None"]:
+    """The fills measured side by side: exact (None) and each fill variant of `options` (FillOptions: maps, split,
+    tail, keep_first, outlier_factor), so every fill fills the same rows."""
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         raise RidgefillError(f"unknown variant(s) {unknown}: use {', '.join(VARIANTS)}")
+    return {v: None if v == "exact" else FillSettings(v, **{name: getattr(options, name) for name in OPTIONS})
+            for v in variants}
+
+
+def variant_plans(session, options, variants=VARIANTS) -> tuple[dict, dict | None]:
+    """The plans of variant_fills on `session`'s model. Given maps, every variant runs at the maps' split (--split
+    is checked against it), also when ridge is not among them. Returns (plans, maps metadata)."""
     plans, meta = {}, None
-    for v in variants:
-        if v == "exact":
+    for v, fill in variant_fills(options, variants).items():
+        if fill is None:
             plans[v] = None
             continue
-        fill = FillSettings(v, **{name: getattr(options, name) for name in OPTIONS})
         plans[v], found = fill.plan(session)
         meta = found or meta
     return plans, meta

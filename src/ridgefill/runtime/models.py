@@ -95,7 +95,7 @@ def _config(spec: str, folder: str):
 
 def load_model(spec: str, dtype: str = "fp32", device: str = "cpu") -> LoadedModel:
     """Load `spec`; every failure is a one-line RidgefillError."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     if dtype not in DTYPES:
         raise RidgefillError(f"unknown dtype '{dtype}': use one of {', '.join(DTYPES)}")
@@ -106,13 +106,20 @@ def load_model(spec: str, dtype: str = "fp32", device: str = "cpu") -> LoadedMod
     except Exception as exc:  # no weight file, a truncated or foreign one: the checkpoint cannot be used
         raise RidgefillError(f"cannot load the weights of model {spec} ({_reason(exc)}): check that its folder holds "
                              "complete weight files (re-save or re-download the checkpoint)") from None
+    tokenizer = load_tokenizer(spec, folder)
+    model = model.to(device).eval()
+    return LoadedModel(model, tokenizer, adapter_for(model), spec, checkpoint_fingerprint(folder))
+
+
+def load_tokenizer(spec: str, folder: str | None = None):
+    """The tokenizer of `spec` (its checkpoint folder when known); a one-line error if it cannot be loaded."""
+    from transformers import AutoTokenizer
+
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder)
+        return AutoTokenizer.from_pretrained(folder or model_folder(spec))
     except Exception as exc:
         raise RidgefillError(f"cannot load the tokenizer of model {spec} ({_reason(exc)}): check its tokenizer "
                              "files (re-save or re-download the checkpoint)") from None
-    model = model.to(device).eval()
-    return LoadedModel(model, tokenizer, adapter_for(model), spec, checkpoint_fingerprint(folder))
 
 
 def _reason(exc: Exception) -> str:

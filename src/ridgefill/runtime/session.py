@@ -6,12 +6,14 @@ import os
 import warnings
 from dataclasses import dataclass
 
+import torch
+
 from ridgefill.commands import Config, option
 from ridgefill.engine import Engine, ModelShape, Stopwatch
 from ridgefill.engine.prefill import DEFAULT_CHUNK
 from ridgefill.errors import RidgefillError
 from ridgefill.runtime.device import DEVICE_HELP, DTYPE_HELP, check_device, resolve_device
-from ridgefill.runtime.models import LoadedModel, load_model
+from ridgefill.runtime.models import LoadedModel, load_model, load_tokenizer, model_identity
 
 
 @dataclass
@@ -70,9 +72,39 @@ class Session:
         """The model's context (max positions), None if it declares none."""
         return self.engine.context_length
 
+    # what plans read of the model, as ModelFacts has it: identity (id, weights hash, family and widths), the
+    # weights' hash, and the torch dtype and device the model runs in (what maps are loaded as)
+    model_info = property(lambda self: self.loaded.info())
+    fingerprint = property(lambda self: self.loaded.fingerprint)
+    dtype = property(lambda self: self.engine.dtype)
+    device = property(lambda self: self.engine.device)
+
     def timed_engine(self, timer: Stopwatch) -> Engine:
         """A second engine over the same loaded model whose fill projection adds its wall time to `timer`."""
         return self.engine.with_timer(timer)
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What an engine in another process needs of the model here, read without its weights (runtime/models.
+    model_identity) plus its tokenizer: the attributes of Session that plans and prompts read. Maps are loaded on
+    the CPU in float32 (for the plan's rows and FLOPs; the engine loads its own)."""
+
+    tokenizer: object
+    shape: ModelShape
+    context_length: int | None
+    model_info: dict  # id, weights hash, family and widths
+    fingerprint: str
+    dtype: torch.dtype = torch.float32
+    device: torch.device = torch.device("cpu")
+
+
+def model_facts(model: str) -> ModelFacts:
+    """The model's identity and tokenizer, no weights loaded."""
+    quiet_libraries()
+    identity = model_identity(model)
+    return ModelFacts(load_tokenizer(model), identity.shape, identity.context_length, identity.info,
+                      identity.info["weights_hash"])
 
 
 def open_session(model: str, dtype: str = "fp32", device: str = "cpu", chunk: int = DEFAULT_CHUNK,

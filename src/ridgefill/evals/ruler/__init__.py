@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
+from ridgefill.backends.base import EngineOptions
 from ridgefill.commands import Command, option
 from ridgefill.errors import RidgefillError
 from ridgefill.evals.common import MeasureConfig, exact_cache_option, parse_lengths, start, variants_option
@@ -35,11 +35,10 @@ def score_prediction(task: str, prediction: str, outputs: list[str]) -> float:
     return 100.0 * (max(found) if task.startswith("qa") else sum(found) / len(found))
 
 
-def predict(engine, tokenizer, sample: RulerSample, plan) -> str:
-    """Greedy generation (stops at EOS) after an exact (plan None) or filled prefill; the decoded answer."""
-    ids = torch.tensor([sample.input_ids])
-    out = engine.generate(ids, sample.max_new_tokens, plan, tokenizer.eos_token_id)
-    return tokenizer.decode(out.tokens[0], skip_special_tokens=True)
+def predict(backend, tokenizer, sample: RulerSample, variant: str) -> str:
+    """Greedy generation (stops at EOS) after variant `variant`'s prefill (exact or filled); the decoded answer."""
+    out = backend.generate(variant, sample.input_ids, sample.max_new_tokens, tokenizer.eos_token_id)
+    return tokenizer.decode(out.tokens, skip_special_tokens=True)
 
 
 
@@ -48,7 +47,7 @@ DEPTH_BUCKETS = 5  # needle depth buckets of 20 %
 
 
 @dataclass
-class RulerConfig(MeasureConfig):
+class RulerConfig(EngineOptions, MeasureConfig):
     lengths: str = option("4096", "Comma-separated prompt + generation lengths (tokens).", listed=int)
     tasks: str | None = option(None, "Comma-separated RULER tasks (default: all 11).", listed=str)
     samples: int | None = option(None, "Samples per task and length (default 25; with --from-jsonl: the first N "
@@ -97,9 +96,11 @@ def run(c: RulerConfig) -> dict:
         raise RidgefillError(f"length {too_long[0]} exceeds the model's context of {context} (prompt plus generation "
                              "budget must fit): lower --lengths")
     items = _samples(c, m.session.tokenizer, task_names, length_list, context)
-    predictions = m.answers(items, f"answering {len(items)} samples x {len(m.plans)} variants", "ruler-answer",
-                            lambda s: {"ids": s.input_ids, "max_new_tokens": s.max_new_tokens},
-                            lambda s, plan: predict(m.session.engine, m.session.tokenizer, s, plan))
+    longest = max((len(s.input_ids) + s.max_new_tokens for s in items), default=1)
+    with m.backend.start(longest):
+        predictions = m.answers(items, f"answering {len(items)} samples x {len(m.plans)} variants", "ruler-answer",
+                                lambda s: {"ids": s.input_ids, "max_new_tokens": s.max_new_tokens},
+                                lambda s, name: predict(m.backend, m.session.tokenizer, s, name))
     scores = {v: [score_prediction(s.task, p, s.outputs) for s, p in zip(items, predictions[v])] for v in m.plans}
     results, intervals = summarise(items, scores, c.seed)
     records = [_record_of(s, {v: predictions[v][i] for v in m.plans}, {v: scores[v][i] for v in m.plans})

@@ -4,7 +4,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from ridgefill.errors import RidgefillError
-from ridgefill.serve.generate import COMMAND, GenerateConfig, keep_rows
+from ridgefill.evals.generate import COMMAND, GenerateConfig, keep_rows
 
 PROMPT = "The grass is green. The sky is blue. One of the special magic numbers for king is: 1234567. What is it?"
 

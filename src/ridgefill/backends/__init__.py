@@ -1,0 +1,21 @@
+"""The engines that run a fill, behind one seam (backends/base.py): name -> the module holding its Backend class
+(as BACKEND), imported only when that engine is asked for, so `--help` and the own engine never import another
+engine's code. Adding an engine: its module, one line here, its row in docs."""
+
+from __future__ import annotations
+
+import importlib
+
+from ridgefill.errors import RidgefillError
+
+ENGINES = {
+    "ridgefill": "ridgefill.backends.own",  # ridgefill's own torch engine
+    "vllm": "ridgefill.backends.vllm",  # vLLM with ridgefill's plugin (the vllm extra)
+}
+
+
+def backend_class(name: str):
+    """The Backend class of engine `name`; an unknown name is one line."""
+    if name not in ENGINES:
+        raise RidgefillError(f"unknown --engine '{name}': use one of {', '.join(ENGINES)}")
+    return importlib.import_module(ENGINES[name]).BACKEND

@@ -1,0 +1,270 @@
+"""The seam every engine that runs a fill goes through: what a backend can do (Capabilities), what it does
+(Backend: greedy generation, timed prefill to the first token, next-token NLL of chosen rows, its tally), the
+`--engine` option that generate, bench-ttft, ruler and loss share, and the one timing loop of bench-ttft.
+
+A command never asks which engine runs: it asks the backend's capabilities. An option a backend cannot serve is
+refused in one line naming the backend and the option (`check_engine_options`, from the flags), before anything
+loads. A backend is built from the command's config (`open`): it reads the model as much as it needs (the own
+engine loads it; an engine in another process reads only its identity and tokenizer) and exposes it as `model`
+(tokenizer, shape, context_length, n_layers, model_info, fingerprint: what plans and prompts need). `use`
+gets the variants to run side by side (name -> FillSettings, None for exact; and their engine.FillPlan, which
+says which rows are filled: the one rule every engine follows), `start` readies them; every later call names a
+variant.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import dataclass, field
+from typing import Callable, ClassVar
+
+from ridgefill.commands import Config, option
+from ridgefill.engine.fill_plan import FillTally
+from ridgefill.errors import RidgefillError
+
+Tally = FillTally  # the one tally: rows filled, and rows run in full instead (outliers, unwhole lookback windows)
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend runs. A command that needs one it lacks is refused (check_engine_options)."""
+
+    variants: tuple[str, ...]  # fill variants it runs beside exact (method/fill.FILLS)
+    keep_rows: bool = False  # rows kept in full besides keep-first and the tail (--keep-rows, --keep-text)
+    filled_window: bool = False  # local attention of filled rows below the split (--filled-window)
+    lookback: bool = False  # maps that read the rows before a filled row (fit --lookback)
+    key_scale: bool = False  # maps with a key-scale correction (ridgefill key-scale)
+    logprobs: bool = False  # next-token log-probs of chosen prompt rows (loss)
+    batching: bool = False  # several prompts per call, batched by the engine
+    projection: bool = False  # ridgefill's own fill projection (--projection) and its timed share
+    reference_forward: bool = False  # bench-ttft also times transformers' forward beside exact
+    first_token_latency: bool = False  # the engine reports its own first-token latency per request
+    devices: tuple[str, ...] = ("cpu", "cuda")
+    dtypes: tuple[str, ...] = ("fp32", "bf16", "fp16")
+
+
+@dataclass
+class Generation:
+    tokens: list[int]  # greedy tokens after the prompt (stops at end-of-sequence when asked)
+    ttft_s: float  # prompt ids -> first generated token
+
+
+@dataclass
+class Timed:
+    """One timed run of a prompt to its first token."""
+
+    seconds: float
+    token: int
+    peak: dict = field(default_factory=lambda: {"peak_bytes": None, "increase_bytes": None})
+    latency_s: float | None = None  # the engine's own first-token latency (first_token_latency)
+
+
+class Backend:
+    """One engine behind the seam. Subclasses set name, title, caps and implement the methods below; a backend
+    module exposes its class as BACKEND and is named in backends/__init__.ENGINES."""
+
+    name: ClassVar[str]
+    title: ClassVar[str] = ""  # how results printed to stderr name it ("vLLM"; "" for ridgefill's own engine)
+    caps: ClassVar[Capabilities]
+
+    @classmethod
+    def check_installed(cls) -> None:
+        """Refuse in one line (naming the fix) when the engine cannot run here."""
+
+    @classmethod
+    def cpu_only(cls) -> str | None:
+        """Why this engine runs the model on the CPU alone whatever torch sees (None: it runs where torch does)."""
+        return None
+
+    def __init__(self, config, projection: str = "auto") -> None:
+        self.config = config
+        self.model = None  # set by the subclass: the model as plans and prompts need it
+        self.fills: dict = {}
+        self.plans: dict = {}
+
+    # --- variants ---------------------------------------------------------------------------------------------
+    def use(self, fills: dict, plans: dict) -> "Backend":
+        """The variants to run side by side: `fills` (name -> FillSettings, None: exact) whose plans are `plans`
+        (name -> engine.FillPlan or None); maps the backend cannot serve are refused here."""
+        check_plans(self, plans)
+        self.fills, self.plans = dict(fills), dict(plans)
+        return self
+
+    def start(self, max_len: int) -> "Backend":
+        """Get ready to run the variants (an engine in another process starts here); prompts plus generated
+        tokens are at most `max_len` long. Use as a context manager: leaving it stops what was started."""
+        return self
+
+    def close(self) -> None:
+        """Stop whatever `start` started."""
+
+    def __enter__(self) -> "Backend":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- what commands ask ------------------------------------------------------------------------------------
+    def generate(self, name: str, prompt: list[int], max_new_tokens: int, eos: int | None) -> Generation:
+        """Greedy generation of variant `name` after its prefill of `prompt`; ends at `eos` (None: never)."""
+        raise NotImplementedError
+
+    def first_token(self, name: str, prompt: list[int], tag: str) -> Timed:
+        """One timed run of `prompt` to the first greedy token (`tag`: unique per run, for engines that cache
+        prefixes)."""
+        raise NotImplementedError
+
+    def nll(self, name: str, ids, rows: list[int], targets):
+        """NLL [B, len(rows)] (float32 tensor on the CPU) of targets [B, len(rows)], each predicted at its row of
+        ids [B, N] (torch tensors) by variant `name` (caps.logprobs)."""
+        raise NotImplementedError
+
+    def tally(self, name: str) -> Tally:
+        """What variant `name` filled since `start`."""
+        raise NotImplementedError
+
+    def describe(self) -> dict:
+        """The engine's own settings per variant, for the result document (empty: nothing beyond the config)."""
+        return {}
+
+    def device_info(self) -> dict:
+        """Where it ran: device, dtype (and the routes the own engine took)."""
+        raise NotImplementedError
+
+    def fused_kv_bytes(self, split: int) -> int:
+        """Bytes of the fused K/V projection weights the engine keeps for `split` (0: none)."""
+        return 0
+
+    def projection_time(self, name: str, prompt: list[int]) -> dict:
+        """The fill projection's wall time in one more filled run, and its share (caps.projection)."""
+        return {"projection_s": None, "projection_share": None, "instrumented_run_s": None}
+
+    def check_filled(self, name: str, planned: int) -> None:
+        """Refuse timings of variant `name` when it filled none of the `planned` rows it should have filled (an
+        engine whose fill may silently not run: a plugin that did not load)."""
+
+    def store_scope(self) -> dict:
+        """What the exact store's scope adds for this engine (exact results of other engines differ)."""
+        return {"engine": self.name}
+
+    @property
+    def chunk(self) -> int:
+        """Prompt rows (of all prompts) scored at once by `nll` callers that batch windows."""
+        return self.config.chunk
+
+
+def refuse(backend, what: str, fix: str = "drop it") -> RidgefillError:
+    """The one-line refusal of an option or input a backend does not serve."""
+    name = backend if isinstance(backend, str) else backend.name
+    return RidgefillError(f"{what} is not supported with --engine {name}: {fix}")
+
+
+def check_plans(backend: Backend, plans: dict) -> None:
+    """Maps a backend cannot serve (lookback, key-scale), refused before anything runs."""
+    for plan in plans.values():
+        filler = getattr(plan, "filler", None)
+        if filler is None:
+            continue
+        if getattr(filler, "lookback", 0) and not backend.caps.lookback:
+            raise refuse(backend, f"maps with lookback {filler.lookback}", "use maps fitted without --lookback")
+        if getattr(filler, "key_scale", None) is not None and not backend.caps.key_scale:
+            raise refuse(backend, "maps with a key-scale correction", "use the maps before ridgefill key-scale")
+
+
+# --- the option the engine commands share ----------------------------------------------------------------
+ENGINE_HELP = ("ridgefill (its own engine) or vllm (vLLM: stock vLLM for exact, ridgefill's vLLM plugin for fills; "
+               "needs the vllm extra).")
+
+# (config field, set when, capability, the option as named in a refusal)
+OPTION_CAPABILITIES: tuple[tuple[str, Callable, str, str], ...] = (
+    ("keep_rows", lambda v: v is not None, "keep_rows", "--keep-rows"),
+    ("keep_text", lambda v: v is not None, "keep_rows", "--keep-text"),
+    ("filled_window", bool, "filled_window", "--filled-window"),
+    ("projection", lambda v: v != "auto", "projection", "--projection"),
+)
+
+
+@dataclass
+class EngineOptions(Config):
+    """--engine: which backend runs the command (generate, bench-ttft, ruler, loss). `needs` names the
+    capabilities the command cannot run without (e.g. loss: logprobs)."""
+
+    engine: str = option("ridgefill", ENGINE_HELP)
+    needs: ClassVar[tuple[str, ...]] = ()
+
+    def cpu_only(self) -> str | None:
+        from ridgefill.backends import ENGINES, backend_class
+
+        return backend_class(self.engine).cpu_only() if self.engine in ENGINES else None
+
+    def check(self) -> None:
+        super().check()
+        check_engine_options(self, self.needs)
+
+    def open_backend(self, projection: str = "auto") -> Backend:
+        from ridgefill.backends import backend_class
+
+        return backend_class(self.engine)(self, projection)
+
+
+def check_engine_options(config, needs: tuple[str, ...] = (), variants: list[str] | None = None) -> None:
+    """--engine names a known backend that can run here, and the options asked for are ones it serves."""
+    from ridgefill.backends import backend_class
+
+    cls = backend_class(config.engine)
+    cls.check_installed()
+    for capability in needs:
+        if not getattr(cls.caps, capability):
+            raise RidgefillError(f"--engine {cls.name} does not give {capability.replace('_', ' ')}, which "
+                                 f"this command needs: use --engine ridgefill")
+    for name, is_set, capability, flag in OPTION_CAPABILITIES:
+        if hasattr(config, name) and is_set(getattr(config, name)) and not getattr(cls.caps, capability):
+            raise refuse(cls.name, flag)
+    if variants is None and getattr(config, "variants", None) is not None:
+        from ridgefill.method.fill import parse_variants
+
+        variants = parse_variants(config.variants, config.maps)
+    asked = variants or []
+    lacking = [v for v in asked if v != "exact" and v not in cls.caps.variants]
+    if lacking:
+        raise refuse(cls.name, f"the {lacking[0]} variant",
+                     f"use {', '.join(['exact', *cls.caps.variants])}")
+    if config.device not in cls.caps.devices or config.dtype not in cls.caps.dtypes:
+        raise refuse(cls.name, f"--device {config.device} --dtype {config.dtype}",
+                     f"use a device of {', '.join(cls.caps.devices)} and a dtype of {', '.join(cls.caps.dtypes)}")
+
+
+# --- the one timing loop ---------------------------------------------------------------------------------
+def time_first_tokens(backend: Backend, names: list[str], prompt: list[int], repeats: int, warmup: int,
+                      advance) -> tuple[dict[str, list[Timed]], dict[str, int]]:
+    """Every name's timed runs of `prompt` to its first token: `warmup` untimed rounds, then `repeats` rounds,
+    interleaved, the order rotating each round (no name always runs first); the garbage collector is emptied
+    first. Returns the timed runs by name and each name's first token."""
+    runs: dict[str, list[Timed]] = {name: [] for name in names}
+    tokens: dict[str, int] = {}
+    gc.collect()
+    for w in range(warmup):
+        for name in names:
+            backend.first_token(name, prompt, f"ridgefill-bench:{len(prompt)}:warmup{w}")
+            advance()
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            done = backend.first_token(name, prompt, f"ridgefill-bench:{len(prompt)}:{r}")
+            runs[name].append(done)
+            tokens[name] = done.token
+            advance()
+    return runs, tokens
+
+
+def clocked(run: Callable[[], int], sync: Callable[[], None] = lambda: None) -> tuple[float, int]:
+    """(seconds, result) of run() with no garbage-collector pause inside; `sync` waits for queued device work."""
+    gc.disable()
+    try:
+        sync()
+        t0 = time.perf_counter()
+        token = run()
+        sync()
+        return time.perf_counter() - t0, token
+    finally:
+        gc.enable()

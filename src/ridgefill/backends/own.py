@@ -1,0 +1,140 @@
+"""ridgefill's own torch engine behind the seam (engine/prefill.Engine on the model loaded in this process): every
+variant, kept rows, filled windows, lookback and key-scale maps, logits of any row, and the timings of its fill
+projection and of transformers' own forward beside exact."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ridgefill.backends.base import Backend, Capabilities, Generation, Tally, Timed, clocked
+from ridgefill.engine import Stopwatch
+from ridgefill.method.fill import FILLS
+
+TRANSFORMERS = "transformers"  # the timed entry of transformers' own forward (caps.reference_forward)
+
+
+class OwnBackend(Backend):
+    name = "ridgefill"
+    title = ""
+    caps = Capabilities(variants=FILLS, keep_rows=True, filled_window=True, lookback=True, key_scale=True,
+                        logprobs=True, batching=True, projection=True, reference_forward=True)
+
+    def __init__(self, config, projection: str = "auto") -> None:
+        super().__init__(config, projection)
+        self.model = config.open(projection)  # runtime/session.Session: the model loaded, with its engine
+        self.engine = self.model.engine
+        self._prompt, self._ids = None, None
+
+    @classmethod
+    def over(cls, engine, plans: dict | None = None, model=None) -> "OwnBackend":
+        """A backend over an engine built elsewhere (tests, tools): `plans` by variant name (exact: None)."""
+        self = cls.__new__(cls)
+        Backend.__init__(self, None)
+        self.model, self.engine, self._prompt, self._ids = model, engine, None, None
+        return self.use({name: None for name in plans or {}}, plans or {})
+
+    @property
+    def chunk(self) -> int:
+        return self.engine.chunk
+
+    def generate(self, name: str, prompt: list[int], max_new_tokens: int, eos: int | None) -> Generation:
+        out = self.engine.generate(torch.tensor([prompt]), max_new_tokens, self.plans[name], eos)
+        return Generation(out.tokens[0], out.ttft_s)
+
+    def first_token(self, name: str, prompt: list[int], tag: str) -> Timed:
+        ids = self._device_ids(prompt)  # moved once per prompt, before the clock
+        device = self.engine.device
+        baseline = _reset_peak(device)
+        seconds, token = clocked(self._runner(name, ids), lambda: _sync(device))
+        return Timed(seconds, token, _peak(device, baseline))
+
+    def nll(self, name: str, ids, rows: list[int], targets):
+        logits = self.engine.prefill(ids, fill=self.plans.get(name), logits_at=rows).logits  # [B, R, V]
+        return F.cross_entropy(logits.float().transpose(1, 2), targets.to(logits.device), reduction="none")
+
+    def tally(self, name: str) -> Tally:
+        plan = self.plans[name]
+        return Tally() if plan is None else plan.tally  # counted by the engine's prefill
+
+    def device_info(self) -> dict:
+        return {"device": str(self.engine.device), "dtype": str(self.engine.dtype).replace("torch.", ""),
+                "routes": self.engine.routes.describe()}  # the attention, window, projection and delta-rule routes
+
+    def fused_kv_bytes(self, split: int) -> int:
+        return self.engine.fused_kv_bytes(split)
+
+    def projection_time(self, name: str, prompt: list[int]) -> dict:
+        """One more filled run on an engine whose fill projection is timed (a Stopwatch)."""
+        device = self.engine.device
+        timer = Stopwatch(device)
+        ids = self._device_ids(prompt)
+        engine = self.model.timed_engine(timer)
+        plan = self.plans[name]
+        seconds, _ = clocked(lambda: int(engine.prefill(ids, fill=plan, capacity=ids.shape[1] + 1).logits[0, -1]
+                                         .argmax()), lambda: _sync(device))
+        return {"projection_s": timer.elapsed_s, "projection_share": timer.elapsed_s / seconds,
+                "instrumented_run_s": seconds}
+
+    def store_scope(self) -> dict:
+        return {}  # the scope exact results had before the seam: stored results stay valid
+
+    def _device_ids(self, prompt: list[int]) -> torch.Tensor:
+        if prompt is not self._prompt:
+            self._prompt, self._ids = prompt, torch.tensor([prompt]).to(self.engine.device)
+        return self._ids
+
+    def _runner(self, name: str, ids: torch.Tensor):
+        if name == TRANSFORMERS:
+            model = self.model.model
+
+            def transformers_forward() -> int:
+                with torch.inference_mode():
+                    logits = model(ids, use_cache=True, logits_to_keep=1).logits  # [1, 1, V]
+                return int(logits[0, -1].argmax())
+
+            return transformers_forward
+        plan, engine = self.plans[name], self.engine
+
+        def engine_prefill() -> int:
+            return int(engine.prefill(ids, fill=plan, capacity=ids.shape[1] + 1).logits[0, -1].argmax())
+
+        return engine_prefill
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _reset_peak(device: torch.device) -> int | None:
+    """Reset the peak-memory mark; returns the memory in use now (bytes). CUDA: allocated tensors; CPU: the
+    process's resident set (Linux: /proc/self/clear_refs resets its high-water mark)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return torch.cuda.memory_allocated(device)
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return _proc_status("VmRSS")
+    except OSError:
+        return None
+
+
+def _peak(device: torch.device, baseline: int | None) -> dict:
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+    else:
+        peak = _proc_status("VmHWM") if baseline is not None else None
+    return {"peak_bytes": peak, "increase_bytes": None if peak is None or baseline is None else peak - baseline}
+
+
+def _proc_status(field: str) -> int | None:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
+BACKEND = OwnBackend
