@@ -11,6 +11,7 @@ from ridgefill.errors import RidgefillError
 ENGINES = {
     "ridgefill": "ridgefill.backends.own",  # ridgefill's own torch engine
     "vllm": "ridgefill.backends.vllm",  # vLLM with ridgefill's plugin (the vllm extra)
+    "llamacpp": "ridgefill.backends.llamacpp.backend",  # llama.cpp with ridgefill's patch (make install builds it)
 }
 
 

@@ -173,8 +173,9 @@ def check_plans(backend: Backend, plans: dict) -> None:
 
 
 # --- the option the engine commands share ----------------------------------------------------------------
-ENGINE_HELP = ("ridgefill (its own engine) or vllm (vLLM: stock vLLM for exact, ridgefill's vLLM plugin for fills; "
-               "needs the vllm extra).")
+ENGINE_HELP = ("ridgefill (its own engine), vllm (vLLM: stock vLLM for exact, ridgefill's vLLM plugin for fills; "
+               "needs the vllm extra) or llamacpp (llama.cpp with ridgefill's patch on a GGUF --model; make install "
+               "builds it).")
 
 # (config field, set when, capability, the option as named in a refusal)
 OPTION_CAPABILITIES: tuple[tuple[str, Callable, str, str], ...] = (
