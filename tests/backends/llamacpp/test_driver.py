@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import tiny_gguf
+from tiny_gguf import tiny_ggufs  # noqa: F401 (a session fixture)
 from ridgefill.backends.llamacpp.driver import LlamaCpp, Maps, maps_of
 from ridgefill.engine import Engine, IdentityFiller, MapFiller, adapter_for
 from ridgefill.engine.fill_plan import FillPlan

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import tiny_gguf
+from tiny_gguf import tiny_ggufs  # noqa: F401 (a session fixture)
 from ridgefill.backends.llamacpp import driver
 from ridgefill.backends.llamacpp.driver import LlamaCpp, Maps
 from ridgefill.errors import RidgefillError

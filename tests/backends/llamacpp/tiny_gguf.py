@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
@@ -26,7 +27,7 @@ def config(family: str, **overrides):
     if family == "qwen2":
         return Qwen2Config(rope_parameters=rope, **common)
     if family == "qwen3":
-        return Qwen3Config(**{"head_dim": 16, "rope_parameters": rope, **common})
+        return Qwen3Config(**{"head_dim": 128, "rope_parameters": rope, **common})  # transformers converts 128 only
     raise ValueError(family)
 
 
@@ -152,3 +153,14 @@ def embedded_gguf() -> Path:
     from ridgefill.runtime.models import ALIASES, _gguf_dir
 
     return _gguf_dir("smollm2-135m", ALIASES["smollm2-135m"]) / ALIASES["smollm2-135m"].filename
+
+
+@pytest.fixture(scope="session")
+def tiny_ggufs(tmp_path_factory):
+    """family -> (transformers model, its GGUF file), written once per session (the test modules import it)."""
+    folder = tmp_path_factory.mktemp("gguf")
+    out = {}
+    for family in ("llama", "qwen2", "qwen3"):
+        m = model(family)
+        out[family] = (m, write(m, folder / f"tiny-{family}.gguf", family))
+    return out
