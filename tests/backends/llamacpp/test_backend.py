@@ -123,7 +123,7 @@ def test_lookback_maps(tiny_ggufs, tmp_path, monkeypatch, capfd):
                      error_map=0.5, error_full_rank=0.5) for l in range(split + 1, layers)]
     maps = tmp_path / "maps.safetensors"
     save_maps(maps, split, layers, fits, {"model": info, "lookback": 1}, "ridge")
-    err = refused(["generate", "--engine", "llamacpp", "--model", str(path), "--prompt", "hi", "--tail", "1", "--maps", str(maps)],
+    err = refused(["generate", "--engine", "llamacpp", "--model", str(path), "--prompt", "the cat sat on the mat", "--tail", "1", "--maps", str(maps)],
                   monkeypatch, capfd)
     assert err == ("error: maps with lookback 1 is not supported with --engine llamacpp: use maps fitted without "
                    "--lookback")
