@@ -201,7 +201,8 @@ def test_the_fill_model_args_are_the_fill_options_with_their_defaults():
     refused with the list of what is accepted."""
     from ridgefill.engine.prefill import DEFAULT_CHUNK
     from ridgefill.evals.lm_eval_model import model_settings
-    from ridgefill.method.fill import FIELD, OPTIONS
+    from ridgefill.method.fill import OPTIONS
+    from ridgefill.method.fill_fields import FIELD
 
     settings, fill, max_gen_toks, chunk = model_settings(fill="identity", split="3")
     assert (fill, chunk, max_gen_toks) == ("identity", DEFAULT_CHUNK, 256)

@@ -10,8 +10,9 @@ import math
 import pytest
 
 from ridgefill.errors import RidgefillError
-from ridgefill.method.fill import (ENV, SERVING_KIND, V2_RUNNER, FillOptions, FillSettings, load_serving,
-                                   parse_variants, variant_plans)
+from ridgefill.method.fill import FillOptions, FillSettings, SERVING_KIND, load_serving, parse_variants, variant_plans
+from ridgefill.method.fill_fields import ENV
+from ridgefill.serve.vllm_fill import V2_RUNNER, fill_env, fill_from_env, pin
 from ridgefill.method.maps import save_maps
 from ridgefill.runtime.paths import file_sha256
 from ridgefill.runtime.session import open_session
@@ -58,20 +59,20 @@ def test_the_plan_is_the_settings_on_the_model(session_and_maps):
 
 def test_the_vllm_environment_there_and_back(session_and_maps, tmp_path):
     session, maps = session_and_maps
-    pinned = FillSettings("identity", 4, tail=12, keep_first=0, outlier_factor=0.0).for_vllm(
-        session.engine.n_layers, session.loaded.info(), tmp_path)
+    pinned = pin(FillSettings("identity", 4, tail=12, keep_first=0, outlier_factor=0.0), session.engine.n_layers,
+                 session.loaded.info(), tmp_path)
     assert pinned.maps.parent == tmp_path and pinned.split == 4 and pinned.maps_sha256 == file_sha256(pinned.maps)
-    env = pinned.env()
+    env = fill_env(pinned)
     assert env[ENV["tail"]] == "12" and env[ENV["keep_first"]] == "0" and env[V2_RUNNER] == "0"
     assert env[ENV["maps_sha256"]] == pinned.maps_sha256
-    assert FillSettings.from_env(env) == pinned  # identity maps serve identity fill
-    assert FillSettings.from_env({}) is None
+    assert fill_from_env(env) == pinned  # identity maps serve identity fill
+    assert fill_from_env({}) is None
     with pytest.raises(RidgefillError, match="RIDGEFILL_TAIL='x' is not an integer"):
-        FillSettings.from_env({**env, ENV["tail"]: "x"})
+        fill_from_env({**env, ENV["tail"]: "x"})
     with pytest.raises(RidgefillError, match="RIDGEFILL_TAIL=0|--tail 0"):
-        FillSettings.from_env({**env, ENV["tail"]: "0"})
-    with pytest.raises(RidgefillError, match="pin the settings with for_vllm"):
-        FillSettings("identity", 4).env()
+        fill_from_env({**env, ENV["tail"]: "0"})
+    with pytest.raises(RidgefillError, match=r"pin the settings \(serve/vllm_fill.pin\) first"):
+        fill_env(FillSettings("identity", 4))
 
 
 def serving_doc(fill: FillSettings, weights: str, **changes) -> dict:
@@ -187,16 +188,16 @@ def test_the_controls_plan_and_serve_as_their_definitions_say(session_and_maps, 
     assert isinstance(plan.filler, MeanFiller) and plan.split == meta["split"] == 3
     late = plan.filler.late_inputs(torch.zeros(1, 2, hidden), torch.arange(2))
     assert torch.equal(late[1:], means.unsqueeze(1).expand(-1, 2, -1))
-    served = FillSettings("mean", None, maps).for_vllm(n, session.loaded.info(), tmp_path)
+    served = pin(FillSettings("mean", None, maps), n, session.loaded.info(), tmp_path)
     tensors, stored = load_artifact(served.maps, "maps")
     assert stored["kind"] == "mean" and torch.equal(tensors["bias"], means)
-    assert FillSettings.from_env(served.env()).variant == "mean"
+    assert fill_from_env(fill_env(served)).variant == "mean"
     assert FillOptions(maps=served.maps).fill().variant == "mean"  # a mean maps file given as --maps fills mean
     assert FillOptions(maps=maps).fill().variant == "ridge"
     with pytest.raises(RidgefillError, match="carries no calibration means"):
         FillSettings("mean", None, session_and_maps[1]).plan(session)
     with pytest.raises(RidgefillError, match="does not serve drop fill") as caught:
-        FillSettings("drop", 2).for_vllm(n, session.loaded.info(), tmp_path)
+        pin(FillSettings("drop", 2), n, session.loaded.info(), tmp_path)
     assert "\n" not in str(caught.value)
 
 
@@ -207,7 +208,8 @@ def test_every_fill_setting_is_declared_once_and_every_consumer_derives_from_it(
     import dataclasses
 
     from ridgefill.commands import options
-    from ridgefill.method.fill import FIELD, FIELDS, OPTIONS, ServedOptions
+    from ridgefill.method.fill import OPTIONS, ServedOptions
+    from ridgefill.method.fill_fields import FIELD, FIELDS
     from ridgefill.pipeline.tune.options import TuneConfig
 
     assert [f.name for f in dataclasses.fields(FillSettings)] == ["variant", *FIELD]
@@ -227,7 +229,7 @@ def test_every_fill_setting_is_declared_once_and_every_consumer_derives_from_it(
     fill = FillSettings("ridge", 3, maps, maps_sha256="a" * 64)
     assert set(fill.to_serving()) == {"variant", "maps", *(f.name for f in FIELDS if f.served)}
     assert set(fill.describe()) == {"variant", *FIELD}
-    assert set(ENV) == {f.name for f in FIELDS if f.env} and set(ENV.values()) <= set(fill.env())
+    assert set(ENV) == {f.name for f in FIELDS if f.env} and set(ENV.values()) <= set(fill_env(fill))
     from ridgefill.engine.prefill import DEFAULT_CHUNK
     from ridgefill.pipeline.recipe import TOP  # torch-free: the recipe's own defaults must agree
     from ridgefill.runtime.session import ModelConfig

@@ -14,6 +14,7 @@ from ridgefill.method.fill import FillOptions, FillSettings, load_serving
 from ridgefill.method.fit import COMMAND as FIT
 from ridgefill.runtime.artifacts import load_artifact, read_meta
 from ridgefill.runtime.session import open_session
+from ridgefill.serve.vllm_fill import fill_from_env, pin
 
 
 @pytest.fixture(scope="module")
@@ -90,12 +91,12 @@ def test_the_vllm_plugin_refuses_a_window_in_one_line(windowed, tmp_path):
     session, maps, _ = windowed
     info, n = session.loaded.info(), session.engine.n_layers
     with pytest.raises(RidgefillError, match="does not serve a filled window .*carried by"):
-        FillSettings("ridge", None, maps["windowed"]).for_vllm(n, info, tmp_path)
+        pin(FillSettings("ridge", None, maps["windowed"]), n, info, tmp_path)
     with pytest.raises(RidgefillError, match="does not serve a filled window \\(--filled-window 32\\)"):
-        FillSettings("identity", 3, filled_window=32).for_vllm(n, info, tmp_path)
+        pin(FillSettings("identity", 3, filled_window=32), n, info, tmp_path)
     with pytest.raises(RidgefillError, match="does not serve a filled window"):
-        FillSettings.from_env({"RIDGEFILL_MAPS": str(maps["windowed"])})
-    assert FillSettings.from_env({"RIDGEFILL_MAPS": str(maps["plain"])}).variant == "ridge"
+        fill_from_env({"RIDGEFILL_MAPS": str(maps["windowed"])})
+    assert fill_from_env({"RIDGEFILL_MAPS": str(maps["plain"])}).variant == "ridge"
 
 
 def test_a_serving_config_carries_the_window(windowed, tmp_path):

@@ -84,14 +84,15 @@ def test_a_maps_pin_that_is_not_a_whole_sha256_is_refused(tmp_path, pin):
 def test_the_plugins_pin_must_be_a_whole_sha256(tmp_path, pin):
     """RIDGEFILL_MAPS_SHA256 (what every vLLM process checks the maps against) and load_private's pin: a value that is
     not 64 hex digits is refused in one line (unset or empty: no pin)."""
-    from ridgefill.method.fill import ENV, FillSettings
+    from ridgefill.method.fill_fields import ENV
+    from ridgefill.serve.vllm_fill import fill_from_env
     from ridgefill.method.maps import save_maps
     from ridgefill.runtime.artifacts import load_private
 
     maps = tmp_path / "maps.safetensors"
     save_maps(maps, 3, 6, [], {"model": {"id": "tiny", "weights_hash": "x"}}, "identity")
     with pytest.raises(RidgefillError, match=rf"^{ENV['maps_sha256']}='{pin}' is not a whole sha256 \(64 hex digits\)"):
-        FillSettings.from_env({ENV["maps"]: str(maps), ENV["maps_sha256"]: pin})
+        fill_from_env({ENV["maps"]: str(maps), ENV["maps_sha256"]: pin})
     with pytest.raises(RidgefillError, match=r"is not a whole sha256 \(64 hex digits\): pin the file by its full"):
         load_private(maps, "maps", pin)
-    assert FillSettings.from_env({ENV["maps"]: str(maps), ENV["maps_sha256"]: ""}).maps_sha256 is None
+    assert fill_from_env({ENV["maps"]: str(maps), ENV["maps_sha256"]: ""}).maps_sha256 is None

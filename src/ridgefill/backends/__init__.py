@@ -1,6 +1,6 @@
-"""The engines that run a fill, behind one seam (backends/base.py): name -> the module holding its Backend class
-(as BACKEND), imported only when that engine is asked for, so `--help` and the own engine never import another
-engine's code. Adding an engine: its module, one line here, its row in docs."""
+"""The engines that run a fill, behind one seam (backends/base.py): name -> (the module holding its Backend class as
+BACKEND, imported only when that engine is asked for, so `--help` and the own engine never import another engine's
+code; what --engine's help says of it). Adding an engine: its module, one line here, its row in docs."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ import importlib
 from ridgefill.errors import RidgefillError
 
 ENGINES = {
-    "ridgefill": "ridgefill.backends.own",  # ridgefill's own torch engine
-    "vllm": "ridgefill.backends.vllm",  # vLLM with ridgefill's plugin (the vllm extra)
-    "llamacpp": "ridgefill.backends.llamacpp.backend",  # llama.cpp with ridgefill's patch (make install builds it)
+    "ridgefill": ("ridgefill.backends.own", "its own engine"),
+    "vllm": ("ridgefill.backends.vllm", "vLLM: stock vLLM for exact, ridgefill's vLLM plugin for fills; needs the "
+             "vllm extra"),
+    "llamacpp": ("ridgefill.backends.llamacpp.backend", "llama.cpp with ridgefill's patch on the GGUF file of --model; "
+                 "make install builds it"),
 }
 
 
@@ -19,4 +21,9 @@ def backend_class(name: str):
     """The Backend class of engine `name`; an unknown name is one line."""
     if name not in ENGINES:
         raise RidgefillError(f"unknown --engine '{name}': use one of {', '.join(ENGINES)}")
-    return importlib.import_module(ENGINES[name]).BACKEND
+    return importlib.import_module(ENGINES[name][0]).BACKEND
+
+
+def engine_help() -> str:
+    """--engine's help, from the registry."""
+    return "Which engine runs the model: " + "; ".join(f"{name} ({what})" for name, (_, what) in ENGINES.items()) + "."

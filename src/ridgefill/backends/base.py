@@ -19,10 +19,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar
 
+from ridgefill.backends import engine_help
 from ridgefill.commands import Config, option
 from ridgefill.engine.fill_plan import FillTally
 from ridgefill.errors import RidgefillError
 
+REFERENCE = "transformers"  # the timed name of transformers' own forward, beside exact (caps.reference_forward)
 Tally = FillTally  # the one tally: rows filled, and rows run in full instead (outliers, unwhole lookback windows)
 
 
@@ -173,9 +175,6 @@ def check_plans(backend: Backend, plans: dict) -> None:
 
 
 # --- the option the engine commands share ----------------------------------------------------------------
-ENGINE_HELP = ("ridgefill (its own engine), vllm (vLLM: stock vLLM for exact, ridgefill's vLLM plugin for fills; "
-               "needs the vllm extra) or llamacpp (llama.cpp with ridgefill's patch on a GGUF --model; make install "
-               "builds it).")
 
 # (config field, set when, capability, the option as named in a refusal)
 OPTION_CAPABILITIES: tuple[tuple[str, Callable, str, str], ...] = (
@@ -191,7 +190,7 @@ class EngineOptions(Config):
     """--engine: which backend runs the command (generate, bench-ttft, ruler, loss). `needs` names the
     capabilities the command cannot run without (e.g. loss: logprobs)."""
 
-    engine: str = option("ridgefill", ENGINE_HELP)
+    engine: str = option("ridgefill", engine_help())
     needs: ClassVar[tuple[str, ...]] = ()
 
     def cpu_only(self) -> str | None:

@@ -9,11 +9,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ridgefill.backends.base import Backend, Capabilities, Generation, Tally, Timed, clocked
+from ridgefill.backends.base import REFERENCE, Backend, Capabilities, Generation, Tally, Timed, clocked
 from ridgefill.engine import Stopwatch
 from ridgefill.method.fill import FILLS
 
-TRANSFORMERS = "transformers"  # the timed entry of transformers' own forward (caps.reference_forward)
 
 
 class OwnBackend(Backend):
@@ -87,7 +86,7 @@ class OwnBackend(Backend):
         return self._ids
 
     def _runner(self, name: str, ids: torch.Tensor):
-        if name == TRANSFORMERS:
+        if name == REFERENCE:
             model = self.model.model
 
             def transformers_forward() -> int:

@@ -72,6 +72,7 @@ class VllmBackend(Backend):
         import torch
 
         from ridgefill.serve.vllm_engine import EngineSettings, VllmWorker, vllm_dtype
+        from ridgefill.serve.vllm_fill import pin
 
         c, fills = self.config, self.fills
         scratch = Path(self._stack.enter_context(tempfile.TemporaryDirectory(prefix="ridgefill-vllm-")))
@@ -85,7 +86,7 @@ class VllmBackend(Backend):
         env = {"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"} if context and max_len > context else {}
         info = self.model.model_info
         for name, fill in fills.items():
-            pinned = None if fill is None else fill.for_vllm(self.model.shape.layers, info, scratch)
+            pinned = None if fill is None else pin(fill, self.model.shape.layers, info, scratch)
             self.settings[name] = EngineSettings(self.folder, pinned, plugin=fill is not None,
                                                  dtype=vllm_dtype(c.dtype), max_model_len=max_len,
                                                  threads=f"0-{threads - 1}", kv_cache_gib=KV_CACHE_GIB,
@@ -156,8 +157,11 @@ class VllmBackend(Backend):
     def device_info(self) -> dict:
         import torch
 
+        from ridgefill.runtime.models import DTYPES
+
         gpu = torch.cuda.is_available() and not self.cpu_only()
-        return {"device": "cuda" if gpu else "cpu", "dtype": self.config.dtype, "routes": None}
+        return {"device": "cuda" if gpu else "cpu", "dtype": str(DTYPES[self.config.dtype]).replace("torch.", ""),
+                "routes": None}  # vLLM picks its own kernels
 
     def store_scope(self) -> dict:
         return {"engine": self.name}

@@ -2,11 +2,13 @@
 the speedup.
 
 A timed run is the whole path from prompt token ids to the first generated token: the engine's prefill
-(maps applied, caches written) and the greedy choice of the first token. Per length, every variant runs
-`warmup` untimed times, then `repeats` timed runs interleaved run by run (the order rotates each round);
-transformers' own forward (model(ids, use_cache=True), logits of the last row only) runs on the same prompt
-in the same rounds. On CUDA each run is synchronised before the clock stops. One more run of each fill variant,
-on an engine whose fill projection is timed (a Stopwatch), gives the projection's share of a filled prefill.
+(maps applied, caches written) and the greedy choice of the first token (`--engine` picks the engine: each
+backend's `first_token`, backends/). Per length, every variant runs `warmup` untimed times, then `repeats` timed
+runs interleaved run by run, the order rotating each round (backends/base.time_first_tokens, the one loop for every
+engine). With ridgefill's own engine (backends/own.py) transformers' own forward (model(ids, use_cache=True),
+logits of the last row only) runs on the same prompt in the same rounds, on CUDA each run is synchronised before
+the clock stops, and one more run of each fill variant, on an engine whose fill projection is timed (a
+Stopwatch), gives the projection's share of a filled prefill. vLLM's runs: backends/vllm.py.
 
 The FLOP count (evals/flops.py) gives each variant's FLOPs; the limit speedup is exact FLOPs over filled FLOPs,
 and `achieved_over_limit` is the measured speedup over that limit.
@@ -21,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ridgefill.backends.base import Backend, EngineOptions, time_first_tokens
+from ridgefill.backends.base import REFERENCE as TRANSFORMERS, Backend, EngineOptions, time_first_tokens
 from ridgefill.commands import Command, option
 from ridgefill.engine import BACKENDS, ModelShape
 from ridgefill.errors import RidgefillError
@@ -34,7 +36,6 @@ from ridgefill.runtime.data import documents_for, load_corpus, passages, token_s
 from ridgefill.runtime.provenance import cpu_name, device_info, load_average, versions
 from ridgefill.runtime.session import check_length
 
-TRANSFORMERS = "transformers"  # the timing entry of transformers' own forward (backends/own.py runs it)
 
 
 # --- options -------------------------------------------------------------------------------------------
@@ -114,15 +115,9 @@ def run(config: BenchConfig) -> dict:
         for entry in results:
             entry["map_bytes"] = memory["map_bytes"]
         doc = m.write(results, intervals, split=m.split, map_memory=memory,
-                      device=_device_info(m.backend, load_before), versions=versions(), **_engines(m.backend))
+                      device=_device_info(m.backend, load_before), versions=versions())
     _print(doc, c.out, m.backend.title)
     return doc
-
-
-def _engines(backend: Backend) -> dict:
-    """The engines' own settings, under the engine's name (vllm_engines), when it has any."""
-    described = backend.describe()
-    return {f"{backend.name}_engines": described} if described else {}
 
 
 def _check_model(m: Measurement, longest: int) -> None:
@@ -142,8 +137,7 @@ def _bench_lengths(m: Measurement, prompts: dict, shape: ModelShape | None) -> t
     timed = [TRANSFORMERS, *m.plans] if backend.caps.reference_forward else list(m.plans)
     extra = len(fill_names) if backend.caps.projection else 0
     runs = len(prompts) * (len(timed) * (c.warmup + c.repeats) + extra)
-    with progress_bar(f"timing {backend.title or 'prefill'} to first token".replace("vLLM", "vLLM prefill"),
-                      runs) as advance:
+    with progress_bar(f"timing {backend.title + ' ' if backend.title else ''}prefill to first token", runs) as advance:
         for length, (ids, source) in prompts.items():
             entry = _bench_length(m, timed, ids[0].tolist(), advance)
             entry = {"length": length, "prompt": source, **entry}
@@ -157,8 +151,8 @@ def _bench_lengths(m: Measurement, prompts: dict, shape: ModelShape | None) -> t
     return results, intervals
 
 
-def _prompts(session: Session, data: str, sizes: list[int], seed: int) -> dict[int, tuple[torch.Tensor, str]]:
-    """Per length: token ids [1, N] and where they come from. Real text: one passage from within an evaluation
+def _prompts(session, data: str, sizes: list[int], seed: int) -> dict[int, tuple[torch.Tensor, str]]:
+    """Per length: token ids [1, N] and where they come from (`session`: the backend's model). Real text: one passage from within an evaluation
     document, else consecutive evaluation documents; random ids (seeded) if the corpus is too short or
     `data` is 'random'."""
     tok = session.tokenizer

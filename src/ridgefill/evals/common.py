@@ -135,6 +135,9 @@ class Measurement:
         if hasattr(self.config, "exact_cache"):  # a command that keeps exact results says how many it reused
             extra = {"exact_store": self.store.summary(), **extra}
         extra = {"fill_rows": self.fill_rows(), "filled_window": self.filled_window(), **extra}
+        described = self.backend.describe()  # an engine's own settings and counters per variant (vllm_engines)
+        if described:
+            extra[f"{self.backend.name}_engines"] = described
         info = maps_info(self.config.maps, self.maps_meta)
         return self.writer.write(self.config.out, self.session.model_info, info,
                                  list(self.plans) if variants is None else variants, results, intervals, **extra)

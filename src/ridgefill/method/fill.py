@@ -6,8 +6,7 @@ the split (maps carry the one they were calibrated with). Each setting but the v
 (method/fill_fields.py: its default, check, help, environment variable and serving.json key); from them come
 
 - the engine's plan (`plan`: engine.FillPlan, with the maps loaded and checked against the model),
-- the vLLM plugin's environment (`env`, `from_env`; `for_vllm` pins the maps' bytes and writes an identity maps file
-  for identity fill, which vLLM serves through the same path as ridge maps),
+- (the vLLM plugin's environment is vLLM's translation of it: serve/vllm_fill.py),
 - the fill part of a serving config (`to_serving`, `load_serving`: what `ridgefill tune` writes and `generate`,
   `bench-ttft` and `serve` read).
 
@@ -18,15 +17,14 @@ bench-ttft).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING
 
 from ridgefill.commands import Config, option
 from ridgefill.errors import RidgefillError
-from ridgefill.method.fill_fields import (ENV, FIELD, FIELDS, OPTIONS, check_fill, check_fill_values,
-                                          check_window_values, env_number, with_fields)
+from ridgefill.method.fill_fields import (FIELDS, OPTIONS, check_fill, check_fill_values, check_window_values,
+                                          with_fields)
 
 if TYPE_CHECKING:
     from ridgefill.engine import FillPlan
@@ -36,7 +34,6 @@ FILLS = VARIANTS[1:]  # the fill variants
 FROM_MAPS = ("ridge", "mean")  # variants that read a maps file (mean: its calibration means)
 DEFAULT_VARIANTS = ("exact", "identity", "ridge")  # what runs without --variants (ridge only with --maps)
 SERVING_KIND = "ridgefill-serving-config"
-V2_RUNNER = "VLLM_USE_V2_MODEL_RUNNER"  # vLLM's switch between its model runners (0: V1, the one the plugin hooks)
 SERVING_HELP = ("A serving config from `ridgefill tune`: its fill (variant, split, maps, tail, keep-first, outlier "
                 "factor) replaces those options.")
 
@@ -123,62 +120,6 @@ class FillSettings:
             meta = read_meta(self.maps, "maps")
         return resolve_window(self.filled_window, self.filled_window_layers, split, self.keep_first, meta, self.maps)
 
-    # --- vLLM ----------------------------------------------------------------------------------------------------
-    def for_vllm(self, n_layers: int, model_info: dict, scratch: Path) -> "FillSettings":
-        """These settings as the vLLM plugin serves them: identity fill through an identity maps file written into
-        `scratch` for this model, the mean control through a mean maps file written there from the maps' calibration
-        means, and the maps pinned to their bytes as they are now (maps_sha256). Drop fill is not served."""
-        from ridgefill.method.maps import save_maps
-        from ridgefill.runtime.artifacts import load_private
-
-        maps = self.maps
-        if self.variant == "drop":
-            raise RidgefillError("the vLLM plugin does not serve drop fill (a null control for measurements): "
-                                 "measure it with ridgefill's own engine, or serve identity, mean or ridge")
-        refuse_windowed(self.filled_window, self.maps)
-        if self.variant == "identity":
-            split = self.split if self.split is not None else served_split(self.maps)
-            maps = Path(scratch) / "identity.maps.safetensors"
-            save_maps(maps, split, n_layers, [], {"model": model_info}, "identity")
-        elif self.variant == "mean" and read_kind(self.maps) != "mean":
-            maps = mean_maps(self.maps, Path(scratch) / "mean.maps.safetensors", self.maps_sha256)
-        _, meta, digest = load_private(maps, "maps", None if maps != self.maps else self.maps_sha256)
-        if self.split is not None and self.split != meta["split"]:
-            raise RidgefillError(f"{maps} holds maps for split {meta['split']}, not {self.split}: pass --split "
-                                 f"{meta['split']} or fit maps for split {self.split}")
-        return replace(self, maps=maps, split=meta["split"], maps_sha256=digest)
-
-    def env(self) -> dict[str, str]:
-        """The plugin's environment (every process vLLM starts reads it); needs a maps file (for_vllm)."""
-        if self.maps is None:
-            raise RidgefillError("the vLLM plugin serves a maps file: pin the settings with for_vllm first")
-        env = {ENV["maps"]: str(Path(self.maps).resolve()), V2_RUNNER: "0"}
-        for name, var in ENV.items():
-            value = getattr(self, name)
-            if name != "maps" and value is not None:
-                env[var] = repr(float(value)) if FIELD[name].kind is float else str(value)
-        return env
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] = os.environ) -> "FillSettings | None":
-        """The plugin's settings in `env`, or None when RIDGEFILL_MAPS is unset (vLLM then runs as stock). The
-        variant is the maps file's kind (identity maps serve identity fill)."""
-        from ridgefill.runtime.artifacts import read_meta
-        from ridgefill.runtime.paths import is_sha256
-
-        maps = env.get(ENV["maps"], "").strip()
-        if not maps:
-            return None
-        pin = env.get(ENV["maps_sha256"], "").strip() or None  # unset or empty: no pin
-        if pin is not None and not is_sha256(pin):
-            raise RidgefillError(f"{ENV['maps_sha256']}={repr(pin)[:80]} is not a whole sha256 (64 hex digits): set "
-                                 "it to the maps file's full sha256, or leave it unset")
-        meta = read_meta(maps, "maps")
-        refuse_windowed(0, maps, meta)
-        variant = meta.get("kind") if meta.get("kind") in ("identity", "mean") else "ridge"
-        numbers = {n: env_number(env, FIELD[n]) for n in ENV if FIELD[n].kind in (int, float)}
-        return cls(variant, meta.get("split"), Path(maps), maps_sha256=pin, **numbers)
-
     # --- serving configs -----------------------------------------------------------------------------------------
     def to_serving(self) -> dict:
         """The fill part of a serving config (the maps by absolute path and sha256)."""
@@ -197,21 +138,6 @@ class FillSettings:
     def options(self) -> dict:
         """The fill options (FillOptions' fields) these settings set."""
         return {name: getattr(self, name) for name in OPTIONS}
-
-
-def refuse_windowed(window: int, maps, meta: dict | None = None) -> None:
-    """The vLLM plugin serves filled rows with full attention below the split: a window, asked or carried by the
-    maps, is refused in one line."""
-    from ridgefill.runtime.artifacts import read_meta
-
-    if meta is None and maps is not None:
-        meta = read_meta(maps, "maps")
-    stored = (meta or {}).get("filled_window")
-    if window or stored:
-        size = window or stored["size"]
-        raise RidgefillError(f"the vLLM plugin does not serve a filled window (--filled-window {size}"
-                             f"{', carried by ' + str(maps) if stored else ''}) yet: measure it with ridgefill's own "
-                             "engine, or serve maps calibrated without a window")
 
 
 def parse_variants(text, maps) -> list[str]:
@@ -254,29 +180,10 @@ def variant_plans(session, options, variants=VARIANTS) -> tuple[dict, dict | Non
     return plans, meta
 
 
-def served_split(maps) -> int:
-    from ridgefill.runtime.artifacts import read_meta
-
-    return read_meta(maps, "maps")["split"]
-
-
 def read_kind(maps) -> str | None:
     from ridgefill.runtime.artifacts import read_meta
 
     return read_meta(maps, "maps").get("kind")
-
-
-def mean_maps(maps: Path, out: Path, sha256: str | None = None) -> Path:
-    """Write the mean control of `maps` (their calibration means as a mean maps file, for the vLLM plugin) to `out`."""
-    from ridgefill.method.maps import calibration_means
-    from ridgefill.runtime.artifacts import load_private, save_artifact
-
-    tensors, meta, _ = load_private(maps, "maps", sha256)
-    bias = calibration_means(maps, tensors, meta)
-    keep = {k: meta[k] for k in ("model", "split", "n_layers", "data", "tokens", "seq_len") if k in meta}
-    save_artifact(out, {"bias": bias}, {**keep, "artifact": "maps", "kind": "mean", "layers": [],
-                                        "from_maps": str(maps)})
-    return out
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ Before any vLLM process starts, the options, the model folder and the maps (serv
 pins the maps' sha256), the plugin's entry point, the installed vLLM release and the port are checked: each
 problem is one line and exit code 2. On a CPU build the KV cache is sized here (serve/kv_sizing.py), because vLLM's
 own CPU default reserves 92 % of the machine's memory. Then vLLM's OpenAI-compatible server (VLLM_SERVER) runs as a
-child process (serve/process.py) with the fill in its environment (FillSettings.env: every process vLLM starts
+child process (serve/process.py) with the fill in its environment (serve/vllm_fill.fill_env: every process vLLM starts
 reads it) and a fresh PROMETHEUS_MULTIPROC_DIR (RidgeFill's counters on /metrics); vLLM's own defaults stay on
 (compilation and CUDA graphs for steps without filled tokens, prefix caching made safe by the plugin:
 serve/vllm/prefix.py). While it starts, its output goes to a private, bounded log file; if it ends before
@@ -34,7 +34,8 @@ from pathlib import Path
 
 from ridgefill.commands import Command, option
 from ridgefill.errors import RidgefillError
-from ridgefill.method.fill import V2_RUNNER, FillSettings, ServedOptions
+from ridgefill.method.fill import FillSettings, ServedOptions
+from ridgefill.serve.vllm_fill import V2_RUNNER, fill_env, pin
 # (KvPlan, kv_bytes_per_token, state_bytes_per_request, running and startup_error are imported here for bench-serve
 # and the tests, which read them as serve's, as before the split)
 from ridgefill.serve.kv_sizing import (KV_OPTIONS, KvPlan, available_memory, kv_bytes_per_token, kv_cache_plan,
@@ -238,7 +239,7 @@ def serve_plan(c: ServeConfig, scratch: Path) -> Launch:
     metrics = scratch / "prometheus"
     metrics.mkdir(exist_ok=True)
     key = split_api_key(c.vllm_args)[1]
-    env = {**os.environ, **started_process_env(os.environ), **fill.env(), "PROMETHEUS_MULTIPROC_DIR": str(metrics),
+    env = {**os.environ, **started_process_env(os.environ), **fill_env(fill), "PROMETHEUS_MULTIPROC_DIR": str(metrics),
            **({API_KEY_ENV: key} if key is not None else {})}
     log = c.log_file or default_log(c.port)
     banner = (f"ridgefill serve: {c.model} through vLLM at http://{c.host}:{c.port}/v1 with RidgeFill: "
@@ -264,7 +265,7 @@ def stock_plan(plan: Launch, log: Path) -> Launch:
 
 
 def served_fill(c: ServeConfig, folder: str, scratch: Path) -> FillSettings:
-    """The fill to serve, pinned for the plugin (FillSettings.for_vllm): the fill options', or a serving config's
+    """The fill to serve, pinned for the plugin (serve/vllm_fill.pin): the fill options', or a serving config's
     (checked against the model). Identity fill is served through an identity maps file in `scratch`."""
     from ridgefill.method.fill import load_serving
     from ridgefill.runtime.models import checkpoint_fingerprint
@@ -277,7 +278,7 @@ def served_fill(c: ServeConfig, folder: str, scratch: Path) -> FillSettings:
         tuned.check_model(weights, c.serving_config)
         fill = tuned.fill
     n_layers = read_model_config(folder).get("num_hidden_layers")
-    return fill.for_vllm(n_layers, {"id": c.model, "weights_hash": weights}, scratch)
+    return pin(fill, n_layers, {"id": c.model, "weights_hash": weights}, scratch)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -1,7 +1,7 @@
 """The checks of RidgeFill inside vLLM that run before vLLM starts and when its engine is configured (no vLLM
 import). How the plugin is configured (its environment: RIDGEFILL_MAPS, RIDGEFILL_MAPS_SHA256, RIDGEFILL_TAIL,
-RIDGEFILL_KEEP_FIRST, RIDGEFILL_OUTLIER_FACTOR, and VLLM_USE_V2_MODEL_RUNNER=0) is method/fill.FillSettings'
-(`env`, `from_env`); a request's own options are serve/vllm_requests.py's. What else the vLLM processes ridgefill
+RIDGEFILL_KEEP_FIRST, RIDGEFILL_OUTLIER_FACTOR, and VLLM_USE_V2_MODEL_RUNNER=0) is serve/vllm_fill.py's
+(`fill_env`, `fill_from_env`); a request's own options are serve/vllm_requests.py's. What else the vLLM processes ridgefill
 starts get in their environment, stock or not, is `started_process_env`.
 """
 
@@ -14,7 +14,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from ridgefill.errors import RidgefillError
-from ridgefill.method.fill import ENV, V2_RUNNER, FillSettings
+from ridgefill.method.fill import FillSettings
+from ridgefill.method.fill_fields import ENV
+from ridgefill.serve.vllm_fill import V2_RUNNER
 from ridgefill.method.maps import check_for_model, check_maps
 from ridgefill.runtime.artifacts import load_private
 from ridgefill.runtime.models import checkpoint_fingerprint

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from ridgefill.errors import RidgefillError
 from ridgefill.method.fill import FillSettings
 from ridgefill.serve.vllm_config import VLLM_DTYPES, read_model_config, served_prefix_caching, started_process_env
+from ridgefill.serve.vllm_fill import fill_env
 from ridgefill.serve.vllm_malloc import keep_freed_memory
 
 
@@ -33,7 +34,7 @@ class EngineSettings:
     """How one vLLM engine is built (vLLM's own LLM(...) arguments, plus the fill and the CPU threads)."""
 
     model: str  # a local checkpoint folder
-    fill: FillSettings | None = None  # None: stock vLLM (pinned with FillSettings.for_vllm otherwise)
+    fill: FillSettings | None = None  # None: stock vLLM (pinned with serve/vllm_fill.pin otherwise)
     plugin: bool = True  # False: no vLLM plugin is loaded at all (VLLM_PLUGINS=""), whatever is installed
     dtype: str = "float32"
     max_model_len: int | None = None
@@ -58,7 +59,7 @@ class EngineSettings:
         if self.threads is not None:
             env.update(VLLM_CPU_OMP_THREADS_BIND=self.threads, VLLM_CPU_NUM_OF_RESERVED_CPU="0")
         if self.fill is not None:
-            env.update(self.fill.env())
+            env.update(fill_env(self.fill))
         if not self.plugin:
             env["VLLM_PLUGINS"] = ""  # an allow-list that names no plugin
         env.update(started_process_env({**os.environ, **self.env}))  # the engine's and the processes it starts
@@ -275,7 +276,7 @@ def _token_logprobs(llm, prompts, tokens, tails) -> list[float]:
 
     from ridgefill.serve.vllm_requests import TAIL_ARG
 
-    params = [SamplingParams(temperature=0.0, max_tokens=1, logprobs=0, logprob_token_ids=[t],
+    params = [SamplingParams(temperature=0.0, max_tokens=1, logprobs=1, logprob_token_ids=[t],
                              extra_args=None if tail is None else {TAIL_ARG: tail}) for t, tail in zip(tokens, tails)]
     outputs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
     return [float(out.outputs[0].logprobs[0][t].logprob) for out, t in zip(outputs, tokens)]

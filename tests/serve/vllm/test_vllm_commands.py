@@ -133,8 +133,10 @@ def test_loss_in_vllm_equals_ridgefills_engine(vllm_tiny, tmp_path):
         assert per["distant_tokens"] == theirs_per["distant_tokens"]
         for key, counts in (("tail_nll_sum", [47] * 2), ("distant_nll_sum", per["distant_tokens"])):
             found = [abs(a - b) / max(1, n) for a, b, n in zip(per[key], theirs_per[key], counts)]
+            print(f"loss {name} {key}: largest per-token gap between the engines {max(found):.2e}")
             assert max(found) < LOGPROB_TOL, (name, key, found)
-    assert ours["results"]["ridge"]["tail_nll"] != ours["results"]["exact"]["tail_nll"]  # the fill changed the loss
+    exact, ridge = (ours["results"][v]["per_passage"]["tail_nll_sum"] for v in ("exact", "ridge"))
+    assert max(abs(a - b) for a, b in zip(exact, ridge)) / 47 > 10 * LOGPROB_TOL  # a fill vLLM skipped would show
     assert theirs["fill_rows"]["ridge"]["filled_rows"] > 0
 
 
@@ -143,12 +145,19 @@ def test_ruler_in_vllm_equals_ridgefills_engine(vllm_tiny, tmp_path):
     engine answers them: the same scores, and greedy answers equal for all but at most one sample per variant (the
     plugin tests' bar for greedy continuations)."""
     folder, maps = vllm_tiny["llama"]
-    options = dict(model=str(folder), maps=maps, lengths="600", tasks="niah_single_1,vt", samples=3, tail=64,
+    options = dict(model=str(folder), maps=maps, lengths="1024", tasks="niah_single_1,vt", samples=3, tail=64,
                    max_new_tokens=12, variants="exact,ridge")
     ours = command("ruler")(out=tmp_path / "own.json", **options)
     theirs = command("ruler")(out=tmp_path / "vllm.json", engine="vllm", **options)
     for name in ("exact", "ridge"):
         same = sum(a["predictions"][name] == b["predictions"][name]
                    for a, b in zip(ours["samples"], theirs["samples"]))
+        print(f"ruler {name}: {same} of {len(ours['samples'])} greedy answers agree")
         assert same >= len(ours["samples"]) - 1, (name, same)
-    assert theirs["fill_rows"]["ridge"]["filled_rows"] == ours["fill_rows"]["ridge"]["filled_rows"] > 0
+    # the same rows are to be filled; vLLM serves some of them from its prefix cache (RULER prompts of a task share
+    # their start), filled by an earlier request with the same maps
+    planned = ours["fill_rows"]["ridge"]["filled_rows"] + ours["fill_rows"]["ridge"]["outlier_rows_run_full"]
+    tally = theirs["vllm_engines"]["ridge"]["tally"]
+    served = tally["filled_rows"] + tally["outlier_rows_run_full"]
+    assert theirs["fill_rows"]["ridge"]["filled_rows"] == tally["filled_rows"] > 0
+    assert served <= planned <= served + tally["cached_prompt_rows"], (tally, planned)

@@ -337,7 +337,7 @@ def test_the_mean_control_is_served_as_ridgefills_engine_runs_it(vllm_tiny, engi
     """The mean control (issue #27) through the plugin: a mean maps file written from the maps' calibration means
     (every filled row's late inputs are those means) gives test 2's bar against ridgefill's engine with the same
     file, and differs from the ridge maps' output (the control is applied)."""
-    from ridgefill.method.fill import mean_maps
+    from ridgefill.serve.vllm_fill import mean_maps
 
     folder, maps = vllm_tiny["llama"]
     means = mean_maps(maps, tmp_path / "mean.safetensors")

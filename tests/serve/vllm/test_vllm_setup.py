@@ -23,7 +23,7 @@ import vllm.config.vllm as vllm_config_module
 from vllm.engine.arg_utils import EngineArgs
 
 vllm_config_module.HAS_TRITON = True  # as on a CUDA install: vLLM would pick Model Runner V2
-from ridgefill.method.fill import FillSettings
+from ridgefill.serve.vllm_fill import fill_from_env
 from ridgefill.serve.vllm_config import check_engine_config
 from ridgefill.serve.vllm.plugin import register
 
@@ -37,7 +37,7 @@ def make(env=None, after=None, **kwargs):
         config = EngineArgs(model=sys.argv[1], max_model_len=512, **kwargs).create_engine_config()
         if after is not None:
             after(config)
-            check_engine_config(config, FillSettings.from_env())
+            check_engine_config(config, fill_from_env())
         return {"v2": config.use_v2_model_runner, "processors": config.model_config.logits_processors,
                 "prefix_caching": config.cache_config.enable_prefix_caching}
     except Exception as exc:

@@ -52,6 +52,7 @@ from ridgefill.errors import RidgefillError
 from ridgefill.method.maps import load_filler
 from ridgefill.runtime.models import checkpoint_fingerprint
 from ridgefill.method.fill import FillSettings
+from ridgefill.serve.vllm_fill import fill_from_env
 from ridgefill.serve.vllm_config import check_engine_config
 from ridgefill.serve.vllm.metrics import FillCounters
 from ridgefill.serve.vllm.private import (cpu_gemm, decoder_layers, embed, final_norm, gdn_core, gdn_core_inputs,
@@ -131,7 +132,7 @@ class RidgeFillMixin:
 
     def __init__(self, *, vllm_config, prefix: str = "", **kwargs):
         super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)  # the stock model's __init__ (next in MRO)
-        fill = FillSettings.from_env()
+        fill = fill_from_env()
         if fill is not None:
             check_engine_config(vllm_config, fill)
         self._ridgefill_fill = fill

@@ -5,6 +5,7 @@ they serve: the model runner's in serve/vllm/runner.py, the prefix cache's in se
 from __future__ import annotations
 
 from ridgefill.method.fill import FillSettings
+from ridgefill.serve.vllm_fill import fill_from_env
 from ridgefill.serve.vllm.patch import Patch
 from ridgefill.serve.vllm_config import check_engine_config
 from ridgefill.serve.vllm.prefix import cut_cache_hit, salted_request
@@ -25,7 +26,7 @@ class EngineConfigPatch(Patch):
             if QUALNAME not in processors:
                 engine_args.logits_processors = [*processors, QUALNAME]
             config = original(engine_args, *args, **kwargs)
-            fill = FillSettings.from_env()
+            fill = fill_from_env()
             if fill is not None:
                 check_engine_config(config, fill)
             return config

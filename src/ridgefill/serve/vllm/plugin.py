@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 
-from ridgefill.method.fill import V2_RUNNER, FillSettings
+from ridgefill.serve.vllm_fill import V2_RUNNER, fill_from_env
 from ridgefill.serve.vllm.patch import apply_patches
 from ridgefill.serve.vllm.patches import plugin_patches
 from ridgefill.serve.vllm.private import check_reads
@@ -30,7 +30,7 @@ from ridgefill.serve.vllm_config import ARCHITECTURES, check_vllm_version
 
 
 def register() -> None:
-    fill = FillSettings.from_env()
+    fill = fill_from_env()
     if fill is None:
         return
     import vllm
