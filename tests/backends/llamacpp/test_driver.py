@@ -11,7 +11,7 @@ import torch
 import tiny_gguf
 from tiny_gguf import tiny_ggufs  # noqa: F401 (a session fixture)
 from ridgefill.backends.llamacpp.driver import LlamaCpp, Maps, maps_of
-from ridgefill.engine import Engine, IdentityFiller, MapFiller, adapter_for
+from ridgefill.engine import Engine, IdentityFiller, MapFiller, MeanFiller, adapter_for
 from ridgefill.engine.fill_plan import FillPlan
 
 MISSING = tiny_gguf.missing_build()
@@ -87,15 +87,15 @@ def test_same_tokens_as_stock_llama_cpp_python(tiny_ggufs):
     from llama_cpp import Llama
 
     path = tiny_gguf.embedded_gguf()
-    prompt = ids(96, seed=3, vocab=40000)
-    with LlamaCpp(path, n_ctx=256, threads=2) as lc:
-        ours = lc.greedy(lc.prefill(prompt, outputs=[len(prompt) - 1]).logits[-1], 8)
-    llm = Llama(str(path), n_ctx=256, n_threads=2, n_gpu_layers=0, flash_attn=True, verbose=False)
+    prompt = ids(48, seed=3, vocab=40000)
+    with LlamaCpp(path, n_ctx=128, threads=2) as lc:
+        ours = lc.greedy(lc.prefill(prompt, outputs=[len(prompt) - 1]).logits[-1], 6)
+    llm = Llama(str(path), n_ctx=128, n_threads=2, n_gpu_layers=0, flash_attn=True, verbose=False)
     try:
         theirs = []
         for tok in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
             theirs.append(tok)
-            if len(theirs) == 8:
+            if len(theirs) == 6:
                 break
     finally:
         llm.close()
@@ -109,7 +109,7 @@ def fillers(split, layers, hidden):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("kind", ["identity", "maps", "low_rank"])
+@pytest.mark.parametrize("kind", ["identity", "maps", "low_rank", "mean", "key_scale"])
 def test_filled_cache_is_the_fill(tiny_ggufs, family, kind):
     """The K/V llama.cpp writes for filled rows equal the own engine's filled K/V (the same maps, positions and
     weights) within the gap llama.cpp already has on exact rows (its F16 cache, its matmul); a wrong map does not."""
@@ -128,6 +128,11 @@ def test_filled_cache_is_the_fill(tiny_ggufs, family, kind):
             filler = IdentityFiller(SPLIT, layers)
         elif kind == "maps":
             filler = MapFiller(SPLIT, layers, w, b)
+        elif kind == "mean":  # the mean control: every filled row's late input is a constant
+            filler = MeanFiller(SPLIT, layers, b + 1.0)
+        elif kind == "key_scale":  # maps with a key-scale correction per late layer and KV head
+            g = torch.Generator().manual_seed(6)
+            filler = MapFiller(SPLIT, layers, w, b, key_scale=0.5 + torch.rand(layers - SPLIT, heads, generator=g))
         else:
             g = torch.Generator().manual_seed(5)
             m = layers - SPLIT - 1
@@ -142,9 +147,9 @@ def test_filled_cache_is_the_fill(tiny_ggufs, family, kind):
         gaps = cache_gap(lc, want.cache, family, heads, layers)
         assert max(gaps) <= bound, (gaps, bound)
 
-        if kind != "identity":  # a wrong map: another bias
-            lc.set_maps(maps_of(MapFiller(SPLIT, layers, w if kind == "maps" else None, b + 0.5,
-                                          None if kind == "maps" else low)))
+        if kind in ("maps", "low_rank", "key_scale"):  # a wrong map: another bias
+            lc.set_maps(maps_of(MapFiller(SPLIT, layers, None if kind == "low_rank" else w, b + 0.5,
+                                          low if kind == "low_rank" else None, filler.key_scale)))
             lc.prefill(prompt, full=full_rows(N, TAIL))
             wrong = cache_gap(lc, want.cache, family, heads, layers)
             assert max(wrong[SPLIT + 1:]) > 10 * bound and max(wrong[:SPLIT + 1]) <= bound
