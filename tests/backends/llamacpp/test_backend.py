@@ -127,3 +127,26 @@ def test_lookback_maps(tiny_ggufs, tmp_path, monkeypatch, capfd):
                   monkeypatch, capfd)
     assert err == ("error: maps with lookback 1 is not supported with --engine llamacpp: use maps fitted without "
                    "--lookback")
+
+
+def test_maps_of_another_model(tiny_ggufs, tmp_path, monkeypatch, capfd):
+    """Maps fitted on one GGUF's conversion are refused for another GGUF (its fingerprint), before llama.cpp starts."""
+    import torch
+
+    from ridgefill.method.maps import save_maps
+    from ridgefill.method.ridge import LayerFit
+    from ridgefill.runtime.models import model_identity
+
+    _, llama = tiny_ggufs["llama"]
+    _, qwen2 = tiny_ggufs["qwen2"]
+    info = model_identity(str(llama)).info
+    other = model_identity(str(qwen2)).info["weights_hash"]
+    h, split, layers = 64, 3, 6
+    fits = [LayerFit(layer=l, lam=1.0, weight=torch.eye(h), bias=torch.zeros(h), low_rank=None, error_identity=1.0,
+                     error_map=0.5, error_full_rank=0.5) for l in range(split + 1, layers)]
+    maps = tmp_path / "maps.safetensors"
+    save_maps(maps, split, layers, fits, {"model": info}, "ridge")
+    err = refused(["generate", "--engine", "llamacpp", "--model", str(qwen2), "--prompt", "the cat sat on the mat",
+                   "--tail", "1", "--maps", str(maps)], monkeypatch, capfd)
+    assert err == (f"error: {maps} was fitted for another model ({info['id']}, weights {info['weights_hash']}); this "
+                   f"model's weights are {other}: calibrate and fit for this model")
