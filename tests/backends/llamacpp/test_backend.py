@@ -67,7 +67,7 @@ def test_bench_ttft(tiny_ggufs, tmp_path):
         assert entry["achieved_over_limit"] == pytest.approx(entry["speedup"] / entry["limit_speedup"])
     engines = doc["llamacpp_engines"]
     assert engines["identity"]["fill"] == {"split": 3, "rank": None} and engines["exact"]["fill"] is None
-    assert engines["exact"]["gguf"] == str(path.resolve())
+    assert engines["exact"]["gguf"] == str(path.resolve()) and engines["exact"]["n_batch"] == 2048
 
 
 def test_loss_agrees_with_the_own_engine(tiny_ggufs, long_docs, tmp_path):

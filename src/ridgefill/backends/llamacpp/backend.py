@@ -51,6 +51,8 @@ class LlamaCppBackend(Backend):
         driver.check_family(self.gguf)
         self.model = model_facts(config.model)
         self.threads = getattr(config, "threads", 0) or os.cpu_count() or 1
+        self.n_batch = max(1, config.chunk)  # rows per llama_decode call
+        self.n_ubatch = min(N_UBATCH, self.n_batch)
         self.lc: driver.LlamaCpp | None = None
         self.maps: dict[str, driver.Maps] = {}
         self._tallies: dict[str, Tally] = {}
@@ -70,10 +72,8 @@ class LlamaCppBackend(Backend):
         return self
 
     def start(self, max_len: int) -> "LlamaCppBackend":
-        c = self.config
-        self.n_batch = max(1, c.chunk)
         self.lc = driver.LlamaCpp(self.gguf, n_ctx=max_len, threads=self.threads, n_batch=self.n_batch,
-                                  n_ubatch=min(N_UBATCH, self.n_batch))
+                                  n_ubatch=self.n_ubatch)
         self._current = None
         return self
 
@@ -129,8 +129,8 @@ class LlamaCppBackend(Backend):
 
     def describe(self) -> dict:
         return {name: {"gguf": str(self.gguf), "llama_cpp_python": driver.VERSION, "patch": driver.patch_id(),
-                       "threads": self.threads, "n_batch": self.n_batch if self.lc else None, "n_ubatch":
-                       min(N_UBATCH, self.n_batch) if self.lc else None, "kv_type": "f16", "flash_attn": True,
+                       "threads": self.threads, "n_batch": self.n_batch, "n_ubatch": self.n_ubatch,
+                       "kv_type": "f16", "flash_attn": True,
                        "fill": None if name not in self.maps else {"split": self.maps[name].split,
                                                                    "rank": self.maps[name].rank or None}}
                 for name in self.plans}
