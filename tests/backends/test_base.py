@@ -62,7 +62,7 @@ def test_what_a_backend_lacks_is_refused_in_one_line_from_its_flags(little, name
 def test_an_unknown_engine_names_the_known_ones(tmp_path):
     with pytest.raises(RidgefillError) as err:
         command("loss")(engine="sglang", split=2, data="wiki-leads", out=tmp_path / "x.json")
-    assert str(err.value) == "unknown --engine 'sglang': use one of ridgefill, vllm"
+    assert str(err.value) == "unknown --engine 'sglang': use one of ridgefill, vllm, llamacpp"
 
 
 def test_maps_a_backend_cannot_serve_are_refused_when_the_variants_are_given():

@@ -12,6 +12,8 @@ ENGINES = {
     "ridgefill": ("ridgefill.backends.own", "its own engine"),
     "vllm": ("ridgefill.backends.vllm", "vLLM: stock vLLM for exact, ridgefill's vLLM plugin for fills; needs the "
              "vllm extra"),
+    "llamacpp": ("ridgefill.backends.llamacpp.backend", "llama.cpp with ridgefill's patch on the GGUF file of --model; "
+                 "make install builds it"),
 }
 
 

@@ -129,10 +129,13 @@ def _reason(exc: Exception) -> str:
 
 
 def model_folder(spec: str) -> str:
-    """The local checkpoint folder of `spec` (an alias is converted once into the cache, a Hub id downloaded)."""
+    """The local checkpoint folder of `spec` (an alias or a .gguf file is converted once into the cache, a Hub id
+    downloaded)."""
     if spec in ALIASES:
         return str(_embedded_folder(spec, ALIASES[spec]))
     path = Path(spec).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        return str(_gguf_folder(path))
     if path.is_dir():
         if not (path / "config.json").exists():
             raise RidgefillError(f"{spec} has no config.json: point --model at a Hugging Face model folder")
@@ -180,6 +183,35 @@ def _embedded_folder(alias: str, embedded: EmbeddedModel) -> Path:
     if not (folder / "config.json").exists():
         raise RidgefillError(f"{folder} holds no converted model (no config.json): remove that folder, and ridgefill "
                              f"converts {alias} again")
+    return folder
+
+
+def gguf_file(spec: str) -> Path | None:
+    """The GGUF file `spec` names: an embedded alias's or a .gguf path; None for any other model."""
+    if spec in ALIASES:
+        return _gguf_dir(spec, ALIASES[spec]) / ALIASES[spec].filename
+    path = Path(spec).expanduser()
+    return path.resolve() if path.suffix == ".gguf" and path.is_file() else None
+
+
+def _gguf_folder(path: Path) -> Path:
+    """A .gguf file converted once into the cache, in a folder named by the file's contents (its size and a hash of
+    its first and last MiB): another file at the same path converts again."""
+    size = path.stat().st_size
+    digest = hashlib.sha256(f"{size}\n".encode())
+    with open(path, "rb") as f:
+        digest.update(f.read(1 << 20))
+        f.seek(max(0, size - (1 << 20)))
+        digest.update(f.read(1 << 20))
+    folder = cache_dir() / "models" / f"gguf-{path.stem}-{digest.hexdigest()[:16]}"
+    if not (folder / "config.json").exists():
+        def convert(tmp: Path) -> None:
+            try:
+                _convert_gguf(path.parent, path.name, tmp)
+            except Exception as exc:  # not GGUF, an architecture transformers does not convert
+                raise RidgefillError(f"cannot convert {path} to a Hugging Face model ({_reason(exc)}): give a GGUF "
+                                     "file of a supported architecture") from None
+        publish_folder_once(folder, convert)
     return folder
 
 

@@ -1,0 +1,150 @@
+"""llama.cpp behind the seam: the GGUF file of --model (an embedded alias or a .gguf path) run by llama-cpp-python
+built with ridgefill's patch (driver.py). Exact is the same build's prefill with the fill off (llama.cpp's stock
+code path: fill mode is never entered); a fill variant (identity, ridge, mean) is the same context with its maps
+copied into llama.cpp and its prompts prefilled by the fill rule of its plan (engine.FillPlan: keep-first, the
+tail, kept rows and the outlier factor, per chunk of --chunk rows as the own engine judges outliers).
+
+The model's identity, shape and tokenizer come from the GGUF's Hugging Face conversion (runtime/models.py converts
+it once), so maps fitted with `calibrate` and `fit` on that conversion are checked against it and run unchanged;
+prompts are tokenized by it too, so every engine runs the same token ids. llama.cpp runs on the CPU with
+--threads threads (0: all cores), the weights in the GGUF's own types, an F16 K/V cache and flash attention.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import torch
+
+from ridgefill.backends.base import Backend, Capabilities, Generation, Tally, Timed, clocked
+from ridgefill.backends.llamacpp import driver
+from ridgefill.errors import RidgefillError
+
+N_UBATCH = 512  # llama.cpp's default ubatch
+
+
+class LlamaCppBackend(Backend):
+    name = "llamacpp"
+    title = "llama.cpp"
+    caps = Capabilities(variants=("identity", "ridge", "mean"), keep_rows=True, key_scale=True, logprobs=True,
+                        devices=("cpu",), dtypes=("fp32",))
+
+    @classmethod
+    def check_installed(cls) -> None:
+        driver.check_installed()
+
+    @classmethod
+    def cpu_only(cls) -> str | None:
+        return "--engine llamacpp runs llama.cpp on the CPU (GPU offload is not supported)"
+
+    def __init__(self, config, projection: str = "auto") -> None:
+        from ridgefill.runtime.models import ALIASES, gguf_file
+        from ridgefill.runtime.session import model_facts
+
+        super().__init__(config, projection)
+        self.gguf = gguf_file(config.model)
+        if self.gguf is None:
+            raise RidgefillError(f"--engine llamacpp runs GGUF files, not {config.model}: give --model a .gguf file or "
+                                 f"an embedded alias ({', '.join(ALIASES)})")
+        driver.check_family(self.gguf)
+        self.model = model_facts(config.model)
+        self.threads = getattr(config, "threads", 0) or os.cpu_count() or 1
+        self.n_batch = max(1, config.chunk)  # rows per llama_decode call
+        self.n_ubatch = min(N_UBATCH, self.n_batch)
+        self.lc: driver.LlamaCpp | None = None
+        self.maps: dict[str, driver.Maps] = {}
+        self._tallies: dict[str, Tally] = {}
+        self._current: str | None = None  # the variant whose maps llama.cpp holds
+
+    def use(self, fills: dict, plans: dict) -> "LlamaCppBackend":
+        super().use(fills, plans)
+        self.maps = {}
+        for name, plan in self.plans.items():
+            if plan is not None:
+                try:
+                    self.maps[name] = driver.maps_of(plan.filler)
+                except ValueError as exc:
+                    raise RidgefillError(f"the {name} variant is not supported with --engine llamacpp ({exc}): "
+                                         "use identity, ridge or mean") from None
+        self._tallies = {name: Tally() for name in self.plans}
+        return self
+
+    def start(self, max_len: int) -> "LlamaCppBackend":
+        self.lc = driver.LlamaCpp(self.gguf, n_ctx=max_len, threads=self.threads, n_batch=self.n_batch,
+                                  n_ubatch=self.n_ubatch)
+        self._current = None
+        return self
+
+    def close(self) -> None:
+        if self.lc is not None:
+            self.lc.close()
+            self.lc = None
+
+    # --- runs -----------------------------------------------------------------------------------------------------
+    def _prefill(self, name: str, prompt: list[int], outputs: list[int]) -> driver.Prefill:
+        if self.lc is None:
+            raise RidgefillError("llama.cpp is not started: use the backend inside `with backend.start(...)`")
+        plan = self.plans[name]
+        if plan is None:
+            return self.lc.prefill(prompt, outputs=outputs)
+        if self._current != name:
+            self.lc.set_maps(self.maps[name])
+            self._current = name
+        full = plan.full_rows(len(prompt)).tolist()
+        done = self.lc.prefill(prompt, full=full, outputs=outputs, outlier_factor=plan.outlier_factor,
+                               chunk=self.config.chunk)
+        tally = self._tallies[name]
+        tally.filled += done.filled
+        tally.outliers += done.outliers
+        return done
+
+    def generate(self, name: str, prompt: list[int], max_new_tokens: int, eos: int | None) -> Generation:
+        t0 = time.perf_counter()
+        logits = self._prefill(name, prompt, [len(prompt) - 1]).logits[-1].numpy()
+        first = int(np.argmax(logits))
+        ttft = time.perf_counter() - t0
+        if max_new_tokens <= 1 or first == eos:
+            return Generation([first][:max(max_new_tokens, 1)], ttft)
+        rest = self.lc.greedy(self.lc.step(first), max_new_tokens - 1, eos)
+        return Generation([first, *rest], ttft)
+
+    def first_token(self, name: str, prompt: list[int], tag: str) -> Timed:
+        def run() -> int:
+            return int(self._prefill(name, prompt, [len(prompt) - 1]).logits[-1].argmax())
+
+        seconds, token = clocked(run)
+        return Timed(seconds, token)
+
+    def nll(self, name: str, ids, rows: list[int], targets):
+        out = torch.empty(len(ids), len(rows))
+        for b, seq in enumerate(ids.tolist()):
+            logits = self._prefill(name, seq, list(rows)).logits  # [R, V] float32
+            out[b] = torch.nn.functional.cross_entropy(logits, targets[b].long().cpu(), reduction="none")
+        return out
+
+    def tally(self, name: str) -> Tally:
+        return self._tallies.get(name, Tally())
+
+    def describe(self) -> dict:
+        return {name: {"gguf": str(self.gguf), "llama_cpp_python": driver.VERSION, "patch": driver.patch_id(),
+                       "threads": self.threads, "n_batch": self.n_batch, "n_ubatch": self.n_ubatch,
+                       "kv_type": "f16", "flash_attn": True,
+                       "fill": None if name not in self.maps else {"split": self.maps[name].split,
+                                                                   "rank": self.maps[name].rank or None}}
+                for name in self.plans}
+
+    def device_info(self) -> dict:
+        return {"device": "cpu", "dtype": self.config.dtype, "routes": None}
+
+    def store_scope(self) -> dict:
+        return {"engine": self.name, "gguf": str(self.gguf), "patch": driver.patch_id()}
+
+    def check_filled(self, name: str, planned: int) -> None:
+        if planned > 0 and self._tallies.get(name, Tally()).filled == 0:
+            raise RidgefillError(f"{name} filled none of the {planned} prompt rows it should have filled in llama.cpp: "
+                                 "its timings would be exact llama.cpp's, so none are reported")
+
+
+BACKEND = LlamaCppBackend

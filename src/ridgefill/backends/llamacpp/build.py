@@ -1,0 +1,115 @@
+"""Build llama-cpp-python with ridgefill's patch and install it (stdlib only: `make install` runs it before the
+package's own dependencies are needed).
+
+    python -m ridgefill.backends.llamacpp.build [--python PY] [--key] [--jobs N]
+
+The sdist of llama-cpp-python VERSION (it vendors llama.cpp) is downloaded once, unpacked into a temporary folder,
+patched (`patch -p1` in vendor/llama.cpp) and built into a wheel with FLAGS and the patch's identity compiled in
+(RIDGEFILL_PATCH_ID). The wheel is kept under $RIDGEFILL_CACHE/llamacpp/wheels/<key>/ (default
+~/.cache/ridgefill), the key a hash of (version, patch, flags): a second install reuses it and takes seconds; a
+new patch or new flags build again. `--key` prints the key (the Makefile's stamp) and does nothing else.
+
+FLAGS turn GGML_NATIVE off: built natively, llama.cpp picks the AMX kernels on CPUs that report AMX_INT8, and the
+first llama_decode crashes (SIGSEGV in ggml_backend_amx_mul_mat) on the machine this was written on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+VERSION = "0.3.36"
+PATCH = Path(__file__).with_name("ridgefill.patch")
+FLAGS = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON "
+         "-DGGML_AVX512_VNNI=ON -DGGML_AMX_INT8=OFF -DGGML_AMX_TILE=OFF -DLLAVA_BUILD=OFF")
+
+
+def patch_id() -> str:
+    """The first 16 hex digits of the patch's sha256 (driver.patch_id computes the same)."""
+    return hashlib.sha256(PATCH.read_bytes()).hexdigest()[:16]
+
+
+def build_key() -> str:
+    return hashlib.sha256(f"{VERSION}\n{patch_id()}\n{FLAGS}".encode()).hexdigest()[:16]
+
+
+def cache_root() -> Path:
+    """$RIDGEFILL_CACHE/llamacpp (runtime/paths.cache_dir's folder)."""
+    return Path(os.environ.get("RIDGEFILL_CACHE", Path.home() / ".cache" / "ridgefill")) / "llamacpp"
+
+
+def _run(cmd: list[str], cwd: Path | None = None, env: dict | None = None) -> None:
+    print("+", " ".join(cmd), file=sys.stderr, flush=True)
+    subprocess.run(cmd, cwd=cwd, env=env, check=True)
+
+
+def sdist(python: str) -> Path:
+    """The sdist, downloaded once into the cache."""
+    folder = cache_root() / "sdist"
+    found = folder / f"llama_cpp_python-{VERSION}.tar.gz"
+    if not found.is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        _run([python, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+              f"llama-cpp-python=={VERSION}", "-d", str(folder)])
+    return found
+
+
+def wheel(python: str, jobs: int) -> Path:
+    """The patched wheel: from the cache, else built (and cached)."""
+    out = cache_root() / "wheels" / build_key()
+    found = sorted(out.glob("llama_cpp_python-*.whl"))
+    if found:
+        return found[0]
+    source = sdist(python)
+    with tempfile.TemporaryDirectory(prefix="ridgefill-llamacpp-") as tmp:
+        with tarfile.open(source) as tar:
+            tar.extractall(tmp, filter="data")
+        root = Path(tmp) / f"llama_cpp_python-{VERSION}"
+        _run(["patch", "-p1", "--forward", "--batch", "-i", str(PATCH)], cwd=root / "vendor" / "llama.cpp")
+        env = dict(os.environ, CMAKE_ARGS=f"{FLAGS} -DRIDGEFILL_PATCH_ID={patch_id()}",
+                   CMAKE_BUILD_PARALLEL_LEVEL=str(jobs))
+        built = Path(tmp) / "wheel"
+        _run([python, "-m", "pip", "wheel", "-q", "--no-deps", str(root), "-w", str(built)], env=env)
+        wheels = sorted(built.glob("llama_cpp_python-*.whl"))
+        if len(wheels) != 1:
+            raise SystemExit(f"the build left {len(wheels)} wheels in {built}")
+        staging = out.with_name(out.name + f".{os.getpid()}")
+        staging.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(wheels[0], staging / wheels[0].name)
+        try:
+            staging.rename(out)  # whole or absent: another install building at the same time keeps its own
+        except OSError:
+            shutil.rmtree(staging, ignore_errors=True)
+    return sorted(out.glob("llama_cpp_python-*.whl"))[0]
+
+
+def install(python: str, jobs: int) -> Path:
+    found = wheel(python, jobs)
+    _run([python, "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall", str(found)])
+    # llama-cpp-python's own dependencies that ridgefill's driver imports (numpy is already one of ridgefill's)
+    _run([python, "-m", "pip", "install", "-q", "typing-extensions>=4.5", "diskcache>=5.6.1", "jinja2>=2.11.3"])
+    return found
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="build and install llama-cpp-python with ridgefill's patch")
+    parser.add_argument("--python", default=sys.executable, help="the interpreter to install into")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compile jobs")
+    parser.add_argument("--key", action="store_true", help="print the cache key of this build and stop")
+    args = parser.parse_args(argv)
+    if args.key:
+        print(build_key())
+        return
+    found = install(args.python, args.jobs)
+    print(f"llama-cpp-python {VERSION} with ridgefill patch {patch_id()} installed from {found}")
+
+
+if __name__ == "__main__":
+    main()

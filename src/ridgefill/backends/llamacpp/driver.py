@@ -1,0 +1,448 @@
+"""llama.cpp with ridgefill's patch, driven through llama-cpp-python's low-level API (ctypes).
+
+The patch (ridgefill.patch, applied by build.py) gives llama.cpp a fill of its own: `llama_ridgefill_set_maps` copies
+a split's maps into a backend buffer, `llama_ridgefill_set_fill` puts the next `llama_decode` calls in fill mode
+(their ubatches run layers 0..S-1 and then, for each late layer, only the map's prediction, that layer's input
+norm, its K/V projection, k-norm and RoPE and the cache store), and the filled ubatches report their split-state
+norms. This module splits a prompt into runs by the fill rule (engine/rows.py: keep-first, tail, kept rows in
+full; the rest filled) and calls `llama_decode` once per run (and per `n_batch` rows): there is no Python in the
+per-layer path. Outliers (engine/rows.py `outliers`, the own engine's rule: per chunk of `chunk` rows, the
+median of its filled rows' split-state norms) are found from the norms of the filled runs; a chunk with outliers
+has its cache removed from the first outlier on and runs again from there with those rows in full (their split
+states, and so their norms, do not depend on the fill: layers below the split run exactly for every row).
+
+Every failure a user can cause is one line (RidgefillError): llama-cpp-python missing, another version, a build
+without the patch or with another patch (`make install` builds the right one), a model the fill does not run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ridgefill.engine.rows import outliers as outlier_rows
+from ridgefill.errors import RidgefillError
+
+VERSION = "0.3.36"  # the llama-cpp-python whose vendored llama.cpp the patch is written against
+PATCH = Path(__file__).with_name("ridgefill.patch")
+FAMILIES = ("llama", "qwen2", "qwen3")  # GGUF general.architecture values the patch fills
+INSTALL = "run `make install` (it builds llama-cpp-python with ridgefill's patch)"
+KV_TYPES = {"f16": 1, "f32": 0}  # ggml types of the K/V cache the fill writes (a quantized cache is refused)
+
+
+def patch_id() -> str:
+    """The patch's identity: the first 16 hex digits of its sha256 (build.py compiles it in)."""
+    return hashlib.sha256(PATCH.read_bytes()).hexdigest()[:16]
+
+
+def _library():
+    """llama_cpp.llama_cpp with the patch's functions declared; one line when it is missing, of another version,
+    or built without (or with another) patch."""
+    try:
+        import llama_cpp
+        import llama_cpp.llama_cpp as ll
+    except ImportError:
+        raise RidgefillError(f"llama-cpp-python is not installed: {INSTALL}") from None
+    except (OSError, RuntimeError) as exc:  # the shared library did not load
+        raise RidgefillError(f"llama-cpp-python's library does not load ({type(exc).__name__}): {INSTALL}") from None
+    if getattr(llama_cpp, "__version__", None) != VERSION:
+        raise RidgefillError(f"llama-cpp-python {getattr(llama_cpp, '__version__', '?')} is installed, ridgefill's "
+                             f"patch is written for {VERSION}: {INSTALL}")
+    lib = ll._lib
+    if not hasattr(lib, "llama_ridgefill_patch_id"):
+        raise RidgefillError(f"the installed llama-cpp-python {VERSION} was built without ridgefill's patch: {INSTALL}")
+    _declare(lib)
+    built = lib.llama_ridgefill_patch_id().decode()
+    if built != patch_id():
+        raise RidgefillError(f"the installed llama-cpp-python was built with ridgefill patch {built}, this ridgefill "
+                             f"has patch {patch_id()}: {INSTALL}")
+    return ll, lib
+
+
+def _declare(lib) -> None:
+    f32p, vp = ctypes.POINTER(ctypes.c_float), ctypes.c_void_p
+    lib.llama_ridgefill_patch_id.argtypes, lib.llama_ridgefill_patch_id.restype = [], ctypes.c_char_p
+    lib.llama_ridgefill_set_maps.argtypes = [vp, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32,
+                                             f32p, f32p, f32p, f32p, f32p]
+    lib.llama_ridgefill_set_maps.restype = ctypes.c_int32
+    lib.llama_ridgefill_set_fill.argtypes, lib.llama_ridgefill_set_fill.restype = [vp, ctypes.c_bool], ctypes.c_int32
+    lib.llama_ridgefill_n_norms.argtypes, lib.llama_ridgefill_n_norms.restype = [vp], ctypes.c_int32
+    lib.llama_ridgefill_norms.argtypes, lib.llama_ridgefill_norms.restype = [vp], f32p
+    lib.llama_ridgefill_norm_pos.argtypes = [vp]
+    lib.llama_ridgefill_norm_pos.restype = ctypes.POINTER(ctypes.c_int32)
+
+
+def gguf_architecture(path: str | Path) -> str:
+    """A GGUF file's general.architecture, read from its header (the `gguf` package; no weights loaded)."""
+    from gguf import GGUFReader
+
+    try:
+        field = GGUFReader(str(path)).get_field("general.architecture")
+        return field.contents()
+    except Exception as exc:  # not GGUF, truncated: llama.cpp could not load it either
+        raise RidgefillError(f"{path} is not a readable GGUF file ({type(exc).__name__}): point --model at a "
+                             ".gguf file or an embedded alias") from None
+
+
+def check_family(path: str | Path) -> str:
+    """The architecture of a GGUF file the fill runs (FAMILIES); anything else (hybrid models among them) is one
+    line."""
+    arch = gguf_architecture(path)
+    if arch not in FAMILIES:
+        raise RidgefillError(f"{path} is a {arch} model: --engine llamacpp fills {', '.join(FAMILIES)} models "
+                             "(not hybrid or recurrent ones); use --engine ridgefill")
+    return arch
+
+
+def check_installed() -> None:
+    """Refuse in one line when the patched llama-cpp-python cannot run here."""
+    _library()
+
+
+_LOG_SINK = None  # the C log callback must outlive every context: kept for the process
+
+
+def _quiet(ll) -> None:
+    """llama.cpp's log off (stderr carries progress bars): failures come back as return codes."""
+    global _LOG_SINK
+    if _LOG_SINK is None:
+        _LOG_SINK = ll.llama_log_callback(lambda level, text, data: None)
+        ll.llama_log_set(_LOG_SINK, ctypes.c_void_p())
+
+
+@dataclass
+class Maps:
+    """A split's maps as llama.cpp takes them (method/maps.py's fillers, translated by `maps_of`)."""
+
+    split: int
+    w: np.ndarray | None = None  # [m, H, H] each map transposed (row o: output o)
+    u: np.ndarray | None = None  # [m, r, H] (Uᵀ)
+    v: np.ndarray | None = None  # [m, H, r] (Vᵀ)
+    b: np.ndarray | None = None  # [m, H]; None: identity fill
+    key_scale: np.ndarray | None = None  # [L-S, Hkv]
+
+    @property
+    def rank(self) -> int:
+        return 0 if self.u is None else int(self.u.shape[1])
+
+
+def maps_of(filler) -> Maps:
+    """The llama.cpp form of an engine filler: identity, fitted maps (full or low rank) or the mean control; the
+    callers refuse the others (lookback, drop, oracle) before."""
+    from ridgefill.engine.fillers import IdentityFiller, MapFiller, MeanFiller
+
+    def arr(t):
+        return None if t is None else np.ascontiguousarray(t.detach().float().cpu().numpy())
+
+    key_scale = arr(filler.key_scale)
+    if isinstance(filler, IdentityFiller):
+        return Maps(filler.split, key_scale=key_scale)
+    m = filler.n_layers - filler.split - 1
+    if isinstance(filler, MeanFiller):
+        return Maps(filler.split, b=arr(filler._means), key_scale=key_scale)
+    if isinstance(filler, MapFiller):
+        b = arr(filler._biases)
+        h = b.shape[-1]
+        if filler.lookback:
+            raise ValueError("lookback maps have no llama.cpp form")
+        if filler._stacked is not None:  # [H, m·H]: column block j is map j
+            w = filler._stacked.view(h, m, h).permute(1, 2, 0)  # [m, out, in]
+            return Maps(filler.split, w=arr(w), b=b, key_scale=key_scale)
+        r = filler._v.shape[1]
+        u = filler._stacked_u.view(h, m, r).permute(1, 2, 0)  # [m, r, H]
+        v = filler._v.transpose(1, 2)  # [m, H, r]
+        return Maps(filler.split, u=arr(u), v=arr(v), b=b, key_scale=key_scale)
+    raise ValueError(f"the {getattr(filler, 'name', type(filler).__name__)} filler has no llama.cpp form")
+
+
+@dataclass
+class Prefill:
+    """What a prefill gave: logits [len(rows), V] at the rows asked for (float32, CPU), the rows that were filled
+    and those promoted to full as outliers."""
+
+    logits: torch.Tensor
+    rows: list[int]
+    filled: int = 0
+    outliers: int = 0
+    runs: int = 0  # llama_decode calls
+    promoted: list[int] = field(default_factory=list)
+
+
+class LlamaCpp:
+    """One GGUF model and one context of the patched llama.cpp (CPU only; sequence 0)."""
+
+    def __init__(self, path: str | Path, n_ctx: int, threads: int, n_batch: int = 2048, n_ubatch: int = 512,
+                 kv_type: str = "f16", gpu_layers: int = 0, flash_attn: bool = True) -> None:
+        ll, lib = _library()
+        self.ll, self.lib = ll, lib
+        if gpu_layers:
+            raise RidgefillError(f"GPU offload ({gpu_layers} layers) is not supported with --engine llamacpp: "
+                                 "it runs llama.cpp on the CPU")
+        if kv_type not in KV_TYPES:
+            raise RidgefillError(f"a {kv_type} K/V cache is not supported with --engine llamacpp: the fill writes an "
+                                 f"unquantized cache ({', '.join(KV_TYPES)})")
+        path = Path(path)
+        if not path.is_file():
+            raise RidgefillError(f"{path} is not a GGUF file: point --model at a .gguf file or an embedded alias")
+        check_family(path)
+        _quiet(ll)
+        ll.llama_backend_init()
+        mparams = ll.llama_model_default_params()
+        mparams.n_gpu_layers = 0
+        self.model = ll.llama_model_load_from_file(str(path).encode(), mparams)
+        if not self.model:
+            raise RidgefillError(f"llama.cpp cannot load {path}: check that it is a complete GGUF file")
+        self.ctx = None
+        self.batch = None
+        try:
+            cparams = ll.llama_context_default_params()
+            cparams.n_ctx, cparams.n_batch, cparams.n_ubatch = n_ctx, n_batch, min(n_ubatch, n_batch)
+            cparams.n_seq_max = 1
+            cparams.n_threads = cparams.n_threads_batch = threads
+            cparams.type_k = cparams.type_v = KV_TYPES[kv_type]
+            cparams.flash_attn_type = 1 if flash_attn else 0  # LLAMA_FLASH_ATTN_TYPE_ENABLED / DISABLED
+            cparams.no_perf = True
+            self.ctx = ll.llama_init_from_model(self.model, cparams)
+            if not self.ctx:
+                raise RidgefillError(f"llama.cpp cannot make a context of {n_ctx} tokens for {path}: give a "
+                                     "smaller context or free memory")
+        except BaseException:
+            self.close()
+            raise
+        self.n_ctx, self.n_batch = n_ctx, n_batch
+        self.n_layers = ll.llama_model_n_layer(self.model)
+        self.n_embd = ll.llama_model_n_embd(self.model)
+        self.n_head_kv = ll.llama_model_n_head_kv(self.model)
+        self.n_vocab = ll.llama_vocab_n_tokens(ll.llama_model_get_vocab(self.model))
+        self.mem = ll.llama_get_memory(self.ctx)
+        self.batch = ll.llama_batch_init(n_batch, 0, 1)
+        self.maps: Maps | None = None
+        self.n_past = 0  # positions held in the cache
+        self._logits: dict[int, np.ndarray] = {}  # a run's logits by position
+        self._norms: dict[int, float] = {}  # a prefill's split-state norms of filled rows, by position
+
+    def meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(256)
+        n = self.ll.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
+        return buf.value.decode() if n >= 0 else None
+
+    def close(self) -> None:
+        ll = self.ll
+        if getattr(self, "batch", None) is not None:
+            ll.llama_batch_free(self.batch)
+            self.batch = None
+        if getattr(self, "ctx", None):
+            ll.llama_free(self.ctx)
+            self.ctx = None
+        if getattr(self, "model", None):
+            ll.llama_model_free(self.model)
+            self.model = None
+
+    def __enter__(self) -> "LlamaCpp":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- maps ---------------------------------------------------------------------------------------------------
+    def set_maps(self, maps: Maps) -> None:
+        """Copy `maps` into llama.cpp (checked against this model's shape first)."""
+        s, h, m = maps.split, self.n_embd, self.n_layers - maps.split - 1
+        if not 1 <= s < self.n_layers:
+            raise RidgefillError(f"split {s} is outside this model's 1..{self.n_layers - 1}: fit maps for this model")
+        want = {"w": (m, h, h), "u": (m, maps.rank, h), "v": (m, h, maps.rank), "b": (m, h),
+                "key_scale": (self.n_layers - s, self.n_head_kv)}
+        for name, shape in want.items():
+            a = getattr(maps, name)
+            if a is not None and tuple(a.shape) != shape:
+                raise RidgefillError(f"maps of split {s} hold {name} of shape {list(a.shape)}, not {list(shape)}, for "
+                                     f"this {self.n_layers}-layer model of width {h}: fit maps for this model")
+
+        def ptr(a):
+            return None if a is None else a.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+
+        arrays = [None if a is None else np.ascontiguousarray(a, dtype=np.float32)
+                  for a in (maps.w, maps.u, maps.v, maps.b, maps.key_scale)]
+        ret = self.lib.llama_ridgefill_set_maps(self.ctx, s, h, maps.rank, *(ptr(a) for a in arrays))
+        if ret != 0:
+            raise RidgefillError(f"llama.cpp refused the maps of split {s} (code {ret}): fit maps for this model")
+        self.maps = maps
+
+    # --- runs ---------------------------------------------------------------------------------------------------
+    def clear(self) -> None:
+        self.ll.llama_memory_clear(self.mem, True)
+        self.n_past = 0
+
+    def _decode(self, tokens: list[int], start: int, fill: bool, outputs=frozenset()) -> None:
+        """Run tokens at positions start.. (fill mode or not), n_batch rows per llama_decode; the logits of the
+        positions in `outputs` go to self._logits, a filled run's split-state norms to self._norms."""
+        if fill and self.lib.llama_ridgefill_set_fill(self.ctx, True) != 0:
+            raise RidgefillError("no maps are set for a filled run")
+        try:
+            b = self.batch
+            for lo in range(0, len(tokens), self.n_batch):
+                part = tokens[lo:lo + self.n_batch]
+                index = {}
+                for i, tok in enumerate(part):
+                    pos = start + lo + i
+                    b.token[i], b.pos[i], b.n_seq_id[i] = tok, pos, 1
+                    b.seq_id[i][0] = 0
+                    out = (not fill) and pos in outputs
+                    b.logits[i] = out
+                    if out:
+                        index[pos] = i
+                b.n_tokens = len(part)
+                ret = self.ll.llama_decode(self.ctx, b)
+                if ret != 0:
+                    raise RidgefillError(f"llama.cpp's decode failed (code {ret}) at positions {start + lo}.."
+                                         f"{start + lo + len(part) - 1} (a context of {self.n_ctx} tokens)")
+                if fill:
+                    self._norms.update(self._read_norms())
+                for pos, i in index.items():
+                    self._logits[pos] = self._row(i)
+            self.n_past = start + len(tokens)
+        finally:
+            if fill:
+                self.lib.llama_ridgefill_set_fill(self.ctx, False)
+
+    def _row(self, i: int) -> np.ndarray:
+        p = self.ll.llama_get_logits_ith(self.ctx, i)
+        return np.ctypeslib.as_array(p, shape=(self.n_vocab,)).copy()
+
+    def _read_norms(self) -> dict[int, float]:
+        n = self.lib.llama_ridgefill_n_norms(self.ctx)
+        if n == 0:
+            return {}
+        norms = np.ctypeslib.as_array(self.lib.llama_ridgefill_norms(self.ctx), shape=(n,))
+        pos = np.ctypeslib.as_array(self.lib.llama_ridgefill_norm_pos(self.ctx), shape=(n,))
+        return dict(zip(pos.tolist(), norms.tolist()))
+
+    def prefill(self, tokens: list[int], full: list[bool] | None = None, outputs: list[int] = (),
+                outlier_factor: float = 0.0, chunk: int = 2048) -> Prefill:
+        """Prefill `tokens` into an empty cache. full [n] (None: all): the rows that run the whole model; the rest
+        are filled (maps set by set_maps). outputs: rows whose logits come back. Outliers among the filled rows
+        (outlier_factor > 0, per chunk of `chunk` rows) run in full instead."""
+        n = len(tokens)
+        if n == 0 or n > self.n_ctx:
+            raise RidgefillError(f"a prompt of {n} tokens does not fit the context of {self.n_ctx} tokens")
+        full = [True] * n if full is None else list(full)
+        if not all(full) and self.maps is None:
+            raise RidgefillError("no maps are set for a filled prefill")
+        self.clear()
+        self._logits, self._norms = {}, {}
+        want = set(outputs)
+        result = Prefill(torch.empty(0), list(outputs))
+        for c0 in range(0, n, chunk):
+            c1 = min(n, c0 + chunk)
+            result.runs += self._runs(tokens, full, c0, c1, want)
+            filled = [p for p in range(c0, c1) if not full[p]]
+            if outlier_factor > 0 and filled:
+                norms = torch.tensor([self._norms[p] for p in filled])
+                out = outlier_rows(norms, torch.zeros(len(filled), dtype=torch.long),
+                                   torch.ones(len(filled), dtype=torch.bool), outlier_factor)
+                promoted = [p for p, o in zip(filled, out.tolist()) if o]
+                if promoted:  # run again from the first outlier, the outliers in full
+                    for p in promoted:
+                        full[p] = True
+                    self.ll.llama_memory_seq_rm(self.mem, 0, promoted[0], -1)
+                    result.runs += self._runs(tokens, full, promoted[0], c1, want)
+                    result.outliers += len(promoted)
+                    result.promoted += promoted
+            result.filled += sum(1 for p in range(c0, c1) if not full[p])
+        missing = [p for p in outputs if p not in self._logits]
+        if missing:
+            raise RidgefillError(f"row {missing[0]} is filled: logits come only from rows that run in full")
+        result.logits = torch.from_numpy(np.stack([self._logits[p] for p in outputs])) if outputs else \
+            torch.empty(0, self.n_vocab)
+        self._logits = {}
+        return result
+
+    def _runs(self, tokens, full, lo, hi, want) -> int:
+        """Rows lo..hi-1 as runs of equal kind (full or filled), in order; returns llama_decode calls."""
+        calls, p = 0, lo
+        while p < hi:
+            q = p
+            while q < hi and full[q] == full[p]:
+                q += 1
+            self._decode(tokens[p:q], p, fill=not full[p], outputs=want)
+            calls += -(-(q - p) // self.n_batch)
+            p = q
+        return calls
+
+    def step(self, token: int) -> np.ndarray:
+        """One decode step (the whole model) after the cache: the next logits [V]."""
+        self._logits = {}
+        self._decode([token], self.n_past, fill=False, outputs={self.n_past})
+        return self._logits.pop(self.n_past - 1)
+
+    def greedy(self, first_logits: np.ndarray | torch.Tensor, max_new_tokens: int, eos: int | None = None) -> list[int]:
+        """Greedy tokens from the prefill's last logits on (ends at `eos`, when given)."""
+        logits = np.asarray(first_logits)
+        out: list[int] = []
+        while len(out) < max_new_tokens:
+            tok = int(np.argmax(logits))
+            out.append(tok)
+            if tok == eos or len(out) == max_new_tokens:
+                break
+            logits = self.step(tok)
+        return out
+
+    # --- reading the cache back (tests) ----------------------------------------------------------------------------
+    def kv_rows(self) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]:
+        """The cache of sequence 0 as llama.cpp holds it: (positions [n], K per layer [n, Hkv·D], V per layer
+        [n, Hkv·D]) as float32, parsed from llama_state_seq_get_data (llama_kv_cache::state_write)."""
+        ll = self.ll
+        size = ll.llama_state_seq_get_size(self.ctx, 0)
+        buf = (ctypes.c_uint8 * size)()
+        got = ll.llama_state_seq_get_data(self.ctx, buf, size, 0)
+        return parse_kv_state(bytes(buf)[:got])
+
+
+_GGML_TYPES = {0: np.float32, 1: np.float16}
+
+
+def parse_kv_state(data: bytes) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]:
+    """llama_state_seq_get_data of one sequence (a magic number and the sequence id, then
+    llama_kv_cache::state_write) on one stream, unquantized K/V: (positions, K, V)."""
+    off = 8
+
+    def take(fmt):
+        nonlocal off
+        vals = struct.unpack_from(fmt, data, off)
+        off += struct.calcsize(fmt)
+        return vals if len(vals) > 1 else vals[0]
+
+    n_stream = take("<I")
+    if n_stream != 1:
+        raise ValueError(f"{n_stream} K/V streams: one expected")
+    cells = take("<I")
+    positions = []
+    for _ in range(cells):
+        pos, n_seq = take("<iI")
+        off += 4 * n_seq
+        positions.append(pos)
+    v_trans, n_layer = take("<II")
+    ks, vs = [], []
+    for _ in range(n_layer):
+        t, row = take("<iQ")
+        dt = np.dtype(_GGML_TYPES[t])
+        ks.append(np.frombuffer(data, dt, cells * row // dt.itemsize, off).reshape(cells, -1).astype(np.float32))
+        off += cells * row
+    for _ in range(n_layer):
+        if not v_trans:
+            t, row = take("<iQ")
+            dt = np.dtype(_GGML_TYPES[t])
+            vs.append(np.frombuffer(data, dt, cells * row // dt.itemsize, off).reshape(cells, -1).astype(np.float32))
+            off += cells * row
+        else:
+            t, el, width = take("<iII")
+            dt = np.dtype(_GGML_TYPES[t])
+            vs.append(np.frombuffer(data, dt, cells * width, off).reshape(width, cells).T.astype(np.float32))
+            off += cells * width * el
+    return np.array(positions), ks, vs

@@ -1,0 +1,231 @@
+"""The fill inside llama.cpp (driver.py + ridgefill.patch) against llama.cpp's own full runs and ridgefill's own
+engine: exactness when nothing is filled, the filled cache equal to the fill, the families, and the driver's
+refusals."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import tiny_gguf
+from tiny_gguf import tiny_ggufs  # noqa: F401 (a session fixture)
+from ridgefill.backends.llamacpp.driver import LlamaCpp, Maps, maps_of
+from ridgefill.engine import Engine, IdentityFiller, MapFiller, MeanFiller, adapter_for
+from ridgefill.engine.fill_plan import FillPlan
+
+MISSING = tiny_gguf.missing_build()
+pytestmark = pytest.mark.skipif(MISSING is not None, reason=f"no patched llama.cpp build: {MISSING}")
+
+FAMILIES = ["llama", "qwen2", "qwen3"]
+N, SPLIT, TAIL = 40, 3, 8  # tiny models: 6 layers
+
+
+def ids(n=N, seed=1, vocab=120):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+
+def full_rows(n, tail, keep_first=1):
+    return [p < keep_first or p >= n - tail for p in range(n)]
+
+
+def open_tiny(path, **kw):
+    return LlamaCpp(path, n_ctx=128, threads=1, n_batch=kw.pop("n_batch", 64), n_ubatch=kw.pop("n_ubatch", 16), **kw)
+
+
+def llama_k(k: np.ndarray, family: str, heads: int, n: int) -> torch.Tensor:
+    """llama.cpp's K rows [n, Hkv·D] as the own engine holds them [Hkv, n, D] (Llama's rows unpermuted)."""
+    if family == "llama":
+        k = tiny_gguf.unpermute_rows(k, heads)
+    return torch.from_numpy(np.ascontiguousarray(k)).view(n, heads, -1).transpose(0, 1)
+
+
+def cache_gap(lc, cache, family, heads, layers):
+    """Largest |llama.cpp − own engine| over K and V of each layer: [layers]."""
+    _, ks, vs = lc.kv_rows()
+    n = ks[0].shape[0]
+    return [max((llama_k(ks[l], family, heads, n) - cache.layers[l].keys[0]).abs().max().item(),
+                (llama_k(vs[l], "v", heads, n) - cache.layers[l].values[0]).abs().max().item())
+            for l in range(layers)]
+
+
+def random_maps(split, layers, hidden, seed=0, scale=0.05):
+    g = torch.Generator().manual_seed(seed)
+    m = layers - split - 1
+    w = torch.eye(hidden).expand(m, hidden, hidden) + scale * torch.randn(m, hidden, hidden, generator=g)
+    return w.contiguous(), scale * torch.randn(m, hidden, generator=g)
+
+
+# --- exactness ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fill_off_is_bit_identical_after_filled_runs(tiny_ggufs, family):
+    """A context that filled prompts before (maps set, filled graphs built) gives, with the fill off or a tail as
+    long as the prompt, the same logits to the last bit as a context that never entered fill mode: the graph-reuse
+    check tells a filled ubatch's graph from a full one's."""
+    _, path = tiny_ggufs[family]
+    prompt = ids()
+    rows = list(range(N - TAIL, N))
+    with open_tiny(path) as stock:
+        want = stock.prefill(prompt, outputs=rows).logits
+        want_tokens = stock.greedy(want[-1], 6)
+    with open_tiny(path) as lc:  # ubatches of 16 rows
+        lc.set_maps(Maps(SPLIT))
+        filled = lc.prefill(prompt, full=full_rows(N, TAIL), outputs=rows)
+        assert filled.filled == N - TAIL - 1 and not torch.equal(filled.logits, want)
+        for full in (None, full_rows(N, N)):  # fill off; a tail of the whole prompt
+            # the last graph built is a filled ubatch of 16 rows, none of them output, as the next full one is
+            assert lc.prefill(prompt[:17], full=[True] + [False] * 16).filled == 16
+            got = lc.prefill(prompt, full=full, outputs=rows)
+            assert got.filled == 0 and torch.equal(got.logits, want)
+        assert lc.greedy(got.logits[-1], 6) == want_tokens
+
+
+def test_same_tokens_as_stock_llama_cpp_python(tiny_ggufs):
+    """The patched build's exact path gives the tokens of llama-cpp-python's own high-level Llama (greedy) on the
+    embedded GGUF."""
+    from llama_cpp import Llama
+
+    path = tiny_gguf.embedded_gguf()
+    prompt = ids(48, seed=3, vocab=40000)
+    with LlamaCpp(path, n_ctx=128, threads=2) as lc:
+        ours = lc.greedy(lc.prefill(prompt, outputs=[len(prompt) - 1]).logits[-1], 6)
+    llm = Llama(str(path), n_ctx=128, n_threads=2, n_gpu_layers=0, flash_attn=True, verbose=False)
+    try:
+        theirs = []
+        for tok in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
+            theirs.append(tok)
+            if len(theirs) == 6:
+                break
+    finally:
+        llm.close()
+    assert ours == theirs
+
+
+# --- the filled cache is the fill ------------------------------------------------------------------------------
+def fillers(split, layers, hidden):
+    w, b = random_maps(split, layers, hidden)
+    return {"identity": IdentityFiller(split, layers), "maps": MapFiller(split, layers, w, b)}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("kind", ["identity", "maps", "low_rank", "mean", "key_scale"])
+def test_filled_cache_is_the_fill(tiny_ggufs, family, kind):
+    """The K/V llama.cpp writes for filled rows equal the own engine's filled K/V (the same maps, positions and
+    weights) within the gap llama.cpp already has on exact rows (its F16 cache, its matmul); a wrong map does not."""
+    model, path = tiny_ggufs[family]
+    cfg = model.config
+    layers, hidden, heads = cfg.num_hidden_layers, cfg.hidden_size, cfg.num_key_value_heads
+    engine = Engine(adapter_for(model))
+    prompt = ids()
+    with open_tiny(path) as lc, torch.no_grad():
+        exact = engine.prefill(torch.tensor([prompt]))
+        lc.prefill(prompt)
+        bound = 2 * max(cache_gap(lc, exact.cache, family, heads, layers))
+
+        w, b = random_maps(SPLIT, layers, hidden)
+        if kind == "identity":
+            filler = IdentityFiller(SPLIT, layers)
+        elif kind == "maps":
+            filler = MapFiller(SPLIT, layers, w, b)
+        elif kind == "mean":  # the mean control: every filled row's late input is a constant
+            filler = MeanFiller(SPLIT, layers, b + 1.0)
+        elif kind == "key_scale":  # maps with a key-scale correction per late layer and KV head
+            g = torch.Generator().manual_seed(6)
+            filler = MapFiller(SPLIT, layers, w, b, key_scale=0.5 + torch.rand(layers - SPLIT, heads, generator=g))
+        else:
+            g = torch.Generator().manual_seed(5)
+            m = layers - SPLIT - 1
+            low = (0.1 * torch.randn(m, hidden, 4, generator=g), 0.1 * torch.randn(m, 4, hidden, generator=g))
+            filler = MapFiller(SPLIT, layers, None, b, low)
+        plan = FillPlan(filler, tail=TAIL, keep_first=1)
+        want = engine.prefill(torch.tensor([prompt]), fill=plan)
+        assert want.n_filled == N - TAIL - 1
+        lc.set_maps(maps_of(filler))
+        got = lc.prefill(prompt, full=full_rows(N, TAIL))
+        assert got.filled == want.n_filled
+        gaps = cache_gap(lc, want.cache, family, heads, layers)
+        assert max(gaps) <= bound, (gaps, bound)
+
+        if kind in ("maps", "low_rank", "key_scale"):  # a wrong map: another bias
+            lc.set_maps(maps_of(MapFiller(SPLIT, layers, None if kind == "low_rank" else w, b + 0.5,
+                                          low if kind == "low_rank" else None, filler.key_scale)))
+            lc.prefill(prompt, full=full_rows(N, TAIL))
+            wrong = cache_gap(lc, want.cache, family, heads, layers)
+            assert max(wrong[SPLIT + 1:]) > 10 * bound and max(wrong[:SPLIT + 1]) <= bound
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_filled_logits_follow_the_fill(tiny_ggufs, family):
+    """The tail's logits after a filled prefill (the tail attends to the filled rows' cache in every late layer)
+    are the own engine's within the exact rows' gap; also with ubatches smaller than a run and the runs split
+    over several llama_decode calls."""
+    model, path = tiny_ggufs[family]
+    engine = Engine(adapter_for(model))
+    prompt = ids()
+    rows = list(range(N - TAIL, N))
+    layers, hidden = model.config.num_hidden_layers, model.config.hidden_size
+    w, b = random_maps(SPLIT, layers, hidden)
+    filler = MapFiller(SPLIT, layers, w, b)
+    with torch.no_grad():
+        exact = engine.prefill(torch.tensor([prompt]), logits_at=rows).logits[0]
+        want = engine.prefill(torch.tensor([prompt]), fill=FillPlan(filler, tail=TAIL, keep_first=1),
+                              logits_at=rows).logits[0]
+    for n_batch, n_ubatch in ((64, 16), (7, 3)):
+        with open_tiny(path, n_batch=n_batch, n_ubatch=n_ubatch) as lc:
+            gap = (lc.prefill(prompt, outputs=rows).logits - exact).abs().max().item()
+            lc.set_maps(maps_of(filler))
+            got = lc.prefill(prompt, full=full_rows(N, TAIL), outputs=rows)
+            assert (got.logits - want).abs().max().item() <= 2 * gap + 1e-5
+            assert (got.logits - exact).abs().max().item() > 2 * gap  # the fill changed them
+
+
+def test_outliers_run_in_full(tiny_ggufs):
+    """A filled row whose split-state norm exceeds factor × its chunk's median runs in full, as in the own engine:
+    the same rows are promoted and the cache is the own engine's."""
+    model, path = tiny_ggufs["llama"]
+    cfg = model.config
+    layers, heads = cfg.num_hidden_layers, cfg.num_key_value_heads
+    engine = Engine(adapter_for(model), chunk=16)
+    prompt = ids()
+    filler = IdentityFiller(SPLIT, layers)
+    with open_tiny(path) as lc, torch.no_grad():
+        lc.set_maps(maps_of(filler))
+        lc.prefill(prompt, full=full_rows(N, TAIL), chunk=16)
+        # a factor just below the largest ratio to the median of the first chunk's filled rows: one outlier there
+        first = torch.tensor([lc._norms[p] for p in range(1, 16)])
+        factor = float((first.max() / first.median()) * 0.999)
+        plan = FillPlan(filler, tail=TAIL, keep_first=1, outlier_factor=factor)
+        want = engine.prefill(torch.tensor([prompt]), fill=plan)
+        got = lc.prefill(prompt, full=full_rows(N, TAIL), outlier_factor=factor, chunk=16)
+        assert got.outliers == want.n_outliers >= 1 and got.filled == want.n_filled
+        gaps = cache_gap(lc, want.cache, "llama", heads, layers)
+        lc.prefill(prompt)
+        bound = 2 * max(cache_gap(lc, engine.prefill(torch.tensor([prompt])).cache, "llama", heads, layers))
+        assert max(gaps) <= bound
+
+
+def test_embedded_filled_cache_within_the_quantized_gap():
+    """On the embedded Q4_1 GGUF against the own engine on its fp32 conversion: the gap llama.cpp's quantized
+    matmul makes on exact rows (measured here, every layer) bounds the gap of its filled rows to the own engine's
+    filled rows (identity fill, split 15 of 30); wrong maps (zero) exceed it."""
+    from ridgefill.runtime.models import load_model
+
+    model = load_model("smollm2-135m").model
+    cfg = model.config
+    layers, heads, n, split, tail = cfg.num_hidden_layers, cfg.num_key_value_heads, 64, 15, 16
+    prompt = ids(n, seed=4, vocab=40000)
+    engine = Engine(adapter_for(model))
+    full = full_rows(n, tail)
+    filler = IdentityFiller(split, layers)
+    with LlamaCpp(tiny_gguf.embedded_gguf(), n_ctx=256, threads=2) as lc, torch.no_grad():
+        lc.prefill(prompt)
+        exact_gap = max(cache_gap(lc, engine.prefill(torch.tensor([prompt])).cache, "llama", heads, layers))
+        want = engine.prefill(torch.tensor([prompt]), fill=FillPlan(filler, tail=tail, keep_first=1)).cache
+        lc.set_maps(maps_of(filler))
+        assert lc.prefill(prompt, full=full).filled == n - tail - 1
+        assert max(cache_gap(lc, want, "llama", heads, layers)) <= 1.5 * exact_gap
+        m, h = layers - split - 1, cfg.hidden_size
+        lc.set_maps(Maps(split, w=np.zeros((m, h, h), np.float32), b=np.zeros((m, h), np.float32)))  # wrong maps
+        lc.prefill(prompt, full=full)
+        assert max(cache_gap(lc, want, "llama", heads, layers)[split + 1:]) > 1.5 * exact_gap

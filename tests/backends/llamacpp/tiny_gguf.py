@@ -1,0 +1,166 @@
+"""Tiny GGUF files written by the tests themselves (the `gguf` package): a transformers model of the Llama, Qwen2
+or Qwen3 family with random weights, written as llama.cpp's converter writes it (F32 tensors; Llama's Q/K rows
+permuted for llama.cpp's RoPE; a byte-level BPE vocabulary of the model's size), so that llama.cpp and
+ridgefill's own engine run the same weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+VOCAB = 128
+ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+
+def config(family: str, **overrides):
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
+                  tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    common.update(overrides)
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    if family == "llama":
+        return LlamaConfig(rope_parameters=rope, **common)
+    if family == "qwen2":
+        return Qwen2Config(rope_parameters=rope, **common)
+    if family == "qwen3":
+        return Qwen3Config(**{"head_dim": 128, "rope_parameters": rope, **common})  # transformers converts 128 only
+    raise ValueError(family)
+
+
+def model(family: str, seed: int = 0, **overrides):
+    """A tiny model whose norms and biases are perturbed (so the test exercises them)."""
+    torch.manual_seed(seed)
+    m = AutoModelForCausalLM.from_config(config(family, **overrides), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    return m
+
+
+def permute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's row order of a Llama Q/K projection (convert_hf_to_gguf's permute): each head's halves
+    interleaved, for RoPE on adjacent pairs."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def unpermute_rows(k: np.ndarray, heads: int) -> np.ndarray:
+    """K rows [n, Hkv·D] in llama.cpp's Llama order back to transformers' order (the inverse of `permute`)."""
+    n, width = k.shape
+    d = width // heads
+    return k.reshape(n, heads, d // 2, 2).swapaxes(2, 3).reshape(n, width)
+
+
+def _bytes_to_unicode() -> list[str]:
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    table = dict(zip(bs, cs))
+    return [chr(table[b]) for b in range(256)]
+
+
+def write(m, path: Path, family: str) -> Path:
+    """Write transformers model `m` as a GGUF file of architecture `family`."""
+    import gguf
+
+    cfg = m.config
+    arch = ARCH[family]
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"tiny-{family}")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    # a byte-level BPE vocabulary: the first VOCAB - 2 bytes' characters and two merges
+    chars = _bytes_to_unicode()
+    tokens = [chars[i] for i in range(cfg.vocab_size - 2)] + [chars[97] + chars[98], chars[99] + chars[100]]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.NORMAL] * len(tokens))
+    w.add_token_merges([f"{chars[97]} {chars[98]}", f"{chars[99]} {chars[100]}"])
+    w.add_bos_token_id(cfg.bos_token_id)
+    w.add_eos_token_id(cfg.eos_token_id)
+    w.add_add_bos_token(False)
+
+    def put(name, t):
+        w.add_tensor(name, np.ascontiguousarray(t.detach().float().numpy()))
+
+    sd = m.state_dict()
+    put("token_embd.weight", sd["model.embed_tokens.weight"])
+    put("output_norm.weight", sd["model.norm.weight"])
+    if not cfg.tie_word_embeddings:
+        put("output.weight", sd["lm_head.weight"])
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        q, k = sd[p + "self_attn.q_proj.weight"], sd[p + "self_attn.k_proj.weight"]
+        if family == "llama":
+            q, k = permute(q, cfg.num_attention_heads), permute(k, cfg.num_key_value_heads)
+        put(f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"])
+        put(f"blk.{i}.attn_q.weight", q)
+        put(f"blk.{i}.attn_k.weight", k)
+        put(f"blk.{i}.attn_v.weight", sd[p + "self_attn.v_proj.weight"])
+        put(f"blk.{i}.attn_output.weight", sd[p + "self_attn.o_proj.weight"])
+        if family == "qwen2":
+            for x in "qkv":
+                put(f"blk.{i}.attn_{x}.bias", sd[p + f"self_attn.{x}_proj.bias"])
+        if family == "qwen3":
+            put(f"blk.{i}.attn_q_norm.weight", sd[p + "self_attn.q_norm.weight"])
+            put(f"blk.{i}.attn_k_norm.weight", sd[p + "self_attn.k_norm.weight"])
+        put(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
+        put(f"blk.{i}.ffn_gate.weight", sd[p + "mlp.gate_proj.weight"])
+        put(f"blk.{i}.ffn_up.weight", sd[p + "mlp.up_proj.weight"])
+        put(f"blk.{i}.ffn_down.weight", sd[p + "mlp.down_proj.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def missing_build() -> str | None:
+    """None when the patched llama-cpp-python is installed; else why not (its one line)."""
+    from ridgefill.backends.llamacpp.driver import check_installed
+    from ridgefill.errors import RidgefillError
+
+    try:
+        check_installed()
+    except RidgefillError as exc:
+        return str(exc)
+    return None
+
+
+def embedded_gguf() -> Path:
+    """The embedded model's GGUF file (runtime/models.py's alias smollm2-135m)."""
+    from ridgefill.runtime.models import ALIASES, _gguf_dir
+
+    return _gguf_dir("smollm2-135m", ALIASES["smollm2-135m"]) / ALIASES["smollm2-135m"].filename
+
+
+@pytest.fixture(scope="session")
+def tiny_ggufs(tmp_path_factory):
+    """family -> (transformers model, its GGUF file), written once per session (the test modules import it)."""
+    folder = tmp_path_factory.mktemp("gguf")
+    out = {}
+    for family in ("llama", "qwen2", "qwen3"):
+        m = model(family)
+        out[family] = (m, write(m, folder / f"tiny-{family}.gguf", family))
+    return out
