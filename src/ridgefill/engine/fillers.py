@@ -16,6 +16,7 @@ filled row whose window it cannot give.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterator, Protocol
 
 import torch
@@ -88,6 +89,18 @@ def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+@dataclass(frozen=True)
+class Affine:
+    """A filler's late-layer inputs as plain affine maps, for an engine that applies them itself (llama.cpp): for
+    each predicted layer S+1+j, input = f·W_j + b_j. weights [L-S-1, F, H]; or, at low rank, low_rank = (U
+    [L-S-1, F, r], V [L-S-1, r, H]) with W_j = E + U_j V_j (E: the identity on x's block); biases [L-S-1, H]. No
+    weights and no low_rank: W_j = I (identity fill) when biases is None, else W_j = 0 (the mean control)."""
+
+    weights: torch.Tensor | None = None
+    low_rank: tuple[torch.Tensor, torch.Tensor] | None = None
+    biases: torch.Tensor | None = None
+
+
 class IdentityFiller:
     """Identity fill (training-free, SwiftKV-style): x itself is every late layer's input."""
 
@@ -110,6 +123,9 @@ class IdentityFiller:
 
     def flops_per_row(self) -> int:
         return 0
+
+    def affine(self) -> Affine:
+        return Affine()
 
 
 class DropFiller:
@@ -161,6 +177,9 @@ class MeanFiller:
 
     def flops_per_row(self) -> int:
         return 0  # no map is applied: the inputs are constants
+
+    def affine(self) -> Affine:
+        return Affine(biases=self._means)
 
     def predict(self, x: torch.Tensor, positions: torch.Tensor, previous: torch.Tensor | None = None) -> torch.Tensor:
         b, n, _ = x.shape
@@ -249,6 +268,13 @@ class MapFiller:
 
     def flops_per_row(self) -> int:
         return maps_flops(self._biases.shape[-1], _n_maps(self), self.rank, self.lookback)
+
+    def affine(self) -> Affine:
+        m, h = _n_maps(self), self._biases.shape[-1]
+        if self._stacked is not None:  # [F, m·H] -> [m, F, H]
+            return Affine(weights=self._stacked.view(-1, m, h).transpose(0, 1), biases=self._biases)
+        u = self._stacked_u.view(-1, m, self._v.shape[1]).transpose(0, 1)  # [F, m·r] -> [m, F, r]
+        return Affine(low_rank=(u, self._v), biases=self._biases)
 
     def _inputs(self, x: torch.Tensor, previous: torch.Tensor | None) -> torch.Tensor:
         """x [B, n, H], previous [B, n, K·H] -> the maps' inputs [B·n, F]."""

@@ -133,32 +133,22 @@ class Maps:
 
 
 def maps_of(filler) -> Maps:
-    """The llama.cpp form of an engine filler: identity, fitted maps (full or low rank) or the mean control; the
-    callers refuse the others (lookback, drop, oracle) before."""
-    from ridgefill.engine.fillers import IdentityFiller, MapFiller, MeanFiller
+    """The llama.cpp form of an engine filler, from its affine maps (engine/fillers.py Affine): identity, fitted
+    maps (full or low rank) or the mean control; the callers refuse the others (lookback, drop, oracle) before."""
+    if getattr(filler, "lookback", 0) or not hasattr(filler, "affine"):
+        raise ValueError(f"the {getattr(filler, 'name', type(filler).__name__)} filler has no llama.cpp form")
 
     def arr(t):
         return None if t is None else np.ascontiguousarray(t.detach().float().cpu().numpy())
 
-    key_scale = arr(filler.key_scale)
-    if isinstance(filler, IdentityFiller):
-        return Maps(filler.split, key_scale=key_scale)
-    m = filler.n_layers - filler.split - 1
-    if isinstance(filler, MeanFiller):
-        return Maps(filler.split, b=arr(filler._means), key_scale=key_scale)
-    if isinstance(filler, MapFiller):
-        b = arr(filler._biases)
-        h = b.shape[-1]
-        if filler.lookback:
-            raise ValueError("lookback maps have no llama.cpp form")
-        if filler._stacked is not None:  # [H, m·H]: column block j is map j
-            w = filler._stacked.view(h, m, h).permute(1, 2, 0)  # [m, out, in]
-            return Maps(filler.split, w=arr(w), b=b, key_scale=key_scale)
-        r = filler._v.shape[1]
-        u = filler._stacked_u.view(h, m, r).permute(1, 2, 0)  # [m, r, H]
-        v = filler._v.transpose(1, 2)  # [m, H, r]
-        return Maps(filler.split, u=arr(u), v=arr(v), b=b, key_scale=key_scale)
-    raise ValueError(f"the {getattr(filler, 'name', type(filler).__name__)} filler has no llama.cpp form")
+    form, key_scale = filler.affine(), arr(filler.key_scale)
+    if form.weights is not None:  # llama.cpp takes [m, out, in]
+        return Maps(filler.split, w=arr(form.weights.transpose(1, 2)), b=arr(form.biases), key_scale=key_scale)
+    if form.low_rank is not None:
+        u, v = form.low_rank  # [m, F, r], [m, r, H] -> [m, r, F], [m, H, r]
+        return Maps(filler.split, u=arr(u.transpose(1, 2)), v=arr(v.transpose(1, 2)), b=arr(form.biases),
+                    key_scale=key_scale)
+    return Maps(filler.split, b=arr(form.biases), key_scale=key_scale)
 
 
 @dataclass
