@@ -86,7 +86,7 @@ def test_bench_ttft_refuses_timings_of_a_fill_that_filled_nothing():
 
 
 @pytest.mark.parametrize("options, message", [
-    ({"engine": "sglang"}, "unknown --engine 'sglang': use one of ridgefill, vllm"),
+    ({"engine": "sglang"}, "unknown --engine 'sglang': use one of ridgefill, vllm, llamacpp"),
     ({"engine": "vllm", "keep_rows": "3-5"}, "--keep-rows is not supported with --engine vllm: drop it"),
     ({"engine": "vllm", "keep_text": "the"}, "--keep-text is not supported with --engine vllm: drop it"),
     ({"engine": "vllm", "filled_window": 32}, "--filled-window is not supported with --engine vllm: drop it"),
