@@ -1,11 +1,13 @@
 """The vLLM backend's own logic that needs no vLLM engine: the model read without its weights, and the prompts
-whose prompt log-probs give every scored target (loss's exact rows)."""
+whose prompt log-probs give every scored target (loss's exact rows), the cores its engines bind to."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
-from ridgefill.backends.vllm import VllmBackend, covering_prompts
+from ridgefill.backends.vllm import VllmBackend, covering_prompts, engine_threads
 from ridgefill.commands import command
 
 
@@ -47,3 +49,12 @@ def test_the_vllm_backend_reads_the_model_without_its_weights(tiny_checkpoint, m
     assert facts.tokenizer("the king")["input_ids"] == loaded.tokenizer("the king")["input_ids"]
     plan, _ = FillSettings("identity", 2, tail=8).plan(facts)
     assert plan.split == 2 and int((~plan.full_rows(40)).sum()) == 40 - 8 - 1
+
+
+def test_the_engines_bind_to_threads_else_the_operators_binding_else_every_core(monkeypatch):
+    """--threads N binds cores 0..N-1; without it an operator's VLLM_CPU_OMP_THREADS_BIND is kept (it was overridden
+    with every core, so two engines side by side spun on the same cores); else every core."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    assert engine_threads(2, {"VLLM_CPU_OMP_THREADS_BIND": "3"}) == "0-1"
+    assert engine_threads(0, {"VLLM_CPU_OMP_THREADS_BIND": "2,3"}) == "2,3"
+    assert engine_threads(0, {}) == engine_threads(0, {"VLLM_CPU_OMP_THREADS_BIND": ""}) == "0-3"

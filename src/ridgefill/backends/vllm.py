@@ -3,8 +3,9 @@ configured for it (identity and mean fills through maps files written for the ru
 its own process (serve/vllm_engine.VllmWorker), all alive from `start` to `close`, built alike:
 - as `ridgefill serve` runs them: vLLM's default compilation (CUDA graphs on a GPU) and prefix caching on (every
   timed run gets a cache salt of its own, so a repeated prompt never hits the cache);
-- on the CPU vLLM's threads are bound to --threads cores (default: all) with none reserved; on a GPU the engines
-  split vLLM's memory budget (gpu_memory_utilization 0.85 / variants);
+- on the CPU vLLM's threads are bound to --threads cores with none reserved (without --threads: the binding an
+  operator set in VLLM_CPU_OMP_THREADS_BIND, else all cores); on a GPU the engines split vLLM's memory budget
+  (gpu_memory_utilization 0.85 / variants);
 - a timed run is one request for one greedy token: the wall time of vLLM's generate call in the engine's process
   (scheduling, prefill, sampling; no tokenization, no IPC); vLLM's own first-token latency is kept beside it.
 The model is read here without its weights (runtime/session.model_facts): its identity, shape and tokenizer.
@@ -26,6 +27,15 @@ from ridgefill.backends.base import Backend, Capabilities, Generation, Tally, Ti
 from ridgefill.errors import RidgefillError
 
 KV_CACHE_GIB = 2
+
+
+def engine_threads(threads: int, environ) -> str:
+    """The cores the engines' OpenMP threads are bound to (VLLM_CPU_OMP_THREADS_BIND): --threads N binds 0..N-1;
+    without it an operator's VLLM_CPU_OMP_THREADS_BIND is kept (two engines sharing cores spin against each other),
+    else every core."""
+    if threads:
+        return f"0-{threads - 1}"
+    return environ.get("VLLM_CPU_OMP_THREADS_BIND") or f"0-{(os.cpu_count() or 1) - 1}"
 
 
 class VllmBackend(Backend):
@@ -76,7 +86,7 @@ class VllmBackend(Backend):
 
         c, fills = self.config, self.fills
         scratch = Path(self._stack.enter_context(tempfile.TemporaryDirectory(prefix="ridgefill-vllm-")))
-        threads = getattr(c, "threads", 0) or os.cpu_count() or 1
+        threads = engine_threads(getattr(c, "threads", 0), os.environ)
         args = {"max_num_batched_tokens": max(c.chunk, 256), "enable_chunked_prefill": True}
         if torch.cuda.is_available():  # the engines share one GPU: split vLLM's memory budget between them
             args["gpu_memory_utilization"] = round(0.85 / len(fills), 3)
@@ -89,7 +99,7 @@ class VllmBackend(Backend):
             pinned = None if fill is None else pin(fill, self.model.shape.layers, info, scratch)
             self.settings[name] = EngineSettings(self.folder, pinned, plugin=fill is not None,
                                                  dtype=vllm_dtype(c.dtype), max_model_len=max_len,
-                                                 threads=f"0-{threads - 1}", kv_cache_gib=KV_CACHE_GIB,
+                                                 threads=threads, kv_cache_gib=KV_CACHE_GIB,
                                                  engine_args=args, env=env)
         for name, settings in self.settings.items():
             self.workers[name] = self._stack.enter_context(VllmWorker(settings))
