@@ -191,7 +191,6 @@ class EnginePool:
         self.alive = alive
         self.engines: dict[str, object] = {}  # key -> VllmWorker, least recently used first
         self.started = 0
-        self.context = None  # the forkserver the engines start from (vllm_forkserver), made at the first start
 
     def get(self, settings):
         import dataclasses
@@ -205,8 +204,7 @@ class EnginePool:
             return self.engines[key]
         while len(self.engines) >= self.alive:
             self.engines.pop(next(iter(self.engines))).close()
-        self.context = self.context or vllm_forkserver()
-        self.engines[key] = VllmWorker(settings, context=self.context)
+        self.engines[key] = VllmWorker(settings)  # forked from the process's vLLM forkserver (engine_context)
         self.started += 1
         return self.engines[key]
 
@@ -214,26 +212,6 @@ class EnginePool:
         for worker in self.engines.values():
             worker.close()
         self.engines.clear()
-
-
-def vllm_forkserver():
-    """A multiprocessing context whose processes fork from a server that has imported vLLM once: a pool engine then
-    starts in about 3 s instead of 10 (importing vllm.LLM takes 8 s here). The server is started now, with vLLM's
-    log level as an engine's (vLLM configures its logger at import); each engine still gets this process's
-    environment (VllmWorker)."""
-    import multiprocessing
-    from multiprocessing import forkserver
-
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["vllm.entrypoints.llm", "ridgefill.serve.vllm_engine"])
-    level = os.environ.get("VLLM_LOGGING_LEVEL")
-    os.environ["VLLM_LOGGING_LEVEL"] = level or "WARNING"
-    try:
-        forkserver.ensure_running()
-    finally:
-        if level is None:
-            del os.environ["VLLM_LOGGING_LEVEL"]
-    return ctx
 
 
 @pytest.fixture(scope="session")

@@ -1,9 +1,11 @@
 """A vLLM engine in a child process, stock or with RidgeFill: what `generate --engine vllm`, `bench-ttft --engine
 vllm` and the tests drive.
 
-Each VllmWorker is one spawned Python process holding one `vllm.LLM` (its engine core in the same process:
+Each VllmWorker is one Python process of its own holding one `vllm.LLM` (its engine core in the same process:
 VLLM_ENABLE_V1_MULTIPROCESSING=0), so a stock engine and a RidgeFill engine can live side by side, each with
-the plugin configured or not from its own environment, and this process never imports vLLM. Requests are
+the plugin configured or not from its own environment, and this process never imports vLLM. On a CPU build the
+engines fork from a server that has imported vLLM once (engine_context): a command's second and third engines do
+not import it again (8 s each on 2 idle cores, about 20 s beside other work). Requests are
 token ids; replies are token ids, the log-probs of the chosen tokens (and top-k), and the wall time of the
 `generate` call. The child writes nothing to standard output (a command's stdout carries its results alone):
 its stdout is its stderr, and vLLM logs warnings and errors only unless VLLM_LOGGING_LEVEL says otherwise.
@@ -76,14 +78,36 @@ class Completion:
     preemptions: int = 0  # times vLLM preempted (and later recomputed) this request
 
 
+def engine_context():
+    """The multiprocessing context engines start from. On a CPU build: a forkserver (one per process, started at
+    the first call) that has imported vLLM with the engines' log level (vLLM configures its logger at import); each
+    engine still gets this process's environment as it is when the engine starts (_serve). Where CUDA is visible:
+    spawn, so that no engine inherits a process that may have touched CUDA."""
+    import torch
+    from multiprocessing import forkserver
+
+    if torch.cuda.is_available():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["vllm.entrypoints.llm", "ridgefill.serve.vllm_engine"])
+    level = os.environ.get("VLLM_LOGGING_LEVEL")
+    os.environ["VLLM_LOGGING_LEVEL"] = level or "WARNING"
+    try:
+        forkserver.ensure_running()
+    finally:
+        if level is None:
+            del os.environ["VLLM_LOGGING_LEVEL"]
+    return ctx
+
+
 class VllmWorker:
-    """One vLLM engine in a spawned process. Use as a context manager; every call blocks until the reply.
-    context: the multiprocessing context that starts it (spawn; the tests' engine pool passes a forkserver that
-    has imported vLLM once). Either way the engine's process sees this process's environment as it is now."""
+    """One vLLM engine in a process of its own. Use as a context manager; every call blocks until the reply.
+    context: the multiprocessing context that starts it (default: engine_context()). The engine's process sees
+    this process's environment as it is now."""
 
     def __init__(self, settings: EngineSettings, start_timeout: float = 600.0, context=None) -> None:
         self.settings = settings
-        ctx = context or multiprocessing.get_context("spawn")
+        ctx = context or engine_context()
         self._conn, child = ctx.Pipe()
         # not daemonic: TP workers are its children
         self._proc = ctx.Process(target=_serve, args=(child, settings, dict(os.environ)))
