@@ -1,13 +1,15 @@
 """Build llama-cpp-python with ridgefill's patch and install it (stdlib only: `make install` runs it before the
 package's own dependencies are needed).
 
-    python -m ridgefill.backends.llamacpp.build [--python PY] [--key] [--jobs N]
+    python -m ridgefill.backends.llamacpp.build [--python PY] [--key] [--jobs N] [--stock]
 
 The sdist of llama-cpp-python VERSION (it vendors llama.cpp) is downloaded once, unpacked into a temporary folder,
 patched (`patch -p1` in vendor/llama.cpp) and built into a wheel with FLAGS and the patch's identity compiled in
 (RIDGEFILL_PATCH_ID). The wheel is kept under $RIDGEFILL_CACHE/llamacpp/wheels/<key>/ (default
 ~/.cache/ridgefill), the key a hash of (version, patch, flags): a second install reuses it and takes seconds; a
 new patch or new flags build again. `--key` prints the key (the Makefile's stamp) and does nothing else.
+`--stock` builds (or finds) the same version with the same FLAGS and no patch, installs nothing and prints the
+wheel's path: the reference the exactness test (tests/backends/llamacpp/test_stock.py) compares with.
 
 FLAGS turn GGML_NATIVE off: built natively, llama.cpp picks the AMX kernels on CPUs that report AMX_INT8, and the
 first llama_decode crashes (SIGSEGV in ggml_backend_amx_mul_mat) on the machine this was written on.
@@ -36,8 +38,8 @@ def patch_id() -> str:
     return hashlib.sha256(PATCH.read_bytes()).hexdigest()[:16]
 
 
-def build_key() -> str:
-    return hashlib.sha256(f"{VERSION}\n{patch_id()}\n{FLAGS}".encode()).hexdigest()[:16]
+def build_key(patched: bool = True) -> str:
+    return hashlib.sha256(f"{VERSION}\n{patch_id() if patched else 'stock'}\n{FLAGS}".encode()).hexdigest()[:16]
 
 
 def cache_root() -> Path:
@@ -61,20 +63,31 @@ def sdist(python: str) -> Path:
     return found
 
 
-def wheel(python: str, jobs: int) -> Path:
-    """The patched wheel: from the cache, else built (and cached)."""
-    out = cache_root() / "wheels" / build_key()
-    found = sorted(out.glob("llama_cpp_python-*.whl"))
+def wheel_folder(patched: bool = True) -> Path:
+    """Where the wheel of this build is kept (a stock build's name says so)."""
+    return cache_root() / "wheels" / (build_key() if patched else f"stock-{build_key(patched=False)}")
+
+
+def cached_wheel(patched: bool = True) -> Path | None:
+    found = sorted(wheel_folder(patched).glob("llama_cpp_python-*.whl"))
+    return found[0] if found else None
+
+
+def wheel(python: str, jobs: int, patched: bool = True) -> Path:
+    """The wheel, patched or stock: from the cache, else built (and cached)."""
+    out = wheel_folder(patched)
+    found = cached_wheel(patched)
     if found:
-        return found[0]
+        return found
     source = sdist(python)
     with tempfile.TemporaryDirectory(prefix="ridgefill-llamacpp-") as tmp:
         with tarfile.open(source) as tar:
             tar.extractall(tmp, filter="data")
         root = Path(tmp) / f"llama_cpp_python-{VERSION}"
-        _run(["patch", "-p1", "--forward", "--batch", "-i", str(PATCH)], cwd=root / "vendor" / "llama.cpp")
-        env = dict(os.environ, CMAKE_ARGS=f"{FLAGS} -DRIDGEFILL_PATCH_ID={patch_id()}",
-                   CMAKE_BUILD_PARALLEL_LEVEL=str(jobs))
+        if patched:
+            _run(["patch", "-p1", "--forward", "--batch", "-i", str(PATCH)], cwd=root / "vendor" / "llama.cpp")
+        flags = f"{FLAGS} -DRIDGEFILL_PATCH_ID={patch_id()}" if patched else FLAGS
+        env = dict(os.environ, CMAKE_ARGS=flags, CMAKE_BUILD_PARALLEL_LEVEL=str(jobs))
         built = Path(tmp) / "wheel"
         _run([python, "-m", "pip", "wheel", "-q", "--no-deps", str(root), "-w", str(built)], env=env)
         wheels = sorted(built.glob("llama_cpp_python-*.whl"))
@@ -103,9 +116,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--python", default=sys.executable, help="the interpreter to install into")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compile jobs")
     parser.add_argument("--key", action="store_true", help="print the cache key of this build and stop")
+    parser.add_argument("--stock", action="store_true", help="build (or find) the same version with the same flags "
+                        "and no patch; install nothing, print the wheel's path")
     args = parser.parse_args(argv)
     if args.key:
         print(build_key())
+        return
+    if args.stock:
+        print(wheel(args.python, args.jobs, patched=False))
         return
     found = install(args.python, args.jobs)
     print(f"llama-cpp-python {VERSION} with ridgefill patch {patch_id()} installed from {found}")
