@@ -8,13 +8,32 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from ridgefill.cli import app
+from ridgefill.cli import app, main
 
 RIDGEFILL = [sys.executable, "-m", "ridgefill"]
 
 
 def run_cli(*args):
     return subprocess.run([*RIDGEFILL, *map(str, args)], capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture
+def ridgefill(capfd, monkeypatch):
+    """`ridgefill ARGS` through the console script's entry point (cli.main) in this process, as CompletedProcess
+    (exit code, stdout, stderr): the error paths below, without a new process's imports (8-10 s each on a busy
+    machine); real processes run generate here and one case of each kind in test_bad_input.py's end-to-end test."""
+    def run(*args):
+        monkeypatch.setattr(sys, "argv", ["ridgefill", *map(str, args)])
+        capfd.readouterr()
+        try:
+            main()
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+        out, err = capfd.readouterr()
+        return subprocess.CompletedProcess(args, code, out, err)
+
+    return run
 
 
 @pytest.fixture(scope="module")
@@ -59,10 +78,10 @@ def test_generate_prints_only_text_and_tail_covering_prompt_is_exact(tiny_checkp
     (["ruler", "--tail", "abc", "--out", "r.json"], "Invalid value for '--tail'"),
     (["nosuch"], "No such command 'nosuch': see '"),
 ])
-def test_bad_input_is_one_line_exit_2(args, message, tiny_checkpoint):
+def test_bad_input_is_one_line_exit_2(args, message, tiny_checkpoint, ridgefill):
     if args[0] == "calibrate":
         args = [*args, "--model", str(tiny_checkpoint)]
-    r = run_cli(*args)
+    r = ridgefill(*args)
     assert r.returncode == 2
     assert message in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
@@ -70,20 +89,20 @@ def test_bad_input_is_one_line_exit_2(args, message, tiny_checkpoint):
         assert r.stderr.rstrip().endswith(f"ridgefill{' loss' if args[0] == 'loss' else ''} --help'")
 
 
-def test_corrupted_and_foreign_artifacts_are_refused(tiny_checkpoint, fitted, tmp_path):
+def test_corrupted_and_foreign_artifacts_are_refused(tiny_checkpoint, fitted, tmp_path, ridgefill):
     stats, maps = fitted
     broken = tmp_path / "broken.safetensors"
     broken.write_bytes(maps.read_bytes()[:1000])
-    r = run_cli("fit", "--stats", broken, "--out", tmp_path / "m.safetensors")
+    r = ridgefill("fit", "--stats", broken, "--out", tmp_path / "m.safetensors")
     assert r.returncode == 2 and "corrupted or truncated" in r.stderr
-    r = run_cli("fit", "--stats", maps, "--out", tmp_path / "m.safetensors")
+    r = ridgefill("fit", "--stats", maps, "--out", tmp_path / "m.safetensors")
     assert r.returncode == 2 and "not a ridgefill stats file" in r.stderr
-    r = run_cli("generate", "--model", tiny_checkpoint, "--maps", maps, "--split", "2", "--prompt", "hi")
+    r = ridgefill("generate", "--model", tiny_checkpoint, "--maps", maps, "--split", "2", "--prompt", "hi")
     assert r.returncode == 2 and "split 3, not 2" in r.stderr
     assert not (tmp_path / "m.safetensors").exists()
 
 
-def test_maps_for_another_model_are_refused(fitted, tmp_path):
+def test_maps_for_another_model_are_refused(fitted, tmp_path, ridgefill):
     import shutil
 
     import torch
@@ -96,15 +115,15 @@ def test_maps_for_another_model_are_refused(fitted, tmp_path):
     with torch.no_grad():
         model.model.norm.weight.mul_(2)
     model.save_pretrained(folder)
-    r = run_cli("generate", "--model", folder, "--maps", maps, "--prompt", "hello there")
+    r = ridgefill("generate", "--model", folder, "--maps", maps, "--prompt", "hello there")
     assert r.returncode == 2 and "fitted for another model" in r.stderr
 
 
-def test_data_without_enough_tokens_is_refused(tiny_checkpoint, tmp_path):
+def test_data_without_enough_tokens_is_refused(tiny_checkpoint, tmp_path, ridgefill):
     small = tmp_path / "small.txt"
     small.write_text("too short")
-    r = run_cli("calibrate", "--model", tiny_checkpoint, "--data", small, "--split", "2", "--seq-len", "64",
-                "--out", tmp_path / "s.safetensors")
+    r = ridgefill("calibrate", "--model", tiny_checkpoint, "--data", small, "--split", "2", "--seq-len", "64",
+                  "--out", tmp_path / "s.safetensors")
     assert r.returncode == 2 and "yields no calibration sequence" in r.stderr
     assert not (tmp_path / "s.safetensors").exists()
 
