@@ -260,14 +260,15 @@ def _print(doc: dict, out, title: str = "") -> None:
     for entry in doc["results"]:
         for name, t in entry["timings"].items():
             timing_rows.append([entry["length"], name, *(f"{1000 * t[k]:.1f}" for k in ("median_s", "p90_s", "min_s")),
-                                round(t["tokens_per_s"]), round((t["peak_memory_bytes"] or 0) / 2**20)])
+                                round(t["tokens_per_s"]),
+                                "-" if t["peak_memory_bytes"] is None else round(t["peak_memory_bytes"] / 2**20)])
         hf = entry["exact_vs_transformers"]
         for name, f in entry["fill"].items():
             share = "-" if f["projection_share"] is None else f"{100 * f['projection_share']:.1f}%"
             speed_rows.append([entry["length"], name, _interval(f["speedup_interval"]), f["limit_speedup"] or "-",
                                f["achieved_over_limit"] or "-", share, "-" if hf is None else _interval(hf)])
     where = title or f"{doc['device']['device']} ({doc['device']['threads']} threads)"
-    title = (f"{doc['model']['id']} {c['dtype']} on {where}, split {doc['split']}, tail {c['tail']}, "
+    title = (f"{doc['model']['id']} {doc['device'].get('dtype') or c['dtype']} on {where}, split {doc['split']}, tail {c['tail']}, "
              f"{c['repeats']} repeats")
     table(f"time to first token: {title}", ["length", "run", "median ms", "p90 ms", "min ms", "tok/s", "peak MiB"],
           timing_rows)

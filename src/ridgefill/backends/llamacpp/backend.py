@@ -136,7 +136,7 @@ class LlamaCppBackend(Backend):
                 for name in self.plans}
 
     def device_info(self) -> dict:
-        return {"device": "cpu", "dtype": self.config.dtype, "routes": None}
+        return {"device": "cpu", "dtype": "GGUF weights, F16 K/V", "routes": None}  # --dtype is the own engine's
 
     def store_scope(self) -> dict:
         return {"engine": self.name, "gguf": str(self.gguf), "patch": driver.patch_id()}
