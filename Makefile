@@ -15,8 +15,8 @@ LLAMACPP_STAMP := $(VENV)/.llamacpp-$(shell $(PYTHON) $(LLAMACPP_BUILD) --key)
 
 install: $(STAMP) $(SHAKESPEARE) $(LLAMACPP_STAMP)
 
-#: pip writes no bytecode for the thousands of modules of torch, vLLM and transformers (28 s of 155 s
-# here); Python compiles those a run imports, once.
+# pip compiles the bytecode of what it installs (not --no-compile: with PYTHONDONTWRITEBYTECODE=1, as on this
+# machine, every process then compiled torch, vLLM and transformers from source, and CI's tests took 40 % longer).
 # torch is pinned to the CPU wheel on local disk and installed first: an unpinned
 # torch would pull a multi-GB CUDA build. The second install names torch==2.13.0 again,
 # so that no extra can move it.
