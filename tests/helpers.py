@@ -58,6 +58,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_main(args, monkeypatch) -> int:
+    """`ridgefill ARGS` through the console script's entry point (cli.main) in this process: its exit code (the
+    error paths without a new process's imports, 8-10 s each on a busy machine)."""
+    from ridgefill import cli
+
+    monkeypatch.setattr(sys, "argv", ["ridgefill", *map(str, args)])
+    try:
+        cli.main()
+        return 0
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+
+
 # The head of a probe that registers the vLLM plugin in a process of its own: a maps file for it to read at argv[1].
 PLUGIN_PROBE_HEAD = r"""
 import sys

@@ -29,8 +29,8 @@ from typing import Callable
 
 import pytest
 
-from ridgefill import cli
 from fixtures.longbench_fixture import build_records, write_jsonl
+from helpers import run_main
 from tiny_checkpoint import save_tiny_checkpoint, training_text, write_corpus
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -908,12 +908,7 @@ def _named(text: str, names: dict[str, str]) -> str:
 def _main(args: list[str], cwd: Path, monkeypatch) -> int:
     """`ridgefill ARGS` in `cwd` through the console entry point; its exit code."""
     monkeypatch.chdir(cwd)
-    monkeypatch.setattr(sys, "argv", ["ridgefill", *args])
-    try:
-        cli.main()
-        return 0
-    except SystemExit as exc:
-        return exc.code if isinstance(exc.code, int) else 1
+    return run_main(args, monkeypatch)
 
 
 def _listing(folder: Path) -> dict[str, bytes]:

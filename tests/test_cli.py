@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from ridgefill.cli import app, main
+from helpers import run_main
+from ridgefill.cli import app
 
 RIDGEFILL = [sys.executable, "-m", "ridgefill"]
 
@@ -19,17 +20,11 @@ def run_cli(*args):
 
 @pytest.fixture
 def ridgefill(capfd, monkeypatch):
-    """`ridgefill ARGS` through the console script's entry point (cli.main) in this process, as CompletedProcess
-    (exit code, stdout, stderr): the error paths below, without a new process's imports (8-10 s each on a busy
-    machine); real processes run generate here and one case of each kind in test_bad_input.py's end-to-end test."""
+    """`ridgefill ARGS` in this process (helpers.run_main) as CompletedProcess (exit code, stdout, stderr): the error
+    paths below; real processes run generate here and one case of each kind in test_bad_input.py's end-to-end test."""
     def run(*args):
-        monkeypatch.setattr(sys, "argv", ["ridgefill", *map(str, args)])
         capfd.readouterr()
-        try:
-            main()
-            code = 0
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+        code = run_main(args, monkeypatch)
         out, err = capfd.readouterr()
         return subprocess.CompletedProcess(args, code, out, err)
 

@@ -268,8 +268,8 @@ def _print(doc: dict, out, title: str = "") -> None:
             speed_rows.append([entry["length"], name, _interval(f["speedup_interval"]), f["limit_speedup"] or "-",
                                f["achieved_over_limit"] or "-", share, "-" if hf is None else _interval(hf)])
     where = title or f"{doc['device']['device']} ({doc['device']['threads']} threads)"
-    title = (f"{doc['model']['id']} {doc['device'].get('dtype') or c['dtype']} on {where}, split {doc['split']}, tail {c['tail']}, "
-             f"{c['repeats']} repeats")
+    ran = doc["device"].get("dtype") or c["dtype"]  # what the engine ran (llama.cpp: the GGUF's own weights)
+    title = f"{doc['model']['id']} {ran} on {where}, split {doc['split']}, tail {c['tail']}, {c['repeats']} repeats"
     table(f"time to first token: {title}", ["length", "run", "median ms", "p90 ms", "min ms", "tok/s", "peak MiB"],
           timing_rows)
     table(f"speedup (median exact / median filled) → {out}", ["length", "fill", "speedup [95% CI]", "FLOP limit",

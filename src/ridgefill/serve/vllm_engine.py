@@ -57,7 +57,7 @@ class EngineSettings:
 
     def environment(self) -> dict[str, str]:
         env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
-               "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
+               "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": engine_log_level(os.environ)}
         if self.threads is not None:
             env.update(VLLM_CPU_OMP_THREADS_BIND=self.threads, VLLM_CPU_NUM_OF_RESERVED_CPU="0")
         if self.fill is not None:
@@ -78,6 +78,11 @@ class Completion:
     preemptions: int = 0  # times vLLM preempted (and later recomputed) this request
 
 
+def engine_log_level(environ) -> str:
+    """vLLM's log level in an engine: the operator's VLLM_LOGGING_LEVEL, else warnings and errors only."""
+    return environ.get("VLLM_LOGGING_LEVEL", "WARNING")
+
+
 def engine_context():
     """The multiprocessing context engines start from. On a CPU build: a forkserver (one per process, started at
     the first call) that has imported vLLM with the engines' log level (vLLM configures its logger at import); each
@@ -91,7 +96,7 @@ def engine_context():
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["vllm.entrypoints.llm", "ridgefill.serve.vllm_engine"])
     level = os.environ.get("VLLM_LOGGING_LEVEL")
-    os.environ["VLLM_LOGGING_LEVEL"] = level or "WARNING"
+    os.environ["VLLM_LOGGING_LEVEL"] = engine_log_level(os.environ)
     try:
         forkserver.ensure_running()
     finally:
@@ -101,13 +106,12 @@ def engine_context():
 
 
 class VllmWorker:
-    """One vLLM engine in a process of its own. Use as a context manager; every call blocks until the reply.
-    context: the multiprocessing context that starts it (default: engine_context()). The engine's process sees
-    this process's environment as it is now."""
+    """One vLLM engine in a process of its own, started from engine_context(). Use as a context manager; every
+    call blocks until the reply. The engine's process sees this process's environment as it is now."""
 
-    def __init__(self, settings: EngineSettings, start_timeout: float = 600.0, context=None) -> None:
+    def __init__(self, settings: EngineSettings, start_timeout: float = 600.0) -> None:
         self.settings = settings
-        ctx = context or engine_context()
+        ctx = engine_context()
         self._conn, child = ctx.Pipe()
         # not daemonic: TP workers are its children
         self._proc = ctx.Process(target=_serve, args=(child, settings, dict(os.environ)))

@@ -100,7 +100,7 @@ def wheel(python: str, jobs: int, patched: bool = True) -> Path:
             staging.rename(out)  # whole or absent: another install building at the same time keeps its own
         except OSError:
             shutil.rmtree(staging, ignore_errors=True)
-    return sorted(out.glob("llama_cpp_python-*.whl"))[0]
+    return cached_wheel(patched)
 
 
 def install(python: str, jobs: int) -> Path:
