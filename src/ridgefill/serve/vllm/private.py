@@ -113,8 +113,9 @@ READS = (
 
 def check_reads(reads=READS) -> None:
     """Raise a one-line RidgefillError naming the first entry of `reads` the installed vLLM does not match."""
+    seen: dict = {}  # class -> the names its methods assign, shared by the entries (surface.assigned)
     for read in reads:
-        problem = read.problem()
+        problem = read.problem(seen)
         if problem:
             raise RidgefillError(problem)
 

@@ -25,8 +25,10 @@ class Read(NamedTuple):
     why: str
     by: tuple[str, ...] = ()  # the functions of this module that read them
 
-    def problem(self) -> str | None:
-        missing = [n for n in self.names if n not in available(self)]
+    def problem(self, seen: dict | None = None) -> str | None:
+        """seen: classes already read by earlier entries of one check -> the names their methods assign."""
+        found = available(self, {} if seen is None else seen)
+        missing = [n for n in self.names if n not in found]
         if not missing:
             return None
         return (f"vLLM's {where(self)} has no {', '.join(missing)}, which ridgefill's vLLM plugin reads "
@@ -43,7 +45,7 @@ class Call(NamedTuple):
     why: str
     by: tuple[str, ...] = ()
 
-    def problem(self) -> str | None:
+    def problem(self, seen: dict | None = None) -> str | None:
         found = parameter_names(self)
         if found == self.params:
             return None
@@ -57,8 +59,9 @@ def where(read: Read | Call) -> str:
     return f"{read.module}.{read.owner}" if read.owner else read.module
 
 
-def available(read: Read) -> set[str]:
-    """The names `read` may use: the module's attributes, or its class's fields and attributes."""
+def available(read: Read, seen: dict) -> set[str]:
+    """The names `read` may use: the module's attributes, or its class's fields and attributes (seen: as in
+    `assigned`)."""
     module = imported(read.module)
     if module is None:
         return set()
@@ -68,7 +71,7 @@ def available(read: Read) -> set[str]:
     if not isinstance(owner, type):
         return set()
     fields = {f.name for f in dataclasses.fields(owner)} if dataclasses.is_dataclass(owner) else set()
-    return fields | set(getattr(owner, "__struct_fields__", ())) | set(dir(owner)) | assigned(owner)
+    return fields | set(getattr(owner, "__struct_fields__", ())) | set(dir(owner)) | assigned(owner, seen)
 
 
 def imported(name: str) -> types.ModuleType | None:
@@ -97,16 +100,26 @@ def parameter_names(call: Call) -> tuple[str, ...] | str:
         return "is not a function"
 
 
-def assigned(cls: type) -> set[str]:
+def assigned(cls: type, seen: dict) -> set[str]:
     """The attribute names the methods of `cls` (and its bases) assign (`self.x = ...`), also through a decorator's
-    wrapper."""
+    wrapper. seen: class -> the names its own methods assign, filled here (the entries of one check share bases:
+    torch's Module, vLLM's model runner: each is disassembled once per check)."""
     names: set[str] = set()
     for klass in cls.__mro__:
-        for value in vars(klass).values():
-            function = inspect.unwrap(getattr(value, "__func__", getattr(value, "fget", value)) or value)
-            if isinstance(function, types.FunctionType):
-                names |= _stored(function.__code__)
-                names |= set().union(*(_stored(f.__code__) for f in _wrapped(function)))
+        if klass not in seen:
+            seen[klass] = assigned_by(klass)
+        names |= seen[klass]
+    return names
+
+
+def assigned_by(klass: type) -> set[str]:
+    """The attribute names the methods defined on `klass` itself assign."""
+    names: set[str] = set()
+    for value in vars(klass).values():
+        function = inspect.unwrap(getattr(value, "__func__", getattr(value, "fget", value)) or value)
+        if isinstance(function, types.FunctionType):
+            names |= _stored(function.__code__)
+            names |= set().union(*(_stored(f.__code__) for f in _wrapped(function)))
     return names
 
 
