@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.activations import ACT2FN
 
 from ridgefill.engine.families.base import Adapter, apply_rope
 from ridgefill.engine.cache import StateCache
@@ -53,6 +52,8 @@ class HybridAdapter(Adapter):
         if unknown:
             raise RidgefillError(f"unsupported layer types {unknown}: ridgefill supports {sorted(_KINDS)}")
         self.kinds = [_KINDS[t] for t in types]
+        from transformers.activations import ACT2FN  # here, not at import: 3 s that commands without a model skip
+
         self.activation = ACT2FN[self.config.hidden_act]
 
     def use_routes(self, routes) -> None:
