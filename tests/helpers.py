@@ -71,6 +71,15 @@ def run_main(args, monkeypatch) -> int:
         return exc.code if isinstance(exc.code, int) else int(exc.code is not None)
 
 
+def run_captured(args, capfd, monkeypatch) -> subprocess.CompletedProcess:
+    """run_main(args) with what it writes to stdout and stderr captured, as a CompletedProcess (exit code, stdout,
+    stderr): a command's one-line error paths in this process."""
+    capfd.readouterr()
+    code = run_main(args, monkeypatch)
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess(args, code, out, err)
+
+
 # The head of a probe that registers the vLLM plugin in a process of its own: a maps file for it to read at argv[1].
 PLUGIN_PROBE_HEAD = r"""
 import sys

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from helpers import run_main
+from helpers import run_captured
 from ridgefill.cli import app
 
 RIDGEFILL = [sys.executable, "-m", "ridgefill"]
@@ -22,13 +22,7 @@ def run_cli(*args):
 def ridgefill(capfd, monkeypatch):
     """`ridgefill ARGS` in this process (helpers.run_main) as CompletedProcess (exit code, stdout, stderr): the error
     paths below; real processes run generate here and one case of each kind in test_bad_input.py's end-to-end test."""
-    def run(*args):
-        capfd.readouterr()
-        code = run_main(args, monkeypatch)
-        out, err = capfd.readouterr()
-        return subprocess.CompletedProcess(args, code, out, err)
-
-    return run
+    return lambda *args: run_captured(args, capfd, monkeypatch)
 
 
 @pytest.fixture(scope="module")
@@ -48,17 +42,19 @@ def test_calibrate_and_fit_write_artifacts_and_summaries(fitted):
     assert not any(p.name.endswith(".partial") for p in stats.parent.iterdir())
 
 
-def test_generate_prints_only_text_and_tail_covering_prompt_is_exact(tiny_checkpoint, fitted):
+def test_generate_prints_only_text_and_tail_covering_prompt_is_exact(tiny_checkpoint, fitted, ridgefill):
+    """The exact run in a real process (its stdout is the text alone, whatever the imports print); the filled runs
+    through the same entry point in this process."""
     _, maps = fitted
     prompt = "The grass is green. The sky is blue. One of the special magic numbers for king is: 1234567."
     exact = run_cli("generate", "--model", tiny_checkpoint, "--exact", "--prompt", prompt, "--max-new-tokens", 8)
-    filled = run_cli("generate", "--model", tiny_checkpoint, "--maps", maps, "--tail", 500, "--prompt", prompt,
-                     "--max-new-tokens", 8)
+    filled = ridgefill("generate", "--model", tiny_checkpoint, "--maps", maps, "--tail", 500, "--prompt", prompt,
+                       "--max-new-tokens", 8)
     assert exact.returncode == 0 and filled.returncode == 0, filled.stderr
     assert exact.stdout == filled.stdout and exact.stdout.strip()
     assert "exact" in filled.stderr  # the note that tail >= prompt is exact
-    both = run_cli("generate", "--model", tiny_checkpoint, "--maps", maps, "--tail", 4, "--prompt", prompt,
-                   "--max-new-tokens", 4, "--compare")
+    both = ridgefill("generate", "--model", tiny_checkpoint, "--maps", maps, "--tail", 4, "--prompt", prompt,
+                     "--max-new-tokens", 4, "--compare")
     assert both.returncode == 0
     assert "=== exact ===" in both.stdout and "=== filled ===" in both.stdout and "ttft" in both.stderr
 

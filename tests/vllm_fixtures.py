@@ -44,8 +44,9 @@ def reference(folder, maps, tail: int, batch: list[list[int]], new: int, keep_fi
     tokens, first = [], []
     for p in batch:
         ids = torch.tensor([p])
-        tokens.append(session.engine.generate(ids, new, plan, None).tokens[0])
-        first.append(torch.log_softmax(session.engine.prefill(ids, plan).logits[0, -1].double(), -1))
+        result = session.engine.generate(ids, new, plan, None)
+        tokens.append(result.tokens[0])
+        first.append(torch.log_softmax(result.prefill.logits[0, -1].double(), -1))
     return tokens, first
 
 
@@ -171,14 +172,14 @@ def vllm_lookback(vllm_tiny, tmp_path_factory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="session")
 def smollm2_maps(tmp_path_factory) -> tuple[Path, Path]:
-    """(the embedded SmolLM2 folder, maps at split 15 fitted on 4,096 tokens of wiki-leads: the serve tests compare
+    """(the embedded SmolLM2 folder, maps at split 15 fitted on 2,048 tokens of wiki-leads: the serve tests compare
     the server with ridgefill's engine on the same maps, so the maps need not be good, only real)."""
     pytest.importorskip("vllm")
     from ridgefill.runtime.models import model_folder
 
     folder = Path(model_folder("smollm2-135m"))
     return built_once(tmp_path_factory, "smollm2-maps", lambda work: (
-        folder, fit_maps("smollm2-135m", Path("wiki-leads"), work, 15, tokens=4096, seq_len=512)))
+        folder, fit_maps("smollm2-135m", Path("wiki-leads"), work, 15, tokens=2048, seq_len=512)))
 
 
 class EnginePool:

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import free_port
+from helpers import free_port, run_captured
 from ridgefill.commands import options
 from ridgefill.errors import RidgefillError
 from ridgefill.method.calibrate import COMMAND
@@ -87,7 +87,8 @@ def wait_for_progress(partial: Path, beyond: int, processes: list[subprocess.Pop
     raise AssertionError(f"no checkpoint beyond {beyond} sequences in {TIMEOUT} s")
 
 
-def test_two_gloo_ranks_give_the_statistics_and_maps_of_one_process(calibrate_args, reference, tmp_path):
+def test_two_gloo_ranks_give_the_statistics_and_maps_of_one_process(calibrate_args, reference, tmp_path, capfd,
+                                                                    monkeypatch):
     out = tmp_path / "two.safetensors"
     processes = ranks([*calibrate_args, "--checkpoint-every", "7"], out)
     assert [p.wait(TIMEOUT) for p in processes] == [0, 0], out.with_suffix(".rank0.log").read_text()
@@ -98,7 +99,8 @@ def test_two_gloo_ranks_give_the_statistics_and_maps_of_one_process(calibrate_ar
     assert "calibration statistics" not in rank1 and "calibrating" not in rank1  # only rank 0 reports
     maps = []
     for stats in (reference, out):
-        r = cli("fit", "--stats", stats, "--split", "3", "--out", stats.with_suffix(".maps.safetensors"))
+        r = run_captured(["fit", "--stats", stats, "--split", "3", "--out", stats.with_suffix(".maps.safetensors")],
+                         capfd, monkeypatch)  # in this process: what is tested is the statistics
         assert r.returncode == 0, r.stderr
         maps.append(load_file(stats.with_suffix(".maps.safetensors")))
         maps[-1]["lam"] = torch.tensor([x["lam"] for x in json.loads(
@@ -163,10 +165,14 @@ def test_nproc_relaunch_repeats_every_option_but_nproc(tmp_path):
     ("2", {"WORLD_SIZE": "2", "RANK": "0"}, "cannot initialise torch.distributed (gloo, rank 0 of 2)"),
     ("2", {"WORLD_SIZE": "2", "RANK": "x"}, "RANK='x' is not an integer"),
 ])
-def test_bad_setups_are_one_line_exit_2(calibrate_args, tmp_path, split, env, message):
+def test_bad_setups_are_one_line_exit_2(calibrate_args, tmp_path, split, env, message, capfd, monkeypatch):
+    """Through the console entry point in this process (a process's exit code and stderr are test_bad_input's)."""
     args = list(calibrate_args)
     args[args.index("--split") + 1] = split
-    base = {k: v for k, v in ONE_THREAD.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
-    r = cli(*args, "--out", tmp_path / "s.safetensors", env={**base, **env})
+    for name in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    r = run_captured([*args, "--out", tmp_path / "s.safetensors"], capfd, monkeypatch)
     assert r.returncode == 2 and message in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "s.safetensors").exists()

@@ -22,14 +22,14 @@ def test_bench_serve_drives_both_servers_and_writes_json_table_and_png(vllm_tiny
     corpus = folder.parent / "corpus.txt"
     out = tmp_path / "bench.json"
     r = subprocess.run([sys.executable, "-m", "ridgefill", "bench-serve", "--model", str(folder), "--maps", str(maps),
-                        "--tail", "32", "--data", str(corpus), "--rates", "4,1", "--requests", "3",
+                        "--tail", "32", "--data", str(corpus), "--rates", "16,4", "--requests", "3",
                         "--prompt-tokens", "150", "--output-tokens", "4", "--out", str(out), "--enforce-eager"],
                        capture_output=True, text=True, timeout=1200, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert doc["command"] == "bench-serve" and doc["variants"] == ["exact", "ridge"]
-    assert [(e["rate"], e["variant"]) for e in doc["results"]] == [(1.0, "exact"), (4.0, "exact"), (1.0, "ridge"),
-                                                                    (4.0, "ridge")]
+    assert [(e["rate"], e["variant"]) for e in doc["results"]] == [(4.0, "exact"), (16.0, "exact"), (4.0, "ridge"),
+                                                                    (16.0, "ridge")]
     for e in doc["results"]:
         assert e["requests"] == 3 and 0 < e["ttft_p50_s"] <= e["ttft_p90_s"] <= e["ttft_p99_s"]
         assert e["throughput_rps"] > 0 and e["goodput_rps"] == e["within_slo"] / e["duration_s"]

@@ -186,8 +186,9 @@ def test_a_second_chat_turn_reuses_the_first_and_equals_ridgefills_engine(vllm_t
     import torch
 
     ids = torch.tensor([turn_two])
-    want = session.engine.generate(ids, 16, plan, None).tokens[0]
-    first = torch.log_softmax(session.engine.prefill(ids, plan).logits[0, -1].double(), -1)
+    result = session.engine.generate(ids, 16, plan, None)
+    want = result.tokens[0]
+    first = torch.log_softmax(result.prefill.logits[0, -1].double(), -1)
     print(f"chat turn two: hit {hit} tokens; {sum(a == b for a, b in zip(got.tokens, want))} of 16 tokens agree")
     assert max_logprob_gap(got, first) < 1e-3 and got.tokens == want
 

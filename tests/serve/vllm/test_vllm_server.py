@@ -318,14 +318,18 @@ def test_nested_escaped_and_oversized_requests_are_400_or_413_and_the_server_ser
 
 
 def test_filled_requests_match_ridgefills_engine(server):
-    """Test 2 on the embedded SmolLM2 (split 15 of 30, tail 64) through the server: first-token top-5 log-probs
-    within 1e-3 of ridgefill's own filled prefill, at least 7 of 8 greedy 32-token continuations equal; the
-    server's counters count each filled row."""
+    """Test 2 on the embedded SmolLM2 (split 15 of 30, tail 64) through the server, the 8 requests sent at once (the
+    server batches them): first-token top-5 log-probs within 1e-3 of ridgefill's own filled prefill, at least 7 of 8
+    greedy 32-token continuations equal; the server's counters count each filled row."""
+    from concurrent.futures import ThreadPoolExecutor
+
     batch = prompts(8, [300, 420, 256, 380], 49152, seed=4)
     before = metrics(server)
+    with ThreadPoolExecutor(len(batch)) as pool:
+        replies = list(pool.map(lambda p: complete(server, p, max_tokens=32, logprobs=5,
+                                                   return_tokens_as_token_ids=True), batch))
     got = []
-    for p in batch:
-        status, body = complete(server, p, max_tokens=32, logprobs=5, return_tokens_as_token_ids=True)
+    for status, body in replies:
         assert status == 200, body
         (choice,) = body["choices"]
         top = {int(k.split(":")[1]): v for k, v in choice["logprobs"]["top_logprobs"][0].items()}
