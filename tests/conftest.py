@@ -109,7 +109,7 @@ def random_ids(n: int, batch: int = 1, seed: int = 1) -> torch.Tensor:
 from tiny_checkpoint import long_docs, tiny_checkpoint, write_corpus  # noqa: E402,F401  (fixtures: model, long text)
 # the vLLM tests' shared fixtures, registered here once: a session fixture imported into several test modules is a
 # fixture of each module, and was built once per module (the tiny checkpoints and their maps five times)
-from vllm_fixtures import (engines, smollm2_maps, vllm_hybrid, vllm_lookback, vllm_tiny,  # noqa: E402,F401
+from vllm_fixtures import (engines, smollm2_tuned, vllm_hybrid, vllm_lookback, vllm_tiny,  # noqa: E402,F401
                            vllm_tuned)
 
 
@@ -166,7 +166,7 @@ def one_thread():
 # compile cache): one vLLM group 24 min 41 s of pytest; two groups, one core each, 21 min 49 s; the same after three
 # tests were trimmed (CHANGELOG), 15 min 39 s; with the pool's forkserver 13 min 1 s; with one torch thread per
 # worker 10 min 26 s (two threads per worker kept four spinning OpenMP threads on the two cores).
-VLLM_FIXTURES = {"vllm_tiny", "vllm_lookback", "vllm_hybrid", "smollm2_maps", "engines", "vllm_tuned"}
+VLLM_FIXTURES = {"vllm_tiny", "vllm_lookback", "vllm_hybrid", "smollm2_tuned", "engines", "vllm_tuned"}
 
 
 def vllm_cores(worker: str, workers: int, cpus: list[int]) -> str | None:

@@ -171,15 +171,22 @@ def vllm_lookback(vllm_tiny, tmp_path_factory) -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="session")
-def smollm2_maps(tmp_path_factory) -> tuple[Path, Path]:
-    """(the embedded SmolLM2 folder, maps at split 15 fitted on 2,048 tokens of wiki-leads: the serve tests compare
-    the server with ridgefill's engine on the same maps, so the maps need not be good, only real)."""
+def smollm2_tuned(tmp_path_factory) -> tuple[Path, Path]:
+    """(the embedded SmolLM2 folder, the serving config `ridgefill tune` wrote for it: ridge at split 15, tail 64,
+    its maps fitted on 2,048 tokens of wiki-leads; the serve tests compare the server with ridgefill's engine on the
+    same maps, so the maps need not be good, only real)."""
     pytest.importorskip("vllm")
+    from ridgefill.commands import command
     from ridgefill.runtime.models import model_folder
 
-    folder = Path(model_folder("smollm2-135m"))
-    return built_once(tmp_path_factory, "smollm2-maps", lambda work: (
-        folder, fit_maps("smollm2-135m", Path("wiki-leads"), work, 15, tokens=2048, seq_len=512)))
+    def build(root: Path) -> tuple[Path, Path]:
+        config = root / "serving.json"
+        command("tune")(model="smollm2-135m", data="wiki-leads", splits="15", variants="ridge", tail=64, tokens=2048,
+                        seq_len=512, holdout=0.25, lengths="320", tasks="niah_single_1", samples=1, max_new_tokens=4,
+                        nll_check=False, out_dir=root / "run", config_out=config)
+        return Path(model_folder("smollm2-135m")), config
+
+    return built_once(tmp_path_factory, "smollm2-tuned", build)
 
 
 class EnginePool:

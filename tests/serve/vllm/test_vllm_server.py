@@ -1,8 +1,8 @@
-"""`ridgefill serve` as a user runs it, with vLLM: one server with serve's defaults on the embedded SmolLM2
-(compiled, prefix caching on: the settings operators keep) answers OpenAI completion requests (per-request tail,
-bad and oversized requests, the API key, SIGTERM) while its stderr is a pipe that nobody reads once serve has said
-what it serves (`ridgefill serve ... 2>&1 | less` left unscrolled, Ctrl-S); a server from the serving config
-`ridgefill tune` wrote; bad configurations in real processes. The in-process checks of what serve hands to vLLM are
+"""`ridgefill serve` as a user runs it, with vLLM: one server on the embedded SmolLM2 from the serving config
+`ridgefill tune` wrote, with serve's defaults otherwise (compiled, prefix caching on: the settings operators keep),
+answers OpenAI completion requests (per-request tail, bad and oversized requests, the API key, SIGTERM) while its
+stderr is a pipe that nobody reads once serve has said what it serves (`ridgefill serve ... 2>&1 | less` left
+unscrolled, Ctrl-S); bad configurations in real processes. The in-process checks of what serve hands to vLLM are
 in tests/serve/test_serve.py. Skipped where vLLM is not installed (the fixtures skip)."""
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import json
 import os
 import random
 import secrets
-import shutil
 import signal
 import socket
 import subprocess
@@ -30,7 +29,7 @@ import pytest
 from helpers import free_port
 from ridgefill.serve import serve
 from ridgefill.serve.vllm.middleware import NESTED
-from vllm_fixtures import prompts, reference, vocab_of
+from vllm_fixtures import prompts, reference
 
 RIDGEFILL = [sys.executable, "-m", "ridgefill"]
 START_TIMEOUT = 300.0  # seconds for vLLM to load a tiny model on a busy 2-core machine (~40 s when quiet)
@@ -100,14 +99,14 @@ def exact_logprobs(folder: Path, prompt: list[int], tokens: list[int]) -> tuple[
     return ([float(logp[i, t]) for i, t in enumerate(tokens)], [float(v) for v in logp.max(-1).values])
 
 
-# --- one server with serve's defaults (SmolLM2, split 15, tail 64), used by the tests below, in order ---------
+# --- one server from tune's serving config (SmolLM2, split 15, tail 64), used by the tests below, in order -----
 @dataclass
 class Server:
     proc: subprocess.Popen
     base: str  # http://127.0.0.1:PORT
     log: Path  # vLLM's log (--log-file): every line of its output, whether stderr took it or not
     banner: str  # serve's line saying what it serves, the last line read from its stderr
-    maps: Path  # the maps file it serves (a copy: the tests change it while it serves)
+    maps: Path  # the maps file it serves (named by the serving config; a test changes it while it serves)
     folder: Path  # the checkpoint folder
     key: str  # its API key (VLLM_API_KEY in serve's environment)
 
@@ -130,22 +129,23 @@ def read_until_banner(proc: subprocess.Popen, lines: list[str]) -> None:
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_maps, tmp_path_factory):
-    """`ridgefill serve --model smollm2-135m --maps M --tail 64 --port P`: nothing else, no KV cache setting in the
-    environment either (serve's defaults must start on this machine), and an API key in VLLM_API_KEY. Its stderr is
-    a pipe read up to serve's line and never again: every test below also checks that vLLM's output goes on being
-    read when the terminal does not keep up. Where vLLM is installed and the plugin's entry point is not, the tests
-    fail: a broken install must not pass as a skip."""
+def server(smollm2_tuned, tmp_path_factory):
+    """`ridgefill serve --model smollm2-135m --serving-config S --port P`, S the serving config `ridgefill tune` wrote
+    (ridge, split 15, tail 64): nothing else, no KV cache setting in the environment either (serve's defaults must
+    start on this machine), and an API key in VLLM_API_KEY. Its stderr is a pipe read up to serve's line and never
+    again: every test below also checks that vLLM's output goes on being read when the terminal does not keep up.
+    Where vLLM is installed and the plugin's entry point is not, the tests fail: a broken install must not pass as a
+    skip."""
+    from ridgefill.method.fill import load_serving
+
     assert serve.plugin_installed(), ("ridgefill's vllm.general_plugins entry point is not installed beside vLLM: "
                                       "reinstall ridgefill (pip install -e '.[vllm]')")
-    folder, maps = smollm2_maps
+    folder, config = smollm2_tuned
     root = tmp_path_factory.mktemp("server")
-    served = root / "maps.safetensors"
-    shutil.copy(maps, served)
     port, log = free_port(), root / "vllm.log"
     env = {k: v for k, v in os.environ.items() if k not in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_PLUGINS")}
     key = secrets.token_hex(16)
-    proc = subprocess.Popen([*RIDGEFILL, "serve", "--model", "smollm2-135m", "--maps", str(served), "--tail", "64",
+    proc = subprocess.Popen([*RIDGEFILL, "serve", "--model", "smollm2-135m", "--serving-config", str(config),
                              "--port", str(port), "--log-file", str(log)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=root,
                             env={**env, "TOKENIZERS_PARALLELISM": "false", "VLLM_API_KEY": key})
@@ -157,7 +157,7 @@ def server(smollm2_maps, tmp_path_factory):
         wait_until_up(proc, f"{base}/health", log)
         reader.join(30)  # serve prints its line just after vLLM answers
         assert stderr and stderr[-1].startswith("ridgefill serve: "), "".join(stderr)[-3000:] + tail(log)
-        yield Server(proc, base, log, stderr[-1], served, folder, key)
+        yield Server(proc, base, log, stderr[-1], load_serving(config).fill.maps, folder, key)
     finally:
         stop(proc)
 
@@ -184,9 +184,11 @@ def metrics(server: Server) -> dict[str, float]:
 
 
 def test_serve_starts_with_its_defaults_and_says_what_it_serves(server):
+    """The serving config's fill (its maps, split and tail) is what serve serves and says it serves."""
     first = server.banner
     assert first.startswith("ridgefill serve: smollm2-135m through vLLM at http://127.0.0.1:"), first
     assert "split 15 of 30 layers" in first and "tail 64" in first and "KV cache" in first, first
+    assert "with RidgeFill: ridge fill, maps " in first and "serving.json (split 15" in first, first
     assert "Traceback" not in server.log.read_text(errors="replace")
     status, models = server.get("/v1/models", server.key)
     assert status == 200 and [m["id"] for m in json.loads(models)["data"]] == ["smollm2-135m"]
@@ -409,14 +411,18 @@ def test_changing_the_maps_file_while_serving_changes_nothing(server):
     truncating it, leaves every answer as it was (no SIGBUS, no other maps)."""
     prompt = prompts(1, [300], 49152, seed=11)[0]
     before = answer(server, prompt, max_tokens=8)
-    size = server.maps.stat().st_size
-    with open(server.maps, "r+b") as f:  # the same file, its bytes replaced (the tensors' part zeroed)
-        f.seek(size // 2)
-        f.write(bytes(size - size // 2))
-    assert answer(server, prompt, max_tokens=8) == before
-    with open(server.maps, "r+b") as f:
-        f.truncate(100)
-    assert answer(server, prompt, max_tokens=8) == before
+    original = server.maps.read_bytes()
+    size = len(original)
+    try:
+        with open(server.maps, "r+b") as f:  # the same file, its bytes replaced (the tensors' part zeroed)
+            f.seek(size // 2)
+            f.write(bytes(size - size // 2))
+        assert answer(server, prompt, max_tokens=8) == before
+        with open(server.maps, "r+b") as f:
+            f.truncate(100)
+        assert answer(server, prompt, max_tokens=8) == before
+    finally:  # tune's maps, as the serving config pins them
+        server.maps.write_bytes(original)
 
 
 PIPES = 2 * (64 << 10)  # stderr's pipe and vLLM's output pipe: what a blocking echo let through before vLLM blocked
@@ -470,41 +476,3 @@ def test_a_setting_vllm_reads_from_a_config_file_that_breaks_the_fill_ends_serve
     assert r.returncode == 2, r.stderr
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: LoRA is not supported with RidgeFill"), r.stderr
     assert f"(vLLM's log: {log})" in r.stderr and "Traceback" in log.read_text()  # the whole story is in the log
-
-
-def test_serve_serves_the_ridge_config_tune_wrote(vllm_tuned, vllm_tiny, tmp_path):
-    """`ridgefill tune` -> serving.json -> `ridgefill serve --serving-config` on the CPU vLLM, ridge variant: the server
-    fills with the tuned maps (pinned by their sha256), split and tail; a request's first-token log-probs match
-    ridgefill's own engine on the same config, and /metrics counts its filled rows. Eager (--enforce-eager, handed on
-    to vLLM): what is tested is the config; the server with serve's defaults above runs compiled."""
-    from ridgefill.method.fill import load_serving
-
-    folder, _ = vllm_tiny["llama"]
-    fill = load_serving(vllm_tuned["ridge"]).fill
-    port, log = free_port(), tmp_path / "serve.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([*RIDGEFILL, "serve", "--model", str(folder), "--serving-config",
-                                 str(vllm_tuned["ridge"]), "--port", str(port), "--max-model-len", "1024",
-                                 "--enforce-eager"],
-                                stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path,
-                                env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_up(proc, f"{base}/health", log)
-        prompt = prompts(1, [200], vocab_of(folder), seed=14)[0]
-        status, body = post(f"{base}/v1/completions", {"model": str(folder), "prompt": prompt, "max_tokens": 1,
-                                                       "temperature": 0, "logprobs": 5,
-                                                       "return_tokens_as_token_ids": True})
-        assert status == 200, body
-        with urllib.request.urlopen(f"{base}/metrics", timeout=30) as r:
-            counters = {line.split()[0]: float(line.split()[1]) for line in r.read().decode().splitlines()
-                        if line.startswith("ridgefill_")}
-    finally:
-        stop(proc)
-    assert f"split {fill.split} of 6 layers" in log.read_text() and "tail 32" in log.read_text()
-    top = {int(k.split(":")[1]): v for k, v in body["choices"][0]["logprobs"]["top_logprobs"][0].items()}
-    _, first = reference(folder, fill.maps, 32, [prompt], 1)
-    assert max(abs(lp - float(first[0][t])) for t, lp in top.items()) < 1e-3
-    assert counters["ridgefill_filled_tokens_total"] + counters["ridgefill_outlier_tokens_total"] == 200 - 33
-
-

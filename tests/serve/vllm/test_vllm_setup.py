@@ -2,8 +2,8 @@
 install where vLLM would pick Model Runner V2 (Triton usable, as on every CUDA install: simulated here), a configured
 plugin makes it use V1, the runner it hooks, and refuses a configuration that still asks for V2; settings that break
 the fill are refused with one line before any engine process starts; the admission check joins the logits
-processors; prefix caching stays on (the plugin makes it safe). Each probe runs in a fresh process (the plugin's hooks and vLLM's environment
-are per process)."""
+processors; prefix caching stays on (the plugin makes it safe). Each probe runs in a fresh process (the plugin's
+hooks and vLLM's environment are per process): first as stock vLLM, then with the plugin registered."""
 
 from __future__ import annotations
 
@@ -26,8 +26,6 @@ vllm_config_module.HAS_TRITON = True  # as on a CUDA install: vLLM would pick Mo
 from ridgefill.serve.vllm_fill import fill_from_env
 from ridgefill.serve.vllm_config import check_engine_config
 from ridgefill.serve.vllm.plugin import register
-
-register()  # what vLLM does from the entry point in every process; nothing unless RIDGEFILL_MAPS is set
 
 
 def make(env=None, after=None, **kwargs):
@@ -71,29 +69,32 @@ cases = {
     "weight-transfer": lambda: make(weight_transfer_config={"backend": "nccl"}),
     "dev-mode": lambda: make(env={"VLLM_SERVER_DEV_MODE": "1"}),
 }
-wanted = sys.argv[2:] or list(cases)
-print("RESULT " + json.dumps({name: cases[name]() for name in wanted}))
+stock, wanted = sys.argv[3].split(",") if sys.argv[3] else [], sys.argv[4:] or list(cases)
+before = {name: cases[name]() for name in stock}  # nothing registered, no RIDGEFILL_MAPS: stock vLLM
+os.environ["RIDGEFILL_MAPS"] = sys.argv[2]
+register()  # what vLLM does from the entry point in every process
+print("RESULT " + json.dumps({"stock": before, "configured": {name: cases[name]() for name in wanted}}))
 """
 
 
-def probe(folder, maps=None, cases: tuple[str, ...] = ()) -> dict:
+def probe(folder, maps, cases: tuple[str, ...] = (), stock: tuple[str, ...] = ()) -> tuple[dict, dict]:
+    """(the `stock` cases' results before the plugin is registered, the `cases`' results (all: empty) with the
+    plugin registered and configured with `maps`), from one fresh process."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RIDGEFILL_") and k != "VLLM_USE_V2_MODEL_RUNNER"}
-    if maps is not None:
-        env["RIDGEFILL_MAPS"] = str(maps)
-    r = subprocess.run([sys.executable, "-c", PROBE, str(folder), *cases], capture_output=True, text=True, env=env,
-                       timeout=600)
+    r = subprocess.run([sys.executable, "-c", PROBE, str(folder), str(maps), ",".join(stock), *cases],
+                       capture_output=True, text=True, env=env, timeout=600)
     lines = [line for line in r.stdout.splitlines() if line.startswith("RESULT ")]
     assert r.returncode == 0 and lines, r.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    result = json.loads(lines[-1][len("RESULT "):])
+    return result["stock"], result["configured"]
 
 
 def test_a_configured_plugin_makes_vllm_use_the_runner_it_hooks_and_refuses_what_breaks_the_fill(vllm_tiny):
     folder, maps = vllm_tiny["llama"]
-    unconfigured = probe(folder)
+    unconfigured, cases = probe(folder, maps, stock=("plain", "lora", "dev-mode"))
     assert unconfigured["plain"]["v2"] is True  # without the plugin this install would run Model Runner V2
     assert unconfigured["lora"].get("error") is None  # and nothing is refused: the plugin does nothing
     assert unconfigured["dev-mode"].get("error") is None  # dev mode is refused only where the plugin fills
-    cases = probe(folder, maps)
     plain = cases["plain"]
     assert plain["v2"] is False and plain["prefix_caching"] is True  # on, as vLLM's default (made safe)
     assert plain["processors"] == ["ridgefill.serve.vllm.admission:RidgeFillRequestArgs"]
@@ -118,6 +119,6 @@ def test_a_configured_plugin_refuses_prefix_caching_for_a_hybrid_model(vllm_hybr
     """vLLM turns prefix caching on for Qwen3-Next by default; the plugin refuses it there with one line (its rules
     cover attention K/V only), before any engine process starts."""
     folder, maps = vllm_hybrid
-    error = probe(folder, maps, ("plain",))["plain"].get("error", "")
+    error = probe(folder, maps, ("plain",))[1]["plain"].get("error", "")
     assert error.startswith("RidgefillError: prefix caching is not supported with RidgeFill on a hybrid model")
     assert "--no-enable-prefix-caching" in error and "\n" not in error
