@@ -85,8 +85,8 @@ def engine_log_level(environ) -> str:
 
 # What the forkserver imports once for all its engines: vLLM's offline entry point and this module, and the CPU
 # worker and its model runner, which every CPU engine imports as it starts (0.9 s each, on an idle core).
-FORKSERVER_PRELOAD = ["vllm.entrypoints.llm", "vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner",
-                      "ridgefill.serve.vllm_engine"]
+FORKSERVER_PRELOAD = ("vllm.entrypoints.llm", "vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner",
+                      "ridgefill.serve.vllm_engine")
 
 
 def engine_context():
@@ -100,7 +100,7 @@ def engine_context():
     if torch.cuda.is_available():
         return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+    ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
     level = os.environ.get("VLLM_LOGGING_LEVEL")
     os.environ["VLLM_LOGGING_LEVEL"] = engine_log_level(os.environ)
     try:

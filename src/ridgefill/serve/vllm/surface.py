@@ -46,6 +46,8 @@ class Call(NamedTuple):
     by: tuple[str, ...] = ()
 
     def problem(self, seen: dict | None = None) -> str | None:
+        """seen: unused (a call's check reads no class's attributes); taken so that a check treats every entry
+        alike."""
         found = parameter_names(self)
         if found == self.params:
             return None
