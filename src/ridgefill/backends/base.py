@@ -79,6 +79,17 @@ class Backend:
         """Why this engine runs the model on the CPU alone whatever torch sees (None: it runs where torch does)."""
         return None
 
+    @classmethod
+    def provenance(cls) -> dict:
+        """What computes this engine's results: result documents name it (`computed_by`) and cache keys hash it
+        (runtime/provenance.result_versions: a recipe's steps, the exact store), so another version or build
+        recomputes. The engine's name, and what every engine's results go through in ridgefill's own process:
+        transformers (the tokenizer of every prompt) and torch (plans, scores of logits); an engine adds its own."""
+        from ridgefill.runtime.provenance import versions
+
+        found = versions(("torch", "transformers"))
+        return {"engine": cls.name, "torch": found["torch"], "transformers": found["transformers"]}
+
     def __init__(self, config, projection: str = "auto") -> None:
         self.config = config
         self.model = None  # set by the subclass: the model as plans and prompts need it

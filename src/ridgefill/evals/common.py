@@ -134,7 +134,8 @@ class Measurement:
         the names its results hold (default: the plans measured)."""
         if hasattr(self.config, "exact_cache"):  # a command that keeps exact results says how many it reused
             extra = {"exact_store": self.store.summary(), **extra}
-        extra = {"fill_rows": self.fill_rows(), "filled_window": self.filled_window(), **extra}
+        extra = {"computed_by": self.backend.provenance(), "fill_rows": self.fill_rows(),
+                 "filled_window": self.filled_window(), **extra}
         described = self.backend.describe()  # an engine's own settings and counters per variant (vllm_engines)
         if described:
             extra[f"{self.backend.name}_engines"] = described
@@ -155,7 +156,7 @@ def start(command: str, config: MeasureConfig, variants: Sequence[str], record: 
     fills = variant_fills(config, variants)
     plans, meta = variant_plans(session, config, variants)
     store = ExactStore(getattr(config, "exact_cache", None), session.model_info, config.dtype, config.device,
-                       config.chunk, backend.store_scope())
+                       config.chunk, backend.store_scope(), backend.provenance())
     return Measurement(config, backend.use(fills, plans), fills, plans, meta, store, writer)
 
 

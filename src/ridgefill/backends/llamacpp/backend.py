@@ -39,6 +39,13 @@ class LlamaCppBackend(Backend):
     def cpu_only(cls) -> str | None:
         return "--engine llamacpp runs llama.cpp on the CPU (GPU offload is not supported)"
 
+    @classmethod
+    def provenance(cls) -> dict:
+        """The llama.cpp build computes the results (driver.build_info: llama-cpp-python's version, the patch
+        compiled in, the instruction sets it was built for), beside transformers (the tokenizer) and torch (scores
+        of llama.cpp's logits). Without a usable build it is the driver's one line naming `make install`."""
+        return {**super().provenance(), **driver.build_info()}
+
     def __init__(self, config, projection: str = "auto") -> None:
         from ridgefill.runtime.models import ALIASES, gguf_file
         from ridgefill.runtime.session import model_facts
