@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 import tiny_gguf
-from tiny_gguf import tiny_ggufs  # noqa: F401 (a session fixture)
 from ridgefill.backends.llamacpp import driver
 from ridgefill.backends.llamacpp.driver import LlamaCpp, Maps
 from ridgefill.errors import RidgefillError
@@ -33,6 +32,24 @@ def test_missing_llama_cpp_python(monkeypatch):
     with pytest.raises(RidgefillError) as err:
         driver.check_installed()
     assert str(err.value) == f"llama-cpp-python is not installed: {INSTALL}"
+
+
+@needs_build
+def test_a_missing_dependency_of_llama_cpp_python(monkeypatch):
+    """llama-cpp-python installed, one of its own dependencies (diskcache, jinja2) not: named as such."""
+    real_import = builtins.__import__
+
+    def no_diskcache(name, *args, **kwargs):
+        if name == "diskcache" or name.startswith("diskcache."):
+            raise ModuleNotFoundError(f"No module named '{name}'", name=name)
+        return real_import(name, *args, **kwargs)
+
+    for name in [n for n in sys.modules if n.split(".")[0] in ("llama_cpp", "diskcache")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(builtins, "__import__", no_diskcache)
+    with pytest.raises(RidgefillError) as err:
+        driver.check_installed()
+    assert str(err.value) == f"llama-cpp-python needs the package diskcache, which is not installed: {INSTALL}"
 
 
 @needs_build
