@@ -148,7 +148,7 @@ def test_llamacpp_without_its_build_is_one_line_naming_make_install(args, ridgef
     loads."""
     import builtins
 
-    from ridgefill.backends.llamacpp import driver
+    from ridgefill.backends.llamacpp import library
 
     real_import = builtins.__import__
 
@@ -161,5 +161,5 @@ def test_llamacpp_without_its_build_is_one_line_naming_make_install(args, ridgef
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setattr(builtins, "__import__", no_llama_cpp)
     r = ridgefill(*args, "--engine", "llamacpp")
-    assert r.returncode == 2 and "make install" in driver.INSTALL
-    assert r.stderr == f"error: llama-cpp-python is not installed: {driver.INSTALL}\n"
+    assert r.returncode == 2 and "make install" in library.INSTALL
+    assert r.stderr == f"error: llama-cpp-python is not installed: {library.INSTALL}\n"

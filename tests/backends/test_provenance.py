@@ -1,6 +1,6 @@
 """Provenance through the seam (backends: Backend.provenance): each engine says what computes its results, result
 documents name it (`computed_by`) and the exact store's scope is keyed by it. No model is loaded; llama.cpp's build
-is stood in for (driver.build_info) whether or not one is installed."""
+is stood in for (library.build_info) whether or not one is installed."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from ridgefill.backends import backend_class
-from ridgefill.backends.llamacpp import driver
+from ridgefill.backends.llamacpp import library
 from ridgefill.evals.common import Measurement, ResultWriter
 from ridgefill.evals.exact_store import ExactStore
 from ridgefill.runtime import provenance
@@ -21,7 +21,7 @@ BUILD = {"llama_cpp_python": "0.3.36", "patch": "0123456789abcdef", "cpu_feature
 @pytest.fixture
 def built(monkeypatch):
     """A llama.cpp build that reports BUILD (the real one, if any, is not asked)."""
-    monkeypatch.setattr(driver, "build_info", lambda: dict(BUILD))
+    monkeypatch.setattr(library, "build_info", lambda: dict(BUILD))
 
 
 def test_the_own_engine_names_torch_transformers_and_triton_where_installed(monkeypatch):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from ridgefill.backends.llamacpp import build, driver
+from ridgefill.backends.llamacpp import build, library
 from ridgefill.errors import RidgefillError
 
 # the flags lines of two CPUs: a desktop without AVX-512 (what `qemu-x86_64 -cpu max` emulates) and an AVX-512 server
@@ -75,8 +75,8 @@ def test_building_for_another_cpu(monkeypatch):
 
 
 def test_a_build_for_instruction_sets_this_cpu_lacks_is_one_line():
-    driver.check_cpu(("avx", "avx2"), ("sse4_2", "avx", "avx2", "fma"))
+    library.check_cpu(("avx", "avx2"), ("sse4_2", "avx", "avx2", "fma"))
     with pytest.raises(RidgefillError) as err:
-        driver.check_cpu(("avx", "avx2", "avx512f", "avx512bw"), ("sse4_2", "avx", "avx2", "fma"))
+        library.check_cpu(("avx", "avx2", "avx512f", "avx512bw"), ("sse4_2", "avx", "avx2", "fma"))
     assert str(err.value) == ("the installed llama-cpp-python was built for a CPU with avx512f, avx512bw, which this "
                               "CPU lacks: run `make install` (it builds llama.cpp for the CPU it runs on)")

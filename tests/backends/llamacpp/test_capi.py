@@ -14,7 +14,7 @@ import torch
 
 import tiny_gguf
 from helpers import run_captured
-from ridgefill.backends.llamacpp import driver
+from ridgefill.backends.llamacpp import driver, library
 from ridgefill.backends.llamacpp.driver import LlamaCpp, Maps
 from ridgefill.errors import RidgefillError
 
@@ -227,23 +227,23 @@ def test_the_filled_graph_computes_no_late_layer(tiny_ggufs):
 
 # --- what the build is and where it runs ------------------------------------------------------------------------
 def test_the_build_names_itself():
-    info = driver.build_info()
-    assert info["llama_cpp_python"] == driver.VERSION and info["patch"] == driver.patch_id()
-    lib = driver._library()[1]
-    assert tuple(info["cpu_features"]) == driver.build_features(lib)
-    assert set(info["cpu_features"]) <= set(driver.cpu_features(lib))  # it runs here, so this CPU has them all
-    assert "avx2" in driver.cpu_features(lib) or "avx2" not in info["cpu_features"]
+    info = library.build_info()
+    assert info["llama_cpp_python"] == library.VERSION and info["patch"] == library.patch_id()
+    lib = library.load()[1]
+    assert tuple(info["cpu_features"]) == library.build_features(lib)
+    assert set(info["cpu_features"]) <= set(library.cpu_features(lib))  # it runs here, so this CPU has them all
+    assert "avx2" in library.cpu_features(lib) or "avx2" not in info["cpu_features"]
 
 
 def test_a_build_for_another_cpu_is_refused_at_start(tiny_ggufs, capfd, monkeypatch, tmp_path):
     """`ridgefill generate --engine llamacpp` with a build that needs an instruction set this CPU lacks: one line,
     exit 2, before llama.cpp computes anything (a SIGILL otherwise)."""
     monkeypatch.setenv("RIDGEFILL_CACHE", str(tmp_path / "cache"))
-    lib = driver._library()[1]
-    needed = driver.build_features(lib)
+    lib = library.load()[1]
+    needed = library.build_features(lib)
     if not needed:
         pytest.skip("this build needs no instruction set beyond x86-64's")
-    monkeypatch.setattr(driver, "cpu_features", lambda lib: needed[:-1])
+    monkeypatch.setattr(library, "cpu_features", lambda lib: needed[:-1])
     _, path = tiny_ggufs["llama"]
     done = run_captured(["generate", "--engine", "llamacpp", "--model", path, "--prompt", "hello", "--split", "3",
                          "--tail", "8", "--max-new-tokens", "2"], capfd, monkeypatch)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import tiny_gguf
-from ridgefill.backends.llamacpp import driver
+from ridgefill.backends.llamacpp import library
 from ridgefill.backends.llamacpp.driver import LlamaCpp, Maps
 from ridgefill.errors import RidgefillError
 
@@ -30,7 +30,7 @@ def test_missing_llama_cpp_python(monkeypatch):
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setattr(builtins, "__import__", no_llama_cpp)
     with pytest.raises(RidgefillError) as err:
-        driver.check_installed()
+        library.check_installed()
     assert str(err.value) == f"llama-cpp-python is not installed: {INSTALL}"
 
 
@@ -48,7 +48,7 @@ def test_a_missing_dependency_of_llama_cpp_python(monkeypatch):
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setattr(builtins, "__import__", no_diskcache)
     with pytest.raises(RidgefillError) as err:
-        driver.check_installed()
+        library.check_installed()
     assert str(err.value) == f"llama-cpp-python needs the package diskcache, which is not installed: {INSTALL}"
 
 
@@ -58,16 +58,16 @@ def test_another_version(monkeypatch):
 
     monkeypatch.setattr(llama_cpp, "__version__", "0.3.99")
     with pytest.raises(RidgefillError) as err:
-        driver.check_installed()
+        library.check_installed()
     assert str(err.value) == f"llama-cpp-python 0.3.99 is installed, ridgefill's patch is written for 0.3.36: {INSTALL}"
 
 
 @needs_build
 def test_another_patch(monkeypatch):
-    built = driver.patch_id()
-    monkeypatch.setattr(driver, "patch_id", lambda: "0123456789abcdef")
+    built = library.patch_id()
+    monkeypatch.setattr(library, "patch_id", lambda: "0123456789abcdef")
     with pytest.raises(RidgefillError) as err:
-        driver.check_installed()
+        library.check_installed()
     assert str(err.value) == (f"the installed llama-cpp-python was built with ridgefill patch {built}, this "
                               f"ridgefill has patch 0123456789abcdef: {INSTALL}")
 
@@ -81,7 +81,7 @@ def test_stock_build(monkeypatch):
 
     monkeypatch.setattr(ll, "_lib", Stock())
     with pytest.raises(RidgefillError) as err:
-        driver.check_installed()
+        library.check_installed()
     assert str(err.value) == f"the installed llama-cpp-python 0.3.36 was built without ridgefill's patch: {INSTALL}"
 
 

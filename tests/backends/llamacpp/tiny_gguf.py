@@ -167,7 +167,7 @@ def write(m, path: Path, family: str) -> Path:
 
 def missing_build() -> str | None:
     """None when the patched llama-cpp-python is installed; else why not (its one line)."""
-    from ridgefill.backends.llamacpp.driver import check_installed
+    from ridgefill.backends.llamacpp.library import check_installed
     from ridgefill.errors import RidgefillError
 
     try:

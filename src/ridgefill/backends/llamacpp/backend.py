@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ridgefill.backends.base import Backend, Capabilities, Generation, Tally, Timed, clocked
-from ridgefill.backends.llamacpp import driver
+from ridgefill.backends.llamacpp import driver, library
 from ridgefill.errors import RidgefillError
 
 N_UBATCH = 512  # llama.cpp's default ubatch
@@ -33,7 +33,7 @@ class LlamaCppBackend(Backend):
 
     @classmethod
     def check_installed(cls) -> None:
-        driver.check_installed()
+        library.check_installed()
 
     @classmethod
     def cpu_only(cls) -> str | None:
@@ -41,10 +41,10 @@ class LlamaCppBackend(Backend):
 
     @classmethod
     def provenance(cls) -> dict:
-        """The llama.cpp build computes the results (driver.build_info: llama-cpp-python's version, the patch
+        """The llama.cpp build computes the results (library.build_info: llama-cpp-python's version, the patch
         compiled in, the instruction sets it was built for), beside transformers (the tokenizer) and torch (scores
         of llama.cpp's logits). Without a usable build it is the driver's one line naming `make install`."""
-        return {**super().provenance(), **driver.build_info()}
+        return {**super().provenance(), **library.build_info()}
 
     def __init__(self, config, projection: str = "auto") -> None:
         from ridgefill.runtime.models import ALIASES, gguf_file
@@ -135,7 +135,7 @@ class LlamaCppBackend(Backend):
         return self._tallies.get(name, Tally())
 
     def describe(self) -> dict:
-        return {name: {"gguf": str(self.gguf), "llama_cpp_python": driver.VERSION, "patch": driver.patch_id(),
+        return {name: {"gguf": str(self.gguf), "llama_cpp_python": library.VERSION, "patch": library.patch_id(),
                        "threads": self.threads, "n_batch": self.n_batch, "n_ubatch": self.n_ubatch,
                        "kv_type": "f16", "flash_attn": True,
                        "fill": None if name not in self.maps else {"split": self.maps[name].split,
@@ -146,7 +146,7 @@ class LlamaCppBackend(Backend):
         return {"device": "cpu", "dtype": "GGUF weights, F16 K/V", "routes": None}  # --dtype is the own engine's
 
     def store_scope(self) -> dict:
-        return {"engine": self.name, "gguf": str(self.gguf), "patch": driver.patch_id()}
+        return {"engine": self.name, "gguf": str(self.gguf), "patch": library.patch_id()}
 
     def check_filled(self, name: str, planned: int) -> None:
         if planned > 0 and self._tallies.get(name, Tally()).filled == 0:

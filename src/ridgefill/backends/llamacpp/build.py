@@ -88,7 +88,7 @@ def cmake_flags(feats: tuple[str, ...] | None = None) -> str:
 
 
 def patch_id() -> str:
-    """The first 16 hex digits of the patch's sha256 (driver.patch_id computes the same)."""
+    """The first 16 hex digits of the patch's sha256 (library.patch_id computes the same)."""
     return hashlib.sha256(PATCH.read_bytes()).hexdigest()[:16]
 
 

@@ -11,9 +11,9 @@ median of its filled rows' split-state norms) are found from the norms of the fi
 has its cache removed from the first outlier on and runs again from there with those rows in full (their split
 states, and so their norms, do not depend on the fill: layers below the split run exactly for every row).
 
-Every failure a user can cause is one line (RidgefillError): llama-cpp-python or one of its dependencies missing,
-another version, a build without the patch or with another patch, a build for instruction sets this CPU lacks
-(`make install` builds the right one), a model the fill does not run. The fill proves itself: after every filled
+Every failure a user can cause is one line (RidgefillError): the build (library.py: missing, stale, for another CPU;
+`make install` builds the right one), a model the fill does not run, a refusal of the patch's C API (its
+LLAMA_RIDGEFILL_ERR_* codes, turned into lines here). The fill proves itself: after every filled
 `llama_decode` the rows llama.cpp reports filled (their split-state norms, by position) must be the rows the plan
 fills, and the tally counts llama.cpp's rows, not the plan's.
 """
@@ -21,7 +21,6 @@ fills, and the tally counts llama.cpp's rows, not the plan's.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,13 +28,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ridgefill.backends.llamacpp import library
 from ridgefill.engine.rows import outliers as outlier_rows
 from ridgefill.errors import RidgefillError
 
-VERSION = "0.3.36"  # the llama-cpp-python whose vendored llama.cpp the patch is written against
-PATCH = Path(__file__).with_name("ridgefill.patch")
 FAMILIES = ("llama", "qwen2", "qwen3")  # GGUF general.architecture values the patch fills
-INSTALL = "run `make install` (it builds llama-cpp-python with ridgefill's patch)"
 KV_TYPES = {"f16": 1, "f32": 0}  # ggml types of the K/V cache the fill writes (a quantized cache is refused)
 # llama.h's LLAMA_RIDGEFILL_ERR_* codes of llama_ridgefill_set_maps, and of llama_decode in fill mode
 SET_MAPS_REFUSALS = {
@@ -51,84 +48,6 @@ DECODE_REFUSALS = {
     -21: "llama.cpp fills no rows of an embeddings context: use a generation context",
     -22: "a filled run holds rows of several sequences: fill one sequence per llama_decode",
 }
-
-
-def patch_id() -> str:
-    """The patch's identity: the first 16 hex digits of its sha256 (build.py compiles it in)."""
-    return hashlib.sha256(PATCH.read_bytes()).hexdigest()[:16]
-
-
-def _library():
-    """llama_cpp.llama_cpp with the patch's functions declared; one line when it is missing, of another version,
-    or built without (or with another) patch."""
-    try:
-        import llama_cpp
-        import llama_cpp.llama_cpp as ll
-    except ImportError as exc:
-        missing = (exc.name or "").split(".")[0]
-        if missing and missing != "llama_cpp":  # llama_cpp imports, one of its own imports does not
-            raise RidgefillError(f"llama-cpp-python needs the package {missing}, which is not installed: "
-                                 f"{INSTALL}") from None
-        raise RidgefillError(f"llama-cpp-python is not installed: {INSTALL}") from None
-    except (OSError, RuntimeError) as exc:  # the shared library did not load
-        raise RidgefillError(f"llama-cpp-python's library does not load ({type(exc).__name__}): {INSTALL}") from None
-    if getattr(llama_cpp, "__version__", None) != VERSION:
-        raise RidgefillError(f"llama-cpp-python {getattr(llama_cpp, '__version__', '?')} is installed, ridgefill's "
-                             f"patch is written for {VERSION}: {INSTALL}")
-    lib = ll._lib
-    if not hasattr(lib, "llama_ridgefill_patch_id"):
-        raise RidgefillError(f"the installed llama-cpp-python {VERSION} was built without ridgefill's patch: {INSTALL}")
-    _declare(lib)
-    built = lib.llama_ridgefill_patch_id().decode()
-    if built != patch_id():
-        raise RidgefillError(f"the installed llama-cpp-python was built with ridgefill patch {built}, this ridgefill "
-                             f"has patch {patch_id()}: {INSTALL}")
-    check_cpu(build_features(lib), cpu_features(lib))
-    return ll, lib
-
-
-def _features(text: bytes) -> tuple[str, ...]:
-    return tuple(f for f in text.decode().split(",") if f and f not in ("none", "unset"))
-
-
-def build_features(lib) -> tuple[str, ...]:
-    """The instruction sets the installed build was made for (build.py compiles them in)."""
-    return _features(lib.llama_ridgefill_build_features())
-
-
-def cpu_features(lib) -> tuple[str, ...]:
-    """The instruction sets of the CPU this runs on (CPUID, read by the patched library)."""
-    return _features(lib.llama_ridgefill_cpu_features())
-
-
-def check_cpu(built: tuple[str, ...], cpu: tuple[str, ...]) -> None:
-    """Refuse in one line a build that needs an instruction set this CPU lacks (its first matmul would die with
-    SIGILL)."""
-    lacking = [f for f in built if f not in cpu]
-    if lacking:
-        raise RidgefillError(f"the installed llama-cpp-python was built for a CPU with {', '.join(lacking)}, which "
-                             f"this CPU lacks: run `make install` (it builds llama.cpp for the CPU it runs on)")
-
-
-def build_info() -> dict:
-    """What computes llama.cpp's results: llama-cpp-python's version, the patch built in and the instruction sets
-    the build was made for (results and cache keys name it)."""
-    _, lib = _library()
-    return {"llama_cpp_python": VERSION, "patch": lib.llama_ridgefill_patch_id().decode(),
-            "cpu_features": list(build_features(lib))}
-
-
-def _declare(lib) -> None:
-    f32p, vp, i32 = ctypes.POINTER(ctypes.c_float), ctypes.c_void_p, ctypes.c_int32
-    for name in ("llama_ridgefill_patch_id", "llama_ridgefill_build_features", "llama_ridgefill_cpu_features"):
-        getattr(lib, name).argtypes, getattr(lib, name).restype = [], ctypes.c_char_p
-    lib.llama_ridgefill_set_maps.argtypes = [vp, i32, i32, i32, i32, i32, f32p, f32p, f32p, f32p, f32p]
-    lib.llama_ridgefill_set_maps.restype = ctypes.c_int32
-    lib.llama_ridgefill_set_fill.argtypes, lib.llama_ridgefill_set_fill.restype = [vp, ctypes.c_bool], ctypes.c_int32
-    lib.llama_ridgefill_n_norms.argtypes, lib.llama_ridgefill_n_norms.restype = [vp], ctypes.c_int32
-    lib.llama_ridgefill_norms.argtypes, lib.llama_ridgefill_norms.restype = [vp], f32p
-    lib.llama_ridgefill_norm_pos.argtypes = [vp]
-    lib.llama_ridgefill_norm_pos.restype = ctypes.POINTER(ctypes.c_int32)
 
 
 def gguf_architecture(path: str | Path) -> str:
@@ -151,22 +70,6 @@ def check_family(path: str | Path) -> str:
         raise RidgefillError(f"{path} is a {arch} model: --engine llamacpp fills {', '.join(FAMILIES)} models "
                              "(not hybrid or recurrent ones); use --engine ridgefill")
     return arch
-
-
-def check_installed() -> None:
-    """Refuse in one line when the patched llama-cpp-python cannot run here."""
-    _library()
-
-
-_LOG_SINK = None  # the C log callback must outlive every context: kept for the process
-
-
-def _quiet(ll) -> None:
-    """llama.cpp's log off (stderr carries progress bars): failures come back as return codes."""
-    global _LOG_SINK
-    if _LOG_SINK is None:
-        _LOG_SINK = ll.llama_log_callback(lambda level, text, data: None)
-        ll.llama_log_set(_LOG_SINK, ctypes.c_void_p())
 
 
 @dataclass
@@ -224,7 +127,7 @@ class LlamaCpp:
                  kv_type: str = "f16", gpu_layers: int = 0, flash_attn: bool = True, eval_callback=None) -> None:
         """eval_callback: a ggml_backend_sched_eval_callback that sees every graph node llama.cpp computes (the
         tests read the filled graph's nodes with it; it must outlive the context)."""
-        ll, lib = _library()
+        ll, lib = library.load()
         self.ll, self.lib = ll, lib
         if gpu_layers:
             raise RidgefillError(f"GPU offload ({gpu_layers} layers) is not supported with --engine llamacpp: "
@@ -236,7 +139,7 @@ class LlamaCpp:
         if not path.is_file():
             raise RidgefillError(f"{path} is not a GGUF file: point --model at a .gguf file or an embedded alias")
         self.arch = check_family(path)
-        _quiet(ll)
+        library.quiet(ll)
         ll.llama_backend_init()
         mparams = ll.llama_model_default_params()
         mparams.n_gpu_layers = 0
