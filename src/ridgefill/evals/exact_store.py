@@ -43,9 +43,9 @@ class ExactStore:
         computed_by: the provenance of the engine that computes the results (Backend.provenance; default: ridgefill's
         own engine's)."""
         if computed_by is None:
-            from ridgefill.backends import backend_class
+            from ridgefill.backends import DEFAULT_ENGINE, backend_class
 
-            computed_by = backend_class("ridgefill").provenance()
+            computed_by = backend_class(DEFAULT_ENGINE).provenance()
         self.folder = Path(folder) if folder is not None else None
         self.scope = {"weights": model_info.get("weights_hash"), "model": model_info.get("id"), "dtype": dtype,
                       "device": device, "chunk": chunk, "versions": result_versions(computed_by), **(engine or {})}

@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from ridgefill.backends import DEFAULT_ENGINE
 from ridgefill.commands import REQUIRED, Command, Config, Option, command, option
 from ridgefill.errors import RidgefillError
 from ridgefill.pipeline.manifest import Manifest
@@ -201,7 +202,7 @@ def task_engine(task: Task) -> str:
     """The engine that runs a task: its step's --engine as the recipe sets it or as it defaults (generate,
     bench-ttft, ruler, loss), else ridgefill's own (calibrate, fit and the rest run in this process on torch)."""
     engine = next((o for o in command(task.step).options.values() if o.name == "engine"), None)
-    return task.kwargs.get("engine") or (engine.default if engine is not None else "ridgefill")
+    return task.kwargs.get("engine") or (engine.default if engine is not None else DEFAULT_ENGINE)
 
 
 def engines_made_by(tasks: list[Task]) -> dict[str, dict]:
