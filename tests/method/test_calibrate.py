@@ -431,7 +431,7 @@ def test_sums_of_squares_do_not_depend_on_the_thread_count():
     """Σ‖y‖² and Σ‖x‖² feed fit's errors: a whole-tensor torch sum splits over the threads (1 and 2 threads rounded
     SmolLM2's Σ‖y‖² differently, issue 50); row sums, then a running sum over the rows, do not."""
     rows = torch.randn(2048, 576, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    rows *= torch.logspace(-4, 4, 2048, dtype=torch.float64)[:, None]  # (rows * rows).sum() gave 3 values on 1-3 threads
+    rows *= torch.logspace(-4, 4, 2048, dtype=torch.float64)[:, None]  # (rows * rows).sum(): 3 values on 1-3 threads
     before, sums = torch.get_num_threads(), []
     try:
         for threads in (1, 2, 3):
