@@ -158,6 +158,14 @@ def test_bench_ttft_and_generate_write_the_same_keys_for_every_engine(name, sett
             assert timing is None or not any(key.startswith(name) for key in timing)
 
 
+def test_an_engine_in_another_process_describes_the_model_as_the_own_engine(tiny_checkpoint):
+    """vLLM and llama.cpp read the model without its weights (runtime/session.model_facts): the result's `model`
+    is what the own engine's loaded model gives."""
+    from ridgefill.runtime.session import model_facts, open_session
+
+    assert model_facts(str(tiny_checkpoint)).model_info == open_session(str(tiny_checkpoint)).model_info
+
+
 def test_the_key_comparison_sees_a_key_one_engine_lacks():
     with pytest.raises(AssertionError):
         assert_same_keys({"a": {"b": 1, "c": 2}}, {"a": {"b": 1}})
