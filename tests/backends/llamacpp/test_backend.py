@@ -60,11 +60,12 @@ def test_bench_ttft(tiny_ggufs, tmp_path):
     assert doc["variants"] == ["exact", "identity"] and doc["device"]["device"] == "cpu"
     for entry in doc["results"]:
         n = entry["length"]
-        assert set(entry["timings"]) == {"exact", "identity"}
+        assert set(entry["timings"]) == {"transformers", "exact", "identity"} and entry["timings"]["transformers"] is None
         assert entry["fill"]["identity"]["filled_rows"] == n - 8 - 1
         assert entry["flops"]["exact"] > entry["flops"]["identity"] and entry["limit_speedup"] > 1
         assert entry["achieved_over_limit"] == pytest.approx(entry["speedup"] / entry["limit_speedup"])
-    engines = doc["llamacpp_engines"]
+    assert doc["engine"]["name"] == "llamacpp" and doc["engine"]["build"] == doc["computed_by"]
+    engines = doc["engine"]["settings"]
     assert engines["identity"]["fill"] == {"split": 3, "rank": None} and engines["exact"]["fill"] is None
     assert engines["exact"]["gguf"] == str(path.resolve()) and engines["exact"]["n_batch"] == 2048
 
