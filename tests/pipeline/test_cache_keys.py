@@ -91,11 +91,11 @@ def test_the_code_hash_is_the_package_source(tmp_path, monkeypatch):
 @pytest.fixture
 def llamacpp_built(monkeypatch):
     """A llama.cpp build that reports BUILD and passes the recipe's preflight (whether or not one is installed)."""
-    from ridgefill.backends.llamacpp import driver
+    from ridgefill.backends.llamacpp import library
 
-    monkeypatch.setattr(driver, "build_info", lambda: dict(BUILD))
-    monkeypatch.setattr(driver, "check_installed", lambda: None)
-    return driver
+    monkeypatch.setattr(library, "build_info", lambda: dict(BUILD))
+    monkeypatch.setattr(library, "check_installed", lambda: None)
+    return library
 
 
 def test_a_step_run_by_llamacpp_is_keyed_by_the_build(tmp_path, monkeypatch, llamacpp_built):
