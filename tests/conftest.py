@@ -209,8 +209,34 @@ def pytest_configure(config):
         os.environ.update(VLLM_CPU_OMP_THREADS_BIND=cores, VLLM_CPU_NUM_OF_RESERVED_CPU="0")
 
 
+# --- the fast tier (`make test-fast`, pytest --fast): what a developer runs first --------------------------------
+# Left out: every test that starts a vLLM engine or server or runs llama.cpp (their fixtures, their folders and
+# modules), and the modules whose tests start ridgefill processes or whole pipelines (tens of seconds each).
+ENGINE_FIXTURES = VLLM_FIXTURES | {"tiny_ggufs"}
+SLOW_MODULES = {"test_serve", "test_serve_process", "test_processes", "test_recipes", "test_tune", "test_stock",
+                "test_cli", "test_fourth_engine", "test_lm_eval_model", "test_longbench", "test_splice"}
+
+
+def pytest_addoption(parser):
+    parser.addoption("--fast", action="store_true", help="the fast tier: no vLLM or llama.cpp, no test that starts "
+                     "processes or pipelines (tests/conftest.py: SLOW_MODULES)")
+
+
+def slow(item) -> bool:
+    """A test the fast tier leaves out."""
+    parts = set(item.path.parts)
+    return bool(ENGINE_FIXTURES & set(getattr(item, "fixturenames", ()))) or "llamacpp" in parts or \
+        "vllm" in parts or "vllm" in item.path.stem or item.path.stem in SLOW_MODULES or \
+        any(item.iter_markers("slow"))
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the marks (it names the groups from them)
 def pytest_collection_modifyitems(config, items):
+    if config.getoption("fast"):
+        left_out = [item for item in items if slow(item)]
+        if left_out:
+            config.hook.pytest_deselected(items=left_out)
+            items[:] = [item for item in items if not slow(item)]
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
         if VLLM_FIXTURES & fixtures:
