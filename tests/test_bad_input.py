@@ -967,7 +967,7 @@ def test_the_cases_base_commands_run(name, inputs, tmp_path, monkeypatch, capfd)
 def test_the_serve_base_command_passes_every_check(inputs, tmp_path, monkeypatch, capfd):
     """The serve cases' command line gets as far as starting vLLM (its installation's checks pass here)."""
     from ridgefill.serve import serve
-    from ridgefill.serve.vllm_config import VLLM_VERSION
+    from ridgefill.backends.vllm.config import VLLM_VERSION
 
     args, _, _, cwd = _prepare(SERVE, {}, inputs, tmp_path)
     launched = []

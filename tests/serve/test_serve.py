@@ -2,7 +2,7 @@
 installation, launch's signal forwarding, and every bad configuration is one line on stderr and exit code 2 before
 any vLLM process starts. The lookups and the launch are replaced, so these run everywhere (the bad configurations
 use the vLLM tests' checkpoints, which skip without vLLM). The server itself, started as a user starts it, is
-tested in tests/serve/vllm/test_vllm_server.py."""
+tested in tests/backends/vllm/test_vllm_server.py."""
 
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ from helpers import free_port
 from ridgefill import cli
 from ridgefill.errors import RidgefillError
 from ridgefill.serve import serve
-from ridgefill.serve.vllm_config import ENV, VLLM_VERSION
-from ridgefill.serve.vllm_malloc import TUNABLES
+from ridgefill.backends.vllm.config import ENV, VLLM_VERSION
+from ridgefill.backends.vllm.malloc import TUNABLES
 
 
 # --- in-process: what serve hands to vLLM, and the vLLM installation's checks ---------------------------------
@@ -83,7 +83,7 @@ def test_serve_runs_the_vllm_server_with_the_fill_and_hands_on_undeclared_option
     assert env[ENV["maps_sha256"]] == hashlib.sha256(fitted.read_bytes()).hexdigest()
     assert env["VLLM_USE_V2_MODEL_RUNNER"] == "0" and env["PROMETHEUS_MULTIPROC_DIR"]
     assert env["PATH"] == os.environ["PATH"]  # the rest of the environment is inherited
-    assert env["GLIBC_TUNABLES"] == TUNABLES  # vLLM's processes keep freed memory (serve/vllm_malloc.py)
+    assert env["GLIBC_TUNABLES"] == TUNABLES  # vLLM's processes keep freed memory (backends/vllm/malloc.py)
     assert env["VLLM_USE_AOT_COMPILE"] == "0"  # a compile cache that loads (vllm_config.compile_cache_env)
     launched = serve.Launch(vllm_ok["argv"], env, vllm_ok["health"], vllm_ok["banner"], Path("serve.log"))
     assert serve.stock_plan(launched, Path("stock.log")).env["GLIBC_TUNABLES"] == TUNABLES  # bench-serve's stock

@@ -24,8 +24,8 @@ from helpers import free_port
 from ridgefill.errors import RidgefillError
 from ridgefill.serve import process, serve
 from ridgefill.serve.process import Launch, LogFile, default_log, launch, running
-from ridgefill.serve.vllm_args import split_api_key
-from ridgefill.serve.vllm_config import VLLM_VERSION, check_dev_mode
+from ridgefill.backends.vllm.args import split_api_key
+from ridgefill.backends.vllm.config import VLLM_VERSION, check_dev_mode
 
 # The stand-in for vLLM's server: answers /health, and /metrics with or without RidgeFill's counter; writes `preamble`,
 # then (once the file `go` exists, at once without one) `burst` bytes of output in 100-byte lines, then creates
@@ -375,7 +375,7 @@ def test_a_server_that_comes_up_without_the_plugin_is_stopped_with_one_line(tmp_
     """vLLM logs a plugin that failed to load and serves stock: its /metrics has no RidgeFill counter. launch stops
     it and says why in one line, with the reason vLLM logged."""
     preamble = ("ERROR 12-04 20:00:00 [__init__.py:1] Failed to load plugin ridgefill\nTraceback (most recent call "
-                "last):\nImportError: cannot import name 'register' from 'ridgefill.serve.vllm.plugin'\n")
+                "last):\nImportError: cannot import name 'register' from 'ridgefill.backends.vllm.plugin.entry'\n")
     plan = stand_in(tmp_path, metrics=STOCK_METRICS, preamble=preamble, marker=serve.MARKER)
     with pytest.raises(RidgefillError) as refused:
         launch(plan)
@@ -503,7 +503,7 @@ API_K = ("an abbreviation of serve's --api-key: write --api-key in full: serve t
     (["--ke", "2"], "--ke: an abbreviation of serve's --keep-first: write it in full"),
 ])
 def test_an_abbreviation_of_serves_own_options_is_refused_naming_the_option(args, line, plan_of):
-    """vLLM's parser reads `--api-k K` as --api-key (tests/serve/vllm/test_vllm_cli.py): the key would land on vLLM's
+    """vLLM's parser reads `--api-k K` as --api-key (tests/backends/vllm/test_vllm_cli.py): the key would land on vLLM's
     command line. Refused in one line, before anything starts; split_api_key refuses it too."""
     with pytest.raises(RidgefillError) as refused:
         plan_of(*args)
@@ -551,7 +551,7 @@ def test_serve_defaults_to_dtype_auto_resolved_as_every_command(cuda, native_bf1
     it. A hybrid model on a CPU resolves to bf16, the one dtype vLLM's CPU Gated DeltaNet kernel runs."""
     from ridgefill.evals.bench_serve import BenchServeConfig
     from ridgefill.runtime import device
-    from ridgefill.serve.vllm_config import served_dtype
+    from ridgefill.backends.vllm.config import served_dtype
 
     assert serve.ServeConfig().dtype == "auto" and BenchServeConfig(out=Path("o.json")).dtype == "auto"
     monkeypatch.setattr(serve, "on_cpu", lambda: not cuda)

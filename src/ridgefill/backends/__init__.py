@@ -10,7 +10,7 @@ from ridgefill.errors import RidgefillError
 
 ENGINES = {
     "ridgefill": ("ridgefill.backends.own", "its own engine"),
-    "vllm": ("ridgefill.backends.vllm", "vLLM: stock vLLM for exact, ridgefill's vLLM plugin for fills; needs the "
+    "vllm": ("ridgefill.backends.vllm.backend", "vLLM: stock vLLM for exact, ridgefill's vLLM plugin for fills; needs the "
              "vllm extra"),
     "llamacpp": ("ridgefill.backends.llamacpp.backend", "llama.cpp with ridgefill's patch on the GGUF file of --model; "
                  "make install builds it"),

@@ -83,7 +83,7 @@ def run(c: BenchServeConfig) -> dict:
     from ridgefill.runtime.models import model_folder
     from ridgefill.serve.process import log_folder
     from ridgefill.serve.serve import ServeConfig, free_port, on_cpu, running, serve_plan, stock_plan
-    from ridgefill.serve.vllm_config import read_model_config, served_dtype
+    from ridgefill.backends.vllm.config import read_model_config, served_dtype
 
     folder = model_folder(c.model)
     c = replace(c, dtype=served_dtype(c.dtype, read_model_config(folder), on_cpu()))  # recorded resolved

