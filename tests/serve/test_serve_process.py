@@ -22,8 +22,10 @@ import pytest
 from helpers import free_port
 
 from ridgefill.errors import RidgefillError
+from ridgefill.serve import log as server_log
 from ridgefill.serve import process, serve
-from ridgefill.serve.process import Launch, LogFile, default_log, launch, running
+from ridgefill.serve.log import LogFile, default_log
+from ridgefill.serve.process import Launch, launch, running
 from ridgefill.backends.vllm.args import split_api_key
 from ridgefill.backends.vllm.config import VLLM_VERSION, check_dev_mode
 
@@ -76,7 +78,7 @@ BURST = 2 << 20  # 2 MiB: far past a pipe's 64 KiB
 
 
 def stand_in(tmp_path: Path, metrics: str = RIDGEFILL_METRICS, preamble: str = "", go: bool = False,
-             log: Path | None = None, marker: str | None = None, log_limit: int = process.LOG_LIMIT) -> Launch:
+             log: Path | None = None, marker: str | None = None, log_limit: int = server_log.LOG_LIMIT) -> Launch:
     """A plan whose server is the stand-in child (CHILD)."""
     port = free_port()
     args = {"port": port, "metrics": metrics, "preamble": preamble, "burst": BURST,
@@ -367,7 +369,7 @@ def test_the_log_is_bounded(tmp_path):
     assert len(current) <= 10_000 and len(previous) == 10_000
     assert (previous + current).endswith(b"".join(lines[-100 - len(current) // 100:]))
     assert stat.S_IMODE((tmp_path / "vllm.log").stat().st_mode) == 0o600
-    assert process.LOG_LIMIT == 32 << 20  # docs/serving.md gives the size
+    assert server_log.LOG_LIMIT == 32 << 20  # docs/serving.md gives the size
 
 
 # --- is RidgeFill running? -----------------------------------------------------------------------------------------

@@ -81,7 +81,7 @@ class BenchServeConfig(ServedFill):
 
 def run(c: BenchServeConfig) -> dict:
     from ridgefill.runtime.models import model_folder
-    from ridgefill.serve.process import log_folder
+    from ridgefill.serve.log import log_folder
     from ridgefill.serve.serve import ServeConfig, free_port, on_cpu, running, serve_plan, stock_plan
     from ridgefill.backends.vllm.config import read_model_config, served_dtype
 

@@ -40,7 +40,8 @@ from ridgefill.backends.vllm.fill import V2_RUNNER, fill_env, pin
 # and the tests, which read them as serve's, as before the split)
 from ridgefill.backends.vllm.kv_sizing import (KV_OPTIONS, KvPlan, available_memory, kv_bytes_per_token, kv_cache_plan,
                                        on_cpu, state_bytes_per_request)
-from ridgefill.serve.process import Launch, check_log_file, default_log, launch, running, say, startup_error
+from ridgefill.serve.log import check_log_file, default_log, say
+from ridgefill.serve.process import Launch, launch, running, startup_error
 from ridgefill.backends.vllm.args import (API_KEY, API_KEY_ENV, option_flag, option_name, refuse_abbreviations,
                                        split_api_key)
 from ridgefill.backends.vllm.config import (PREFIX_CACHING_HYBRID, VLLM_DTYPES, VLLM_PIN, check_dev_mode, check_fill,
