@@ -22,6 +22,7 @@ from helpers import free_port
 from ridgefill import cli
 from ridgefill.errors import RidgefillError
 from ridgefill.serve import serve
+from ridgefill.backends.vllm import serving as vserving
 from ridgefill.backends.vllm.config import ENV, VLLM_VERSION
 from ridgefill.backends.vllm.malloc import TUNABLES
 
@@ -42,8 +43,8 @@ def vllm_ok(monkeypatch):
         launched.update(argv=plan.argv, env=plan.env, banner=plan.banner, health=plan.health)
         return launched["code"]
 
-    monkeypatch.setattr(serve, "installed_vllm_version", lambda: VLLM_VERSION)
-    monkeypatch.setattr(serve, "plugin_installed", lambda: True)
+    monkeypatch.setattr(vserving, "installed_vllm_version", lambda: VLLM_VERSION)
+    monkeypatch.setattr(vserving, "plugin_installed", lambda: True)
     monkeypatch.setattr(serve, "launch", launch)
     monkeypatch.delenv("VLLM_PLUGINS", raising=False)
     return launched
@@ -63,7 +64,7 @@ def main(monkeypatch, capfd, *args) -> tuple[int, str]:
 
 def test_serve_runs_the_vllm_server_with_the_fill_and_hands_on_undeclared_options(
         tiny_checkpoint, fitted, vllm_ok, monkeypatch, capfd):
-    monkeypatch.setattr(serve, "on_cpu", lambda: True)
+    monkeypatch.setattr(vserving, "on_cpu", lambda: True)
     for name in ("VLLM_CPU_KVCACHE_SPACE", "GLIBC_TUNABLES", "LD_PRELOAD", "VLLM_USE_AOT_COMPILE"):
         monkeypatch.delenv(name, raising=False)
     code, err = main(monkeypatch, capfd, "serve", "--model", tiny_checkpoint, "--maps", fitted, "--tail", 16,
@@ -73,7 +74,7 @@ def test_serve_runs_the_vllm_server_with_the_fill_and_hands_on_undeclared_option
     folder = str(tiny_checkpoint)
     kv = 3 * 256 * 2 * 6 * 2 * 16 * 4  # 3 requests of 256 tokens, K and V of 6 layers x 2 KV heads x 16, fp32
     assert vllm_ok["argv"] == [
-        sys.executable, "-m", serve.VLLM_SERVER, "--model", folder, "--served-model-name", folder,
+        sys.executable, "-m", vserving.VLLM_SERVER, "--model", folder, "--served-model-name", folder,
         "--host", "127.0.0.1", "--port", "8123", "--dtype", "float32", "--middleware", serve.MIDDLEWARE,
         "--kv-cache-memory-bytes", str(kv),
         "--max-model-len", "256", "-tp", "1", "--max_num_seqs=4", "--seed", "3", "--no-enable-log-requests"]
@@ -113,8 +114,8 @@ def test_serve_exits_with_the_servers_exit_code_and_a_served_name_given_is_kept(
         "no-plugin-allowed"])
 def test_the_vllm_installation_is_checked_before_it_starts(version, plugin, plugins_env, match, tiny_checkpoint,
                                                            fitted, vllm_ok, monkeypatch, capfd):
-    monkeypatch.setattr(serve, "installed_vllm_version", lambda: version)
-    monkeypatch.setattr(serve, "plugin_installed", lambda: plugin)
+    monkeypatch.setattr(vserving, "installed_vllm_version", lambda: version)
+    monkeypatch.setattr(vserving, "plugin_installed", lambda: plugin)
     if plugins_env is not None:
         monkeypatch.setenv("VLLM_PLUGINS", plugins_env)
     code, err = main(monkeypatch, capfd, "serve", "--model", tiny_checkpoint, "--maps", fitted)
@@ -127,13 +128,13 @@ def test_the_vllm_installation_is_checked_before_it_starts(version, plugin, plug
 def test_the_real_lookups_agree_with_the_installation():
     from importlib.util import find_spec
 
-    version = serve.installed_vllm_version()
+    version = vserving.installed_vllm_version()
     assert (version is None) == (find_spec("vllm") is None)
     if version is not None:
         import vllm
 
         assert version == vllm.__version__
-        assert serve.plugin_installed(), "vLLM is installed without ridgefill's plugin entry point: reinstall ridgefill"
+        assert vserving.plugin_installed(), "vLLM is installed without ridgefill's plugin entry point: reinstall ridgefill"
 
 
 def test_launch_forwards_signals_to_the_child_and_returns_its_exit_code(tmp_path):
@@ -172,7 +173,7 @@ def test_the_plugin_entry_point_serve_checks_for_is_the_one_pyproject_declares()
     import tomllib
 
     project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
-    assert project["entry-points"]["vllm.general_plugins"] == {serve.PLUGIN: serve.PLUGIN_TARGET}
+    assert project["entry-points"]["vllm.general_plugins"] == {vserving.PLUGIN: vserving.PLUGIN_TARGET}
 
 
 # --- bad configurations, in process -----------------------------------------------------------------------------

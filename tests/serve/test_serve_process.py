@@ -24,6 +24,7 @@ from helpers import free_port
 from ridgefill.errors import RidgefillError
 from ridgefill.serve import log as server_log
 from ridgefill.serve import process, serve
+from ridgefill.backends.vllm import serving as vserving
 from ridgefill.serve.log import LogFile, default_log
 from ridgefill.serve.process import Launch, launch, running
 from ridgefill.backends.vllm.args import split_api_key
@@ -73,7 +74,7 @@ open(a["drained"], "w").close()
 time.sleep(600)
 """
 STOCK_METRICS = "# HELP vllm:num_requests_running Number of requests.\nvllm:num_requests_running 0.0\n"
-RIDGEFILL_METRICS = STOCK_METRICS + f"{serve.MARKER} 0.0\n"
+RIDGEFILL_METRICS = STOCK_METRICS + f"{vserving.MARKER} 0.0\n"
 BURST = 2 << 20  # 2 MiB: far past a pipe's 64 KiB
 
 
@@ -378,11 +379,11 @@ def test_a_server_that_comes_up_without_the_plugin_is_stopped_with_one_line(tmp_
     it and says why in one line, with the reason vLLM logged."""
     preamble = ("ERROR 12-04 20:00:00 [__init__.py:1] Failed to load plugin ridgefill\nTraceback (most recent call "
                 "last):\nImportError: cannot import name 'register' from 'ridgefill.backends.vllm.plugin.entry'\n")
-    plan = stand_in(tmp_path, metrics=STOCK_METRICS, preamble=preamble, marker=serve.MARKER)
+    plan = stand_in(tmp_path, metrics=STOCK_METRICS, preamble=preamble, marker=vserving.MARKER)
     with pytest.raises(RidgefillError) as refused:
         launch(plan)
     line = str(refused.value)
-    assert line.startswith(f"vLLM's server came up without RidgeFill: its /metrics has no {serve.MARKER}, so the "
+    assert line.startswith(f"vLLM's server came up without RidgeFill: its /metrics has no {vserving.MARKER}, so the "
                            "plugin did not load in vLLM's processes (ImportError: cannot import name 'register'")
     assert line.endswith(f"see vLLM's log, {plan.log}") and "\n" not in line
     assert not answers(plan.health)  # stopped
@@ -391,9 +392,9 @@ def test_a_server_that_comes_up_without_the_plugin_is_stopped_with_one_line(tmp_
 
 
 def test_a_server_with_the_plugin_passes_and_stock_plans_are_not_checked(tmp_path):
-    with running(stand_in(tmp_path, marker=serve.MARKER)) as child:
+    with running(stand_in(tmp_path, marker=vserving.MARKER)) as child:
         assert child.poll() is None
-    stock = serve.stock_plan(stand_in(tmp_path, metrics=STOCK_METRICS, marker=serve.MARKER), tmp_path / "stock.log")
+    stock = serve.stock_plan(stand_in(tmp_path, metrics=STOCK_METRICS, marker=vserving.MARKER), tmp_path / "stock.log")
     assert stock.marker is None
     with running(stock) as child:
         assert child.poll() is None
@@ -433,7 +434,7 @@ def test_the_start_up_checks_never_go_through_a_proxy_and_send_no_key(tmp_path, 
         for name in ("no_proxy", "NO_PROXY"):
             monkeypatch.delenv(name, raising=False)
         monkeypatch.setattr(process, "PLUGIN_WAIT_S", 5.0)  # the old code waited this long, then refused
-        plan = stand_in(tmp_path, marker=serve.MARKER)
+        plan = stand_in(tmp_path, marker=vserving.MARKER)
         plan = Launch(plan.argv, {**plan.env, "VLLM_API_KEY": "s3cret"}, plan.health, plan.banner, plan.log,
                       plan.marker)
         try:
@@ -450,8 +451,8 @@ def test_the_start_up_checks_never_go_through_a_proxy_and_send_no_key(tmp_path, 
 @pytest.fixture
 def plan_of(tiny_checkpoint, tmp_path, monkeypatch):
     """serve_plan for `ridgefill serve --model <tiny> --split 3 ARGS` (identity fill), vLLM's lookups replaced."""
-    monkeypatch.setattr(serve, "installed_vllm_version", lambda: VLLM_VERSION)
-    monkeypatch.setattr(serve, "plugin_installed", lambda: True)
+    monkeypatch.setattr(vserving, "installed_vllm_version", lambda: VLLM_VERSION)
+    monkeypatch.setattr(vserving, "plugin_installed", lambda: True)
     for name in ("VLLM_PLUGINS", "VLLM_API_KEY", "VLLM_SERVER_DEV_MODE", "RIDGEFILL_MAX_REQUEST_BYTES"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
@@ -556,11 +557,11 @@ def test_serve_defaults_to_dtype_auto_resolved_as_every_command(cuda, native_bf1
     from ridgefill.backends.vllm.config import served_dtype
 
     assert serve.ServeConfig().dtype == "auto" and BenchServeConfig(out=Path("o.json")).dtype == "auto"
-    monkeypatch.setattr(serve, "on_cpu", lambda: not cuda)
+    monkeypatch.setattr(vserving, "on_cpu", lambda: not cuda)
     monkeypatch.setattr(device, "native_bf16", lambda: native_bf16)
     plan = plan_of("--max-model-len", "256")
     at = plan.argv.index("--dtype")
-    assert plan.argv[at + 1] == serve.DTYPES[want] and f"; dtype {want}; " in plan.banner
+    assert plan.argv[at + 1] == vserving.DTYPES[want] and f"; dtype {want}; " in plan.banner
     hybrid = {"architectures": ["Qwen3NextForCausalLM"]}
     assert served_dtype("auto", hybrid, cpu=not cuda) == ("bf16" if not cuda else want)
     assert served_dtype("fp16", hybrid, cpu=True) == "fp16" and served_dtype("fp32", {}, cpu=False) == "fp32"

@@ -42,6 +42,7 @@ class Capabilities:
     projection: bool = False  # ridgefill's own fill projection (--projection) and its timed share
     reference_forward: bool = False  # bench-ttft also times transformers' forward beside exact
     first_token_latency: bool = False  # the engine reports its own first-token latency per request
+    serving: bool = False  # an OpenAI-compatible server with RidgeFill (serve, bench-serve: Backend's serving methods)
     devices: tuple[str, ...] = ("cpu", "cuda")
     dtypes: tuple[str, ...] = ("fp32", "bf16", "fp16")
 
@@ -69,6 +70,8 @@ class Backend:
     name: ClassVar[str]
     title: ClassVar[str] = ""  # how results printed to stderr name it ("vLLM"; "" for ridgefill's own engine)
     caps: ClassVar[Capabilities]
+    guard: ClassVar = None  # caps.serving: how its server's requests carry what the request guard checks
+    # (backends/serving.GuardDialect)
 
     @classmethod
     def check_installed(cls) -> None:
@@ -78,6 +81,36 @@ class Backend:
     def cpu_only(cls) -> str | None:
         """Why this engine runs the model on the CPU alone whatever torch sees (None: it runs where torch does)."""
         return None
+
+    # --- serving (caps.serving): what the front, serve/, asks of an engine that serves -------------------------
+    @classmethod
+    def check_serve(cls, config, own: list[str]) -> None:
+        """The options of `serve` only this engine reads (config.vllm_args: its server's own), checked before
+        anything starts; `own`: serve's own options as written (an abbreviation of one is refused)."""
+
+    @classmethod
+    def served_dtype(cls, dtype: str, folder: str) -> str:
+        """serve's --dtype (auto resolved) as this engine serves the model in `folder`."""
+        raise NotImplementedError
+
+    @classmethod
+    def server(cls, config, scratch, log, guard: str, env: dict):
+        """Everything the server needs checked (one line each), then its start (backends/serving.Launch): command,
+        environment (with the front's `env`), health URL, banner, `log`, the /metrics marker of RidgeFill; the
+        request guard (`guard`: its class's import path) mounted in it; `scratch` lives as long as it runs."""
+        raise NotImplementedError
+
+    @classmethod
+    def stock_server(cls, plan, log, guard: str):
+        """The server of `plan` without RidgeFill, logging to `log` (bench-serve's baseline): no fill, no `guard`."""
+        raise NotImplementedError
+
+    @classmethod
+    def drive(cls, base: str, model: str, tokenizer, prompts: list[list[int]], rate: float, output_tokens: int,
+              seed: int, time_limit: float, salt: str = "") -> list[dict]:
+        """A seeded Poisson stream of `prompts` at `rate` requests/s against this engine's server at `base`: per
+        request its ttft, latency, output_tokens and start (bench-serve)."""
+        raise NotImplementedError
 
     def __init__(self, config, projection: str = "auto") -> None:
         self.config = config
@@ -162,6 +195,13 @@ def refuse(backend, what: str, fix: str = "drop it") -> RidgefillError:
     return RidgefillError(f"{what} is not supported with --engine {name}: {fix}")
 
 
+def missing(backend, capability: str, fix: str = "ridgefill") -> RidgefillError:
+    """The one-line refusal of an engine that lacks a capability the command needs (`fix`: an engine that has it)."""
+    name = backend if isinstance(backend, str) else backend.name
+    return RidgefillError(f"--engine {name} does not give {capability.replace('_', ' ')}, which this command needs: "
+                          f"use --engine {fix}")
+
+
 def check_plans(backend: Backend, plans: dict) -> None:
     """Maps a backend cannot serve (lookback, key-scale), refused before anything runs."""
     for plan in plans.values():
@@ -216,8 +256,7 @@ def check_engine_options(config, needs: tuple[str, ...] = (), variants: list[str
     cls.check_installed()
     for capability in needs:
         if not getattr(cls.caps, capability):
-            raise RidgefillError(f"--engine {cls.name} does not give {capability.replace('_', ' ')}, which "
-                                 f"this command needs: use --engine ridgefill")
+            raise missing(cls, capability)
     for name, is_set, capability, flag in OPTION_CAPABILITIES:
         if hasattr(config, name) and is_set(getattr(config, name)) and not getattr(cls.caps, capability):
             raise refuse(cls.name, flag)

@@ -24,7 +24,8 @@ def test_vllm_reads_an_abbreviation_of_api_key_as_the_key(vllm_options):
 
 
 def test_no_vllm_option_is_refused_as_an_abbreviation_of_serves(vllm_options):
-    from ridgefill.serve.serve import API_KEY, serve_options
+    from ridgefill.backends.vllm.args import API_KEY
+    from ridgefill.serve.serve import serve_options
 
     _, names = vllm_options
     own = [*serve_options(), API_KEY]

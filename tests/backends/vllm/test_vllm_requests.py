@@ -1,5 +1,6 @@
-"""A request's RidgeFill options (backends/vllm/requests.py; the HTTP middleware's own checks are in test_vllm_http.py),
-what a step's accounting counts and warns about (backends/vllm/plugin/runner.account, backends/vllm/plugin/metrics.py), and serve's
+"""A request's RidgeFill options (backends/serving.py, backends/vllm/requests.py; the request guard's own checks are in
+tests/serve/test_guard.py), what a step's accounting counts and warns about (backends/vllm/plugin/runner.account,
+backends/vllm/plugin/metrics.py), and serve's
 start-up pieces that need no server: the KV cache plan and the one line a failed start becomes (no vLLM needed)."""
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import torch
 
 from ridgefill.errors import RidgefillError
 from ridgefill.serve import serve
+from ridgefill.backends.vllm import kv_sizing
+from ridgefill.backends.vllm import serving as vserving
 from ridgefill.backends.vllm.plugin.metrics import FillCounters
 from ridgefill.backends.vllm.requests import LARGEST, check_request_args, request_rule
 from ridgefill.backends.vllm.plugin.runner import Step, StepLog, account
@@ -127,13 +130,13 @@ CONFIG = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_head
 
 def plan(args=(), available=20 << 30, cpu=True, environ=None, **options):
     c = serve.ServeConfig(maps="m.safetensors", vllm_args=list(args), **options)
-    return serve.kv_cache_plan(c, CONFIG, available, cpu, environ or {})
+    return kv_sizing.kv_cache_plan(c, CONFIG, available, cpu, environ or {})
 
 
 def test_the_cpu_kv_cache_holds_the_expected_requests_within_half_the_free_memory():
     per_token = 2 * 30 * 3 * 64 * 4
-    assert serve.kv_bytes_per_token(CONFIG, "fp32") == per_token == 46080
-    assert serve.kv_bytes_per_token(CONFIG, "bf16") == per_token // 2
+    assert kv_sizing.kv_bytes_per_token(CONFIG, "fp32") == per_token == 46080
+    assert kv_sizing.kv_bytes_per_token(CONFIG, "bf16") == per_token // 2
     assert plan().args == ["--kv-cache-memory-bytes", str(4 * 8192 * per_token)]  # 4 requests of 8,192 tokens
     assert plan(["--max-model-len", "2k"]).args == ["--kv-cache-memory-bytes", str(4 * 2000 * per_token)]
     assert plan(["--max_model_len=1K"], concurrency=2).args[1] == str(2 * 1024 * per_token)
@@ -220,11 +223,11 @@ def test_exposed_hosts_without_a_key_are_warned_about(capsys, monkeypatch):
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
     for host, args, warned in [("127.0.0.1", [], False), ("localhost", [], False), ("::1", [], False),
                                ("0.0.0.0", [], True), ("10.1.2.3", [], True), ("0.0.0.0", ["--api-key", "k"], False)]:
-        serve.warn_if_exposed(serve.ServeConfig(maps="m", host=host, vllm_args=args))
+        vserving.warn_if_exposed(serve.ServeConfig(maps="m", host=host, vllm_args=args))
         err = capsys.readouterr().err
         assert (err.startswith("warning: --host") and err.count("\n") == 1) == warned, (host, args, err)
-    assert serve.health_url("0.0.0.0", 8000) == "http://127.0.0.1:8000/health"
-    assert serve.health_url("::", 8000) == "http://[::1]:8000/health"
+    assert vserving.health_url("0.0.0.0", 8000) == "http://127.0.0.1:8000/health"
+    assert vserving.health_url("::", 8000) == "http://[::1]:8000/health"
 
 
 # --- hybrid models (Qwen3-Next) --------------------------------------------------------------------------------
@@ -237,40 +240,40 @@ HYBRID_CONFIG = {"architectures": ["Qwen3NextForCausalLM"], "num_hidden_layers":
 
 
 def test_a_hybrid_kv_cache_counts_attention_layers_per_token_and_linear_states_per_request():
-    assert serve.kv_bytes_per_token(HYBRID_CONFIG, "bf16") == 2 * 2 * 2 * 64 * 2  # 2 attention layers
+    assert kv_sizing.kv_bytes_per_token(HYBRID_CONFIG, "bf16") == 2 * 2 * 2 * 64 * 2  # 2 attention layers
     conv, recurrent = (2 * 128 + 256) * 3, 4 * 64 * 64
-    assert serve.state_bytes_per_request(HYBRID_CONFIG, "bf16") == 6 * (conv + recurrent) * 2
-    assert serve.state_bytes_per_request(CONFIG, "fp32") == 0
+    assert kv_sizing.state_bytes_per_request(HYBRID_CONFIG, "bf16") == 6 * (conv + recurrent) * 2
+    assert kv_sizing.state_bytes_per_request(CONFIG, "fp32") == 0
     c = serve.ServeConfig(maps="m.safetensors", dtype="bf16", vllm_args=["--max-model-len", "1000"])
-    one = 1000 * serve.kv_bytes_per_token(HYBRID_CONFIG, "bf16") + serve.state_bytes_per_request(HYBRID_CONFIG,
+    one = 1000 * kv_sizing.kv_bytes_per_token(HYBRID_CONFIG, "bf16") + kv_sizing.state_bytes_per_request(HYBRID_CONFIG,
                                                                                                 "bf16")
-    assert serve.kv_cache_plan(c, HYBRID_CONFIG, 20 << 30, True, {}).args[1] == str(4 * one)
+    assert kv_sizing.kv_cache_plan(c, HYBRID_CONFIG, 20 << 30, True, {}).args[1] == str(4 * one)
 
 
 def test_a_hybrid_is_served_in_bf16_without_prefix_caching_on_a_cpu(tmp_path, monkeypatch):
     folder = tmp_path / "model"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(HYBRID_CONFIG))
-    monkeypatch.setattr(serve, "on_cpu", lambda: True)
+    monkeypatch.setattr(vserving, "on_cpu", lambda: True)
     c = serve.ServeConfig(maps="m.safetensors", dtype="bf16")
-    serve.check_hybrid(c, HYBRID_CONFIG)
-    assert "--no-enable-prefix-caching" in serve.vllm_command(c, str(folder))
+    vserving.check_hybrid(c, HYBRID_CONFIG)
+    assert "--no-enable-prefix-caching" in vserving.vllm_command(c, str(folder))
     with pytest.raises(RidgefillError, match=r"^a hybrid model \(Qwen3NextForCausalLM\) runs in vLLM on a CPU in bf16 "
                                              r"only .*: pass --dtype bf16$"):
-        serve.check_hybrid(serve.ServeConfig(maps="m.safetensors", dtype="fp32"), HYBRID_CONFIG)
+        vserving.check_hybrid(serve.ServeConfig(maps="m.safetensors", dtype="fp32"), HYBRID_CONFIG)
     default = serve.ServeConfig(maps="m.safetensors")
-    assert default.dtype == "auto" and serve.served_dtype(default.dtype, HYBRID_CONFIG, True) == "bf16"
-    serve.check_hybrid(replace(default, dtype="bf16"), HYBRID_CONFIG)  # serve's default, resolved on a CPU
+    assert default.dtype == "auto" and vserving.served_dtype(default.dtype, HYBRID_CONFIG, True) == "bf16"
+    vserving.check_hybrid(replace(default, dtype="bf16"), HYBRID_CONFIG)  # serve's default, resolved on a CPU
     for args in (["--enable-prefix-caching"], ["--no-enable-prefix-caching", "--enable-prefix-caching=true"]):
         with pytest.raises(RidgefillError, match="^--enable-prefix-caching: prefix caching is not supported with "
                                                  "RidgeFill on a hybrid model"):
-            serve.check_hybrid(serve.ServeConfig(maps="m.safetensors", dtype="bf16", vllm_args=args), HYBRID_CONFIG)
-    serve.check_hybrid(serve.ServeConfig(maps="m.safetensors", dtype="bf16",
+            vserving.check_hybrid(serve.ServeConfig(maps="m.safetensors", dtype="bf16", vllm_args=args), HYBRID_CONFIG)
+    vserving.check_hybrid(serve.ServeConfig(maps="m.safetensors", dtype="bf16",
                                          vllm_args=["--enable-prefix-caching", "--no-enable-prefix-caching"]),
                        HYBRID_CONFIG)
     dense = {**CONFIG, "architectures": ["LlamaForCausalLM"]}
     (folder / "config.json").write_text(json.dumps(dense))
-    assert "--no-enable-prefix-caching" not in serve.vllm_command(serve.ServeConfig(maps="m.safetensors"),
+    assert "--no-enable-prefix-caching" not in vserving.vllm_command(serve.ServeConfig(maps="m.safetensors"),
                                                                    str(folder))
 
 

@@ -28,7 +28,10 @@ import pytest
 
 from helpers import free_port
 from ridgefill.serve import serve
-from ridgefill.backends.vllm.middleware import NESTED
+from ridgefill.backends.vllm import serving as vserving
+from ridgefill.serve.guard import NESTED as NESTED_IN
+
+NESTED = NESTED_IN.format(field="vllm_xargs")
 from vllm_fixtures import prompts, reference
 
 RIDGEFILL = [sys.executable, "-m", "ridgefill"]
@@ -138,7 +141,7 @@ def server(smollm2_tuned, tmp_path_factory):
     skip."""
     from ridgefill.method.fill import load_serving
 
-    assert serve.plugin_installed(), ("ridgefill's vllm.general_plugins entry point is not installed beside vLLM: "
+    assert vserving.plugin_installed(), ("ridgefill's vllm.general_plugins entry point is not installed beside vLLM: "
                                       "reinstall ridgefill (pip install -e '.[vllm]')")
     folder, config = smollm2_tuned
     root = tmp_path_factory.mktemp("server")

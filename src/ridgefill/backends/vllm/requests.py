@@ -3,9 +3,9 @@ how the engine reads it.
 
 A request sets its own tail or keep-first through vLLM's extra sampling arguments: `SamplingParams(extra_args=
 {"ridgefill_tail": 512})` in Python, `"vllm_xargs": {"ridgefill_tail": 512}` over HTTP. Every `ridgefill_*` key
-is checked when vLLM admits the request (backends/vllm/plugin/admission.py calls `check_request_args`): an unknown key, a
-value that is not an integer, or one out of range is refused with one line (HTTP 400), so nothing a client sends
-reaches the engine unchecked. Inside the engine `request_rule` never raises: it clamps to the prompt.
+is checked when vLLM admits the request (backends/vllm/plugin/admission.py calls `check_request_args`, the serving
+seam's: backends/serving.py): an unknown key, a value that is not an integer, or one out of range is refused with
+one line (HTTP 400), so nothing a client sends reaches the engine unchecked. Inside the engine `request_rule` never raises: it clamps to the prompt.
 
 A keep-first follows ridgefill's one rule (engine/rows.check_keep_first): an integer up to MAX_ROWS, refused
 beyond (here: at admission, HTTP 400; in `generate`: one line, exit 2); past a prompt, the whole prompt runs in full
@@ -16,29 +16,9 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from ridgefill.engine.rows import MAX_ROWS, keep_first_ok, tail_ok
-
-PREFIX = "ridgefill_"
-TAIL_ARG = "ridgefill_tail"
-KEEP_FIRST_ARG = "ridgefill_keep_first"
-LARGEST = MAX_ROWS  # the largest value a request may give: the engine's keep-first bound (vLLM's positions are int32)
-# key -> (the engine's rule of its values, their least value, what it sets)
-REQUEST_ARGS = {TAIL_ARG: (tail_ok, 1, "last prompt tokens that run the full model"),
-                KEEP_FIRST_ARG: (keep_first_ok, 0, "leading prompt tokens that run in full")}
-
-
-def check_request_args(extra: Mapping | None) -> None:
-    """Raise ValueError (one line: the key and the valid range) for the first bad `ridgefill_*` key of a request's
-    extra arguments; keys without the prefix are not RidgeFill's and pass."""
-    for key, value in (extra or {}).items():
-        if not isinstance(key, str) or not key.startswith(PREFIX):
-            continue
-        if key not in REQUEST_ARGS:
-            raise ValueError(f"unknown RidgeFill request option {key!r}: use {' or '.join(REQUEST_ARGS)}")
-        ok, least, what = REQUEST_ARGS[key]
-        if not ok(value, LARGEST):
-            shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
-            raise ValueError(f"{key}={shown} is not valid: give an integer in {least}..{LARGEST} ({what})")
+# the options and their check are the serving seam's (the request guard checks them too); re-exported here
+from ridgefill.backends.serving import (KEEP_FIRST_ARG, LARGEST, PREFIX, REQUEST_ARGS, TAIL_ARG,  # noqa: F401
+                                       check_request_args)
 
 
 def request_rule(params, prompt_len: int, tail: int, keep_first: int) -> tuple[int, int]:

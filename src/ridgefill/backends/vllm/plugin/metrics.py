@@ -24,23 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-COUNTERS = {  # tally key -> (Prometheus name without _total, help)
-    "filled": ("ridgefill_filled_tokens", "Prompt tokens RidgeFill filled (late layers' K/V from the maps)"),
-    "full": ("ridgefill_full_tokens", "Prompt tokens run through every layer"),
-    "cached": ("ridgefill_cached_prompt_tokens",
-               "Prompt tokens served from vLLM's prefix cache (neither filled nor run: each prompt token is counted "
-               "once, in filled, full or cached)"),
-    "recomputed": ("ridgefill_recomputed_prompt_tokens",
-                   "Prompt tokens computed again after vLLM preempted their request (not counted again in filled, "
-                   "full or cached)"),
-    "outliers": ("ridgefill_outlier_tokens", "Tokens the fill rule fills that ran in full: split-state outliers"),
-    "unwindowed": ("ridgefill_lookback_full_tokens",
-                   "Tokens the fill rule fills that ran in full: their lookback window was not in the step"),
-    "run_bound": ("ridgefill_run_bound_full_tokens",
-                  "Tokens the fill rule fills that ran in full: their step had more runs of full tokens than the "
-                  "attention backend's metadata holds (max_num_seqs)"),
-    "stock_steps": ("ridgefill_stock_steps", "Steps run stock (exact) because their fill could not be planned"),
-}
+from ridgefill.backends.serving import COUNTERS  # noqa: F401  (the names are the serving seam's)
 
 
 @dataclass

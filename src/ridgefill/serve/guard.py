@@ -1,10 +1,17 @@
-"""RidgeFill's request options checked in the JSON a client sent, before vLLM's request models read it (an ASGI
-middleware `ridgefill serve` installs with vLLM's --middleware; no vLLM import).
+"""The request guard: one pure ASGI middleware any server can mount (`ridgefill serve` mounts it in the engine's
+server: vLLM's --middleware), engine-neutral, with no engine's import. It checks the API key before any byte of a
+body is read, bounds the body, and checks RidgeFill's own options of a request (backends/serving.REQUEST_ARGS) in the
+JSON as the client sent it, before the server's request models read it. What differs between servers is the
+engine's `GuardDialect` (backends/serving.py): the body's field that holds a request's engine options (vLLM:
+`vllm_xargs`), the environment variable of the server's API key, and the server's own key middleware. The guard
+takes it as `dialect`, else from the engine named by RIDGEFILL_GUARD_ENGINE (`ridgefill serve` sets it), else from
+the engine serve runs by default (backends.SERVING_DEFAULT).
 
-vLLM's admission check (backends/vllm/plugin/admission.py) sees `vllm_xargs` after pydantic has coerced it: a JSON `true`
-has become the integer 1 there. This middleware reads the body of every request that may carry one and answers 400
-in vLLM's error format for a bad `ridgefill_*` key (vllm_requests.check_request_args on the values as the client
-wrote them, escapes decoded), so `{"ridgefill_tail": true}` is refused like any other non-integer.
+(Below, for vLLM.) vLLM's admission check (backends/vllm/plugin/admission.py) sees `vllm_xargs` after pydantic has
+coerced it: a JSON `true` has become the integer 1 there. This middleware reads the body of every request that may
+carry one and answers 400 in vLLM's error format for a bad `ridgefill_*` key (serving.check_request_args on the
+values as the client wrote them, escapes decoded), so `{"ridgefill_tail": true}` is refused like any other
+non-integer.
 
 vLLM adds its --middleware classes last, and Starlette runs the last one added first: this check runs before vLLM's
 API-key check. So it authenticates first itself, with vLLM's keys, status and body, but stricter than vLLM 0.32's
@@ -39,9 +46,9 @@ from typing import Mapping
 
 import numpy as np
 
-from ridgefill.backends.vllm.requests import check_request_args
+from ridgefill.backends.serving import GuardDialect, check_request_args
 
-API_KEY_ENV = "VLLM_API_KEY"  # vLLM's key when no --api-key is given (vllm.envs)
+ENGINE_ENV = "RIDGEFILL_GUARD_ENGINE"  # the engine whose GuardDialect the guard follows (when not given one)
 BODY_LIMIT_ENV = "RIDGEFILL_MAX_REQUEST_BYTES"
 # 8 MiB: a 128K-token prompt is about 1 MiB as token ids, 0.5 to 3 MiB as text (JSON escapes included)
 BODY_LIMIT = 8 << 20
@@ -59,9 +66,9 @@ PARSES = 1
 # path needs it, including /invocations, /version, /load and /v1/models.
 OPEN = frozenset({"/health", "/ping", "/metrics", "/tokenize", "/detokenize"})
 LENGTH_DIGITS = 18  # the most digits of a Content-Length (up to 10^18 - 1 bytes; int() refuses over 4,300)
-# A body json.loads reads as UTF-8 (others are always parsed) can set a RidgeFill option only if it holds "xargs" (of
-# the key vllm_xargs) or a backslash (an escape can spell any of the key's letters)
-OPTION_MARKS = (b"xargs", b"\\")
+# A body json.loads reads as UTF-8 (others are always parsed) can set a RidgeFill option only if it holds the name of
+# the dialect's options field (vLLM: vllm_xargs) or a backslash (an escape can spell any of the key's letters)
+ESCAPE = b"\\"
 # One that cannot is still parsed where json.loads could raise rather than answer: JSON that may nest over DEEP levels
 # (its RecursionError comes at about 1,000) or an integer of over 4,300 digits (Python's int() limit). Both are judged
 # on its bytes with its strings cut out (without a backslash a string is a quote, anything but a quote, a quote).
@@ -71,8 +78,8 @@ DIGITS = bytes.maketrans(bytes(range(256)), bytes(48 if 48 <= b <= 57 else 32 fo
 BRACKETS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff"), bytes(set(range(256)) - set(b"[{]}"))
 UNAUTHORIZED = b'{"error":"Unauthorized"}'  # vLLM's JSONResponse({"error": "Unauthorized"}, 401), byte for byte
 UNREAD = ("GET", "HEAD", "OPTIONS")  # methods whose body nothing reads: passed on as they came
-NESTED = ("the request body's JSON nests too deeply to be read: send vllm_xargs and the request's other fields "
-          "as a flat object")
+NESTED = ("the request body's JSON nests too deeply to be read: send {field} and the request's other fields "
+          "as a flat object")  # .format(field=the dialect's options field)
 
 
 def inner(app, name: str):
@@ -85,13 +92,27 @@ def inner(app, name: str):
     return None
 
 
-def api_tokens(app, environ: Mapping[str, str]) -> list[bytes]:
-    """The sha256 digests of the API keys vLLM checks: those of vLLM's AuthenticationMiddleware found inside `app`
-    (--api-key or VLLM_API_KEY, as vLLM chose), else VLLM_API_KEY's; none when no key is set."""
-    tokens = getattr(inner(app, "AuthenticationMiddleware"), "api_tokens", None)
+def dialect_of(environ: Mapping[str, str]) -> GuardDialect:
+    """The GuardDialect of the engine RIDGEFILL_GUARD_ENGINE names, else of the engine serve runs by default (through
+    the registry: the guard imports no engine)."""
+    from ridgefill.backends import SERVING_DEFAULT, backend_class
+
+    name = environ.get(ENGINE_ENV, "").strip() or SERVING_DEFAULT
+    dialect = backend_class(name).guard
+    if dialect is None:
+        raise ValueError(f"{ENGINE_ENV}={name!r} names an engine that does not serve: unset it or name one that does")
+    return dialect
+
+
+def api_tokens(app, environ: Mapping[str, str], dialect: GuardDialect) -> list[bytes]:
+    """The sha256 digests of the API keys the server checks: those of its own key middleware found inside `app`
+    (vLLM's AuthenticationMiddleware: --api-key or VLLM_API_KEY, as vLLM chose), else the dialect's key variable's;
+    none when no key is set."""
+    own = inner(app, dialect.auth_middleware) if dialect.auth_middleware else None
+    tokens = getattr(own, "api_tokens", None)
     if isinstance(tokens, list):
         return list(tokens)
-    key = environ.get(API_KEY_ENV, "")
+    key = environ.get(dialect.key_env, "")
     return [hashlib.sha256(key.encode()).digest()] if key else []
 
 
@@ -156,11 +177,12 @@ def declared_length(scope) -> int | None:
     return int(text)
 
 
-def needs_parse(body: bytes) -> bool:
-    """Whether a body is parsed: JSON not in UTF-8, one that may set a RidgeFill option (OPTION_MARKS), or one on
-    which json.loads could raise (nested over DEEP levels, an integer of over 4,300 digits). Every other body is
-    passed on unparsed: 2 MiB of `[{},{},...]` are ~50 MiB of objects once parsed."""
-    if json.detect_encoding(body) not in ("utf-8", "utf-8-sig") or any(mark in body for mark in OPTION_MARKS):
+def needs_parse(body: bytes, field: str) -> bool:
+    """Whether a body is parsed: JSON not in UTF-8, one that may set a RidgeFill option (it holds the options field's
+    name `field` or an escape), or one on which json.loads could raise (nested over DEEP levels, an integer of over
+    4,300 digits). Every other body is passed on unparsed: 2 MiB of `[{},{},...]` are ~50 MiB of objects once
+    parsed."""
+    if json.detect_encoding(body) not in ("utf-8", "utf-8-sig") or field.encode() in body or ESCAPE in body:
         return True
     bare = STRING.sub(b"", body)
     if b"0" * 4301 in bare.translate(DIGITS):  # a run of 4,301 digits (a regex takes 20x longer)
@@ -183,30 +205,31 @@ def too_large(limit: int) -> str:
             f"start the server with {BODY_LIMIT_ENV} set higher")
 
 
-def body_error(body: bytes) -> str | None:
+def body_error(body: bytes, field: str) -> str | None:
     """The one-line refusal of a request body (JSON nested too deeply or with an integer of thousands of digits, or
-    its `vllm_xargs` too large or with a bad RidgeFill option), or None (also for a body that is no JSON object: vLLM answers that itself)."""
+    its options field `field` too large or with a bad RidgeFill option), or None (also for a body that is no JSON
+    object: the server answers that itself)."""
     try:
         doc = json.loads(body)
     except RecursionError:
-        return NESTED
+        return NESTED.format(field=field)
     except (json.JSONDecodeError, UnicodeDecodeError):
         return None
     except ValueError:  # an integer past Python's digit limit (vLLM would answer 400 outside its error format)
         return (f"the request body holds an integer of over {sys.get_int_max_str_digits():,} digits: send integers "
                 "of at most 2147483647 in RidgeFill's options")
-    extra = doc.get("vllm_xargs") if isinstance(doc, dict) else None
-    return xargs_error(extra) if isinstance(extra, dict) else None
+    extra = doc.get(field) if isinstance(doc, dict) else None
+    return xargs_error(extra, field) if isinstance(extra, dict) else None
 
 
-def xargs_error(extra: dict) -> str | None:
-    """The one-line refusal of a request's `vllm_xargs`, or None."""
+def xargs_error(extra: dict, field: str) -> str | None:
+    """The one-line refusal of a request's options field (`field`: vLLM's `vllm_xargs`), or None."""
     try:
         size = len(json.dumps(extra).encode())
     except RecursionError:
-        return NESTED
+        return NESTED.format(field=field)
     if size > XARGS_LIMIT:
-        return (f"vllm_xargs holds {size:,} bytes of JSON, over the {XARGS_LIMIT:,} this server accepts: send only "
+        return (f"{field} holds {size:,} bytes of JSON, over the {XARGS_LIMIT:,} this server accepts: send only "
                 "the extra options the server reads (e.g. ridgefill_tail)")
     try:
         check_request_args(extra)
@@ -215,14 +238,16 @@ def xargs_error(extra: dict) -> str | None:
     return None
 
 
-class RidgeFillRequestArgs:
-    """Pure ASGI middleware: vLLM's 401 for a request without a valid API key, 413 for a body over the bound, 400
-    for a body whose `vllm_xargs` is refused; anything else goes on to vLLM."""
+class RequestGuard:
+    """Pure ASGI middleware: the server's 401 for a request without a valid API key, 413 for a body over the bound,
+    400 for a body whose options field (the dialect's) is refused; anything else goes on to the server."""
 
-    def __init__(self, app, environ: Mapping[str, str] | None = None) -> None:
+    def __init__(self, app, environ: Mapping[str, str] | None = None, dialect: GuardDialect | None = None) -> None:
         environ = os.environ if environ is None else environ
         self.app = app
-        self.tokens = api_tokens(app, environ)
+        self.dialect = dialect or dialect_of(environ)
+        self.field = self.dialect.options_field
+        self.tokens = api_tokens(app, environ, self.dialect)
         self.limit = body_limit(environ)
         self.cors = inner(app, "CORSMiddleware")  # vLLM's --allowed-origins: its headers go on our 400 and 413 too
         self.parsing = asyncio.Semaphore(PARSES)
@@ -267,11 +292,11 @@ class RidgeFillRequestArgs:
         parsed in worker threads (2 MiB take ~20 ms to screen, a few MiB of JSON tens of milliseconds to parse), at
         most PARSES parses at once."""
         if len(body) <= THREAD_PARSE:
-            return body_error(body) if needs_parse(body) else None
-        if not await asyncio.to_thread(needs_parse, body):
+            return body_error(body, self.field) if needs_parse(body, self.field) else None
+        if not await asyncio.to_thread(needs_parse, body, self.field):
             return None
         async with self.parsing:
-            return await asyncio.to_thread(body_error, body)
+            return await asyncio.to_thread(body_error, body, self.field)
 
     async def refuse(self, scope, send, status: int, message: str, close: bool = False) -> None:
         """refuse(), through vLLM's CORS middleware when it has one (as vLLM's own errors are answered)."""

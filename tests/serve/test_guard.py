@@ -1,4 +1,4 @@
-"""The request middleware `ridgefill serve` installs in vLLM (backends/vllm/middleware.py), as a pure ASGI app without a
+"""The request guard `ridgefill serve` installs in vLLM (serve/guard.py, with vLLM's dialect: the registry's default), as a pure ASGI app without a
 server: vLLM's 401 before any body is read, bodies bounded (413), nested, escaped and oversized `vllm_xargs`
 refused (400), everything else replayed unchanged. No vLLM needed, except where a test compares with vLLM's own
 authentication middleware."""
@@ -11,8 +11,16 @@ import json
 
 import pytest
 
-from ridgefill.backends.vllm.middleware import (BODY_LIMIT, NESTED, THREAD_PARSE, UNAUTHORIZED, XARGS_LIMIT,
-                                       RidgeFillRequestArgs, body_error, body_limit)
+from ridgefill.serve.guard import BODY_LIMIT, THREAD_PARSE, UNAUTHORIZED, XARGS_LIMIT, body_limit
+from ridgefill.serve.guard import NESTED as NESTED_IN
+from ridgefill.serve.guard import RequestGuard as RidgeFillRequestArgs
+from ridgefill.serve.guard import body_error as guard_body_error
+
+NESTED = NESTED_IN.format(field="vllm_xargs")
+
+
+def body_error(body: bytes):
+    return guard_body_error(body, "vllm_xargs")
 
 KEY = "s3cret-key"
 BAD_XARGS = json.dumps({"prompt": "hi", "vllm_xargs": {"ridgefill_tail": 0}}).encode()
@@ -363,18 +371,18 @@ def counted_parses(monkeypatch, delay: float = 0.0) -> dict:
     import threading
     import time
 
-    from ridgefill.backends.vllm import middleware
+    from ridgefill.serve import guard as middleware
 
     original, lock, seen = middleware.body_error, threading.Lock(), {"calls": 0, "now": 0, "most": 0}
 
-    def body_error(body):
+    def body_error(body, field):
         with lock:
             seen["calls"] += 1
             seen["now"] += 1
             seen["most"] = max(seen["most"], seen["now"])
         try:
             time.sleep(delay)  # holds the parse open, so parses allowed at once overlap
-            return original(body)
+            return original(body, field)
         finally:
             with lock:
                 seen["now"] -= 1
