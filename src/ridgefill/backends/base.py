@@ -96,8 +96,9 @@ class Backend:
     @classmethod
     def server(cls, config, scratch, log, guard: str, env: dict):
         """Everything the server needs checked (one line each), then its start (backends/serving.Launch): command,
-        environment (with the front's `env`), health URL, banner, `log`, the /metrics marker of RidgeFill; the
-        request guard (`guard`: its class's import path) mounted in it; `scratch` lives as long as it runs."""
+        environment (with the front's `env`), health URL, banner, log (`log()`, asked for once the checks passed),
+        the /metrics marker of RidgeFill; the request guard (`guard`: its class's import path) mounted in it;
+        `scratch` lives as long as it runs."""
         raise NotImplementedError
 
     @classmethod

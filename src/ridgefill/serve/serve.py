@@ -128,8 +128,8 @@ def serve_plan(c: ServeConfig, scratch: Path) -> Launch:
         body_limit(os.environ)
     except ValueError as bad:
         raise RidgefillError(str(bad)) from None
-    log = c.log_file or default_log(c.port)
-    return backend.server(c, scratch, Path(log), GUARD, {ENGINE_ENV: backend.name})
+    return backend.server(c, scratch, lambda: Path(c.log_file or default_log(c.port)), GUARD,
+                          {ENGINE_ENV: backend.name})
 
 
 def stock_plan(plan: Launch, log: Path, engine: str = SERVING_DEFAULT) -> Launch:

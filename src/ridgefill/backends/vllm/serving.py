@@ -148,11 +148,12 @@ An API key is not among them: it goes by the environment (serve_plan)."""
             *caching, *extra, *args]
 
 
-def serve_plan(c, scratch: Path, log: Path, middleware: str | None = None, env: dict | None = None) -> Launch:
+def serve_plan(c, scratch: Path, log, middleware: str | None = None, env: dict | None = None) -> Launch:
     """Everything checked (the vLLM installation, the model, the fill, the KV cache, the port), the server's
-    command, environment (the fill, an API key given, the front's `env`), health URL, banner, `log` and the counter
-    on /metrics that says RidgeFill runs; `scratch` holds its identity maps and Prometheus files for as long as it
-    runs; `middleware` (the front's request guard) is mounted in it."""
+    command, environment (the fill, an API key given, the front's `env`), health URL, banner, log (`log()`, asked
+    for once everything else is checked: the default log folder is made only then) and the counter on /metrics
+    that says RidgeFill runs; `scratch` holds its identity maps and Prometheus files for as long as it runs;
+    `middleware` (the front's request guard) is mounted in it."""
     from ridgefill.runtime.models import model_folder
 
     folder = model_folder(c.model)
@@ -164,6 +165,7 @@ def serve_plan(c, scratch: Path, log: Path, middleware: str | None = None, env: 
     kv = kv_cache_plan(c, config, available_memory(), on_cpu())
     check_port(c.host, c.port)
     warn_if_exposed(c)
+    log = log()
     metrics = scratch / "prometheus"
     metrics.mkdir(exist_ok=True)
     key = split_api_key(c.vllm_args)[1]
