@@ -189,10 +189,12 @@ def on_self(node: ast.expr) -> bool:
 
 
 def test_no_module_of_the_vllm_folder_reads_vllms_private_state_but_through_private_py():
-    """The plugin's modules, and the middleware vLLM's API server mounts (in that folder before the move)."""
-    modules = sorted(p for p in [*PACKAGE.glob("*.py"), PACKAGE.parent / "middleware.py"] if p.name not in ADAPTERS)
-    assert {"model.py", "runner.py", "prefix.py", "entry.py", "middleware.py"} <= {p.name for p in modules}
-    bypass = {str(p.relative_to(PACKAGE.parent)): private_reads(p.read_text()) for p in modules}
+    """The plugin's modules, and the request guard vLLM's API server mounts (serve/guard.py; it was the plugin
+    folder's middleware.py)."""
+    guard = PACKAGE.parents[2] / "serve" / "guard.py"
+    modules = sorted(p for p in [*PACKAGE.glob("*.py"), guard] if p.name not in ADAPTERS)
+    assert {"model.py", "runner.py", "prefix.py", "entry.py", "guard.py"} <= {p.name for p in modules}
+    bypass = {p.name: private_reads(p.read_text()) for p in modules}
     assert not any(bypass.values()), {name: found for name, found in bypass.items() if found}
 
 
