@@ -147,7 +147,10 @@ def names(target: str) -> bool:
         except ModuleNotFoundError:  # a name inside a module
             whole = None
         module, attr = (target, "") if whole is not None else (target.rpartition(".")[0], target.rpartition(".")[2])
-    spec = importlib.util.find_spec(module)
+    try:
+        spec = importlib.util.find_spec(module)
+    except ModuleNotFoundError:  # a package on the way is missing
+        spec = None
     if spec is None or not spec.origin:
         return False
     if not attr:

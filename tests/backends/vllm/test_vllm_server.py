@@ -27,7 +27,6 @@ from pathlib import Path
 import pytest
 
 from helpers import free_port
-from ridgefill.serve import serve
 from ridgefill.backends.vllm import serving as vserving
 from ridgefill.serve.guard import NESTED as NESTED_IN
 
