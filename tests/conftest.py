@@ -154,6 +154,20 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(scope="session")
+def tiny_ggufs(tmp_path_factory):
+    """The tiny GGUF files of every llama.cpp test module: family -> (transformers model, its GGUF file), written
+    once per session and worker (tests/backends/llamacpp/tiny_gguf.py, importable once such a module is)."""
+    import tiny_gguf
+
+    folder = tmp_path_factory.mktemp("gguf")
+    out = {}
+    for family in ("llama", "qwen2", "qwen3"):
+        m = tiny_gguf.model(family)
+        out[family] = (m, tiny_gguf.write(m, folder / f"tiny-{family}.gguf", family))
+    return out
+
+
 # --- running in parallel (pytest-xdist: `make test` runs two workers) ----------------------------------------------
 # The tests that start vLLM engines, or use the session fixtures that fit maps for them (tests/vllm_fixtures.py), go
 # to groups (`--dist loadgroup`), each run on one worker: the engine-pool tests (the pool's engines start once, in

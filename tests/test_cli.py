@@ -134,3 +134,32 @@ def test_identity_kind_reports_identity_error_and_json_is_strict(fitted, tmp_pat
     for layer in summary["layers"]:
         assert layer["error_map"] == layer["error_identity"]
         assert layer["lam"] is None  # NaN is written as null: strict JSON
+
+
+@pytest.mark.parametrize("args", [
+    ["generate", "--exact", "--prompt", "hi"],
+    ["ruler", "--split", "18", "--out", "r.json"],
+    ["loss", "--split", "18", "--data", "shakespeare", "--out", "l.json"],
+    ["bench-ttft", "--split", "18", "--out", "b.json"],
+])
+def test_llamacpp_without_its_build_is_one_line_naming_make_install(args, ridgefill, monkeypatch):
+    """`make demo` does not build llama.cpp: a command run with --engine llamacpp on such an install (simulated: the
+    llama_cpp import fails, whether or not a build is installed) is one line naming `make install`, before any model
+    loads."""
+    import builtins
+
+    from ridgefill.backends.llamacpp import library
+
+    real_import = builtins.__import__
+
+    def no_llama_cpp(name, *a, **k):
+        if name == "llama_cpp" or name.startswith("llama_cpp."):
+            raise ImportError(name)
+        return real_import(name, *a, **k)
+
+    for name in [n for n in sys.modules if n == "llama_cpp" or n.startswith("llama_cpp.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(builtins, "__import__", no_llama_cpp)
+    r = ridgefill(*args, "--engine", "llamacpp")
+    assert r.returncode == 2 and "make install" in library.INSTALL
+    assert r.stderr == f"error: llama-cpp-python is not installed: {library.INSTALL}\n"

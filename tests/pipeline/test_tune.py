@@ -164,7 +164,7 @@ def test_tune_takes_engine_through_the_seam(monkeypatch, tmp_path):
             tune_command(out_dir=tmp_path / "run", **{"engine": "fake", **values})
         assert str(info.value) == expected
     fake_engine(monkeypatch, logprobs=False)
-    with pytest.raises(RidgefillError, match=r"^--engine fake does not give logprobs, which this command needs"):
+    with pytest.raises(RidgefillError, match=r"^logprobs, which this command needs, is not supported with --engine fake"):
         tune_command(out_dir=tmp_path / "run", engine="fake")
     tune_command.make(out_dir=tmp_path / "run", engine="fake", nll_check=False).check()  # RULER alone: no log-probs
     assert not (tmp_path / "run").exists()

@@ -43,8 +43,8 @@ def test_an_engine_that_cannot_serve_is_refused_by_its_capabilities_in_one_line(
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(serve, "launch", lambda plan: pytest.fail(f"serve would start a server: {plan.argv}"))
     code, err = main(monkeypatch, capfd, *command, "--engine", engine)
-    assert code == 2 and err == (f"error: --engine {engine} does not give serving, which this command needs: use "
-                                 f"--engine {SERVING_DEFAULT}\n"), err
+    assert code == 2 and err == (f"error: serving, which this command needs, is not supported with --engine {engine}: "
+                                 f"use --engine {SERVING_DEFAULT}\n"), err
     assert not list(tmp_path.iterdir())
 
 

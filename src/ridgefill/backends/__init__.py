@@ -8,8 +8,10 @@ import importlib
 
 from ridgefill.errors import RidgefillError
 
+DEFAULT_ENGINE = "ridgefill"  # the engine a command runs without --engine (and those without the option)
+
 ENGINES = {
-    "ridgefill": ("ridgefill.backends.own", "its own engine"),
+    DEFAULT_ENGINE: ("ridgefill.backends.own", "its own engine"),
     "vllm": ("ridgefill.backends.vllm.backend", "vLLM: stock vLLM for exact, ridgefill's vLLM plugin for fills; needs "
              "the vllm extra"),
     "llamacpp": ("ridgefill.backends.llamacpp.backend", "llama.cpp with ridgefill's patch on the GGUF file of --model; "

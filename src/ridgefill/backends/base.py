@@ -15,11 +15,11 @@ variant.
 from __future__ import annotations
 
 import gc
-import time
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar
 
-from ridgefill.backends import engine_help
+from ridgefill.backends import DEFAULT_ENGINE, engine_help
+from ridgefill.clock import clocked
 from ridgefill.commands import Config, option
 from ridgefill.engine.fill_plan import FillTally
 from ridgefill.errors import RidgefillError
@@ -42,6 +42,7 @@ class Capabilities:
     projection: bool = False  # ridgefill's own fill projection (--projection) and its timed share
     reference_forward: bool = False  # bench-ttft also times transformers' forward beside exact
     first_token_latency: bool = False  # the engine reports its own first-token latency per request
+    caches: bool = False  # its K/V caches are ridgefill's to read, copy and splice (splice, longbench)
     serving: bool = False  # an OpenAI-compatible server with RidgeFill (serve, bench-serve: Backend's serving methods)
     devices: tuple[str, ...] = ("cpu", "cuda")
     dtypes: tuple[str, ...] = ("fp32", "bf16", "fp16")
@@ -113,8 +114,19 @@ class Backend:
         request its ttft, latency, output_tokens and start (bench-serve)."""
         raise NotImplementedError
 
+    @classmethod
+    def provenance(cls) -> dict:
+        """What computes this engine's results: result documents name it (`computed_by`) and cache keys hash it
+        (runtime/provenance.result_versions: a recipe's steps, the exact store), so another version or build
+        recomputes. The engine's name, and what every engine's results go through in ridgefill's own process:
+        transformers (the tokenizer of every prompt) and torch (plans, scores of logits); an engine adds its own."""
+        from ridgefill.runtime.provenance import versions
+
+        found = versions(("torch", "transformers"))
+        return {"engine": cls.name, "torch": found["torch"], "transformers": found["transformers"]}
+
     def __init__(self, config, projection: str = "auto") -> None:
-        self.config = config
+        self.config = config  # the command's options: EngineOptions (engine, threads) and ModelConfig's
         self.model = None  # set by the subclass: the model as plans and prompts need it
         self.fills: dict = {}
         self.plans: dict = {}
@@ -143,13 +155,24 @@ class Backend:
 
     # --- what commands ask ------------------------------------------------------------------------------------
     def generate(self, name: str, prompt: list[int], max_new_tokens: int, eos: int | None) -> Generation:
-        """Greedy generation of variant `name` after its prefill of `prompt`; ends at `eos` (None: never)."""
+        """Greedy generation of variant `name` after its prefill of `prompt`; ends at `eos` (None: never). Its
+        ttft_s is read from the one clock (`timed`), as `first_token`'s."""
         raise NotImplementedError
 
     def first_token(self, name: str, prompt: list[int], tag: str) -> Timed:
         """One timed run of `prompt` to the first greedy token (`tag`: unique per run, for engines that cache
-        prefixes)."""
+        prefixes), timed by the one clock (`timed`)."""
         raise NotImplementedError
+
+    def sync_device(self):
+        """The device whose queued work the clock waits for before each read (None: the engine's calls return when
+        their work is done: the CPU, or an engine in another process)."""
+        return None
+
+    def timed(self, run: Callable):
+        """(seconds, run()) on the one clock of time to first token (ridgefill/clock.py): the device synchronised
+        before each read."""
+        return clocked(run, self.sync_device())
 
     def nll(self, name: str, ids, rows: list[int], targets):
         """NLL [B, len(rows)] (float32 tensor on the CPU) of targets [B, len(rows)], each predicted at its row of
@@ -177,8 +200,13 @@ class Backend:
         return {"projection_s": None, "projection_share": None, "instrumented_run_s": None}
 
     def check_filled(self, name: str, planned: int) -> None:
-        """Refuse timings of variant `name` when it filled none of the `planned` rows it should have filled (an
-        engine whose fill may silently not run: a plugin that did not load)."""
+        """Refuse timings of variant `name` when it filled none of the `planned` rows it should have filled: they
+        timed the engine's exact path (a fill that silently did not run: a plugin that did not load)."""
+        check_filled(self.title or self.name, name, self.tally(name).filled, planned, *self.unfilled_detail(name))
+
+    def unfilled_detail(self, name: str) -> tuple[str, str]:
+        """What the refusal of an unfilled variant adds: what ran instead (" (...)"), and what to check."""
+        return "", ""
 
     def store_scope(self) -> dict:
         """What the exact store's scope adds for this engine (exact results of other engines differ)."""
@@ -191,16 +219,28 @@ class Backend:
 
 
 def refuse(backend, what: str, fix: str = "drop it") -> RidgefillError:
-    """The one-line refusal of an option or input a backend does not serve."""
+    """The one-line refusal of an option, input or capability a backend does not serve: every engine's refusals
+    take this form."""
     name = backend if isinstance(backend, str) else backend.name
     return RidgefillError(f"{what} is not supported with --engine {name}: {fix}")
 
 
-def missing(backend, capability: str, fix: str = "ridgefill") -> RidgefillError:
-    """The one-line refusal of an engine that lacks a capability the command needs (`fix`: an engine that has it)."""
-    name = backend if isinstance(backend, str) else backend.name
-    return RidgefillError(f"--engine {name} does not give {capability.replace('_', ' ')}, which this command needs: "
-                          f"use --engine {fix}")
+def check_needs(backend, needs: tuple[str, ...], fix: str = DEFAULT_ENGINE) -> None:
+    """Refuse an engine that lacks a capability the command cannot run without (e.g. loss: logprobs; serve:
+    serving), naming `fix`, an engine that has it."""
+    cls = backend if isinstance(backend, type) else type(backend)
+    for capability in needs:
+        if not getattr(cls.caps, capability):
+            raise refuse(cls.name, f"{capability.replace('_', ' ')}, which this command needs,",
+                         f"use --engine {fix}")
+
+
+def check_filled(engine: str, name: str, filled: int, planned: int, detail: str = "", check: str = "") -> None:
+    """The one refusal of timings of a fill variant that filled none of its `planned` rows (every engine)."""
+    if planned > 0 and filled == 0:
+        raise RidgefillError(f"{name} filled none of the {planned} prompt rows it should have filled in {engine}"
+                             f"{detail}: its timings are {engine}'s exact path's, so none are reported"
+                             + (f"; {check}" if check else ""))
 
 
 def check_plans(backend: Backend, plans: dict) -> None:
@@ -231,7 +271,9 @@ class EngineOptions(Config):
     """--engine: which backend runs the command (generate, bench-ttft, ruler, loss). `needs` names the
     capabilities the command cannot run without (e.g. loss: logprobs)."""
 
-    engine: str = option("ridgefill", engine_help())
+    engine: str = option(DEFAULT_ENGINE, engine_help())
+    threads: int = option(0, "CPU threads the engine runs on (0: its default): torch's for ridgefill's own engine, "
+                          "the cores vLLM's threads are bound to, llama.cpp's threads (0: all cores).")
     needs: ClassVar[tuple[str, ...]] = ()
 
     def cpu_only(self) -> str | None:
@@ -255,9 +297,7 @@ def check_engine_options(config, needs: tuple[str, ...] = (), variants: list[str
 
     cls = backend_class(config.engine)
     cls.check_installed()
-    for capability in needs:
-        if not getattr(cls.caps, capability):
-            raise missing(cls, capability)
+    check_needs(cls, needs)
     for name, is_set, capability, flag in OPTION_CAPABILITIES:
         if hasattr(config, name) and is_set(getattr(config, name)) and not getattr(cls.caps, capability):
             raise refuse(cls.name, flag)
@@ -295,16 +335,3 @@ def time_first_tokens(backend: Backend, names: list[str], prompt: list[int], rep
             tokens[name] = done.token
             advance()
     return runs, tokens
-
-
-def clocked(run: Callable[[], int], sync: Callable[[], None] = lambda: None) -> tuple[float, int]:
-    """(seconds, result) of run() with no garbage-collector pause inside; `sync` waits for queued device work."""
-    gc.disable()
-    try:
-        sync()
-        t0 = time.perf_counter()
-        token = run()
-        sync()
-        return time.perf_counter() - t0, token
-    finally:
-        gc.enable()

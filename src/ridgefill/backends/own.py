@@ -9,20 +9,30 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ridgefill.backends.base import REFERENCE, Backend, Capabilities, Generation, Tally, Timed, clocked
+from ridgefill.backends.base import REFERENCE, Backend, Capabilities, Generation, Tally, Timed
 from ridgefill.engine import Stopwatch
 from ridgefill.method.fill import FILLS
-
 
 
 class OwnBackend(Backend):
     name = "ridgefill"
     title = ""
     caps = Capabilities(variants=FILLS, keep_rows=True, filled_window=True, lookback=True, key_scale=True,
-                        logprobs=True, batching=True, projection=True, reference_forward=True)
+                        logprobs=True, batching=True, projection=True, reference_forward=True, caches=True)
+
+    @classmethod
+    def provenance(cls) -> dict:
+        """torch and transformers compute the own engine's results (transformers' model code, torch's kernels), and
+        triton where it is installed (torch's compiled kernels)."""
+        from ridgefill.runtime.provenance import versions
+
+        triton = versions(("triton",))["triton"]
+        return {**super().provenance(), **({"triton": triton} if triton else {})}
 
     def __init__(self, config, projection: str = "auto") -> None:
         super().__init__(config, projection)
+        if getattr(config, "threads", 0):  # EngineOptions.threads (a command without --engine has none)
+            torch.set_num_threads(config.threads)
         self.model = config.open(projection)  # runtime/session.Session: the model loaded, with its engine
         self.engine = self.model.engine
         self._prompt, self._ids = None, None
@@ -41,14 +51,17 @@ class OwnBackend(Backend):
 
     def generate(self, name: str, prompt: list[int], max_new_tokens: int, eos: int | None) -> Generation:
         out = self.engine.generate(torch.tensor([prompt]), max_new_tokens, self.plans[name], eos)
-        return Generation(out.tokens[0], out.ttft_s)
+        return Generation(out.tokens[0], out.ttft_s)  # Engine.generate reads the one clock (ridgefill/clock.py)
 
     def first_token(self, name: str, prompt: list[int], tag: str) -> Timed:
         ids = self._device_ids(prompt)  # moved once per prompt, before the clock
         device = self.engine.device
         baseline = _reset_peak(device)
-        seconds, token = clocked(self._runner(name, ids), lambda: _sync(device))
+        seconds, token = self.timed(self._runner(name, ids))
         return Timed(seconds, token, _peak(device, baseline))
+
+    def sync_device(self) -> torch.device:
+        return self.engine.device
 
     def nll(self, name: str, ids, rows: list[int], targets):
         logits = self.engine.prefill(ids, fill=self.plans.get(name), logits_at=rows).logits  # [B, R, V]
@@ -72,8 +85,8 @@ class OwnBackend(Backend):
         ids = self._device_ids(prompt)
         engine = self.model.timed_engine(timer)
         plan = self.plans[name]
-        seconds, _ = clocked(lambda: int(engine.prefill(ids, fill=plan, capacity=ids.shape[1] + 1).logits[0, -1]
-                                         .argmax()), lambda: _sync(device))
+        seconds, _ = self.timed(lambda: int(engine.prefill(ids, fill=plan, capacity=ids.shape[1] + 1).logits[0, -1]
+                                            .argmax()))
         return {"projection_s": timer.elapsed_s, "projection_share": timer.elapsed_s / seconds,
                 "instrumented_run_s": seconds}
 
@@ -101,11 +114,6 @@ class OwnBackend(Backend):
             return int(engine.prefill(ids, fill=plan, capacity=ids.shape[1] + 1).logits[0, -1].argmax())
 
         return engine_prefill
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _reset_peak(device: torch.device) -> int | None:

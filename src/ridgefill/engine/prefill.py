@@ -28,6 +28,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from ridgefill.clock import clocked
 from ridgefill.engine.families.base import Adapter
 from ridgefill.engine.cache import AttentionCache, Cache
 from ridgefill.engine.chunk_rows import ChunkRows
@@ -204,11 +205,15 @@ class Engine:
         fill: FillPlan | None = None,
         eos_token_id: int | Sequence[int] | None = None,
     ) -> GenerationResult:
-        """Greedy generation after an exact or filled prefill; every decode step runs the full model."""
+        """Greedy generation after an exact or filled prefill; every decode step runs the full model. Time to first
+        token is read from the one clock (ridgefill/clock.py: the device synchronised before each read)."""
         t0 = time.perf_counter()
-        pre = self.prefill(ids, fill=fill, capacity=ids.shape[1] + max_new_tokens)
-        token = pre.logits[:, -1].argmax(-1)  # [B]
-        ttft = time.perf_counter() - t0
+
+        def first() -> tuple[PrefillResult, torch.Tensor]:
+            pre = self.prefill(ids, fill=fill, capacity=ids.shape[1] + max_new_tokens)
+            return pre, pre.logits[:, -1].argmax(-1)  # [B]
+
+        ttft, (pre, token) = clocked(first, self.device)
         tokens = self.decode_greedy(pre.cache, token, max_new_tokens, eos_token_id)
         return GenerationResult(tokens, ttft, time.perf_counter() - t0, pre)
 

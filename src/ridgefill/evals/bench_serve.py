@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ridgefill.backends import backend_class
 from ridgefill.commands import REQUIRED, Command, option
 from ridgefill.errors import RidgefillError
 from ridgefill.evals.common import ResultWriter
@@ -120,7 +121,7 @@ def run(c: BenchServeConfig) -> dict:
     doc = writer.write(c.out, {"id": c.model}, None, list(VARIANTS), results, {},
                        ratios=ratios, prompts={"count": len(prompts), "tokens": [len(p) for p in prompts]},
                        servers={v: {"argv": plans[v].argv[3:], "log": str(plans[v].log)} for v in VARIANTS},
-                       figure=str(figure))
+                       figure=str(figure), computed_by=backend_class("vllm").provenance())
     print_table(doc)
     return doc
 

@@ -192,20 +192,20 @@ def _bench_length(m: Measurement, timed: list[str], prompt: list[int], advance) 
     head = list(plans)[-1]  # the headline fill variant: the last one listed (ridge when measured)
     reference = (ratio_of_medians(samples["exact"], samples[TRANSFORMERS], seed=c.seed).to_dict()
                  if TRANSFORMERS in samples else None)
-    return {"headline_variant": head, "speedup": fill[head]["speedup"],
-            "timings": {name: _summary(runs[name], n, backend) for name in timed},
-            "fill": fill, "exact_vs_transformers": reference, "first_token": tokens}
+    # every engine's entry has the same keys: transformers' forward is null where the engine does not time it
+    timings = {TRANSFORMERS: None, **{name: _summary(runs[name], n) for name in timed}}
+    return {"headline_variant": head, "speedup": fill[head]["speedup"], "timings": timings,
+            "fill": fill, "exact_vs_transformers": reference, "first_token": {TRANSFORMERS: None, **tokens}}
 
 
-def _summary(runs: list, n: int, backend: Backend) -> dict:
+def _summary(runs: list, n: int) -> dict:
     samples = [r.seconds for r in runs]
     median = float(np.median(samples))
     known = [r.peak for r in runs if r.peak["peak_bytes"] is not None]
     out = {"median_s": median, "p90_s": float(np.percentile(samples, 90)), "min_s": float(min(samples)),
            "tokens_per_s": n / median, "samples_s": list(samples)}
-    if backend.caps.first_token_latency:  # the engine's own first-token latency of each request
-        found = [r.latency_s for r in runs if r.latency_s is not None]
-        out[f"{backend.name}_first_token_latency_median_s"] = float(np.median(found)) if found else None
+    found = [r.latency_s for r in runs if r.latency_s is not None]  # the engine's own (caps.first_token_latency)
+    out["engine_first_token_latency_median_s"] = float(np.median(found)) if found else None
     return {**out, "peak_memory_bytes": max((p["peak_bytes"] for p in known), default=None),
             "peak_increase_bytes": max((p["increase_bytes"] for p in known), default=None)}
 
@@ -259,6 +259,8 @@ def _print(doc: dict, out, title: str = "") -> None:
     c, timing_rows, speed_rows = doc["config"], [], []
     for entry in doc["results"]:
         for name, t in entry["timings"].items():
+            if t is None:  # not timed by this engine (transformers' forward)
+                continue
             timing_rows.append([entry["length"], name, *(f"{1000 * t[k]:.1f}" for k in ("median_s", "p90_s", "min_s")),
                                 round(t["tokens_per_s"]),
                                 "-" if t["peak_memory_bytes"] is None else round(t["peak_memory_bytes"] / 2**20)])

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 from ridgefill import __version__
-from ridgefill.backends import backend_class
-from ridgefill.backends.base import Backend
+from ridgefill.backends import DEFAULT_ENGINE, backend_class
+from ridgefill.backends.base import Backend, check_needs
 from ridgefill.commands import REQUIRED, option
 from ridgefill.engine import FillPlan
 from ridgefill.errors import RidgefillError
@@ -134,32 +134,40 @@ class Measurement:
         the names its results hold (default: the plans measured)."""
         if hasattr(self.config, "exact_cache"):  # a command that keeps exact results says how many it reused
             extra = {"exact_store": self.store.summary(), **extra}
-        extra = {"fill_rows": self.fill_rows(), "filled_window": self.filled_window(), **extra}
-        described = self.backend.describe()  # an engine's own settings and counters per variant (vllm_engines)
-        if described:
-            extra[f"{self.backend.name}_engines"] = described
+        extra = {"computed_by": self.backend.provenance(), "engine": engine_record(self.backend),
+                 "fill_rows": self.fill_rows(), "filled_window": self.filled_window(), **extra}
         info = maps_info(self.config.maps, self.maps_meta)
         return self.writer.write(self.config.out, self.session.model_info, info,
                                  list(self.plans) if variants is None else variants, results, intervals, **extra)
 
 
 def start(command: str, config: MeasureConfig, variants: Sequence[str], record: dict | None = None,
-          projection: str = "auto") -> Measurement:
+          projection: str = "auto", needs: tuple[str, ...] = ()) -> Measurement:
     """Start the clock, open the engine (--engine, ridgefill's own where the command has none) and its model,
     build the plans of `variants` at the config's split and tail. The command starts the backend (`with
     m.backend.start(longest):`), knowing how long its prompts are.
-    record: the `config` of the result document (default: every option as given)."""
+    record: the `config` of the result document (default: every option as given); needs: the capabilities the
+    command cannot run without (an engine that lacks one is refused before it opens)."""
     writer = ResultWriter(command, config.as_dict() if record is None else record, config.seed)
-    backend = backend_class(getattr(config, "engine", "ridgefill"))(config, projection)
+    cls = backend_class(getattr(config, "engine", DEFAULT_ENGINE))
+    check_needs(cls, needs)
+    backend = cls(config, projection)
     session = backend.model
     fills = variant_fills(config, variants)
     plans, meta = variant_plans(session, config, variants)
     store = ExactStore(getattr(config, "exact_cache", None), session.model_info, config.dtype, config.device,
-                       config.chunk, backend.store_scope())
+                       config.chunk, backend.store_scope(), backend.provenance())
     return Measurement(config, backend.use(fills, plans), fills, plans, meta, store, writer)
 
 
 # --- the result document ------------------------------------------------------------------------------------
+def engine_record(backend: Backend) -> dict:
+    """The engine that ran, as a value (never in a key's name, so every engine's documents have the same keys):
+    `name` (--engine), `build` (Backend.provenance: what computed the results) and `settings` (Backend.describe:
+    the engine's own settings per variant; {} where it has none beyond the config)."""
+    return {"name": backend.name, "build": backend.provenance(), "settings": backend.describe()}
+
+
 def maps_info(path: str | Path | None, meta: dict | None) -> dict | None:
     """The maps a result was measured with: path, the first 16 hex digits of the sha256 of the bytes loaded, split,
     kind."""

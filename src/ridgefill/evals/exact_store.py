@@ -5,8 +5,9 @@ of one tail are the same for every split, so the exact answers (RULER) and the e
 too (and the exact LongBench answers). An `ExactStore` over a folder keeps each such result in one small JSON
 file named by a hash of
 - the scope: model weights hash, model id, dtype, device, chunk size, and the versions that compute it (ridgefill's
-  version and source hash, the maps format, torch, transformers, triton, vLLM: runtime/provenance.result_versions):
-  anything that could change an exact result, down to float rounding, so an upgrade of any of them recomputes, and
+  version and source hash, the maps format, and what the engine that runs it reports, Backend.provenance: e.g.
+  torch and transformers, vLLM's version, the llama.cpp build: runtime/provenance.result_versions): anything that
+  could change an exact result, down to float rounding, so an upgrade of any of them recomputes, and
 - the sample: what the computation reads (the prompt ids and its own settings).
 A file is reused only when it holds a stored result of that kind and scope (a file edited or copied from another
 install is computed again and replaced).
@@ -37,11 +38,17 @@ STORED = re.compile(rf"(?P<kind>[A-Za-z0-9][A-Za-z0-9_-]*)-[0-9a-f]{{{KEY_DIGITS
 
 class ExactStore:
     def __init__(self, folder: str | Path | None, model_info: dict, dtype: str, device: str, chunk: int,
-                 engine: dict | None = None) -> None:
-        """engine: what the scope adds for an engine other than ridgefill's own (backends: store_scope)."""
+                 engine: dict | None = None, computed_by: dict | None = None) -> None:
+        """engine: what the scope adds for an engine other than ridgefill's own (backends: store_scope);
+        computed_by: the provenance of the engine that computes the results (Backend.provenance; default: ridgefill's
+        own engine's)."""
+        if computed_by is None:
+            from ridgefill.backends import DEFAULT_ENGINE, backend_class
+
+            computed_by = backend_class(DEFAULT_ENGINE).provenance()
         self.folder = Path(folder) if folder is not None else None
         self.scope = {"weights": model_info.get("weights_hash"), "model": model_info.get("id"), "dtype": dtype,
-                      "device": device, "chunk": chunk, "versions": result_versions(), **(engine or {})}
+                      "device": device, "chunk": chunk, "versions": result_versions(computed_by), **(engine or {})}
         self.hits = self.misses = 0
 
     def get(self, kind: str, sample: dict, compute: Callable[[], Any]) -> Any:

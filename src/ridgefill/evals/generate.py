@@ -10,9 +10,10 @@ from ridgefill.backends.base import EngineOptions, Tally
 from ridgefill.commands import Command, option
 from ridgefill.engine.rows import check_keep_first
 from ridgefill.errors import RidgefillError
+from ridgefill.evals.common import ResultWriter, engine_record, maps_info
 from ridgefill.method.fill import ServedOptions
 from ridgefill.runtime.console import note
-from ridgefill.runtime.paths import read_text
+from ridgefill.runtime.paths import check_output, read_text
 from ridgefill.runtime.ranges import parse_ranges
 from ridgefill.runtime.session import ModelConfig
 from ridgefill.runtime.spans import token_span
@@ -29,6 +30,8 @@ class GenerateConfig(EngineOptions, ServedOptions, ModelConfig):
     prompt_file: Path | None = option(None, "Read the prompt from a file.")
     max_new_tokens: int = option(64, "Tokens to generate (greedy).")
     compare: bool = option(False, "Run exact and filled; print both with their TTFT.")
+    out: Path | None = option(None, "Also write a result JSON: each run's text, tokens, time to first token and rows "
+                              "filled, and the engine (docs/results-schema.md).", role="output")
 
     def source_rule(self):
         return (), None if self.exact else ", or pass --exact"
@@ -50,10 +53,12 @@ class GenerateConfig(EngineOptions, ServedOptions, ModelConfig):
             parse_ranges(self.keep_rows, "--keep-rows", "row", "0-3,120-140")
         if self.keep_text is not None and not self.keep_text.strip():
             raise RidgefillError("--keep-text is empty: give the text whose tokens should run in full")
+        check_output(self)
 
 
 def run(c: GenerateConfig) -> dict:
     """The generated text of each run (exact, filled), by name."""
+    writer = ResultWriter("generate", c.as_dict())
     c, tuned = c.served()
     tail, exact, max_new_tokens, compare = c.tail, c.exact, c.max_new_tokens, c.compare
     prompt = c.prompt if c.prompt_file is None else read_text(c.prompt_file, "--prompt-file")
@@ -70,12 +75,13 @@ def run(c: GenerateConfig) -> dict:
                              f"context of {limit}: shorten the prompt")
     if tuned is not None:
         tuned.check_model(session.fingerprint, c.serving_config)
-    fills, plans = {}, {}
+    fills, plans, maps_meta = {}, {}, None
     if exact or compare:
         fills["exact"] = plans["exact"] = None
     if not exact:
         fills["filled"] = c.fill()
-        plans["filled"], _ = fills["filled"].plan(session, keep_rows(c, session.tokenizer, prompt, ids.shape[1]))
+        plans["filled"], maps_meta = fills["filled"].plan(session, keep_rows(c, session.tokenizer, prompt,
+                                                                              ids.shape[1]))
         if tail >= ids.shape[1]:
             note(f"note: tail {tail} >= prompt length {ids.shape[1]}: every row runs the full model (exact)")
         elif c.keep_first + tail >= ids.shape[1]:
@@ -89,6 +95,11 @@ def run(c: GenerateConfig) -> dict:
             done = backend.generate(name, prompt_ids, max_new_tokens, eos)
             runs[name] = Run(done.tokens, done.ttft_s, backend.tally(name))
     texts = {k: session.tokenizer.decode(r.tokens, skip_special_tokens=True) for k, r in runs.items()}
+    if c.out is not None:
+        results = {k: {"text": texts[k], "tokens": r.tokens, "ttft_s": r.ttft_s, "prompt_tokens": ids.shape[1],
+                       **r.tally.to_dict()} for k, r in runs.items()}
+        writer.write(c.out, session.model_info, maps_info(c.maps if not exact else None, maps_meta), list(runs),
+                     results, {}, computed_by=backend.provenance(), engine=engine_record(backend))
     where = f" ({backend.title})" if backend.title else ""
     if compare:
         for name, r in runs.items():

@@ -272,7 +272,7 @@ def run(c: LongBenchConfig) -> dict:
     names = parse_variants(c.variants, c.maps)
     questions = load_questions(str(c.data))[:c.limit]
     record = {**c.as_dict(), "variants": names, "questions": len(questions)}
-    m = start("longbench", c, names, record)
+    m = start("longbench", c, names, record, needs=("caches",))  # option scoring continues the own engine's caches
     tokenizer = m.session.tokenizer
     options = option_ids(tokenizer) if c.mode == "loglik" else None
     budget = max(len(o) for o in options) if options else c.max_new_tokens
@@ -285,7 +285,7 @@ def run(c: LongBenchConfig) -> dict:
     answers = m.answers(prompts, f"LongBench v2 ({c.mode})", "longbench-answer",
                         lambda ids: {"ids": ids, "mode": c.mode, "options": options,
                                      "max_new_tokens": c.max_new_tokens},
-                        lambda ids, name: answer_question(m.session.engine, tokenizer, ids, m.plans[name], c.mode,
+                        lambda ids, name: answer_question(m.backend.engine, tokenizer, ids, m.plans[name], c.mode,
                                                           options, c.max_new_tokens))
     record["prompt_tokens"] = {"mean": sum(map(len, prompts)) / len(prompts), "max": max(map(len, prompts))}
     results = {name: summarize(questions, answers[name], answers.get("exact")) for name in m.plans}

@@ -100,17 +100,18 @@ class SpliceConfig(PassageConfig):
 def run(c: SpliceConfig) -> dict:
     """Prefill each passage's prefix exactly and filled, score the tail on the filled cache and on each splice."""
     fill = c.fill_used
-    m = start("splice", c, ("exact", fill))
+    m = start("splice", c, ("exact", fill), needs=("caches",))  # an engine whose caches it can splice
     check_length("--context", c.context, m.session.context_length)
     plan = m.plans[fill]
-    has_state = set(m.session.engine.layer_kinds) != {"attention"}
+    engine = m.backend.engine  # the own engine's (caps.caches)
+    has_state = set(engine.layer_kinds) != {"attention"}
     swaps = parse_swaps(c.swap) if c.swap is not None else \
         parse_swaps(ATTENTION_SWAPS + ("," + STATE_SWAPS if has_state else ""))
     if not has_state and any("state" in s for s in swaps):
         raise RidgefillError("--swap state needs a model with recurrent-state (linear-attention) layers; this "
                              "model has attention layers only: drop state from --swap")
     ranges_asked = None if c.layers is None else parse_layer_ranges(c.layers)
-    ranges = layer_ranges(ranges_asked, c.by_quarter, plan.split, m.session.engine.n_layers)
+    ranges = layer_ranges(ranges_asked, c.by_quarter, plan.split, engine.n_layers)
     splices = [(parts, r) for r in ranges for parts in swaps]
     prompts = [] if c.needles == 0 else build_samples(
         m.session.tokenizer, c.task, c.context, c.needles, c.seed, region="filled", tail=c.tail,
@@ -118,7 +119,7 @@ def run(c: SpliceConfig) -> dict:
     texts = evaluation_passages(m.session.tokenizer, c.data, c.context, c.samples, c.skip)
 
     nll, counts = _passage_nll(m.backend, texts, plan, fill, splices, c.short, c.stride, c.alpha, c.beta)
-    answers = _retrieval(m.session, prompts, plan, splices, fill) if prompts else None
+    answers = _retrieval(m.backend, prompts, plan, splices, fill) if prompts else None
 
     results, intervals = summarise(nll, counts, c.tail - 1, answers, fill, c.seed)
     spread = distant_spread(counts)
@@ -274,9 +275,9 @@ def _passage_nll(backend, texts: list[list[int]], plan: FillPlan, fill: str, spl
 
 
 # --- needle retrieval ---------------------------------------------------------------------------------
-def _retrieval(session, samples, plan: FillPlan, splices, fill: str) -> dict[str, list[float]]:
+def _retrieval(backend, samples, plan: FillPlan, splices, fill: str) -> dict[str, list[float]]:
     """Score (0..100) of greedy answers to filled-region needle prompts from the exact, filled and spliced caches."""
-    engine, tokenizer = session.engine, session.tokenizer
+    engine, tokenizer = backend.engine, backend.model.tokenizer
     scores = {name: [] for name in ["exact", fill] + [label(p, r) for p, r in splices]}
     with progress_bar(f"retrieving {len(samples)} needles", len(samples) * len(scores)) as advance:
         for s in samples:

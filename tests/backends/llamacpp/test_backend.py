@@ -10,7 +10,6 @@ import pytest
 from typer.testing import CliRunner
 
 import tiny_gguf
-from tiny_gguf import tiny_ggufs  # noqa: F401 (a session fixture)
 from ridgefill.cli import app
 
 MISSING = tiny_gguf.missing_build()

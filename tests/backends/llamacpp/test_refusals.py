@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 
 import tiny_gguf
-from tiny_gguf import tiny_ggufs  # noqa: F401 (a session fixture)
-from ridgefill.backends.llamacpp import driver
+from ridgefill.backends.llamacpp import library
 from ridgefill.backends.llamacpp.driver import LlamaCpp, Maps
 from ridgefill.errors import RidgefillError
 
@@ -31,8 +30,26 @@ def test_missing_llama_cpp_python(monkeypatch):
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setattr(builtins, "__import__", no_llama_cpp)
     with pytest.raises(RidgefillError) as err:
-        driver.check_installed()
+        library.check_installed()
     assert str(err.value) == f"llama-cpp-python is not installed: {INSTALL}"
+
+
+@needs_build
+def test_a_missing_dependency_of_llama_cpp_python(monkeypatch):
+    """llama-cpp-python installed, one of its own dependencies (diskcache, jinja2) not: named as such."""
+    real_import = builtins.__import__
+
+    def no_diskcache(name, *args, **kwargs):
+        if name == "diskcache" or name.startswith("diskcache."):
+            raise ModuleNotFoundError(f"No module named '{name}'", name=name)
+        return real_import(name, *args, **kwargs)
+
+    for name in [n for n in sys.modules if n.split(".")[0] in ("llama_cpp", "diskcache")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(builtins, "__import__", no_diskcache)
+    with pytest.raises(RidgefillError) as err:
+        library.check_installed()
+    assert str(err.value) == f"llama-cpp-python needs the package diskcache, which is not installed: {INSTALL}"
 
 
 @needs_build
@@ -41,16 +58,16 @@ def test_another_version(monkeypatch):
 
     monkeypatch.setattr(llama_cpp, "__version__", "0.3.99")
     with pytest.raises(RidgefillError) as err:
-        driver.check_installed()
+        library.check_installed()
     assert str(err.value) == f"llama-cpp-python 0.3.99 is installed, ridgefill's patch is written for 0.3.36: {INSTALL}"
 
 
 @needs_build
 def test_another_patch(monkeypatch):
-    built = driver.patch_id()
-    monkeypatch.setattr(driver, "patch_id", lambda: "0123456789abcdef")
+    built = library.patch_id()
+    monkeypatch.setattr(library, "patch_id", lambda: "0123456789abcdef")
     with pytest.raises(RidgefillError) as err:
-        driver.check_installed()
+        library.check_installed()
     assert str(err.value) == (f"the installed llama-cpp-python was built with ridgefill patch {built}, this "
                               f"ridgefill has patch 0123456789abcdef: {INSTALL}")
 
@@ -64,7 +81,7 @@ def test_stock_build(monkeypatch):
 
     monkeypatch.setattr(ll, "_lib", Stock())
     with pytest.raises(RidgefillError) as err:
-        driver.check_installed()
+        library.check_installed()
     assert str(err.value) == f"the installed llama-cpp-python 0.3.36 was built without ridgefill's patch: {INSTALL}"
 
 

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 import tiny_gguf
-from tiny_gguf import tiny_ggufs  # noqa: F401 (a session fixture)
 from ridgefill.backends.llamacpp import build
 from ridgefill.backends.llamacpp.driver import LlamaCpp, Maps
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import math
+
 import numpy as np
-import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
@@ -16,12 +17,16 @@ VOCAB = 128
 ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 
-def config(family: str, **overrides):
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
+def config(family: str, rope: dict | None = None, **overrides):
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
                   tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     common.update(overrides)
-    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    rope = rope or {"rope_type": "default", "rope_theta": 10000.0}
     if family == "llama":
         return LlamaConfig(rope_parameters=rope, **common)
     if family == "qwen2":
@@ -31,10 +36,10 @@ def config(family: str, **overrides):
     raise ValueError(family)
 
 
-def model(family: str, seed: int = 0, **overrides):
+def model(family: str, seed: int = 0, rope: dict | None = None, **overrides):
     """A tiny model whose norms and biases are perturbed (so the test exercises them)."""
     torch.manual_seed(seed)
-    m = AutoModelForCausalLM.from_config(config(family, **overrides), dtype=torch.float32).eval()
+    m = AutoModelForCausalLM.from_config(config(family, rope, **overrides), dtype=torch.float32).eval()
     with torch.no_grad():
         for name, p in m.named_parameters():
             if "norm" in name or name.endswith("bias"):
@@ -66,6 +71,27 @@ def _bytes_to_unicode() -> list[str]:
             n += 1
     table = dict(zip(bs, cs))
     return [chr(table[b]) for b in range(256)]
+
+
+def llama3_rope_factors(cfg, head_dim: int) -> np.ndarray | None:
+    """llama.cpp's rope_freqs of a Llama-3 rope scaling (None for another rope): per frequency the divisor that
+    transformers' llama3 rope applies to it (1 for short wavelengths, `factor` for long ones, smooth between)."""
+    rope = cfg.rope_parameters
+    if rope.get("rope_type") != "llama3":
+        return None
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * rope["rope_theta"] ** (i / head_dim)
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
 
 
 def write(m, path: Path, family: str) -> Path:
@@ -105,6 +131,9 @@ def write(m, path: Path, family: str) -> Path:
         w.add_tensor(name, np.ascontiguousarray(t.detach().float().numpy()))
 
     sd = m.state_dict()
+    factors = llama3_rope_factors(cfg, head_dim)
+    if factors is not None:  # Llama-3 rope scaling, as convert_hf_to_gguf writes it: one tensor of frequency divisors
+        w.add_tensor("rope_freqs.weight", factors)
     put("token_embd.weight", sd["model.embed_tokens.weight"])
     put("output_norm.weight", sd["model.norm.weight"])
     if not cfg.tie_word_embeddings:
@@ -138,7 +167,7 @@ def write(m, path: Path, family: str) -> Path:
 
 def missing_build() -> str | None:
     """None when the patched llama-cpp-python is installed; else why not (its one line)."""
-    from ridgefill.backends.llamacpp.driver import check_installed
+    from ridgefill.backends.llamacpp.library import check_installed
     from ridgefill.errors import RidgefillError
 
     try:
@@ -155,12 +184,3 @@ def embedded_gguf() -> Path:
     return _gguf_dir("smollm2-135m", ALIASES["smollm2-135m"]) / ALIASES["smollm2-135m"].filename
 
 
-@pytest.fixture(scope="session")
-def tiny_ggufs(tmp_path_factory):
-    """family -> (transformers model, its GGUF file), written once per session (the test modules import it)."""
-    folder = tmp_path_factory.mktemp("gguf")
-    out = {}
-    for family in ("llama", "qwen2", "qwen3"):
-        m = model(family)
-        out[family] = (m, write(m, folder / f"tiny-{family}.gguf", family))
-    return out

@@ -46,7 +46,8 @@ def test_bench_ttft_in_vllm_takes_tunes_ridge_config_and_writes_the_same_documen
                                 warmup=1, data="random", engine="vllm", out=out)
     assert json.loads(out.read_text())["results"] == json.loads(json.dumps(doc["results"]))
     assert doc["config"]["engine"] == "vllm" and doc["variants"] == ["exact", "ridge"]
-    engines = doc["vllm_engines"]
+    assert doc["engine"]["name"] == "vllm" and doc["engine"]["build"] == doc["computed_by"]
+    engines = doc["engine"]["settings"]
     assert engines["exact"]["plugin"] is False and engines["exact"]["fill"] is None
     assert engines["ridge"]["fill"]["tail"] == fill.tail == 32
     assert engines["ridge"]["enable_prefix_caching"] is True and engines["ridge"]["enforce_eager"] is False
@@ -57,8 +58,9 @@ def test_bench_ttft_in_vllm_takes_tunes_ridge_config_and_writes_the_same_documen
     runs = 3  # warmup + repeats
     for entry in doc["results"]:
         n = entry["length"]
-        assert set(entry["timings"]) == {"exact", "ridge"}
-        assert all(len(t["samples_s"]) == 2 and t["median_s"] > 0 for t in entry["timings"].values())
+        assert set(entry["timings"]) == {"transformers", "exact", "ridge"} and entry["timings"]["transformers"] is None
+        assert all(len(t["samples_s"]) == 2 and t["median_s"] > 0 and t["engine_first_token_latency_median_s"] > 0
+                   for name, t in entry["timings"].items() if name != "transformers")
         ridge = entry["fill"]["ridge"]
         assert ridge["filled_rows"] == n - 33
         assert ridge["limit_speedup"] > 1 and ridge["speedup_interval"]["estimate"] == ridge["speedup"]
@@ -157,7 +159,7 @@ def test_ruler_in_vllm_equals_ridgefills_engine(vllm_tiny, tmp_path):
     # the same rows are to be filled; vLLM serves some of them from its prefix cache (RULER prompts of a task share
     # their start), filled by an earlier request with the same maps
     planned = ours["fill_rows"]["ridge"]["filled_rows"] + ours["fill_rows"]["ridge"]["outlier_rows_run_full"]
-    tally = theirs["vllm_engines"]["ridge"]["tally"]
+    tally = theirs["engine"]["settings"]["ridge"]["tally"]
     served = tally["filled_rows"] + tally["outlier_rows_run_full"]
     assert theirs["fill_rows"]["ridge"]["filled_rows"] == tally["filled_rows"] > 0
     assert served <= planned <= served + tally["cached_prompt_rows"], (tally, planned)

