@@ -22,10 +22,8 @@ import pytest
 from helpers import free_port
 
 from ridgefill.errors import RidgefillError
-from ridgefill.serve import log as server_log
-from ridgefill.serve import process, serve
 from ridgefill.backends.vllm import serving as vserving
-from ridgefill.serve.log import LogFile, default_log
+from ridgefill.serve import log as server_log, process, serve
 from ridgefill.serve.process import Launch, launch, running
 from ridgefill.backends.vllm.args import split_api_key
 from ridgefill.backends.vllm.config import VLLM_VERSION, check_dev_mode
@@ -338,30 +336,30 @@ def test_the_default_log_is_private_to_the_user(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
     old = os.umask(0)  # the most permissive umask: the modes below are serve's own
     try:
-        log = default_log(8123)
-        LogFile(log).close()
+        log = server_log.default_log(8123)
+        server_log.LogFile(log).close()
     finally:
         os.umask(old)
     assert log == tmp_path / "state" / "ridgefill" / "serve-8123.log"
     assert stat.S_IMODE(log.parent.stat().st_mode) == 0o700 and stat.S_IMODE(log.stat().st_mode) == 0o600
     log.parent.chmod(0o755)  # a folder of ours that others could enter: made private again
-    assert stat.S_IMODE(default_log(8123).parent.stat().st_mode) == 0o700
+    assert stat.S_IMODE(server_log.default_log(8123).parent.stat().st_mode) == 0o700
     log.unlink()
     log.symlink_to(tmp_path / "planted")  # a symbolic link planted where the log goes: refused, nothing written
     with pytest.raises(RidgefillError, match=r"\(a symbolic link\): give another --log-file$"):
-        LogFile(log)
+        server_log.LogFile(log)
     assert not (tmp_path / "planted").exists()
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "linked"))
     (tmp_path / "linked").mkdir()
     (tmp_path / "linked" / "ridgefill").symlink_to(tmp_path / "state" / "ridgefill")
     with pytest.raises(RidgefillError, match=r"is a symbolic link or not a folder: give --log-file"):
-        default_log(8123)
+        server_log.default_log(8123)
 
 
 def test_the_log_is_bounded(tmp_path):
     """At `limit` bytes the log moves to <log>.1 (the one before dropped): at most two files of `limit` bytes,
     the newest lines in the log."""
-    log = LogFile(tmp_path / "vllm.log", limit=10_000)
+    log = server_log.LogFile(tmp_path / "vllm.log", limit=10_000)
     lines = [b"%-99d\n" % i for i in range(1000)]  # 100 kB
     assert all(log.write(line) for line in lines)
     log.close()
