@@ -19,7 +19,7 @@ from ridgefill.method.fill import FillSettings
 from ridgefill.runtime.models import model_folder
 from ridgefill.runtime.paths import file_sha256
 from ridgefill.runtime.stats import ratio_of_medians
-from ridgefill.serve.vllm_engine import EngineSettings, VllmWorker
+from ridgefill.backends.vllm.worker import EngineSettings, VllmWorker
 
 
 def main() -> None:

@@ -967,12 +967,13 @@ def test_the_cases_base_commands_run(name, inputs, tmp_path, monkeypatch, capfd)
 def test_the_serve_base_command_passes_every_check(inputs, tmp_path, monkeypatch, capfd):
     """The serve cases' command line gets as far as starting vLLM (its installation's checks pass here)."""
     from ridgefill.serve import serve
-    from ridgefill.serve.vllm_config import VLLM_VERSION
+    from ridgefill.backends.vllm.config import VLLM_VERSION
+    from ridgefill.backends.vllm import serving as vserving
 
     args, _, _, cwd = _prepare(SERVE, {}, inputs, tmp_path)
     launched = []
-    monkeypatch.setattr(serve, "installed_vllm_version", lambda: VLLM_VERSION)
-    monkeypatch.setattr(serve, "plugin_installed", lambda: True)
+    monkeypatch.setattr(vserving, "installed_vllm_version", lambda: VLLM_VERSION)
+    monkeypatch.setattr(vserving, "plugin_installed", lambda: True)
     monkeypatch.setattr(serve, "launch", lambda plan: launched.append(plan.argv) or 0)
     monkeypatch.delenv("VLLM_PLUGINS", raising=False)
     assert _main(args, cwd, monkeypatch) == 0 and len(launched) == 1, capfd.readouterr().err

@@ -204,7 +204,7 @@ class EnginePool:
         import dataclasses
         import json
 
-        from ridgefill.serve.vllm_engine import VllmWorker
+        from ridgefill.backends.vllm.worker import VllmWorker
 
         key = json.dumps(dataclasses.asdict(settings), sort_keys=True, default=str)
         if key in self.engines:

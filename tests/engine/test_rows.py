@@ -5,7 +5,7 @@ import torch
 
 from ridgefill.engine import FillPlan, IdentityFiller
 from ridgefill.engine.rows import outliers
-from ridgefill.serve.vllm.rows import outlier_tokens
+from ridgefill.backends.vllm.plugin.rows import outlier_tokens
 
 
 def states(norms: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ import pytest
 from ridgefill.errors import RidgefillError
 from ridgefill.method.fill import FillOptions, FillSettings, SERVING_KIND, load_serving, parse_variants, variant_plans
 from ridgefill.method.fill_fields import ENV
-from ridgefill.serve.vllm_fill import V2_RUNNER, fill_env, fill_from_env, pin
+from ridgefill.backends.vllm.fill import V2_RUNNER, fill_env, fill_from_env, pin
 from ridgefill.method.maps import save_maps
 from ridgefill.runtime.paths import file_sha256
 from ridgefill.runtime.session import open_session
@@ -71,7 +71,7 @@ def test_the_vllm_environment_there_and_back(session_and_maps, tmp_path):
         fill_from_env({**env, ENV["tail"]: "x"})
     with pytest.raises(RidgefillError, match="RIDGEFILL_TAIL=0|--tail 0"):
         fill_from_env({**env, ENV["tail"]: "0"})
-    with pytest.raises(RidgefillError, match=r"pin the settings \(serve/vllm_fill.pin\) first"):
+    with pytest.raises(RidgefillError, match=r"pin the settings \(backends/vllm/fill.pin\) first"):
         fill_env(FillSettings("identity", 4))
 
 
@@ -264,7 +264,7 @@ def test_one_tail_rule_for_the_fill_the_engine_ruler_placement_and_the_plugins_r
     """tail >= 1 (an integer) is engine/prefill's tail_ok, behind every consumer's one-line refusal."""
     from ridgefill.engine import FillPlan, IdentityFiller
     from ridgefill.evals.ruler.placement import check_region
-    from ridgefill.serve.vllm_requests import check_request_args
+    from ridgefill.backends.vllm.requests import check_request_args
 
     with pytest.raises(RidgefillError, match=rf"^--tail {tail} must be an integer of at least 1: the last prompt row"):
         FillSettings("identity", 3, tail=tail)

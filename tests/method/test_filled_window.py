@@ -14,7 +14,7 @@ from ridgefill.method.fill import FillOptions, FillSettings, load_serving
 from ridgefill.method.fit import COMMAND as FIT
 from ridgefill.runtime.artifacts import load_artifact, read_meta
 from ridgefill.runtime.session import open_session
-from ridgefill.serve.vllm_fill import fill_from_env, pin
+from ridgefill.backends.vllm.fill import fill_from_env, pin
 
 
 @pytest.fixture(scope="module")

@@ -122,9 +122,9 @@ def test_calibrate_refuses_to_write_statistics_that_are_not_finite(tmp_path):
 
 
 def test_the_mean_controls_maps_are_not_written_from_nonfinite_means(tmp_path):
-    """The mean control served by vLLM is written from a maps file's calibration means (serve/vllm_fill.mean_maps): an
+    """The mean control served by vLLM is written from a maps file's calibration means (backends/vllm/fill.mean_maps): an
     infinity there (a changed file) is refused in one line and no mean maps are written."""
-    from ridgefill.serve.vllm_fill import mean_maps
+    from ridgefill.backends.vllm.fill import mean_maps
 
     path = tmp_path / "maps.safetensors"
     save_maps(path, SPLIT, LAYERS, [], {"model": {"id": "tiny", "weights_hash": "x"}}, "identity",

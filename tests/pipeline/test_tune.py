@@ -126,6 +126,50 @@ def test_bad_input_on_the_command_line_is_one_line_exit_2(monkeypatch, capsys):
     assert capsys.readouterr().err.strip().startswith("error: --tolerance -2 and --max-distant-gap 0.25 must be")
 
 
+def fake_engine(monkeypatch, **given):
+    """An engine registered through the registry only (tests.backends' fake fourth engine's way), with `caps`."""
+    import types
+
+    from ridgefill import backends
+    from ridgefill.backends.base import Backend, Capabilities
+
+    class Fake(Backend):
+        name = "fake"
+        caps = Capabilities(**{"variants": ("identity", "ridge"), "logprobs": True, **given})
+
+    module = types.ModuleType("fake_engine_module")
+    module.BACKEND = Fake
+    monkeypatch.setitem(sys.modules, "fake_engine_module", module)
+    monkeypatch.setitem(backends.ENGINES, "fake", ("fake_engine_module", "a fake engine"))
+
+
+def test_tune_takes_engine_through_the_seam(monkeypatch, tmp_path):
+    """--engine reaches the measuring steps (ruler, loss) of every recipe; the default adds nothing (the recipes
+    and their cache keys as before); what the engine cannot run is refused in one line before any model work."""
+    from ridgefill.pipeline.tune.recipes import check_tables, search_tables
+
+    fake_engine(monkeypatch)
+    c = tune_command.make(out_dir=tmp_path / "run", engine="fake")
+    c.check()
+    assert search_tables(c, [3, 4])["ruler"]["engine"] == "fake"
+    assert check_tables(c, [3, 4], "ridge")["loss"]["engine"] == "fake"
+    default = tune_command.make(out_dir=tmp_path / "run")
+    assert "engine" not in search_tables(default, [3, 4])["ruler"]
+    assert "engine" not in check_tables(default, [3, 4], "ridge")["loss"]
+    for values, expected in (
+            ({"variants": "mean"}, "the mean variant is not supported with --engine fake: use exact, identity, ridge"),
+            ({"windows": "0,16"}, "a filled window (--windows) is not supported with --engine fake: use --windows 0"),
+            ({"engine": "nope"}, "unknown --engine 'nope': use one of ridgefill, vllm, llamacpp, fake")):
+        with pytest.raises(RidgefillError) as info:
+            tune_command(out_dir=tmp_path / "run", **{"engine": "fake", **values})
+        assert str(info.value) == expected
+    fake_engine(monkeypatch, logprobs=False)
+    with pytest.raises(RidgefillError, match=r"^logprobs, which this command needs, is not supported with --engine fake"):
+        tune_command(out_dir=tmp_path / "run", engine="fake")
+    tune_command.make(out_dir=tmp_path / "run", engine="fake", nll_check=False).check()  # RULER alone: no log-probs
+    assert not (tmp_path / "run").exists()
+
+
 # --- the command on the tiny checkpoint -------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def texts(tmp_path_factory) -> Path:

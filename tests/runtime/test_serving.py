@@ -85,7 +85,7 @@ def test_the_plugins_pin_must_be_a_whole_sha256(tmp_path, pin):
     """RIDGEFILL_MAPS_SHA256 (what every vLLM process checks the maps against) and load_private's pin: a value that is
     not 64 hex digits is refused in one line (unset or empty: no pin)."""
     from ridgefill.method.fill_fields import ENV
-    from ridgefill.serve.vllm_fill import fill_from_env
+    from ridgefill.backends.vllm.fill import fill_from_env
     from ridgefill.method.maps import save_maps
     from ridgefill.runtime.artifacts import load_private
 

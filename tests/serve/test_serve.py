@@ -2,7 +2,7 @@
 installation, launch's signal forwarding, and every bad configuration is one line on stderr and exit code 2 before
 any vLLM process starts. The lookups and the launch are replaced, so these run everywhere (the bad configurations
 use the vLLM tests' checkpoints, which skip without vLLM). The server itself, started as a user starts it, is
-tested in tests/serve/vllm/test_vllm_server.py."""
+tested in tests/backends/vllm/test_vllm_server.py."""
 
 from __future__ import annotations
 
@@ -22,8 +22,9 @@ from helpers import free_port
 from ridgefill import cli
 from ridgefill.errors import RidgefillError
 from ridgefill.serve import serve
-from ridgefill.serve.vllm_config import ENV, VLLM_VERSION
-from ridgefill.serve.vllm_malloc import TUNABLES
+from ridgefill.backends.vllm import serving as vserving
+from ridgefill.backends.vllm.config import ENV, VLLM_VERSION
+from ridgefill.backends.vllm.malloc import TUNABLES
 
 
 # --- in-process: what serve hands to vLLM, and the vLLM installation's checks ---------------------------------
@@ -42,8 +43,8 @@ def vllm_ok(monkeypatch):
         launched.update(argv=plan.argv, env=plan.env, banner=plan.banner, health=plan.health)
         return launched["code"]
 
-    monkeypatch.setattr(serve, "installed_vllm_version", lambda: VLLM_VERSION)
-    monkeypatch.setattr(serve, "plugin_installed", lambda: True)
+    monkeypatch.setattr(vserving, "installed_vllm_version", lambda: VLLM_VERSION)
+    monkeypatch.setattr(vserving, "plugin_installed", lambda: True)
     monkeypatch.setattr(serve, "launch", launch)
     monkeypatch.delenv("VLLM_PLUGINS", raising=False)
     return launched
@@ -63,7 +64,7 @@ def main(monkeypatch, capfd, *args) -> tuple[int, str]:
 
 def test_serve_runs_the_vllm_server_with_the_fill_and_hands_on_undeclared_options(
         tiny_checkpoint, fitted, vllm_ok, monkeypatch, capfd):
-    monkeypatch.setattr(serve, "on_cpu", lambda: True)
+    monkeypatch.setattr(vserving, "on_cpu", lambda: True)
     for name in ("VLLM_CPU_KVCACHE_SPACE", "GLIBC_TUNABLES", "LD_PRELOAD", "VLLM_USE_AOT_COMPILE"):
         monkeypatch.delenv(name, raising=False)
     code, err = main(monkeypatch, capfd, "serve", "--model", tiny_checkpoint, "--maps", fitted, "--tail", 16,
@@ -73,7 +74,7 @@ def test_serve_runs_the_vllm_server_with_the_fill_and_hands_on_undeclared_option
     folder = str(tiny_checkpoint)
     kv = 3 * 256 * 2 * 6 * 2 * 16 * 4  # 3 requests of 256 tokens, K and V of 6 layers x 2 KV heads x 16, fp32
     assert vllm_ok["argv"] == [
-        sys.executable, "-m", serve.VLLM_SERVER, "--model", folder, "--served-model-name", folder,
+        sys.executable, "-m", vserving.VLLM_SERVER, "--model", folder, "--served-model-name", folder,
         "--host", "127.0.0.1", "--port", "8123", "--dtype", "float32", "--middleware", serve.MIDDLEWARE,
         "--kv-cache-memory-bytes", str(kv),
         "--max-model-len", "256", "-tp", "1", "--max_num_seqs=4", "--seed", "3", "--no-enable-log-requests"]
@@ -83,7 +84,7 @@ def test_serve_runs_the_vllm_server_with_the_fill_and_hands_on_undeclared_option
     assert env[ENV["maps_sha256"]] == hashlib.sha256(fitted.read_bytes()).hexdigest()
     assert env["VLLM_USE_V2_MODEL_RUNNER"] == "0" and env["PROMETHEUS_MULTIPROC_DIR"]
     assert env["PATH"] == os.environ["PATH"]  # the rest of the environment is inherited
-    assert env["GLIBC_TUNABLES"] == TUNABLES  # vLLM's processes keep freed memory (serve/vllm_malloc.py)
+    assert env["GLIBC_TUNABLES"] == TUNABLES  # vLLM's processes keep freed memory (backends/vllm/malloc.py)
     assert env["VLLM_USE_AOT_COMPILE"] == "0"  # a compile cache that loads (vllm_config.compile_cache_env)
     launched = serve.Launch(vllm_ok["argv"], env, vllm_ok["health"], vllm_ok["banner"], Path("serve.log"))
     assert serve.stock_plan(launched, Path("stock.log")).env["GLIBC_TUNABLES"] == TUNABLES  # bench-serve's stock
@@ -113,8 +114,8 @@ def test_serve_exits_with_the_servers_exit_code_and_a_served_name_given_is_kept(
         "no-plugin-allowed"])
 def test_the_vllm_installation_is_checked_before_it_starts(version, plugin, plugins_env, match, tiny_checkpoint,
                                                            fitted, vllm_ok, monkeypatch, capfd):
-    monkeypatch.setattr(serve, "installed_vllm_version", lambda: version)
-    monkeypatch.setattr(serve, "plugin_installed", lambda: plugin)
+    monkeypatch.setattr(vserving, "installed_vllm_version", lambda: version)
+    monkeypatch.setattr(vserving, "plugin_installed", lambda: plugin)
     if plugins_env is not None:
         monkeypatch.setenv("VLLM_PLUGINS", plugins_env)
     code, err = main(monkeypatch, capfd, "serve", "--model", tiny_checkpoint, "--maps", fitted)
@@ -127,13 +128,13 @@ def test_the_vllm_installation_is_checked_before_it_starts(version, plugin, plug
 def test_the_real_lookups_agree_with_the_installation():
     from importlib.util import find_spec
 
-    version = serve.installed_vllm_version()
+    version = vserving.installed_vllm_version()
     assert (version is None) == (find_spec("vllm") is None)
     if version is not None:
         import vllm
 
         assert version == vllm.__version__
-        assert serve.plugin_installed(), "vLLM is installed without ridgefill's plugin entry point: reinstall ridgefill"
+        assert vserving.plugin_installed(), "vLLM is installed without ridgefill's plugin entry point: reinstall ridgefill"
 
 
 def test_launch_forwards_signals_to_the_child_and_returns_its_exit_code(tmp_path):
@@ -172,7 +173,7 @@ def test_the_plugin_entry_point_serve_checks_for_is_the_one_pyproject_declares()
     import tomllib
 
     project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
-    assert project["entry-points"]["vllm.general_plugins"] == {serve.PLUGIN: serve.PLUGIN_TARGET}
+    assert project["entry-points"]["vllm.general_plugins"] == {vserving.PLUGIN: vserving.PLUGIN_TARGET}
 
 
 # --- bad configurations, in process -----------------------------------------------------------------------------

@@ -22,10 +22,11 @@ import pytest
 from helpers import free_port
 
 from ridgefill.errors import RidgefillError
-from ridgefill.serve import process, serve
-from ridgefill.serve.process import Launch, LogFile, default_log, launch, running
-from ridgefill.serve.vllm_args import split_api_key
-from ridgefill.serve.vllm_config import VLLM_VERSION, check_dev_mode
+from ridgefill.backends.vllm import serving as vserving
+from ridgefill.serve import log as server_log, process, serve
+from ridgefill.serve.process import Launch, launch, running
+from ridgefill.backends.vllm.args import split_api_key
+from ridgefill.backends.vllm.config import VLLM_VERSION, check_dev_mode
 
 # The stand-in for vLLM's server: answers /health, and /metrics with or without RidgeFill's counter; writes `preamble`,
 # then (once the file `go` exists, at once without one) `burst` bytes of output in 100-byte lines, then creates
@@ -71,12 +72,12 @@ open(a["drained"], "w").close()
 time.sleep(600)
 """
 STOCK_METRICS = "# HELP vllm:num_requests_running Number of requests.\nvllm:num_requests_running 0.0\n"
-RIDGEFILL_METRICS = STOCK_METRICS + f"{serve.MARKER} 0.0\n"
+RIDGEFILL_METRICS = STOCK_METRICS + f"{vserving.MARKER} 0.0\n"
 BURST = 2 << 20  # 2 MiB: far past a pipe's 64 KiB
 
 
 def stand_in(tmp_path: Path, metrics: str = RIDGEFILL_METRICS, preamble: str = "", go: bool = False,
-             log: Path | None = None, marker: str | None = None, log_limit: int = process.LOG_LIMIT) -> Launch:
+             log: Path | None = None, marker: str | None = None, log_limit: int = server_log.LOG_LIMIT) -> Launch:
     """A plan whose server is the stand-in child (CHILD)."""
     port = free_port()
     args = {"port": port, "metrics": metrics, "preamble": preamble, "burst": BURST,
@@ -335,30 +336,30 @@ def test_the_default_log_is_private_to_the_user(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
     old = os.umask(0)  # the most permissive umask: the modes below are serve's own
     try:
-        log = default_log(8123)
-        LogFile(log).close()
+        log = server_log.default_log(8123)
+        server_log.LogFile(log).close()
     finally:
         os.umask(old)
     assert log == tmp_path / "state" / "ridgefill" / "serve-8123.log"
     assert stat.S_IMODE(log.parent.stat().st_mode) == 0o700 and stat.S_IMODE(log.stat().st_mode) == 0o600
     log.parent.chmod(0o755)  # a folder of ours that others could enter: made private again
-    assert stat.S_IMODE(default_log(8123).parent.stat().st_mode) == 0o700
+    assert stat.S_IMODE(server_log.default_log(8123).parent.stat().st_mode) == 0o700
     log.unlink()
     log.symlink_to(tmp_path / "planted")  # a symbolic link planted where the log goes: refused, nothing written
     with pytest.raises(RidgefillError, match=r"\(a symbolic link\): give another --log-file$"):
-        LogFile(log)
+        server_log.LogFile(log)
     assert not (tmp_path / "planted").exists()
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "linked"))
     (tmp_path / "linked").mkdir()
     (tmp_path / "linked" / "ridgefill").symlink_to(tmp_path / "state" / "ridgefill")
     with pytest.raises(RidgefillError, match=r"is a symbolic link or not a folder: give --log-file"):
-        default_log(8123)
+        server_log.default_log(8123)
 
 
 def test_the_log_is_bounded(tmp_path):
     """At `limit` bytes the log moves to <log>.1 (the one before dropped): at most two files of `limit` bytes,
     the newest lines in the log."""
-    log = LogFile(tmp_path / "vllm.log", limit=10_000)
+    log = server_log.LogFile(tmp_path / "vllm.log", limit=10_000)
     lines = [b"%-99d\n" % i for i in range(1000)]  # 100 kB
     assert all(log.write(line) for line in lines)
     log.close()
@@ -367,7 +368,7 @@ def test_the_log_is_bounded(tmp_path):
     assert len(current) <= 10_000 and len(previous) == 10_000
     assert (previous + current).endswith(b"".join(lines[-100 - len(current) // 100:]))
     assert stat.S_IMODE((tmp_path / "vllm.log").stat().st_mode) == 0o600
-    assert process.LOG_LIMIT == 32 << 20  # docs/serving.md gives the size
+    assert server_log.LOG_LIMIT == 32 << 20  # docs/serving.md gives the size
 
 
 # --- is RidgeFill running? -----------------------------------------------------------------------------------------
@@ -375,12 +376,12 @@ def test_a_server_that_comes_up_without_the_plugin_is_stopped_with_one_line(tmp_
     """vLLM logs a plugin that failed to load and serves stock: its /metrics has no RidgeFill counter. launch stops
     it and says why in one line, with the reason vLLM logged."""
     preamble = ("ERROR 12-04 20:00:00 [__init__.py:1] Failed to load plugin ridgefill\nTraceback (most recent call "
-                "last):\nImportError: cannot import name 'register' from 'ridgefill.serve.vllm.plugin'\n")
-    plan = stand_in(tmp_path, metrics=STOCK_METRICS, preamble=preamble, marker=serve.MARKER)
+                "last):\nImportError: cannot import name 'register' from 'ridgefill.backends.vllm.plugin.entry'\n")
+    plan = stand_in(tmp_path, metrics=STOCK_METRICS, preamble=preamble, marker=vserving.MARKER)
     with pytest.raises(RidgefillError) as refused:
         launch(plan)
     line = str(refused.value)
-    assert line.startswith(f"vLLM's server came up without RidgeFill: its /metrics has no {serve.MARKER}, so the "
+    assert line.startswith(f"vLLM's server came up without RidgeFill: its /metrics has no {vserving.MARKER}, so the "
                            "plugin did not load in vLLM's processes (ImportError: cannot import name 'register'")
     assert line.endswith(f"see vLLM's log, {plan.log}") and "\n" not in line
     assert not answers(plan.health)  # stopped
@@ -389,9 +390,9 @@ def test_a_server_that_comes_up_without_the_plugin_is_stopped_with_one_line(tmp_
 
 
 def test_a_server_with_the_plugin_passes_and_stock_plans_are_not_checked(tmp_path):
-    with running(stand_in(tmp_path, marker=serve.MARKER)) as child:
+    with running(stand_in(tmp_path, marker=vserving.MARKER)) as child:
         assert child.poll() is None
-    stock = serve.stock_plan(stand_in(tmp_path, metrics=STOCK_METRICS, marker=serve.MARKER), tmp_path / "stock.log")
+    stock = serve.stock_plan(stand_in(tmp_path, metrics=STOCK_METRICS, marker=vserving.MARKER), tmp_path / "stock.log")
     assert stock.marker is None
     with running(stock) as child:
         assert child.poll() is None
@@ -431,7 +432,7 @@ def test_the_start_up_checks_never_go_through_a_proxy_and_send_no_key(tmp_path, 
         for name in ("no_proxy", "NO_PROXY"):
             monkeypatch.delenv(name, raising=False)
         monkeypatch.setattr(process, "PLUGIN_WAIT_S", 5.0)  # the old code waited this long, then refused
-        plan = stand_in(tmp_path, marker=serve.MARKER)
+        plan = stand_in(tmp_path, marker=vserving.MARKER)
         plan = Launch(plan.argv, {**plan.env, "VLLM_API_KEY": "s3cret"}, plan.health, plan.banner, plan.log,
                       plan.marker)
         try:
@@ -448,8 +449,8 @@ def test_the_start_up_checks_never_go_through_a_proxy_and_send_no_key(tmp_path, 
 @pytest.fixture
 def plan_of(tiny_checkpoint, tmp_path, monkeypatch):
     """serve_plan for `ridgefill serve --model <tiny> --split 3 ARGS` (identity fill), vLLM's lookups replaced."""
-    monkeypatch.setattr(serve, "installed_vllm_version", lambda: VLLM_VERSION)
-    monkeypatch.setattr(serve, "plugin_installed", lambda: True)
+    monkeypatch.setattr(vserving, "installed_vllm_version", lambda: VLLM_VERSION)
+    monkeypatch.setattr(vserving, "plugin_installed", lambda: True)
     for name in ("VLLM_PLUGINS", "VLLM_API_KEY", "VLLM_SERVER_DEV_MODE", "RIDGEFILL_MAX_REQUEST_BYTES"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
@@ -503,7 +504,7 @@ API_K = ("an abbreviation of serve's --api-key: write --api-key in full: serve t
     (["--ke", "2"], "--ke: an abbreviation of serve's --keep-first: write it in full"),
 ])
 def test_an_abbreviation_of_serves_own_options_is_refused_naming_the_option(args, line, plan_of):
-    """vLLM's parser reads `--api-k K` as --api-key (tests/serve/vllm/test_vllm_cli.py): the key would land on vLLM's
+    """vLLM's parser reads `--api-k K` as --api-key (tests/backends/vllm/test_vllm_cli.py): the key would land on vLLM's
     command line. Refused in one line, before anything starts; split_api_key refuses it too."""
     with pytest.raises(RidgefillError) as refused:
         plan_of(*args)
@@ -551,14 +552,14 @@ def test_serve_defaults_to_dtype_auto_resolved_as_every_command(cuda, native_bf1
     it. A hybrid model on a CPU resolves to bf16, the one dtype vLLM's CPU Gated DeltaNet kernel runs."""
     from ridgefill.evals.bench_serve import BenchServeConfig
     from ridgefill.runtime import device
-    from ridgefill.serve.vllm_config import served_dtype
+    from ridgefill.backends.vllm.config import served_dtype
 
     assert serve.ServeConfig().dtype == "auto" and BenchServeConfig(out=Path("o.json")).dtype == "auto"
-    monkeypatch.setattr(serve, "on_cpu", lambda: not cuda)
+    monkeypatch.setattr(vserving, "on_cpu", lambda: not cuda)
     monkeypatch.setattr(device, "native_bf16", lambda: native_bf16)
     plan = plan_of("--max-model-len", "256")
     at = plan.argv.index("--dtype")
-    assert plan.argv[at + 1] == serve.DTYPES[want] and f"; dtype {want}; " in plan.banner
+    assert plan.argv[at + 1] == vserving.DTYPES[want] and f"; dtype {want}; " in plan.banner
     hybrid = {"architectures": ["Qwen3NextForCausalLM"]}
     assert served_dtype("auto", hybrid, cpu=not cuda) == ("bf16" if not cuda else want)
     assert served_dtype("fp16", hybrid, cpu=True) == "fp16" and served_dtype("fp32", {}, cpu=False) == "fp32"

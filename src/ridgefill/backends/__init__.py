@@ -12,11 +12,15 @@ DEFAULT_ENGINE = "ridgefill"  # the engine a command runs without --engine (and 
 
 ENGINES = {
     DEFAULT_ENGINE: ("ridgefill.backends.own", "its own engine"),
-    "vllm": ("ridgefill.backends.vllm", "vLLM: stock vLLM for exact, ridgefill's vLLM plugin for fills; needs the "
-             "vllm extra"),
+    "vllm": ("ridgefill.backends.vllm.backend", "vLLM: stock vLLM for exact, ridgefill's vLLM plugin for fills; needs "
+             "the vllm extra"),
     "llamacpp": ("ridgefill.backends.llamacpp.backend", "llama.cpp with ridgefill's patch on the GGUF file of --model; "
                  "make install builds it"),
 }
+
+
+# the engine `serve` and `bench-serve` run, and whose dialect a mounted request guard follows, unless told otherwise
+SERVING_DEFAULT = "vllm"
 
 
 def backend_class(name: str):

@@ -43,6 +43,7 @@ class Capabilities:
     reference_forward: bool = False  # bench-ttft also times transformers' forward beside exact
     first_token_latency: bool = False  # the engine reports its own first-token latency per request
     caches: bool = False  # its K/V caches are ridgefill's to read, copy and splice (splice, longbench)
+    serving: bool = False  # an OpenAI-compatible server with RidgeFill (serve, bench-serve: Backend's serving methods)
     devices: tuple[str, ...] = ("cpu", "cuda")
     dtypes: tuple[str, ...] = ("fp32", "bf16", "fp16")
 
@@ -70,6 +71,8 @@ class Backend:
     name: ClassVar[str]
     title: ClassVar[str] = ""  # how results printed to stderr name it ("vLLM"; "" for ridgefill's own engine)
     caps: ClassVar[Capabilities]
+    guard: ClassVar = None  # caps.serving: how its server's requests carry what the request guard checks
+    # (backends/serving.GuardDialect)
 
     @classmethod
     def check_installed(cls) -> None:
@@ -79,6 +82,37 @@ class Backend:
     def cpu_only(cls) -> str | None:
         """Why this engine runs the model on the CPU alone whatever torch sees (None: it runs where torch does)."""
         return None
+
+    # --- serving (caps.serving): what the front, serve/, asks of an engine that serves -------------------------
+    @classmethod
+    def check_serve(cls, config, own: list[str]) -> None:
+        """The options of `serve` only this engine reads (config.vllm_args: its server's own), checked before
+        anything starts; `own`: serve's own options as written (an abbreviation of one is refused)."""
+
+    @classmethod
+    def served_dtype(cls, dtype: str, folder: str) -> str:
+        """serve's --dtype (auto resolved) as this engine serves the model in `folder`."""
+        raise NotImplementedError
+
+    @classmethod
+    def server(cls, config, scratch, log, guard: str, env: dict):
+        """Everything the server needs checked (one line each), then its start (backends/serving.Launch): command,
+        environment (with the front's `env`), health URL, banner, log (`log()`, asked for once the checks passed),
+        the /metrics marker of RidgeFill; the request guard (`guard`: its class's import path) mounted in it;
+        `scratch` lives as long as it runs."""
+        raise NotImplementedError
+
+    @classmethod
+    def stock_server(cls, plan, log, guard: str):
+        """The server of `plan` without RidgeFill, logging to `log` (bench-serve's baseline): no fill, no `guard`."""
+        raise NotImplementedError
+
+    @classmethod
+    def drive(cls, base: str, model: str, tokenizer, prompts: list[list[int]], rate: float, output_tokens: int,
+              seed: int, time_limit: float, salt: str = "") -> list[dict]:
+        """A seeded Poisson stream of `prompts` at `rate` requests/s against this engine's server at `base`: per
+        request its ttft, latency, output_tokens and start (bench-serve)."""
+        raise NotImplementedError
 
     @classmethod
     def provenance(cls) -> dict:
@@ -191,13 +225,14 @@ def refuse(backend, what: str, fix: str = "drop it") -> RidgefillError:
     return RidgefillError(f"{what} is not supported with --engine {name}: {fix}")
 
 
-def check_needs(backend, needs: tuple[str, ...]) -> None:
-    """Refuse an engine that lacks a capability the command cannot run without (e.g. loss: logprobs)."""
+def check_needs(backend, needs: tuple[str, ...], fix: str = DEFAULT_ENGINE) -> None:
+    """Refuse an engine that lacks a capability the command cannot run without (e.g. loss: logprobs; serve:
+    serving), naming `fix`, an engine that has it."""
     cls = backend if isinstance(backend, type) else type(backend)
     for capability in needs:
         if not getattr(cls.caps, capability):
             raise refuse(cls.name, f"{capability.replace('_', ' ')}, which this command needs,",
-                         f"use --engine {DEFAULT_ENGINE}")
+                         f"use --engine {fix}")
 
 
 def check_filled(engine: str, name: str, filled: int, planned: int, detail: str = "", check: str = "") -> None:

@@ -19,10 +19,7 @@ this user's private log folder, serve's (named in the JSON).
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import math
-import sys
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -36,7 +33,8 @@ from ridgefill.evals.common import ResultWriter
 from ridgefill.runtime.console import note, table
 from ridgefill.runtime.paths import check_output
 from ridgefill.runtime.stats import ratio_of_medians
-from ridgefill.serve.serve import SERVED_DTYPE_HELP, ServedFill
+from ridgefill.backends import SERVING_DEFAULT
+from ridgefill.serve.serve import SERVED_DTYPE_HELP, ServedFill, serving_backend
 
 VARIANTS = ("exact", "ridge")  # stock vLLM, then RidgeFill's plugin (the fill of the fill options)
 SPREAD = 0.25  # prompt lengths are drawn uniformly within ±SPREAD of --prompt-tokens
@@ -55,10 +53,12 @@ class BenchServeConfig(ServedFill):
     dtype: str = option("auto", SERVED_DTYPE_HELP)
     seed: int = option(0, "Seed of the prompts, the arrivals and the bootstrap.")
     out: Path = option(REQUIRED, "Result JSON to write (and <out>.png beside it).")
+    engine: str = option(SERVING_DEFAULT, "Which engine's server runs both variants (one that serves: vllm).")
     vllm_args: list[str] = option([], "options of `vllm serve` given to both servers (e.g. --max-num-seqs 8).")
 
     def check(self) -> None:
         super().check()
+        serving_backend(self.engine)  # an engine that cannot serve: one line
         self.rate_values()
         for flag, value in (("--requests", self.requests), ("--output-tokens", self.output_tokens),
                             ("--prompt-tokens", self.prompt_tokens)):
@@ -82,12 +82,12 @@ class BenchServeConfig(ServedFill):
 
 def run(c: BenchServeConfig) -> dict:
     from ridgefill.runtime.models import model_folder
-    from ridgefill.serve.process import log_folder
-    from ridgefill.serve.serve import ServeConfig, free_port, on_cpu, running, serve_plan, stock_plan
-    from ridgefill.serve.vllm_config import read_model_config, served_dtype
+    from ridgefill.serve.log import log_folder
+    from ridgefill.serve.serve import ServeConfig, free_port, running, serve_plan, serving_backend, stock_plan
 
+    backend = serving_backend(c.engine)
     folder = model_folder(c.model)
-    c = replace(c, dtype=served_dtype(c.dtype, read_model_config(folder), on_cpu()))  # recorded resolved
+    c = replace(c, dtype=backend.served_dtype(c.dtype, folder))  # recorded resolved
     writer = ResultWriter("bench-serve", c.as_dict(), c.seed)
     tokenizer = _tokenizer(folder)
     prompts = request_prompts(tokenizer, c.data, c.requests, c.prompt_tokens, c.seed)
@@ -95,22 +95,23 @@ def run(c: BenchServeConfig) -> dict:
     logs = log_folder()  # private to this user, not the shared temporary folder
     served = ServeConfig(model=c.model, maps=c.maps, split=c.split, tail=c.tail, keep_first=c.keep_first,
                          outlier_factor=c.outlier_factor, serving_config=c.serving_config, port=free_port(),
-                         dtype=c.dtype, log_file=logs / "bench-serve-ridge.log",
+                         dtype=c.dtype, log_file=logs / "bench-serve-ridge.log", engine=c.engine,
                          vllm_args=[*c.vllm_args, "--max-model-len", str(longest)])
     served.check()
     results, per_request = [], {}
     with tempfile.TemporaryDirectory(prefix="ridgefill-bench-serve-") as scratch:
         ridge = serve_plan(served, Path(scratch))
-        plans = {"exact": stock_plan(ridge, logs / "bench-serve-exact.log"), "ridge": ridge}
+        plans = {"exact": stock_plan(ridge, logs / "bench-serve-exact.log", c.engine), "ridge": ridge}
         for variant in VARIANTS:
             note(f"bench-serve: {variant}: starting the server (log: {plans[variant].log})")
             with running(plans[variant]):
                 base = plans[variant].health.removesuffix("/health")
-                drive(base, c.model, tokenizer, prompts[:1], math.inf, c.output_tokens, c.seed, c.time_limit,
+                backend.drive(base, c.model, tokenizer, prompts[:1], math.inf, c.output_tokens, c.seed, c.time_limit,
                       salt="warm-up")  # one untimed request: the first filled step's one-time costs
                 for rate in c.rate_values():
                     note(f"bench-serve: {variant} at {rate:g} requests/s ({c.requests} requests)")
-                    outputs = drive(base, c.model, tokenizer, prompts, rate, c.output_tokens, c.seed, c.time_limit)
+                    outputs = backend.drive(base, c.model, tokenizer, prompts, rate, c.output_tokens, c.seed,
+                                            c.time_limit)
                     per_request[(variant, rate)] = outputs
                     results.append(summary(variant, rate, outputs, c.slo_ttft))
     ratios = [ttft_ratio(rate, per_request[("exact", rate)], per_request[("ridge", rate)], c.seed)
@@ -150,38 +151,6 @@ def request_prompts(tokenizer, data: str, count: int, mean: int, seed: int) -> l
                              "--prompt-tokens, or give more text")
     starts = np.cumsum([0, *lengths[:-1]])
     return [tokens[s:s + n] for s, n in zip(starts, lengths)]
-
-
-def drive(base: str, model: str, tokenizer, prompts: list[list[int]], rate: float, output_tokens: int, seed: int,
-          time_limit: float, salt: str = "") -> list:
-    """The request stream at `rate` through vLLM's benchmark client: its per-request outputs (RequestFuncOutput).
-    Seeded: the same arrivals for every variant. vLLM's client prints on stderr."""
-    from vllm.benchmarks.datasets import SampleRequest
-    from vllm.benchmarks.serve import TaskType, benchmark
-
-    requests = [SampleRequest(prompt=p, prompt_len=len(p), expected_output_len=output_tokens,
-                              request_overrides={"cache_salt": f"ridgefill-bench-serve:{salt}{rate}:{i}"})
-                for i, p in enumerate(prompts)]
-    np.random.seed(seed)  # the client draws the Poisson arrivals from numpy's global generator
-    run = benchmark(task_type=TaskType.GENERATION, endpoint_type="openai", api_url=f"{base}/v1/completions",
-                    base_url=base, model_id=model, model_name=model, tokenizer=tokenizer, input_requests=requests,
-                    logprobs=None, request_rate=rate, burstiness=1.0, disable_tqdm=True, num_warmups=0,
-                    profile=False, selected_percentile_metrics=["ttft"], selected_percentiles=[50.0],
-                    ignore_eos=True, goodput_config_dict={}, max_concurrency=None, lora_modules=None,
-                    extra_headers=None, extra_body={"temperature": 0.0}, ready_check_timeout_sec=0)
-    with contextlib.redirect_stdout(sys.stderr):
-        try:
-            result = asyncio.run(asyncio.wait_for(run, time_limit))
-        except asyncio.TimeoutError:
-            raise RidgefillError(f"the run at {rate:g} requests/s took over --time-limit {time_limit:g} s: lower "
-                                 "--requests or the rates, or raise --time-limit") from None
-    failed = [e for e in result["errors"] if e]
-    if failed:
-        raise RidgefillError(f"{len(failed)} of {len(prompts)} requests failed at {rate:g} requests/s (the first: "
-                             f"{failed[0].strip().splitlines()[0][:200]}): see the server's log")
-    return [{"ttft": t, "latency": lat, "output_tokens": n, "start": s}
-            for t, lat, n, s in zip(result["ttfts"], result["latencies"], result["output_lens"],
-                                    result["start_times"])]
 
 
 def summary(variant: str, rate: float, outputs: list[dict], slo: float) -> dict:

@@ -8,7 +8,7 @@ runs interleaved run by run, the order rotating each round (backends/base.time_f
 engine). With ridgefill's own engine (backends/own.py) transformers' own forward (model(ids, use_cache=True),
 logits of the last row only) runs on the same prompt in the same rounds, on CUDA each run is synchronised before
 the clock stops, and one more run of each fill variant, on an engine whose fill projection is timed (a
-Stopwatch), gives the projection's share of a filled prefill. vLLM's runs: backends/vllm.py.
+Stopwatch), gives the projection's share of a filled prefill. vLLM's runs: backends/vllm/backend.py.
 
 The FLOP count (evals/flops.py) gives each variant's FLOPs; the limit speedup is exact FLOPs over filled FLOPs,
 and `achieved_over_limit` is the measured speedup over that limit.

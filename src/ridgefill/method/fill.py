@@ -6,7 +6,7 @@ the split (maps carry the one they were calibrated with). Each setting but the v
 (method/fill_fields.py: its default, check, help, environment variable and serving.json key); from them come
 
 - the engine's plan (`plan`: engine.FillPlan, with the maps loaded and checked against the model),
-- (the vLLM plugin's environment is vLLM's translation of it: serve/vllm_fill.py),
+- (the vLLM plugin's environment is vLLM's translation of it: backends/vllm/fill.py),
 - the fill part of a serving config (`to_serving`, `load_serving`: what `ridgefill tune` writes and `generate`,
   `bench-ttft` and `serve` read).
 

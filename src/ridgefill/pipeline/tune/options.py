@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from ridgefill.backends import engine_help
 from ridgefill.commands import option
 from ridgefill.errors import RidgefillError
 from ridgefill.evals.common import parse_lengths
@@ -63,6 +64,7 @@ class TuneConfig(ModelConfig):
     seed: int = option(0, "Sample and bootstrap seed.")
     out_dir: Path | None = option(None, "Run folder (default runs/tune-<model>); a rerun reuses its finished steps.")
     config_out: Path | None = option(None, "Serving config JSON to write (default <out-dir>/serving.json).")
+    engine: str = option("ridgefill", engine_help() + " It runs tune's RULER tasks and NLL check.")
 
     def check(self) -> None:
         check_fill(tail=self.tail, keep_first=self.keep_first)  # served with the default outlier factor
@@ -86,6 +88,17 @@ class TuneConfig(ModelConfig):
             if value is not None and value < 1:
                 raise RidgefillError(f"{flag} {value} must be at least 1")
         check_output(self, "config_out")
+        self.check_engine()
+
+    def check_engine(self) -> None:
+        """--engine through the seam: an engine that cannot run what tune measures (its variants, the NLL check's
+        log-probs, a filled window) is refused in one line, before anything loads."""
+        from ridgefill.backends import backend_class
+        from ridgefill.backends.base import check_engine_options, refuse
+
+        check_engine_options(self, ("logprobs",) if self.nll_check else (), ["exact", *self.fill_names])
+        if any(self.window_sizes) and not backend_class(self.engine).caps.filled_window:
+            raise refuse(self.engine, "a filled window (--windows)", "use --windows 0")
 
     @property
     def fill_names(self) -> list[str]:

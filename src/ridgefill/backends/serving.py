@@ -1,0 +1,126 @@
+"""The serving seam: what `ridgefill serve`'s front (serve/) and every engine that serves share, with no engine's
+import. An engine that serves (caps.serving) builds a `Launch` for its server (Backend.server); the front runs it
+(serve/process.py), relays its log (serve/log.py) and mounts the request guard (serve/guard.py) in it, which reads how
+the engine's requests carry RidgeFill's options from the engine's `GuardDialect`.
+
+- RidgeFill's per-request options (`REQUEST_ARGS`: a request's own tail and keep-first): the names a client sends,
+  and `check_request_args`, the check of their values (at the guard, and where the engine admits a request);
+- the names of RidgeFill's counters on a server's /metrics (`COUNTERS`; `MARKER`: the line only a server running
+  RidgeFill shows);
+- the server's start (`Launch`) and how this machine reaches it (`health_url`, `check_port`, `free_port`).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+from ridgefill.engine.rows import MAX_ROWS, keep_first_ok, tail_ok
+from ridgefill.errors import RidgefillError
+
+LOG_LIMIT = 32 << 20  # bytes of a server's log in one file: past it the file moves to <log>.1 (the previous one dropped)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One server start: its command, environment, where it answers when up, what to say then, and its log."""
+
+    argv: list[str]
+    env: dict[str, str]
+    health: str  # URL that answers 200 once the server is up
+    banner: str  # printed (one line) once it is up
+    log: Path
+    marker: str | None = None  # a /metrics line starts with it only when RidgeFill runs (None: not checked)
+    log_limit: int = LOG_LIMIT
+
+
+@dataclass(frozen=True)
+class GuardDialect:
+    """How an engine's server carries what the request guard (serve/guard.py) checks."""
+
+    options_field: str  # the request body's object that holds the request's engine options (RidgeFill's among them)
+    key_env: str  # the environment variable the server reads its API key from when none is given on its command line
+    auth_middleware: str = ""  # the class name of the server's own API-key middleware, whose keys the guard checks
+
+
+# --- a request's own RidgeFill options ----------------------------------------------------------------------
+PREFIX = "ridgefill_"
+TAIL_ARG = "ridgefill_tail"
+KEEP_FIRST_ARG = "ridgefill_keep_first"
+LARGEST = MAX_ROWS  # the largest value a request may give: the engine's keep-first bound (vLLM's positions are int32)
+# key -> (the engine's rule of its values, their least value, what it sets)
+REQUEST_ARGS = {TAIL_ARG: (tail_ok, 1, "last prompt tokens that run the full model"),
+                KEEP_FIRST_ARG: (keep_first_ok, 0, "leading prompt tokens that run in full")}
+
+
+def check_request_args(extra: Mapping | None) -> None:
+    """Raise ValueError (one line: the key and the valid range) for the first bad `ridgefill_*` key of a request's
+    extra arguments; keys without the prefix are not RidgeFill's and pass."""
+    for key, value in (extra or {}).items():
+        if not isinstance(key, str) or not key.startswith(PREFIX):
+            continue
+        if key not in REQUEST_ARGS:
+            raise ValueError(f"unknown RidgeFill request option {key!r}: use {' or '.join(REQUEST_ARGS)}")
+        ok, least, what = REQUEST_ARGS[key]
+        if not ok(value, LARGEST):
+            shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+            raise ValueError(f"{key}={shown} is not valid: give an integer in {least}..{LARGEST} ({what})")
+
+
+# --- RidgeFill's counters on a server's /metrics --------------------------------------------------------------
+COUNTERS = {  # tally key -> (Prometheus name without _total, help)
+    "filled": ("ridgefill_filled_tokens", "Prompt tokens RidgeFill filled (late layers' K/V from the maps)"),
+    "full": ("ridgefill_full_tokens", "Prompt tokens run through every layer"),
+    "cached": ("ridgefill_cached_prompt_tokens",
+               "Prompt tokens served from vLLM's prefix cache (neither filled nor run: each prompt token is counted "
+               "once, in filled, full or cached)"),
+    "recomputed": ("ridgefill_recomputed_prompt_tokens",
+                   "Prompt tokens computed again after vLLM preempted their request (not counted again in filled, "
+                   "full or cached)"),
+    "outliers": ("ridgefill_outlier_tokens", "Tokens the fill rule fills that ran in full: split-state outliers"),
+    "unwindowed": ("ridgefill_lookback_full_tokens",
+                   "Tokens the fill rule fills that ran in full: their lookback window was not in the step"),
+    "run_bound": ("ridgefill_run_bound_full_tokens",
+                  "Tokens the fill rule fills that ran in full: their step had more runs of full tokens than the "
+                  "attention backend's metadata holds (max_num_seqs)"),
+    "stock_steps": ("ridgefill_stock_steps", "Steps run stock (exact) because their fill could not be planned"),
+}
+MARKER = COUNTERS["filled"][0] + "_total"  # on /metrics only where RidgeFill runs in the engine
+
+
+# --- where the server answers --------------------------------------------------------------------------------
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on now (the system picks it)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def check_port(host: str, port: int) -> None:
+    """Refuse a port something already listens on (vLLM would fail after loading the model)."""
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+    except OSError as exc:
+        raise RidgefillError(f"cannot listen on {host}:{port} ({exc.strerror or exc}): pick another --port, or stop "
+                             "what uses it") from None
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def health_url(host: str, port: int) -> str:
+    """The URL this machine reaches the server's /health at (a wildcard address through loopback)."""
+    local = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    return f"http://{'[' + local + ']' if ':' in local else local}:{port}/health"

@@ -1,0 +1,379 @@
+"""The request guard: one pure ASGI middleware any server can mount (`ridgefill serve` mounts it in the engine's
+server: vLLM's --middleware), engine-neutral, with no engine's import. It checks the API key before any byte of a
+body is read, bounds the body, and checks RidgeFill's own options of a request (backends/serving.REQUEST_ARGS) in the
+JSON as the client sent it, before the server's request models read it. What differs between servers is the
+engine's `GuardDialect` (backends/serving.py): the body's field that holds a request's engine options (vLLM:
+`vllm_xargs`), the environment variable of the server's API key, and the server's own key middleware. The guard
+takes it as `dialect`, else from the engine named by RIDGEFILL_GUARD_ENGINE (`ridgefill serve` sets it), else from
+the engine serve runs by default (backends.SERVING_DEFAULT).
+
+(Below, for vLLM.) vLLM's admission check (backends/vllm/plugin/admission.py) sees `vllm_xargs` after pydantic has
+coerced it: a JSON `true` has become the integer 1 there. This middleware reads the body of every request that may
+carry one and answers 400 in vLLM's error format for a bad `ridgefill_*` key (serving.check_request_args on the
+values as the client wrote them, escapes decoded), so `{"ridgefill_tail": true}` is refused like any other
+non-integer.
+
+vLLM adds its --middleware classes last, and Starlette runs the last one added first: this check runs before vLLM's
+API-key check. So it authenticates first itself, with vLLM's keys, status and body, but stricter than vLLM 0.32's
+AuthenticationMiddleware: vLLM guards four path prefixes (/v1, /v2, /inference, /cohere) and leaves every other
+route open, /invocations (SageMaker's: full chat and completion generation) among them; here every path needs the
+key except those in OPEN and CORS preflights, so a route vLLM adds later is guarded too. An unauthenticated request
+gets vLLM's 401 before a byte of its body is read. (vLLM's 401 comes without CORS headers: its key check runs outside
+its CORS middleware. The 400 and 413 below go out through that middleware, as vLLM's own 400s do.)
+Then the request's framing: a Content-Length that is not one plain number of at most LENGTH_DIGITS digits (repeated,
+negative, a list, or thousands of digits, which int() refuses past Python's digit limit) is 400 and the connection
+is closed. Then the body is bounded: over BODY_LIMIT bytes (RIDGEFILL_MAX_REQUEST_BYTES overrides it) it is 413 and
+the connection is closed, by its Content-Length, else as soon as the bytes read pass the bound; no byte past the
+bound is kept (see DRAIN_FACTOR). Only a body that can set a RidgeFill option (it holds `xargs` or a backslash, or is
+no UTF-8) or that json.loads could raise on (deep nesting, a huge integer: judged on its bytes) is parsed
+(needs_parse), at most PARSES at a time off the event loop (others wait their turn); there JSON nested too deeply
+for the parser, an integer past Python's digit limit and a `vllm_xargs` over XARGS_LIMIT bytes are 400. Everything
+else is passed on, the body replayed unchanged (a body that is no JSON object is vLLM's to answer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import hashlib
+import json
+import os
+import re
+import secrets
+import sys
+from http import HTTPStatus
+from typing import Mapping
+
+import numpy as np
+
+from ridgefill.backends.serving import GuardDialect, check_request_args
+
+ENGINE_ENV = "RIDGEFILL_GUARD_ENGINE"  # the engine whose GuardDialect the guard follows (when not given one)
+BODY_LIMIT_ENV = "RIDGEFILL_MAX_REQUEST_BYTES"
+# 8 MiB: a 128K-token prompt is about 1 MiB as token ids, 0.5 to 3 MiB as text (JSON escapes included)
+BODY_LIMIT = 8 << 20
+# An oversized body is read on and dropped, up to DRAIN_FACTOR times the bound, before the 413 goes out: a client
+# that sends its whole body before it reads (urllib, requests, httpx) then gets the 413; past that the server closes
+# the connection under it. A client that asks `Expect: 100-continue` is answered before it sends the body.
+DRAIN_FACTOR = 8
+XARGS_LIMIT = 64 << 10  # bytes of JSON in vllm_xargs (RidgeFill's own options take a few dozen)
+THREAD_PARSE = 64 << 10  # bodies over this many bytes are parsed in a worker thread, not in the event loop
+# Bodies parsed in worker threads at once (json's parser holds the GIL: a second thread would parse no faster, and
+# each parse holds up to ~25 bytes of objects per byte of JSON); the next waits for its turn.
+PARSES = 1
+# The only paths open without the key (under --root-path when one is set; the method is the route's business):
+# health probes (vLLM's and SageMaker's GET or POST /ping), Prometheus' counters and the tokenizer. Every other
+# path needs it, including /invocations, /version, /load and /v1/models.
+OPEN = frozenset({"/health", "/ping", "/metrics", "/tokenize", "/detokenize"})
+LENGTH_DIGITS = 18  # the most digits of a Content-Length (up to 10^18 - 1 bytes; int() refuses over 4,300)
+# A body json.loads reads as UTF-8 (others are always parsed) can set a RidgeFill option only if it holds the name of
+# the dialect's options field (vLLM: vllm_xargs) or a backslash (an escape can spell any of the key's letters)
+ESCAPE = b"\\"
+# One that cannot is still parsed where json.loads could raise rather than answer: JSON that may nest over DEEP levels
+# (its RecursionError comes at about 1,000) or an integer of over 4,300 digits (Python's int() limit). Both are judged
+# on its bytes with its strings cut out (without a backslash a string is a quote, anything but a quote, a quote).
+DEEP = 256
+STRING = re.compile(rb'"[^"]*"')
+DIGITS = bytes.maketrans(bytes(range(256)), bytes(48 if 48 <= b <= 57 else 32 for b in range(256)))  # digit -> "0"
+BRACKETS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff"), bytes(set(range(256)) - set(b"[{]}"))
+UNAUTHORIZED = b'{"error":"Unauthorized"}'  # vLLM's JSONResponse({"error": "Unauthorized"}, 401), byte for byte
+UNREAD = ("GET", "HEAD", "OPTIONS")  # methods whose body nothing reads: passed on as they came
+NESTED = ("the request body's JSON nests too deeply to be read: send {field} and the request's other fields "
+          "as a flat object")  # .format(field=the dialect's options field)
+
+
+def inner(app, name: str):
+    """The first middleware of class `name` in the stack Starlette built inside `app` (outermost first), or None."""
+    node = app
+    for _ in range(64):
+        if node is None or type(node).__name__ == name:
+            return node
+        node = getattr(node, "app", None)
+    return None
+
+
+def dialect_of(environ: Mapping[str, str]) -> GuardDialect:
+    """The GuardDialect of the engine RIDGEFILL_GUARD_ENGINE names, else of the engine serve runs by default (through
+    the registry: the guard imports no engine)."""
+    from ridgefill.backends import SERVING_DEFAULT, backend_class
+
+    name = environ.get(ENGINE_ENV, "").strip() or SERVING_DEFAULT
+    dialect = backend_class(name).guard
+    if dialect is None:
+        raise ValueError(f"{ENGINE_ENV}={name!r} names an engine that does not serve: unset it or name one that does")
+    return dialect
+
+
+def api_tokens(app, environ: Mapping[str, str], dialect: GuardDialect) -> list[bytes]:
+    """The sha256 digests of the API keys the server checks: those of its own key middleware found inside `app`
+    (vLLM's AuthenticationMiddleware: --api-key or VLLM_API_KEY, as vLLM chose), else the dialect's key variable's;
+    none when no key is set."""
+    own = inner(app, dialect.auth_middleware) if dialect.auth_middleware else None
+    tokens = getattr(own, "api_tokens", None)
+    if isinstance(tokens, list):
+        return list(tokens)
+    key = environ.get(dialect.key_env, "")
+    return [hashlib.sha256(key.encode()).digest()] if key else []
+
+
+def route_path(scope) -> str:
+    """The path Starlette routes a request by: its path below --root-path (Starlette's get_route_path)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if not root or not path.startswith(root):
+        return path
+    if path == root:
+        return ""
+    return path[len(root):] if path[len(root)] == "/" else path
+
+
+def authorized(scope, tokens: list[bytes]) -> bool:
+    """Whether a request may go on: no key set; a path in OPEN; a CORS preflight (OPTIONS asking
+    Access-Control-Request-Method, which vLLM's CORS middleware answers itself); else an `Authorization: Bearer KEY`
+    header with one of the keys, checked as vLLM 0.32's AuthenticationMiddleware checks it."""
+    if not tokens or route_path(scope) in OPEN:
+        return True
+    if scope.get("method") == "OPTIONS" and header(scope, b"access-control-request-method") is not None:
+        return True
+    value = (header(scope, b"authorization") or b"").decode("latin-1")
+    scheme, _, param = value.partition(" ")
+    if not value or scheme.lower() != "bearer":
+        return False
+    digest = hashlib.sha256(param.encode()).digest()
+    matched = False
+    for token in tokens:  # every key compared, in constant time
+        matched |= secrets.compare_digest(digest, token)
+    return matched
+
+
+def body_limit(environ: Mapping[str, str]) -> int:
+    """The most bytes of a request body the server reads: RIDGEFILL_MAX_REQUEST_BYTES, else BODY_LIMIT."""
+    text = environ.get(BODY_LIMIT_ENV, "").strip()
+    if not text:
+        return BODY_LIMIT
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"{BODY_LIMIT_ENV}={text!r} is not a positive number of bytes: set it to e.g. "
+                         f"{BODY_LIMIT} or unset it")
+    return int(text)
+
+
+def header(scope, name: bytes) -> bytes | None:
+    """A request header's first value, or None."""
+    return next((v for k, v in scope.get("headers", []) if k.lower() == name), None)
+
+
+def declared_length(scope) -> int | None:
+    """The Content-Length a request declares, or None without one. ValueError, one line, for a header that is not
+    one plain number of at most LENGTH_DIGITS digits: repeated, negative, a list, not a number, or thousands of
+    digits (`000...05`: int() refuses over 4,300)."""
+    values = [v for k, v in scope.get("headers", []) if k.lower() == b"content-length"]
+    if not values:
+        return None
+    if len(values) > 1:
+        raise ValueError(f"the request has {len(values)} Content-Length headers: send one, the body's length in bytes")
+    text = values[0].strip(b" \t")
+    if not text.isdigit() or len(text) > LENGTH_DIGITS:  # bytes.isdigit: ASCII digits only
+        raise ValueError(f"the request's Content-Length is not a number of bytes of at most {LENGTH_DIGITS} digits: "
+                         "send one Content-Length header with the body's length in bytes")
+    return int(text)
+
+
+def needs_parse(body: bytes, field: str) -> bool:
+    """Whether a body is parsed: JSON not in UTF-8, one that may set a RidgeFill option (it holds the options field's
+    name `field` or an escape), or one on which json.loads could raise (nested over DEEP levels, an integer of over
+    4,300 digits). Every other body is passed on unparsed: 2 MiB of `[{},{},...]` are ~50 MiB of objects once
+    parsed."""
+    if json.detect_encoding(body) not in ("utf-8", "utf-8-sig") or field.encode() in body or ESCAPE in body:
+        return True
+    bare = STRING.sub(b"", body)
+    if b"0" * 4301 in bare.translate(DIGITS):  # a run of 4,301 digits (a regex takes 20x longer)
+        return True
+    if bare.count(b"[") + bare.count(b"{") <= DEEP:
+        return False
+    steps = np.frombuffer(bare.translate(*BRACKETS), np.int8)  # +1 for each opening bracket, -1 for each closing one
+    depth = 0
+    for start in range(0, len(steps), 1 << 18):  # the running depth 256 Ki brackets at a time (1 MiB of int32)
+        running = np.cumsum(steps[start:start + (1 << 18)], dtype=np.int32)
+        running += depth
+        if running.max() > DEEP:
+            return True
+        depth = int(running[-1])
+    return False
+
+
+def too_large(limit: int) -> str:
+    return (f"the request body is over {limit:,} bytes, the most this server reads: send a shorter request, or "
+            f"start the server with {BODY_LIMIT_ENV} set higher")
+
+
+def body_error(body: bytes, field: str) -> str | None:
+    """The one-line refusal of a request body (JSON nested too deeply or with an integer of thousands of digits, or
+    its options field `field` too large or with a bad RidgeFill option), or None (also for a body that is no JSON
+    object: the server answers that itself)."""
+    try:
+        doc = json.loads(body)
+    except RecursionError:
+        return NESTED.format(field=field)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    except ValueError:  # an integer past Python's digit limit (vLLM would answer 400 outside its error format)
+        return (f"the request body holds an integer of over {sys.get_int_max_str_digits():,} digits: send integers "
+                "of at most 2147483647 in RidgeFill's options")
+    extra = doc.get(field) if isinstance(doc, dict) else None
+    return xargs_error(extra, field) if isinstance(extra, dict) else None
+
+
+def xargs_error(extra: dict, field: str) -> str | None:
+    """The one-line refusal of a request's options field (`field`: vLLM's `vllm_xargs`), or None."""
+    try:
+        size = len(json.dumps(extra).encode())
+    except RecursionError:
+        return NESTED.format(field=field)
+    if size > XARGS_LIMIT:
+        return (f"{field} holds {size:,} bytes of JSON, over the {XARGS_LIMIT:,} this server accepts: send only "
+                "the extra options the server reads (e.g. ridgefill_tail)")
+    try:
+        check_request_args(extra)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+class RequestGuard:
+    """Pure ASGI middleware: the server's 401 for a request without a valid API key, 413 for a body over the bound,
+    400 for a body whose options field (the dialect's) is refused; anything else goes on to the server."""
+
+    def __init__(self, app, environ: Mapping[str, str] | None = None, dialect: GuardDialect | None = None) -> None:
+        environ = os.environ if environ is None else environ
+        self.app = app
+        self.dialect = dialect or dialect_of(environ)
+        self.field = self.dialect.options_field
+        self.tokens = api_tokens(app, environ, self.dialect)
+        self.limit = body_limit(environ)
+        self.cors = inner(app, "CORSMiddleware")  # vLLM's --allowed-origins: its headers go on our 400 and 413 too
+        self.parsing = asyncio.Semaphore(PARSES)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope.get("type") == "websocket" and not authorized(scope, self.tokens):
+            await deny_websocket(scope, send)
+            return
+        if scope.get("type") != "http":
+            await self.app(scope, receive, send)
+            return
+        if not authorized(scope, self.tokens):
+            await respond(send, 401, UNAUTHORIZED)
+            return
+        try:
+            declared = declared_length(scope)
+        except ValueError as exc:  # the body's end is unknown: nothing more is read on this connection
+            await self.refuse(scope, send, 400, str(exc), close=True)
+            return
+        if scope.get("method") in UNREAD:
+            await self.app(scope, receive, send)
+            return
+        if declared is not None and declared > self.limit:
+            waits = (header(scope, b"expect") or b"").lower() == b"100-continue"  # sends nothing unless asked
+            if declared <= DRAIN_FACTOR * self.limit and not waits:
+                await drain(receive, declared)
+            await self.refuse(scope, send, 413, too_large(self.limit), close=True)
+            return
+        body, first = await read_body(receive, self.limit)
+        if body is None:
+            await self.refuse(scope, send, 413, too_large(self.limit), close=True)
+            return
+        error = None if first is not None else await self.checked(body)
+        if error is not None:
+            await self.refuse(scope, send, 400, error)
+            return
+        await self.app(scope, replayed(receive, first or {"type": "http.request", "body": body, "more_body": False}),
+                       send)
+
+    async def checked(self, body: bytes) -> str | None:
+        """body_error for a body that needs it (needs_parse; else None, unparsed). A large body is screened and
+        parsed in worker threads (2 MiB take ~20 ms to screen, a few MiB of JSON tens of milliseconds to parse), at
+        most PARSES parses at once."""
+        if len(body) <= THREAD_PARSE:
+            return body_error(body, self.field) if needs_parse(body, self.field) else None
+        if not await asyncio.to_thread(needs_parse, body, self.field):
+            return None
+        async with self.parsing:
+            return await asyncio.to_thread(body_error, body, self.field)
+
+    async def refuse(self, scope, send, status: int, message: str, close: bool = False) -> None:
+        """refuse(), through vLLM's CORS middleware when it has one (as vLLM's own errors are answered)."""
+        async def refusal(scope, receive, send) -> None:
+            await refuse(send, status, message, close)
+
+        if self.cors is None:
+            await refusal(scope, None, send)
+            return
+        cors = copy.copy(self.cors)
+        cors.app = refusal
+        await cors(scope, None, send)
+
+
+async def read_body(receive, limit: int) -> tuple[bytes | None, dict | None]:
+    """(the whole body, None); or (None, None) once it passes `limit` bytes (what follows is dropped, up to
+    DRAIN_FACTOR times `limit` in all); or (the bytes so far, the message that ended it) when the client went away."""
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return b"".join(chunks), message
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        more = message.get("more_body", False)
+        if size > limit:
+            if more:
+                await drain(receive, DRAIN_FACTOR * limit - size)
+            return None, None
+        chunks.append(chunk)
+        if not more:
+            return b"".join(chunks), None
+
+
+async def drain(receive, most: int) -> None:
+    """Read and drop the rest of a body, until it ends or `most` bytes have gone."""
+    gone = 0
+    while gone < most:
+        message = await receive()
+        gone += len(message.get("body", b""))
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return
+
+
+def replayed(receive, first: dict):
+    """A receive that gives `first`, then what `receive` gives."""
+    done = False
+
+    async def replay():
+        nonlocal done
+        if not done:
+            done = True
+            return first
+        return await receive()
+
+    return replay
+
+
+async def refuse(send, status: int, message: str, close: bool = False) -> None:
+    """An error in vLLM's format (ErrorResponse: message, type, param, code); with `close`, `Connection: close` (the
+    server then closes the connection after it, reading no more of the request)."""
+    kind = HTTPStatus(status).phrase.replace(" ", "") + "Error"  # BadRequestError, RequestEntityTooLargeError
+    await respond(send, status, json.dumps({"error": {"message": message, "type": kind, "param": None,
+                                                      "code": status}}).encode(), close)
+
+
+async def respond(send, status: int, payload: bytes, close: bool = False, prefix: str = "") -> None:
+    headers = [(b"content-length", str(len(payload)).encode()), (b"content-type", b"application/json")]
+    await send({"type": f"{prefix}http.response.start", "status": status,
+                "headers": headers + [(b"connection", b"close")] * close})
+    await send({"type": f"{prefix}http.response.body", "body": payload})
+
+
+async def deny_websocket(scope, send) -> None:
+    """vLLM's 401 to a websocket handshake, where the server can send an HTTP answer to one (ASGI's
+    websocket.http.response extension), else a close before it is accepted (the server answers 403)."""
+    if "websocket.http.response" in scope.get("extensions", {}):
+        await respond(send, 401, UNAUTHORIZED, prefix="websocket.")
+    else:
+        await send({"type": "websocket.close", "code": 1008})
