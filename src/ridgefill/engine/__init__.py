@@ -6,7 +6,7 @@ from ridgefill.engine.fillers import (DropFiller, Filler, IdentityFiller, MapFil
                                       late_inputs_by_layer, maps_flops)
 from ridgefill.engine.fill_plan import FillPlan
 from ridgefill.engine.prefill import Engine, PrefillResult
-from ridgefill.engine.projection import BACKENDS
+from ridgefill.engine.routes import PROJECTION_KERNELS
 from ridgefill.engine.shape import ModelShape
 from ridgefill.engine.timing import Stopwatch
 from ridgefill.engine.window import FilledWindow, parse_layers
@@ -15,5 +15,5 @@ __all__ = [
     "Adapter", "adapter_for", "supported_families", "AttentionCache", "Cache", "StateCache", "DropFiller", "Filler",
     "IdentityFiller", "MeanFiller", "MapFiller", "OracleFiller", "late_inputs_by_layer", "maps_flops", "Engine",
     "FillPlan", "PrefillResult", "HybridAdapter",
-    "BACKENDS", "ModelShape", "Stopwatch", "FilledWindow", "parse_layers",
+    "PROJECTION_KERNELS", "ModelShape", "Stopwatch", "FilledWindow", "parse_layers",
 ]

@@ -27,10 +27,9 @@ import torch
 from ridgefill.engine.families.base import Adapter, apply_rope
 from ridgefill.engine.fillers import Filler
 from ridgefill.engine.kv_stack import StackedKV, stack_kv
-from ridgefill.engine.routes import PROJECTION_BACKENDS, projection_route
+from ridgefill.engine.routes import PROJECTION_KERNELS, projection_route
 from ridgefill.engine.timing import Stopwatch
 
-BACKENDS = PROJECTION_BACKENDS
 
 
 def norm_kv_torch(stack: StackedKV, y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -105,8 +104,8 @@ class FillProjection:
     that the wall time spent here is added to (None: not timed)."""
 
     def __init__(self, adapter: Adapter, backend: str = "auto", timer: Stopwatch | None = None) -> None:
-        if backend not in BACKENDS:
-            raise ValueError(f"backend {backend!r} not in {BACKENDS}")
+        if backend not in PROJECTION_KERNELS:
+            raise ValueError(f"backend {backend!r} not in {PROJECTION_KERNELS}")
         self.adapter, self.backend, self.timer = adapter, projection_route(backend), timer
         self._stacks: dict[int, StackedKV | None] = {}
 

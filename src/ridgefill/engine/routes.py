@@ -38,7 +38,7 @@ CAUSAL_ROUTES = ("flash", "cudnn_split", "cpu_split", "lower_right")
 WINDOW_ROUTES = ("flash_band", "masked_band", "blocks")
 PROJECTION_ROUTES = ("torch", "layers")
 DELTA_RULE_ROUTES = ("fla", "torch")
-PROJECTION_BACKENDS = ("auto",) + PROJECTION_ROUTES
+PROJECTION_KERNELS = ("auto",) + PROJECTION_ROUTES
 ENV = "RIDGEFILL_ROUTES"
 CUDA_ONLY = {"flash", "cudnn_split", "flash_band", "fla"}
 CPU_ONLY = {"cpu_split"}  # the CPU flash kernel (aten's _for_cpu op)
@@ -89,8 +89,8 @@ def fla_broken(error: BaseException) -> str:
 def projection_route(backend: str) -> str:
     """The fill projection for a requested backend: auto -> torch (the fused torch path on every device: the
     Triton kernel measured slower and less accurate on an H200 and was deleted), torch, or layers."""
-    if backend not in PROJECTION_BACKENDS:
-        raise RidgefillError(f"projection backend {backend!r} is not one of {', '.join(PROJECTION_BACKENDS)}")
+    if backend not in PROJECTION_KERNELS:
+        raise RidgefillError(f"projection kernel {backend!r} is not one of {', '.join(PROJECTION_KERNELS)}")
     return "torch" if backend == "auto" else backend
 
 

@@ -25,7 +25,7 @@ import torch
 
 from ridgefill.backends.base import REFERENCE as TRANSFORMERS, Backend, EngineOptions, time_first_tokens
 from ridgefill.commands import Command, option
-from ridgefill.engine import BACKENDS, ModelShape
+from ridgefill.engine import PROJECTION_KERNELS, ModelShape
 from ridgefill.errors import RidgefillError
 from ridgefill.evals.common import MeasureConfig, Measurement, parse_lengths, start
 from ridgefill.evals.flops import prefill_flops
@@ -59,8 +59,9 @@ class BenchConfig(EngineOptions, MeasureConfig, ServedOptions):
         self.sizes()
         if self.repeats < 1 or self.warmup < 0:
             raise RidgefillError(f"--repeats must be >= 1 and --warmup >= 0 (got {self.repeats}, {self.warmup})")
-        if self.projection not in BACKENDS:
-            raise RidgefillError(f"unknown --projection '{self.projection}': use one of {', '.join(BACKENDS)}")
+        if self.projection not in PROJECTION_KERNELS:
+            raise RidgefillError(f"unknown --projection '{self.projection}': use one of "
+                                 f"{', '.join(PROJECTION_KERNELS)}")
         if self.threads < 0:
             raise RidgefillError(f"--threads must be >= 0 (0 keeps torch's default), got {self.threads}")
 
