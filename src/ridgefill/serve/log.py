@@ -17,9 +17,9 @@ import sys
 import threading
 from pathlib import Path
 
+from ridgefill.backends.serving import LOG_LIMIT  # a log file's bound: the Launch it serves says it
 from ridgefill.errors import RidgefillError
 
-LOG_LIMIT = 32 << 20  # bytes of vLLM's log in one file: past it the file moves to <log>.1 (the previous one dropped)
 LINE_LIMIT = 1 << 16  # the longest piece of vLLM's output read at once (a longer line is copied in pieces)
 
 

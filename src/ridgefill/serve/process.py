@@ -14,29 +14,16 @@ import sys
 import time
 import urllib.request
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
+from ridgefill.backends.serving import Launch
 from ridgefill.errors import RidgefillError
-from ridgefill.serve.log import LOG_LIMIT, LogFile, Relay, say
+from ridgefill.serve.log import LogFile, Relay, say
 
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 PLUGIN_WAIT_S = 30.0  # how long an answering server may take to show RidgeFill's counters on /metrics
 STOP_GRACE_S = 60.0  # SIGTERM, then SIGKILL after this long
-
-
-@dataclass(frozen=True)
-class Launch:
-    """One server start: its command, environment, where it answers when up, what to say then, and its log."""
-
-    argv: list[str]
-    env: dict[str, str]
-    health: str  # URL that answers 200 once the server is up
-    banner: str  # printed (one line) once it is up
-    log: Path
-    marker: str | None = None  # a /metrics line starts with it only when RidgeFill runs (None: not checked)
-    log_limit: int = LOG_LIMIT
 
 
 # --- running the server -----------------------------------------------------------------------------------------
