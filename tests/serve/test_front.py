@@ -11,12 +11,11 @@ import asyncio
 import hashlib
 import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-from ridgefill import cli
+from helpers import run_captured
 from ridgefill.backends import ENGINES, SERVING_DEFAULT, backend_class
 from ridgefill.backends.serving import GuardDialect
 from ridgefill.serve import serve
@@ -26,14 +25,9 @@ SRC = Path(serve.__file__).resolve().parents[1]  # src/ridgefill
 
 
 def main(monkeypatch, capfd, *args) -> tuple[int, str]:
-    monkeypatch.setattr(sys, "argv", ["ridgefill", *map(str, args)])
-    capfd.readouterr()
-    try:
-        cli.main()
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    return code, capfd.readouterr().err
+    """`ridgefill ARGS` through the console entry point: (exit code, stderr)."""
+    done = run_captured(list(args), capfd, monkeypatch)
+    return done.returncode, done.stderr
 
 
 @pytest.mark.parametrize("command", [["serve", "--split", "3"], ["bench-serve", "--split", "3", "--out", "o.json"]])

@@ -18,8 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import free_port
-from ridgefill import cli
+from helpers import free_port, run_captured
 from ridgefill.errors import RidgefillError
 from ridgefill.serve import serve
 from ridgefill.backends.vllm import serving as vserving
@@ -52,14 +51,8 @@ def vllm_ok(monkeypatch):
 
 def main(monkeypatch, capfd, *args) -> tuple[int, str]:
     """`ridgefill ARGS` through the console entry point: (exit code, stderr)."""
-    monkeypatch.setattr(sys, "argv", ["ridgefill", *map(str, args)])
-    capfd.readouterr()
-    try:
-        cli.main()
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    return code, capfd.readouterr().err
+    done = run_captured(list(args), capfd, monkeypatch)
+    return done.returncode, done.stderr
 
 
 def test_serve_runs_the_vllm_server_with_the_fill_and_hands_on_undeclared_options(
