@@ -58,6 +58,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def without_package(monkeypatch, package: str, forget: tuple[str, ...] = ()) -> None:
+    """`import package` (or any of its modules) fails as it does where the package is not installed; the modules of
+    `package` and of `forget` are dropped from sys.modules, so that the next import runs again."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def blocked(name, *args, **kwargs):
+        if name.split(".")[0] == package:
+            raise ModuleNotFoundError(f"No module named '{name}'", name=name)
+        return real_import(name, *args, **kwargs)
+
+    for name in [n for n in sys.modules if n.split(".")[0] in (package, *forget)]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(builtins, "__import__", blocked)
+
+
 def run_main(args, monkeypatch) -> int:
     """`ridgefill ARGS` through the console script's entry point (cli.main) in this process: its exit code (the
     error paths without a new process's imports, 8-10 s each on a busy machine)."""

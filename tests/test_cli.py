@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from helpers import run_captured
+from helpers import run_captured, without_package
 from ridgefill.cli import app
 
 RIDGEFILL = [sys.executable, "-m", "ridgefill"]
@@ -146,20 +146,9 @@ def test_llamacpp_without_its_build_is_one_line_naming_make_install(args, ridgef
     """`make demo` does not build llama.cpp: a command run with --engine llamacpp on such an install (simulated: the
     llama_cpp import fails, whether or not a build is installed) is one line naming `make install`, before any model
     loads."""
-    import builtins
-
     from ridgefill.backends.llamacpp import library
 
-    real_import = builtins.__import__
-
-    def no_llama_cpp(name, *a, **k):
-        if name == "llama_cpp" or name.startswith("llama_cpp."):
-            raise ImportError(name)
-        return real_import(name, *a, **k)
-
-    for name in [n for n in sys.modules if n == "llama_cpp" or n.startswith("llama_cpp.")]:
-        monkeypatch.delitem(sys.modules, name)
-    monkeypatch.setattr(builtins, "__import__", no_llama_cpp)
+    without_package(monkeypatch, "llama_cpp")
     r = ridgefill(*args, "--engine", "llamacpp")
     assert r.returncode == 2 and "make install" in library.INSTALL
     assert r.stderr == f"error: llama-cpp-python is not installed: {library.INSTALL}\n"

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import builtins
-import sys
-
 import numpy as np
 import pytest
 
 import tiny_gguf
+from helpers import without_package
 from ridgefill.backends.llamacpp import library
 from ridgefill.backends.llamacpp.driver import LlamaCpp, Maps
 from ridgefill.errors import RidgefillError
@@ -19,16 +17,7 @@ INSTALL = "run `make install` (it builds llama-cpp-python with ridgefill's patch
 
 
 def test_missing_llama_cpp_python(monkeypatch):
-    real_import = builtins.__import__
-
-    def no_llama_cpp(name, *args, **kwargs):
-        if name == "llama_cpp" or name.startswith("llama_cpp."):
-            raise ImportError(name)
-        return real_import(name, *args, **kwargs)
-
-    for name in [n for n in sys.modules if n == "llama_cpp" or n.startswith("llama_cpp.")]:
-        monkeypatch.delitem(sys.modules, name)
-    monkeypatch.setattr(builtins, "__import__", no_llama_cpp)
+    without_package(monkeypatch, "llama_cpp")
     with pytest.raises(RidgefillError) as err:
         library.check_installed()
     assert str(err.value) == f"llama-cpp-python is not installed: {INSTALL}"
@@ -37,16 +26,7 @@ def test_missing_llama_cpp_python(monkeypatch):
 @needs_build
 def test_a_missing_dependency_of_llama_cpp_python(monkeypatch):
     """llama-cpp-python installed, one of its own dependencies (diskcache, jinja2) not: named as such."""
-    real_import = builtins.__import__
-
-    def no_diskcache(name, *args, **kwargs):
-        if name == "diskcache" or name.startswith("diskcache."):
-            raise ModuleNotFoundError(f"No module named '{name}'", name=name)
-        return real_import(name, *args, **kwargs)
-
-    for name in [n for n in sys.modules if n.split(".")[0] in ("llama_cpp", "diskcache")]:
-        monkeypatch.delitem(sys.modules, name)
-    monkeypatch.setattr(builtins, "__import__", no_diskcache)
+    without_package(monkeypatch, "diskcache", forget=("llama_cpp",))
     with pytest.raises(RidgefillError) as err:
         library.check_installed()
     assert str(err.value) == f"llama-cpp-python needs the package diskcache, which is not installed: {INSTALL}"
