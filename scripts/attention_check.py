@@ -1,4 +1,4 @@
-"""Measure the engine's attention routes (engine/routes.py) on this device: each route's error against a float32
+"""Measure the engine's attention routes (torchfill/routes.py) on this device: each route's error against a float32
 reference and its time, at the 8B shape (32 query heads, 8 KV heads, head dim 128):
 
 - causal chunk attention: a chunk of 2,048 queries, the last of 8K / 32K / 128K keys, by every causal route the
@@ -33,9 +33,9 @@ from pathlib import Path
 
 import torch
 
-from ridgefill.engine.attention import causal_attention
-from ridgefill.engine.routes import Routes, flash_applies
-from ridgefill.engine.window import BAND_KERNELS, FilledWindow, banded_attention, window_blocks, windowed_attention
+from ridgefill.torchfill.attention import causal_attention
+from ridgefill.torchfill.routes import Routes, flash_applies
+from ridgefill.torchfill.window import BAND_KERNELS, FilledWindow, banded_attention, window_blocks, windowed_attention
 
 SHAPES = {
     "8b": dict(heads=32, kv_heads=8, head_dim=128, chunk=2048, keys=(8192, 32768, 131072), window=2048,

@@ -1,4 +1,4 @@
-"""The fill projection's accuracy and time: the fused torch projection (engine/projection.py norm_kv_torch: every
+"""The fill projection's accuracy and time: the fused torch projection (torchfill/projection.py norm_kv_torch: every
 late layer's input norm + K/V in one bmm, k-norm, RoPE) against the per-layer route (each layer's input_norm and
 key_value, the engine's reference), both in bf16 on the same bf16 weights and inputs, each against a float32
 reference (the per-layer route on the float32 copy of those weights and inputs). Variants: Llama, Qwen2 (q/k/v
@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-from ridgefill.engine import MapFiller, adapter_for
-from ridgefill.engine.kv_stack import stack_kv
-from ridgefill.engine.projection import FillProjection, norm_kv_torch
+from ridgefill.torchfill import MapFiller, adapter_for
+from ridgefill.torchfill.kv_stack import stack_kv
+from ridgefill.torchfill.projection import FillProjection, norm_kv_torch
 from ridgefill.runtime.provenance import device_info, versions
 
 SHAPES = {  # hidden, query heads, KV heads, head dim, late layers, filled rows

@@ -21,7 +21,7 @@ TOL_REORDERED = 1e-4
 
 
 def engine_for(model, chunk=2048):
-    from ridgefill.engine import Engine, adapter_for
+    from ridgefill.torchfill import Engine, adapter_for
 
     return Engine(adapter_for(model), chunk=chunk)
 

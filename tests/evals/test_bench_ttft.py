@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from conftest import tiny_model
 from ridgefill.cli import app
-from ridgefill.engine import MapFiller, ModelShape
+from ridgefill.torchfill import MapFiller, ModelShape
 from ridgefill.errors import RidgefillError
 from ridgefill.evals.bench_ttft import COMMAND as bench_ttft_command
 from ridgefill.evals.flops import prefill_flops, row_flops
@@ -50,7 +50,7 @@ def test_row_flops_are_twice_the_layer_weights(family):
     """The shapes the count reads agree with the model: one row through a layer's linear maps costs 2 FLOPs per
     weight (qwen3's head_dim differs from hidden/heads)."""
     model = tiny_model(family)
-    from ridgefill.engine import Engine, adapter_for
+    from ridgefill.torchfill import Engine, adapter_for
     from ridgefill.runtime.session import Session
 
     session = Session(loaded=type("L", (), {"model": model})(), engine=Engine(adapter_for(model)))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from conftest import tiny_hybrid_model
-from ridgefill.engine import ModelShape, adapter_for
-from ridgefill.engine.shape import HybridShape
+from ridgefill.torchfill import ModelShape, adapter_for
+from ridgefill.torchfill.shape import HybridShape
 from ridgefill.evals.flops import prefill_flops
 
 HYBRID = HybridShape(q_gate=True, key_heads=1, value_heads=2, key_dim=2, value_dim=2, conv_kernel=3,

@@ -199,7 +199,7 @@ def test_the_command_imports_without_lm_eval_and_fails_in_one_line_when_run(monk
 def test_the_fill_model_args_are_the_fill_options_with_their_defaults():
     """Every fill option (method/fill.OPTIONS) is a model_arg with the fill's own default and check; anything else is
     refused with the list of what is accepted."""
-    from ridgefill.engine.prefill import DEFAULT_CHUNK
+    from ridgefill.torchfill.prefill import DEFAULT_CHUNK
     from ridgefill.evals.lm_eval_model import model_settings
     from ridgefill.method.fill import OPTIONS
     from ridgefill.method.fill_fields import FIELD

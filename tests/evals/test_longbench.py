@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ridgefill.engine import Engine, FillPlan, IdentityFiller, adapter_for
+from ridgefill.torchfill import Engine, FillPlan, IdentityFiller, adapter_for
 from ridgefill.errors import RidgefillError
 from ridgefill.evals.longbench import COMMAND as longbench_command
 from ridgefill.evals.longbench import ANSWER_LEAD, cut_middle, extract_answer, load_questions, option_ids, prompt_ids

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from conftest import random_ids, tiny_model
 from ridgefill.cli import app
-from ridgefill.engine import Engine, adapter_for
+from ridgefill.torchfill import Engine, adapter_for
 from ridgefill.errors import RidgefillError
 from ridgefill.evals.loss import summarise
 from ridgefill.runtime.stats import describe_spread, distant_spread, mean_difference

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from conftest import A, L, random_ids, tiny_hybrid_model, tiny_model
 from ridgefill.cli import app
-from ridgefill.engine import Engine, FillPlan, IdentityFiller, adapter_for
+from ridgefill.torchfill import Engine, FillPlan, IdentityFiller, adapter_for
 from ridgefill.errors import RidgefillError
 from ridgefill.backends.own import OwnBackend
 from ridgefill.evals.scoring import continuation_nll, tail_nll

@@ -1,4 +1,4 @@
-"""The CUDA attention routes (engine/routes.py) in bf16 at a realistic shape (32 query heads, 8 KV heads, head dim
+"""The CUDA attention routes (torchfill/routes.py) in bf16 at a realistic shape (32 query heads, 8 KV heads, head dim
 128, 2,048 queries over up to 8,192 keys) against attention computed in float32 from the same inputs, element-wise:
 a route's max and RMS error are at most 1.5x those of transformers' eager attention in bf16, plus one bf16 step at
 the reference's scale (scripts/attention_check.py's reference, errors and bound, so the script and these tests
@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from conftest import random_ids, tiny_model
-from ridgefill.engine import Engine, FilledWindow, FillPlan, IdentityFiller, adapter_for
-from ridgefill.engine.attention import causal_attention
-from ridgefill.engine.routes import ENV, Routes
-from ridgefill.engine.window import band_flash, banded_attention
+from ridgefill.torchfill import Engine, FilledWindow, FillPlan, IdentityFiller, adapter_for
+from ridgefill.torchfill.attention import causal_attention
+from ridgefill.torchfill.routes import ENV, Routes
+from ridgefill.torchfill.window import band_flash, banded_attention
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

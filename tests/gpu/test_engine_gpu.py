@@ -13,8 +13,8 @@ import torch
 
 from conftest import random_ids, tiny_model
 from helpers import engine_for
-from ridgefill.engine import Engine, FillPlan, MapFiller, adapter_for
-from ridgefill.engine.projection import FillProjection
+from ridgefill.torchfill import Engine, FillPlan, MapFiller, adapter_for
+from ridgefill.torchfill.projection import FillProjection
 
 N = 3000  # prompt rows: not a multiple of any chunk below
 FACTOR = 1.5  # our bf16 error may be this many times the baseline's

@@ -13,7 +13,7 @@ from ridgefill.errors import RidgefillError
 from ridgefill.runtime.artifacts import load_artifact, save_artifact
 from ridgefill.method.calibrate import Checkpoints, part_of, partial_path, run_calibration, start_calibration
 from ridgefill.method.statistics import COUNTS, Calibration, accumulate, check_fittable, sum_of_squares
-from ridgefill.engine import Engine, adapter_for
+from ridgefill.torchfill import Engine, adapter_for
 
 
 def direct_stats(model, seqs, split, skip_first):

@@ -174,7 +174,7 @@ def test_the_controls_plan_and_serve_as_their_definitions_say(session_and_maps, 
     maps file written from them; drop is not served (one line)."""
     import torch
 
-    from ridgefill.engine import DropFiller, MeanFiller
+    from ridgefill.torchfill import DropFiller, MeanFiller
     from ridgefill.runtime.artifacts import load_artifact
 
     session, _ = session_and_maps
@@ -230,7 +230,7 @@ def test_every_fill_setting_is_declared_once_and_every_consumer_derives_from_it(
     assert set(fill.to_serving()) == {"variant", "maps", *(f.name for f in FIELDS if f.served)}
     assert set(fill.describe()) == {"variant", *FIELD}
     assert set(ENV) == {f.name for f in FIELDS if f.env} and set(ENV.values()) <= set(fill_env(fill))
-    from ridgefill.engine.prefill import DEFAULT_CHUNK
+    from ridgefill.torchfill.prefill import DEFAULT_CHUNK
     from ridgefill.pipeline.recipe import TOP  # torch-free: the recipe's own defaults must agree
     from ridgefill.runtime.session import ModelConfig
 
@@ -261,8 +261,8 @@ def test_the_either_or_rule_is_one_function_for_generate_serve_and_bench_ttft(gi
 
 @pytest.mark.parametrize("tail", [0, -3, True, 2.0])
 def test_one_tail_rule_for_the_fill_the_engine_ruler_placement_and_the_plugins_requests(tail):
-    """tail >= 1 (an integer) is engine/prefill's tail_ok, behind every consumer's one-line refusal."""
-    from ridgefill.engine import FillPlan, IdentityFiller
+    """tail >= 1 (an integer) is torchfill/prefill's tail_ok, behind every consumer's one-line refusal."""
+    from ridgefill.torchfill import FillPlan, IdentityFiller
     from ridgefill.evals.ruler.placement import check_region
     from ridgefill.backends.vllm.requests import check_request_args
 

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from ridgefill.engine import FilledWindow
+from ridgefill.torchfill import FilledWindow
 from ridgefill.errors import RidgefillError
 from ridgefill.method.calibrate import COMMAND as CALIBRATE
 from ridgefill.method.fill import FillOptions, FillSettings, load_serving

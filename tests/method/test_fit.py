@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import random_ids, tiny_model
-from ridgefill.engine import Engine, adapter_for
+from ridgefill.torchfill import Engine, adapter_for
 from ridgefill.errors import RidgefillError
 from ridgefill.method.calibrate import run_calibration
 from ridgefill.method.fit import COMMAND as FIT

@@ -9,7 +9,7 @@ import torch
 
 from conftest import random_ids, tiny_model
 from ridgefill.commands import command
-from ridgefill.engine import Engine, FillPlan, IdentityFiller, adapter_for
+from ridgefill.torchfill import Engine, FillPlan, IdentityFiller, adapter_for
 from ridgefill.method.key_scale import KeyNormSums, key_norm_sums
 from ridgefill.method.maps import load_filler
 from ridgefill.runtime.artifacts import load_artifact

@@ -98,7 +98,7 @@ def test_calibrate_refuses_to_write_statistics_that_are_not_finite(tmp_path):
     out) would carry it into every later checkpoint and the final file: the write is refused in one line naming the
     file and the sum, and the final file is not written."""
     from conftest import random_ids, tiny_model
-    from ridgefill.engine import Engine, adapter_for
+    from ridgefill.torchfill import Engine, adapter_for
     from ridgefill.method.calibrate import partial_path, run_calibration
 
     engine = Engine(adapter_for(tiny_model("llama")))

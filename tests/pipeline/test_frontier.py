@@ -83,7 +83,7 @@ SMOLLM2 = dict(layers=30, hidden=576, heads=9, kv_heads=3, head_dim=64, intermed
 
 
 def flop_model(length: int, **extra):
-    from ridgefill.engine import ModelShape
+    from ridgefill.torchfill import ModelShape
     from ridgefill.pipeline.frontier import FlopModel
 
     return FlopModel(ModelShape(**{**SMOLLM2, **extra.pop("shape", {})}), length, **extra)
@@ -117,7 +117,7 @@ def test_lookback_maps_cost_their_window_in_the_flop_count():
     filler's own count."""
     import torch
 
-    from ridgefill.engine import MapFiller, ModelShape
+    from ridgefill.torchfill import MapFiller, ModelShape
     from ridgefill.pipeline.frontier import map_flops
 
     shape = ModelShape(**SMOLLM2)
@@ -136,7 +136,7 @@ def test_the_shape_read_from_a_result_document_is_the_engines(family, tmp_path):
     MLPs); without the config.json there is no shape, so no count."""
     from conftest import tiny_hybrid_model, tiny_model
 
-    from ridgefill.engine import ModelShape, adapter_for
+    from ridgefill.torchfill import ModelShape, adapter_for
     from ridgefill.pipeline.frontier import flop_model
 
     model = tiny_model(family) if family == "llama" else tiny_hybrid_model(family)

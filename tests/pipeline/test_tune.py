@@ -258,7 +258,7 @@ def test_serving_config_holds_what_a_server_needs(tuned, tiny_checkpoint):
 
 
 def test_expected_speedup_is_the_flop_count_of_the_plan(tuned, tiny_checkpoint):
-    from ridgefill.engine import FillPlan, IdentityFiller
+    from ridgefill.torchfill import FillPlan, IdentityFiller
     from ridgefill.evals.flops import prefill_flops
     from ridgefill.runtime.session import open_session
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ridgefill.engine.attention import causal_attention
+from ridgefill.torchfill.attention import causal_attention
 
 _spec = importlib.util.spec_from_file_location(
     "attention_check", Path(__file__).resolve().parents[2] / "scripts" / "attention_check.py")

@@ -7,7 +7,7 @@ refused in one line naming the backend and the option (`check_engine_options`, f
 loads. A backend is built from the command's config (`open`): it reads the model as much as it needs (the own
 engine loads it; an engine in another process reads only its identity and tokenizer) and exposes it as `model`
 (tokenizer, shape, context_length, n_layers, model_info, fingerprint: what plans and prompts need). `use`
-gets the variants to run side by side (name -> FillSettings, None for exact; and their engine.FillPlan, which
+gets the variants to run side by side (name -> FillSettings, None for exact; and their torchfill.FillPlan, which
 says which rows are filled: the one rule every engine follows), `start` readies them; every later call names a
 variant.
 """
@@ -21,7 +21,7 @@ from typing import Callable, ClassVar
 from ridgefill.backends import DEFAULT_ENGINE, engine_help
 from ridgefill.clock import clocked
 from ridgefill.commands import Config, option
-from ridgefill.engine.fill_plan import FillTally
+from ridgefill.torchfill.fill_plan import FillTally
 from ridgefill.errors import RidgefillError
 
 REFERENCE = "transformers"  # the timed name of transformers' own forward, beside exact (caps.reference_forward)
@@ -134,7 +134,7 @@ class Backend:
     # --- variants ---------------------------------------------------------------------------------------------
     def use(self, fills: dict, plans: dict) -> "Backend":
         """The variants to run side by side: `fills` (name -> FillSettings, None: exact) whose plans are `plans`
-        (name -> engine.FillPlan or None); maps the backend cannot serve are refused here."""
+        (name -> torchfill.FillPlan or None); maps the backend cannot serve are refused here."""
         check_plans(self, plans)
         self.fills, self.plans = dict(fills), dict(plans)
         return self

@@ -1,4 +1,4 @@
-"""ridgefill's own torch engine behind the seam (engine/prefill.Engine on the model loaded in this process): every
+"""ridgefill's own torch engine behind the seam (torchfill/prefill.Engine on the model loaded in this process): every
 variant, kept rows, filled windows, lookback and key-scale maps, logits of any row, and the timings of its fill
 projection and of transformers' own forward beside exact."""
 
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ridgefill.backends.base import REFERENCE, Backend, Capabilities, Generation, Tally, Timed
-from ridgefill.engine import Stopwatch
+from ridgefill.torchfill import Stopwatch
 from ridgefill.method.fill import FILLS
 
 

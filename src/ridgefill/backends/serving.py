@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from ridgefill.engine.rows import MAX_ROWS, keep_first_ok, tail_ok
+from ridgefill.torchfill.rows import MAX_ROWS, keep_first_ok, tail_ok
 from ridgefill.errors import RidgefillError
 
 LOG_LIMIT = 32 << 20  # bytes of a server's log in one file: past it the file moves to <log>.1 (the previous one dropped)

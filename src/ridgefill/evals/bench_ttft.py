@@ -25,7 +25,7 @@ import torch
 
 from ridgefill.backends.base import REFERENCE as TRANSFORMERS, Backend, EngineOptions, time_first_tokens
 from ridgefill.commands import Command, option
-from ridgefill.engine import PROJECTION_KERNELS, ModelShape
+from ridgefill.torchfill import PROJECTION_KERNELS, ModelShape
 from ridgefill.errors import RidgefillError
 from ridgefill.evals.common import MeasureConfig, Measurement, parse_lengths, start
 from ridgefill.evals.flops import prefill_flops

@@ -20,7 +20,7 @@ from ridgefill import __version__
 from ridgefill.backends import DEFAULT_ENGINE, backend_class
 from ridgefill.backends.base import Backend, check_needs
 from ridgefill.commands import REQUIRED, option
-from ridgefill.engine import FillPlan
+from ridgefill.torchfill import FillPlan
 from ridgefill.errors import RidgefillError
 from ridgefill.evals.exact_store import ExactStore
 from ridgefill.method.fill import FROM_MAPS, FillOptions, variant_fills, variant_plans

@@ -6,7 +6,7 @@ from typing import Sequence
 
 import torch
 
-from ridgefill.engine import Cache, Engine
+from ridgefill.torchfill import Cache, Engine
 
 
 @torch.inference_mode()

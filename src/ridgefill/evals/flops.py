@@ -13,7 +13,7 @@ input projections, conv and delta rule (its state update) but not out_proj or th
 filler's `flops_per_row`, engine.maps_flops: 2·F·H per late layer S+1..L-1 for full-rank maps of F = (K+1)·H
 inputs (lookback K; F = H without), 2·r·(F+H) for rank r, none for identity fill; none for the mean control,
 whose inputs are constants). The drop control's filled rows cost nothing in layers S..L-1 (no K/V, no state
-update) and the full rows there attend only to full rows. With a filled window (engine/window.py), a filled row
+update) and the full rows there attend only to full rows. With a filled window (torchfill/window.py), a filled row
 in a windowed attention layer below the split attends to keys_per_row(p) keys (itself, the W rows before it, the
 sinks) instead of p+1.
 """
@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ridgefill.engine import FilledWindow, ModelShape
-from ridgefill.engine.shape import HybridShape
+from ridgefill.torchfill import FilledWindow, ModelShape
+from ridgefill.torchfill.shape import HybridShape
 
 
 def row_flops(shape: ModelShape) -> dict[str, int]:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ridgefill.backends.base import EngineOptions, Tally
 from ridgefill.commands import Command, option
-from ridgefill.engine.rows import check_keep_first
+from ridgefill.torchfill.rows import check_keep_first
 from ridgefill.errors import RidgefillError
 from ridgefill.evals.common import ResultWriter, engine_record, maps_info
 from ridgefill.method.fill import ServedOptions

@@ -24,7 +24,7 @@ import torch
 
 from ridgefill.errors import RidgefillError
 from ridgefill.evals.scoring import continuation_scores
-from ridgefill.engine.prefill import DEFAULT_CHUNK
+from ridgefill.torchfill.prefill import DEFAULT_CHUNK
 from ridgefill.method.fill import VARIANTS, FillSettings
 from ridgefill.method.fill_fields import FIELD, OPTIONS
 from ridgefill.runtime.console import note, progress_bar

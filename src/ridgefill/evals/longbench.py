@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ridgefill.commands import REQUIRED, Command, option
-from ridgefill.engine import Engine, FillPlan
+from ridgefill.torchfill import Engine, FillPlan
 from ridgefill.errors import RidgefillError
 from ridgefill.evals.common import MeasureConfig, exact_cache_option, start, variants_option
 from ridgefill.evals.scoring import continuation_scores

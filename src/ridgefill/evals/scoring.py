@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ridgefill.engine import Cache, Engine, FillPlan
+from ridgefill.torchfill import Cache, Engine, FillPlan
 
 
 def tail_nll(backend, variant: str, ids: torch.Tensor, tail: int) -> torch.Tensor:

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from ridgefill.commands import Command, option
-from ridgefill.engine import Cache, Engine, FillPlan
+from ridgefill.torchfill import Cache, Engine, FillPlan
 from ridgefill.errors import RidgefillError
 from ridgefill.evals.common import start
 from ridgefill.evals.decode import greedy_after_cache

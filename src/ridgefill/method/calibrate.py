@@ -24,7 +24,7 @@ import torch
 
 from ridgefill import __version__
 from ridgefill.commands import REQUIRED, Command, option
-from ridgefill.engine import Engine
+from ridgefill.torchfill import Engine
 from ridgefill.errors import RidgefillError
 from ridgefill.method.distributed import World, joined_world, relaunch
 from ridgefill.method.fill import check_window_values, resolve_window
@@ -166,7 +166,7 @@ def run_calibration(engine: Engine, sequences: Iterable[list[int]], splits: list
     """Accumulate statistics over the stream `sequences` (every process sees the same stream and takes its share),
     checkpointing to `<out>.partial` and resuming from it. Returns rank 0's global statistics (on other ranks:
     their zeroed share). normalized: also the normalised targets' sums (`SplitStats`); lookback: the maps' inputs
-    also hold the split states of the K rows before each row (engine/lookback.py); window (engine.FilledWindow):
+    also hold the split states of the K rows before each row (torchfill/lookback.py); window (torchfill.FilledWindow):
     the rows past the sinks attend locally below the split, as filled rows will (stored as `filled_window`)."""
     partial = partial_path(out)
     run_meta = {**meta, "artifact": "stats", "splits": sorted(splits), "holdout": holdout,
@@ -290,7 +290,7 @@ def _calibrate(c: CalibrateConfig, world: World) -> dict:
 
 
 def calibration_window(size: int, layers: str | None, splits: list[int], sinks: int):
-    """The window calibration's rows attend in (engine.FilledWindow, None: full attention): layers `layers`
+    """The window calibration's rows attend in (torchfill.FilledWindow, None: full attention): layers `layers`
     (default every layer below the lowest split, which every split's maps then share), the first `sinks` rows
     (--skip-first) as sinks."""
     return resolve_window(size, layers, min(splits), sinks, None)

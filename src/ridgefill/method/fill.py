@@ -5,7 +5,7 @@ theirs), the maps file, the tail, the leading rows kept in full, the outlier rul
 the split (maps carry the one they were calibrated with). Each setting but the variant is one FillField
 (method/fill_fields.py: its default, check, help, environment variable and serving.json key); from them come
 
-- the engine's plan (`plan`: engine.FillPlan, with the maps loaded and checked against the model),
+- the engine's plan (`plan`: torchfill.FillPlan, with the maps loaded and checked against the model),
 - (the vLLM plugin's environment is vLLM's translation of it: backends/vllm/fill.py),
 - the fill part of a serving config (`to_serving`, `load_serving`: what `ridgefill tune` writes and `generate`,
   `bench-ttft` and `serve` read).
@@ -27,7 +27,7 @@ from ridgefill.method.fill_fields import (FIELDS, OPTIONS, check_fill, check_fil
                                           with_fields)
 
 if TYPE_CHECKING:
-    from ridgefill.engine import FillPlan
+    from ridgefill.torchfill import FillPlan
 
 VARIANTS = ("exact", "identity", "ridge", "drop", "mean")  # what a measurement can run side by side, exact first
 FILLS = VARIANTS[1:]  # the fill variants
@@ -39,10 +39,10 @@ SERVING_HELP = ("A serving config from `ridgefill tune`: its fill (variant, spli
 
 
 def resolve_window(window: int, layers: str | None, split: int, sinks: int, meta: dict | None, source=None):
-    """The filled rows' window at `split` (engine.FilledWindow; None: full attention). With maps (`meta` their
+    """The filled rows' window at `split` (torchfill.FilledWindow; None: full attention). With maps (`meta` their
     metadata, `source` their path) it is the one they were calibrated with: --filled-window may repeat it, not
     change it."""
-    from ridgefill.engine import FilledWindow, parse_layers
+    from ridgefill.torchfill import FilledWindow, parse_layers
 
     stored = (meta or {}).get("filled_window")
     if meta is not None:
@@ -63,7 +63,7 @@ def resolve_window(window: int, layers: str | None, split: int, sinks: int, meta
 @dataclass(frozen=True)
 @with_fields(f.name for f in FIELDS)
 class FillSettings:
-    """How to fill one prompt: `variant` identity, ridge, drop or mean (engine/fillers.py), then the FIELDS in their
+    """How to fill one prompt: `variant` identity, ridge, drop or mean (torchfill/fillers.py), then the FIELDS in their
     order: `split` (the maps', checked when given); `maps` (ridge and mean, or for vLLM any maps file, identity ones
     too); tail, keep_first, outlier_factor; `maps_sha256` the bytes every loader must find; the filled window."""
 
@@ -86,7 +86,7 @@ class FillSettings:
     def plan(self, session, keep_rows=()) -> tuple["FillPlan", dict | None]:
         """The engine's plan on `session`'s model (maps loaded and checked against it) and the maps' metadata (None
         for identity fill). keep_rows: rows run in full besides the first keep_first and the tail."""
-        from ridgefill.engine import DropFiller, FillPlan, IdentityFiller
+        from ridgefill.torchfill import DropFiller, FillPlan, IdentityFiller
         from ridgefill.method.maps import check_for_model, load_filler
         from ridgefill.runtime.artifacts import read_meta
         from ridgefill.runtime.paths import file_sha256
@@ -112,7 +112,7 @@ class FillSettings:
         return FillPlan(filler, self.tail, rows, self.outlier_factor, window, self.keep_first), meta
 
     def window(self, split: int, meta: dict | None = None):
-        """The filled rows' window at `split` (engine.FilledWindow, None: full attention); `meta`: the maps'
+        """The filled rows' window at `split` (torchfill.FilledWindow, None: full attention); `meta`: the maps'
         metadata (read from --maps when not given)."""
         from ridgefill.runtime.artifacts import read_meta
 

@@ -11,7 +11,7 @@ one filled, as in a long prompt), and for each layer l > S and KV head h sums ov
 the least-squares scalar from filled key norms to exact ones (RoPE is a rotation, so the norms are the same
 before and after it). Only sums are kept; nothing is trained. The output is the same maps file with a
 `key_scale` tensor [L-S, Hkv] (1 for layer S, whose keys are exact, and for non-attention layers), which the
-engine applies to every filled key (engine/projection.py). It works for identity fill's maps file too.
+engine applies to every filled key (torchfill/projection.py). It works for identity fill's maps file too.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 
 from ridgefill import __version__
 from ridgefill.commands import REQUIRED, Command, option
-from ridgefill.engine import Engine, FillPlan
+from ridgefill.torchfill import Engine, FillPlan
 from ridgefill.errors import RidgefillError
 from ridgefill.method.calibrate import calibration_sequences
 from ridgefill.method.maps import filler_of

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from ridgefill.runtime.artifacts import load_private, save_artifact
-from ridgefill.engine import Filler, IdentityFiller, MapFiller, MeanFiller
+from ridgefill.torchfill import Filler, IdentityFiller, MapFiller, MeanFiller
 from ridgefill.errors import RidgefillError
 from ridgefill.method.ridge import LayerFit
 from ridgefill.method.statistics import first_nonfinite

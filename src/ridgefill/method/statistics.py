@@ -10,7 +10,7 @@ sequences accumulate the same statistics separately, in two parts: `val` (fit ch
 (fit reports its error on it). The statistics live on the model's device; they go to the CPU only to be saved.
 
 With `lookback` K the map's input is not x_t alone but x_t and the split states of the K rows before it
-(engine/lookback.py): X is then [x_t, x_{t-1}, .., x_{t-K}] ((K+1)·H wide) in XᵀX, XᵀY_l and ΣX (Σ‖x‖² stays
+(torchfill/lookback.py): X is then [x_t, x_{t-1}, .., x_{t-K}] ((K+1)·H wide) in XᵀX, XᵀY_l and ΣX (Σ‖x‖² stays
 that of x_t: identity fill's error needs it), and a row whose window holds a row kept out is kept out too.
 
 Rows kept out of the regression (and counted): the first `skip_first` rows of each sequence (attention
@@ -32,8 +32,8 @@ from typing import Callable
 
 import torch
 
-from ridgefill.engine import Engine
-from ridgefill.engine.lookback import lookback_windows, window_states
+from ridgefill.torchfill import Engine
+from ridgefill.torchfill.lookback import lookback_windows, window_states
 from ridgefill.errors import RidgefillError
 
 PARTS = ("train", "val", "test")
@@ -306,7 +306,7 @@ class _Collector:
     def _with_windows(self, split: int, x: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
                       nonfinite: torch.Tensor, st: SplitStats) -> _Kept:
         """x [B, n, H] float64 split states of a chunk's rows -> the rows kept with their maps' inputs [k, F] (x_t
-        and its lookback window, engine/lookback.py). Clears `keep` [B·n] (in place) for rows whose window is not
+        and its lookback window, torchfill/lookback.py). Clears `keep` [B·n] (in place) for rows whose window is not
         whole: it reaches a sink row (counted as skipped_first), a non-finite row (`nonfinite` [B·n], counted as
         skipped_nonfinite) or an outlier (counted as skipped_outliers). The window may reach into the sequence's
         previous chunk."""
@@ -381,7 +381,7 @@ def accumulate(engine: Engine, calibration: Calibration, ids: torch.Tensor, part
     """Run one exact prefill of `ids` [B, T] in chunks of `chunk` rows (default: the engine's) and add its rows
     to `calibration` (part 'train', 'val' or 'test'). When that takes several chunks and the outlier rule is on,
     a first pass finds each split state's median norm over the whole sequence (see the module docstring).
-    window (engine.FilledWindow): the rows past its sinks attend locally in its layers, as filled rows will."""
+    window (torchfill.FilledWindow): the rows past its sinks attend locally in its layers, as filled rows will."""
     chunk = chunk or engine.chunk
     medians = None
     if outlier_factor > 0 and chunk < ids.shape[1]:

@@ -23,7 +23,7 @@ from ridgefill.report.results import Result, read_json
 from ridgefill.runtime.stats import mean
 
 if TYPE_CHECKING:
-    from ridgefill.engine import ModelShape
+    from ridgefill.torchfill import ModelShape
 
 
 @dataclass
@@ -72,8 +72,8 @@ class FlopModel:
         hybrid layers, or no MLP width); window {size, first, last}: the filled rows' window (default: the maps')."""
         import torch
 
-        from ridgefill.engine import FilledWindow
-        from ridgefill.engine.rows import full_positions
+        from ridgefill.torchfill import FilledWindow
+        from ridgefill.torchfill.rows import full_positions
         from ridgefill.evals.flops import prefill_flops
 
         if not self.shape.dense or self.shape.intermediate is None:
@@ -90,7 +90,7 @@ class FlopModel:
 def map_flops(shape: "ModelShape", variant: str, split: int, rank: int | None = None, lookback: int = 0) -> int:
     """One filled row's maps (the filler's flops_per_row): none for identity fill and the controls (drop, mean),
     else engine.maps_flops over the predicted layers S+1..L-1."""
-    from ridgefill.engine.fillers import maps_flops
+    from ridgefill.torchfill.fillers import maps_flops
 
     if variant != "ridge":
         return 0
@@ -207,7 +207,7 @@ def flop_model(manifest: dict | None, results: list[Result]) -> FlopModel | None
 def measured_window(result: Result) -> dict:
     """The filled window a ruler or loss result asked for (--filled-window, --filled-window-layers), as FlopModel
     takes it: so points without windowed maps (identity fill) are counted with it too."""
-    from ridgefill.engine import parse_layers
+    from ridgefill.torchfill import parse_layers
 
     first, last = parse_layers(result.config.get("filled_window_layers"), result.split)
     return {"size": result.config["filled_window"], "first": first, "last": last}

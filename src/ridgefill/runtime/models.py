@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ridgefill.engine import Adapter, ModelShape, adapter_for, supported_families
+from ridgefill.torchfill import Adapter, ModelShape, adapter_for, supported_families
 from ridgefill.errors import RidgefillError
 from ridgefill.runtime.paths import cache_dir, publish_folder_once
 

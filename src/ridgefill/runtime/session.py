@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from ridgefill.commands import Config, option
-from ridgefill.engine import Engine, ModelShape, Stopwatch
-from ridgefill.engine.prefill import DEFAULT_CHUNK
+from ridgefill.torchfill import Engine, ModelShape, Stopwatch
+from ridgefill.torchfill.prefill import DEFAULT_CHUNK
 from ridgefill.errors import RidgefillError
 from ridgefill.runtime.device import DEVICE_HELP, DTYPE_HELP, check_device, resolve_device
 from ridgefill.runtime.models import LoadedModel, load_model, load_tokenizer, model_identity, model_input

@@ -10,8 +10,8 @@ import torch
 
 import tiny_gguf
 from ridgefill.backends.llamacpp.driver import LlamaCpp, Maps, maps_of
-from ridgefill.engine import Engine, IdentityFiller, MapFiller, MeanFiller, adapter_for
-from ridgefill.engine.fill_plan import FillPlan
+from ridgefill.torchfill import Engine, IdentityFiller, MapFiller, MeanFiller, adapter_for
+from ridgefill.torchfill.fill_plan import FillPlan
 
 MISSING = tiny_gguf.missing_build()
 pytestmark = pytest.mark.skipif(MISSING is not None, reason=f"no patched llama.cpp build: {MISSING}")

@@ -1,5 +1,5 @@
 """The vLLM plugin's filled K/V: vLLM's RoPE tables in the engine's layout (rope_at), so that the engine's one
-projection (engine/projection.py layer_kv) rotates keys exactly as vLLM's own rotary embedding does."""
+projection (torchfill/projection.py layer_kv) rotates keys exactly as vLLM's own rotary embedding does."""
 
 import pytest
 import torch
@@ -9,7 +9,7 @@ pytest.importorskip("vllm")
 from vllm.config import VllmConfig, set_current_vllm_config  # noqa: E402
 from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding  # noqa: E402
 
-from ridgefill.engine.families.base import apply_rope  # noqa: E402
+from ridgefill.torchfill.families.base import apply_rope  # noqa: E402
 from ridgefill.backends.vllm.plugin.model import rope_at  # noqa: E402
 
 

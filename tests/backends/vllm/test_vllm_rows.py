@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ridgefill.engine import FillPlan, IdentityFiller
-from ridgefill.engine.rows import MAX_ROWS
+from ridgefill.torchfill import FillPlan, IdentityFiller
+from ridgefill.torchfill.rows import MAX_ROWS
 from ridgefill.errors import RidgefillError
 from ridgefill.backends.vllm.requests import check_request_args
 from ridgefill.backends.vllm.plugin.rows import bound_runs, full_tokens, outlier_tokens, segments, token_requests

@@ -139,7 +139,7 @@ def test_finished_requests_are_forgotten_and_each_counted_once():
 def test_a_request_keep_first_past_its_prompt_runs_it_exact_as_the_engine_does():
     """The plugin's rule for a request's own keep-first past its prompt: the whole prompt in full (exact), the
     rows ridgefill's engine runs in full for that keep-first."""
-    from ridgefill.engine import FillPlan, IdentityFiller
+    from ridgefill.torchfill import FillPlan, IdentityFiller
 
     prompts = [60, 40]
     r = runner(prompts, [0, 0], prompts, sampling=True)

@@ -1,7 +1,7 @@
 """llama.cpp behind the seam: the GGUF file of --model (an embedded alias or a .gguf path) run by llama-cpp-python
 built with ridgefill's patch (driver.py). Exact is the same build's prefill with the fill off (llama.cpp's stock
 code path: fill mode is never entered); a fill variant (identity, ridge, mean) is the same context with its maps
-copied into llama.cpp and its prompts prefilled by the fill rule of its plan (engine.FillPlan: keep-first, the
+copied into llama.cpp and its prompts prefilled by the fill rule of its plan (torchfill.FillPlan: keep-first, the
 tail, kept rows and the outlier factor, per chunk of --chunk rows as the own engine judges outliers).
 
 The model's identity, shape and tokenizer come from the GGUF's Hugging Face conversion (runtime/models.py converts

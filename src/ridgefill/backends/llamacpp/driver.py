@@ -4,9 +4,9 @@ The patch (ridgefill.patch, applied by build.py) gives llama.cpp a fill of its o
 a split's maps into a backend buffer, `llama_ridgefill_set_fill` puts the next `llama_decode` calls in fill mode
 (their ubatches run layers 0..S-1 and then, for each late layer, only the map's prediction, that layer's input
 norm, its K/V projection, k-norm and RoPE and the cache store), and the filled ubatches report their split-state
-norms. This module splits a prompt into runs by the fill rule (engine/rows.py: keep-first, tail, kept rows in
+norms. This module splits a prompt into runs by the fill rule (torchfill/rows.py: keep-first, tail, kept rows in
 full; the rest filled) and calls `llama_decode` once per run (and per `n_batch` rows): there is no Python in the
-per-layer path. Outliers (engine/rows.py `outliers`, the own engine's rule: per chunk of `chunk` rows, the
+per-layer path. Outliers (torchfill/rows.py `outliers`, the own engine's rule: per chunk of `chunk` rows, the
 median of its filled rows' split-state norms) are found from the norms of the filled runs; a chunk with outliers
 has its cache removed from the first outlier on and runs again from there with those rows in full (their split
 states, and so their norms, do not depend on the fill: layers below the split run exactly for every row).
@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from ridgefill.backends.llamacpp import library
-from ridgefill.engine.rows import outliers as outlier_rows
+from ridgefill.torchfill.rows import outliers as outlier_rows
 from ridgefill.errors import RidgefillError
 
 FAMILIES = ("llama", "qwen2", "qwen3")  # GGUF general.architecture values the patch fills
@@ -89,7 +89,7 @@ class Maps:
 
 
 def maps_of(filler) -> Maps:
-    """The llama.cpp form of an engine filler, from its affine maps (engine/fillers.py Affine): identity, fitted
+    """The llama.cpp form of an engine filler, from its affine maps (torchfill/fillers.py Affine): identity, fitted
     maps (full or low rank) or the mean control; the callers refuse the others (lookback, drop, oracle) before."""
     if getattr(filler, "lookback", 0) or not hasattr(filler, "affine"):
         raise ValueError(f"the {getattr(filler, 'name', type(filler).__name__)} filler has no llama.cpp form")

@@ -7,7 +7,7 @@ is checked when vLLM admits the request (backends/vllm/plugin/admission.py calls
 seam's: backends/serving.py): an unknown key, a value that is not an integer, or one out of range is refused with
 one line (HTTP 400), so nothing a client sends reaches the engine unchecked. Inside the engine `request_rule` never raises: it clamps to the prompt.
 
-A keep-first follows ridgefill's one rule (engine/rows.check_keep_first): an integer up to MAX_ROWS, refused
+A keep-first follows ridgefill's one rule (torchfill/rows.check_keep_first): an integer up to MAX_ROWS, refused
 beyond (here: at admission, HTTP 400; in `generate`: one line, exit 2); past a prompt, the whole prompt runs in full
 (exact), in the plugin as in ridgefill's engine.
 """

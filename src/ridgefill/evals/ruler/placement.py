@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ridgefill.defaults import DEFAULT_KEEP_FIRST, DEFAULT_TAIL
-from ridgefill.engine.rows import check_keep_first, check_tail
+from ridgefill.torchfill.rows import check_keep_first, check_tail
 from ridgefill.errors import RidgefillError
 from ridgefill.evals.ruler.tasks import Layout, Sources, check_haystack, make_layout, max_size, task_spec
 from ridgefill.runtime.spans import token_span

@@ -23,7 +23,7 @@ identity is read without its weights (runtime.models.model_identity); the search
 
 --windows W,...: the same search and check once per filled window, W = 0 (full attention) in the run folder itself,
 W > 0 in window-W/ below it, where the filled rows of layers 0..min(candidates)-1 attend only to the kept first rows
-and the W rows before them (engine/window.py: every candidate's maps share those windowed layers) and the FLOP
+and the W rows before them (torchfill/window.py: every candidate's maps share those windowed layers) and the FLOP
 count is the windowed one; exact results are shared across windows. Of the windows' served points, the one with the
 highest FLOP-limit speedup is served (on a tie full attention, then the larger window).
 

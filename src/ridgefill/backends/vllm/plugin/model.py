@@ -3,18 +3,18 @@ processes).
 
 Each class is the stock vLLM class plus `ridgefill` state: the fitted maps and, per late attention layer, its input
 norm, K/V projection rows and k-norm stacked at weight-loading time as ridgefill's engine stacks them
-(engine/kv_stack.py; vLLM's CPU linear layers repack and drop `weight` afterwards).
+(torchfill/kv_stack.py; vLLM's CPU linear layers repack and drop `weight` afterwards).
 A step whose batch has no filled token (decode steps, short prompts, the plugin unconfigured) runs the stock
 forward unchanged. A step with filled tokens (the model runner passes a FillBatch, backends/vllm/plugin/runner.py):
 
 - layers 0..S-1 run on every token, as stock;
 - x, the residual stream entering layer S, is the split state; filled rows whose norm is an outlier run in full,
-  and so do, with maps of lookback K, filled rows whose window (the K tokens before them, engine/lookback.py) is
+  and so do, with maps of lookback K, filled rows whose window (the K tokens before them, torchfill/lookback.py) is
   not among this step's tokens of their request (the first K of a prefill chunk) or holds an outlier;
 - for each late layer l = S..L-1 the filled rows' K/V come from the predicted input (x for l = S, the map's
   prediction after) through that layer's own input norm, K/V rows of its (tensor-parallel shard of) qkv_proj,
   k-norm (Qwen3, Qwen3-Next), key scale and RoPE (vLLM's tables, partial in Qwen3-Next) at the true positions,
-  computed by ridgefill's engine (engine/projection.py layer_kv, the engine's own projection), and are written
+  computed by ridgefill's engine (torchfill/projection.py layer_kv, the engine's own projection), and are written
   into the paged cache;
 - the full rows alone run layers S..L-1 (attention over every cached key up to their position, then the MLP);
 - a hybrid's late Gated DeltaNet layers (Qwen3-Next) run their mixer over every row of the step in position order,
@@ -43,11 +43,11 @@ from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 from vllm.model_executor.models.qwen3_next import Qwen3NextForCausalLM
 
-from ridgefill.engine import Filler, late_inputs_by_layer
-from ridgefill.engine.families.base import KVWeights
-from ridgefill.engine.kv_stack import StackedKV, stack_weights
-from ridgefill.engine.lookback import lookback_windows, window_states
-from ridgefill.engine.projection import layer_kv
+from ridgefill.torchfill import Filler, late_inputs_by_layer
+from ridgefill.torchfill.families.base import KVWeights
+from ridgefill.torchfill.kv_stack import StackedKV, stack_weights
+from ridgefill.torchfill.lookback import lookback_windows, window_states
+from ridgefill.torchfill.projection import layer_kv
 from ridgefill.errors import RidgefillError
 from ridgefill.method.maps import load_filler
 from ridgefill.runtime.models import checkpoint_fingerprint
@@ -65,7 +65,7 @@ from ridgefill.backends.vllm.plugin.runner import StepLog
 
 @dataclass
 class LateKV:
-    """One late attention layer's filled K/V projection, for engine/projection.py layer_kv: its input norm, the K and
+    """One late attention layer's filled K/V projection, for torchfill/projection.py layer_kv: its input norm, the K and
     V rows of its local qkv_proj shard and its k-norm, stacked as the engine stacks them."""
 
     stack: StackedKV
@@ -98,7 +98,7 @@ def norm_weight(norm) -> torch.Tensor:
 
 
 def rope_at(rotary_emb, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's RoPE tables at `positions` [n] in the layout the engine applies (engine/families/base.py apply_rope):
+    """vLLM's RoPE tables at `positions` [n] in the layout the engine applies (torchfill/families/base.py apply_rope):
     cos, sin [n, Dr]. A row of vLLM's cos_sin_cache holds the cos, then the sin, of the Dr/2 frequencies; the NeoX
     style rotates the two halves of the rotated dims by the same angles, so each is repeated."""
     cos, sin = rope_table(rotary_emb)[0][positions.long()].to(dtype).chunk(2, dim=-1)

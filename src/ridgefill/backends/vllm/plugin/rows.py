@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ridgefill.engine.rows import full_positions, outliers
+from ridgefill.torchfill.rows import full_positions, outliers
 
 
 def token_requests(query_start: torch.Tensor, n_tokens: int) -> torch.Tensor:
@@ -49,7 +49,7 @@ def full_tokens(positions: torch.Tensor, request: torch.Tensor, prompt_len: torc
 
 def outlier_tokens(norms: torch.Tensor, request: torch.Tensor, full: torch.Tensor, factor: float) -> torch.Tensor:
     """[N] bool: filled tokens whose split-state norm exceeds `factor` x the median norm of their request's
-    filled tokens in this step: the engine's one outlier rule (engine/rows.py outliers), each request a group.
+    filled tokens in this step: the engine's one outlier rule (torchfill/rows.py outliers), each request a group.
     norms [N]; factor 0: none."""
     return outliers(norms, request, ~full, factor)
 

@@ -1,12 +1,12 @@
-"""The attention routes' math on the CPU (engine/attention.py, engine/window.py's band route): each against attention
+"""The attention routes' math on the CPU (torchfill/attention.py, torchfill/window.py's band route): each against attention
 with an explicit mask, element-wise. The CUDA kernels themselves are checked in tests/gpu/test_attention_gpu.py."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from ridgefill.engine.attention import causal_attention, flash_cpu, merge, prefix_then_block
-from ridgefill.engine.window import FilledWindow, band_masked, banded_attention, merge_sinks, sink_scores
+from ridgefill.torchfill.attention import causal_attention, flash_cpu, merge, prefix_then_block
+from ridgefill.torchfill.window import FilledWindow, band_masked, banded_attention, merge_sinks, sink_scores
 
 TOL = 1e-5
 
@@ -27,7 +27,7 @@ def masked(q, k, v, allowed, scale):
 
 def window_allowed(positions, n_keys, window: FilledWindow):
     """[n, n_keys] what a windowed row at each of `positions` sees: causal, its W rows before it and the sinks
-    (tests/engine/test_window.py's window_mask, for one row set)."""
+    (tests/torchfill/test_window.py's window_mask, for one row set)."""
     p, k = positions.unsqueeze(1), torch.arange(n_keys).unsqueeze(0)
     return (k <= p) & ((k >= p - window.size) | (k < window.sinks))
 
@@ -168,7 +168,7 @@ def test_the_cuda_kernels_calls_on_meta_tensors():
     """The CUDA routes' torch calls, run on meta tensors (torch's shape functions, no values): the arguments and
     keywords this torch takes, the layouts (band_flash's lse [B, Hq, nq], as merge reads it), GQA K/V unrepeated,
     and no host sync anywhere in the band route (a meta tensor has no value to read)."""
-    from ridgefill.engine.window import band_flash
+    from ridgefill.torchfill.window import band_flash
 
     q, k, v = (t.to("meta", torch.bfloat16) for t in qkv(64, 300, heads=8, kv_heads=2, d=128))
     assert causal_attention("flash", q, k, v, 0.1).shape == q.shape

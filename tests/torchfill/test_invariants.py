@@ -8,7 +8,7 @@ import torch
 
 from conftest import DENSE_FAMILIES, HYBRID_FAMILIES, random_ids, tiny_hybrid_model, tiny_model
 from helpers import TOL, TOL_REORDERED, assert_caches_equal, engine_for, hf_hidden, max_diff
-from ridgefill.engine import DropFiller, FillPlan, IdentityFiller, OracleFiller
+from ridgefill.torchfill import DropFiller, FillPlan, IdentityFiller, OracleFiller
 
 
 def by_family(dense: list[tuple], hybrid: list[tuple]) -> list:

@@ -12,7 +12,7 @@ Per value head, with q and k L2-normalised and q scaled by Dk^-1/2, the gated de
 `chunk_gated_delta_rule` evaluates it chunk by chunk (the WY/UT form: one triangular solve per chunk and a
 scan over chunks, never over tokens; chunks are `chunk_size` rows, the last one zero-padded, as in transformers'
 torch fallback; a single row takes one recurrent step). With `use_kernel` (the engine's delta rule route is "fla":
-CUDA with flash-linear-attention installed, engine/routes.py) it uses fla's kernel.
+CUDA with flash-linear-attention installed, torchfill/routes.py) it uses fla's kernel.
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def _step(q, k, v, g, beta, state):
 
 # --- optional kernel hook (flash-linear-attention) -------------------------------------------------------
 # NOT exercised by the test suite (fla needs CUDA + Triton). Where the engine's delta rule route is "fla"
-# (engine/routes.py: CUDA, fla importable), `chunk_gated_delta_rule` hands the work to fla's fused kernel, which
+# (torchfill/routes.py: CUDA, fla importable), `chunk_gated_delta_rule` hands the work to fla's fused kernel, which
 # computes the same rule.
 def _fla_kernel():
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk

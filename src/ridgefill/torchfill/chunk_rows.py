@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from ridgefill.engine.attention import causal_attention
-from ridgefill.engine.routes import Routes
-from ridgefill.engine.window import (BAND_KERNELS, FilledWindow, WindowBlock, banded_attention, window_blocks,
+from ridgefill.torchfill.attention import causal_attention
+from ridgefill.torchfill.routes import Routes
+from ridgefill.torchfill.window import (BAND_KERNELS, FilledWindow, WindowBlock, banded_attention, window_blocks,
                                      windowed_attention)
 
 
@@ -15,7 +15,7 @@ class ChunkRows:
     """Bookkeeping of a chunk's rows: which run the layer, which are filled, their positions and RoPE."""
 
     def __init__(self, n, idx_full, idx_fill, positions, cos, sin, routes: Routes, split_done=False, dropped=False):
-        """routes: the engine's (engine/routes.py). dropped (after the split of a drop fill): the late layers'
+        """routes: the engine's (torchfill/routes.py). dropped (after the split of a drop fill): the late layers'
         caches hold full rows only, so the run rows are the last of their keys, in order, whatever their
         positions."""
         self.n, self.idx_full, self.idx_fill, self.routes = n, idx_full, idx_fill, routes
@@ -73,7 +73,7 @@ class ChunkRows:
 
         SDPA's is_causal aligns top-left, right only when the queries are positions 0..n_keys-1. When the
         queries are the last nq positions (every row before the split; a tail that ends the chunk), the
-        routes' causal route (engine/attention.py: one flash call on CUDA, the log-sum-exp merge of prefix and
+        routes' causal route (torchfill/attention.py: one flash call on CUDA, the log-sum-exp merge of prefix and
         block on the CPU). Any other query set (kept rows or outliers among filled rows, a tail after them) is
         taken by runs of consecutive positions, each the last rows of the keys up to its last position, so each is
         one lower-right causal block by the same route (`attention_by_runs`): never a masked SDPA call, which with
@@ -92,7 +92,7 @@ class ChunkRows:
     def attend_locally(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                        scale: float) -> torch.Tensor:
         """Before the split, in a windowed layer: the windowed rows attend to their sinks and window
-        (engine/window.py, by the routes' window route), every other row causally to every cached key.
+        (torchfill/window.py, by the routes' window route), every other row causally to every cached key.
         q [B, Hq, n, D] -> [B, Hq, n, D]."""
         if self.routes.window == "blocks":
             out = torch.empty_like(q)
@@ -130,7 +130,7 @@ def attention_by_runs(route: str, q: torch.Tensor, keys: torch.Tensor, values: t
                       scale: float) -> torch.Tensor:
     """Causal attention of query rows q [B, Hq, nq, D] made of `runs` over the cached keys/values [B, Hkv, n_keys, D]
     (key j at position j): a run of rows at positions p0..p1 is the last rows of keys 0..p1, one lower-right causal
-    block by the causal `route` (engine/attention.py; GQA K/V as they are on the flash route). -> [B, Hq, nq, D]."""
+    block by the causal `route` (torchfill/attention.py; GQA K/V as they are on the flash route). -> [B, Hq, nq, D]."""
     parts = [causal_attention(route, q[:, :, a:b], keys[:, :, :last + 1], values[:, :, :last + 1], scale)
              for a, b, last in runs]
     if len(parts) == 1:

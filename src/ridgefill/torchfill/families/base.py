@@ -106,7 +106,7 @@ class Adapter:
         return self.model.lm_head(self.decoder.norm(h))
 
     def use_routes(self, routes) -> None:
-        """The routes its engine chose (engine/routes.py, once per engine); a family with a route of its own (the
+        """The routes its engine chose (torchfill/routes.py, once per engine); a family with a route of its own (the
         hybrids' delta rule) keeps what it needs, so that an overridden route is the one that runs."""
 
     def layer_kind(self, layer: int) -> str:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from ridgefill.engine.families.base import Adapter
-from ridgefill.engine.families.dense import DenseAdapter, Qwen2Adapter, Qwen3Adapter
-from ridgefill.engine.families.hybrid import HybridAdapter, Qwen3_5Adapter, Qwen3NextAdapter
+from ridgefill.torchfill.families.base import Adapter
+from ridgefill.torchfill.families.dense import DenseAdapter, Qwen2Adapter, Qwen3Adapter
+from ridgefill.torchfill.families.hybrid import HybridAdapter, Qwen3_5Adapter, Qwen3NextAdapter
 from ridgefill.errors import RidgefillError
 
 _FAMILIES: dict[str, type[Adapter]] = {

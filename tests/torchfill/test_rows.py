@@ -1,10 +1,10 @@
-"""The one outlier rule (engine/rows.py outliers), judged through both of its callers: the engine's FillPlan (per
+"""The one outlier rule (torchfill/rows.py outliers), judged through both of its callers: the engine's FillPlan (per
 chunk, any prompt of the batch) and the vLLM plugin's outlier_tokens (per request of a step)."""
 
 import torch
 
-from ridgefill.engine import FillPlan, IdentityFiller
-from ridgefill.engine.rows import outliers
+from ridgefill.torchfill import FillPlan, IdentityFiller
+from ridgefill.torchfill.rows import outliers
 from ridgefill.backends.vllm.plugin.rows import outlier_tokens
 
 

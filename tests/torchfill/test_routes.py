@@ -1,4 +1,4 @@
-"""engine/routes.py: the one place that chooses each piece's route, what it chooses on the CPU, its overrides, and
+"""torchfill/routes.py: the one place that chooses each piece's route, what it chooses on the CPU, its overrides, and
 that the engine takes the routes it chose."""
 
 import dataclasses
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from conftest import random_ids, tiny_hybrid_model
-from ridgefill.engine import Engine, FilledWindow, FillPlan, IdentityFiller, adapter_for
-from ridgefill.engine.families import delta_rule
-from ridgefill.engine.routes import ENV, Routes, delta_rule_route, flash_applies, projection_route
+from ridgefill.torchfill import Engine, FilledWindow, FillPlan, IdentityFiller, adapter_for
+from ridgefill.torchfill.families import delta_rule
+from ridgefill.torchfill.routes import ENV, Routes, delta_rule_route, flash_applies, projection_route
 from ridgefill.errors import RidgefillError
 
 
@@ -64,7 +64,7 @@ def test_overrides_replace_routes_and_refuse_what_the_device_cannot_run(monkeypa
 def test_the_engine_takes_its_routes(dense_model, monkeypatch):
     """The engine chooses once and its chunk rows run the route it chose: the same logits by every route, and a
     route's function is what ran."""
-    from ridgefill.engine import chunk_rows
+    from ridgefill.torchfill import chunk_rows
 
     ids = random_ids(40)
     monkeypatch.delenv(ENV, raising=False)

@@ -24,11 +24,11 @@ from contextlib import nullcontext
 
 import torch
 
-from ridgefill.engine.families.base import Adapter, apply_rope
-from ridgefill.engine.fillers import Filler
-from ridgefill.engine.kv_stack import StackedKV, stack_kv
-from ridgefill.engine.routes import PROJECTION_KERNELS, projection_route
-from ridgefill.engine.timing import Stopwatch
+from ridgefill.torchfill.families.base import Adapter, apply_rope
+from ridgefill.torchfill.fillers import Filler
+from ridgefill.torchfill.kv_stack import StackedKV, stack_kv
+from ridgefill.torchfill.routes import PROJECTION_KERNELS, projection_route
+from ridgefill.torchfill.timing import Stopwatch
 
 
 
@@ -99,7 +99,7 @@ class FilledRows:
 
 class FillProjection:
     """Owned by an Engine: the stacked K/V weights of each split it has filled at (built once), and the fused
-    projection of a chunk's filled rows. backend: auto or torch (the fused torch path; engine/routes.py resolves
+    projection of a chunk's filled rows. backend: auto or torch (the fused torch path; torchfill/routes.py resolves
     auto), or layers (no fused K/V: every layer takes the per-layer route, the reference). timer: a Stopwatch
     that the wall time spent here is added to (None: not timed)."""
 

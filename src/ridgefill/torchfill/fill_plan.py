@@ -1,5 +1,5 @@
 """How to fill a prompt (FillPlan: the filler, tail, kept rows, outlier rule, window) and what its prefills did
-(FillTally); the rules of which rows run in full are engine/rows.py's."""
+(FillTally); the rules of which rows run in full are torchfill/rows.py's."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from typing import Sequence
 
 import torch
 
-from ridgefill.engine.fillers import Filler
-from ridgefill.engine.rows import check_keep_first, check_outlier_factor, check_tail, full_positions, outliers
-from ridgefill.engine.window import FilledWindow
+from ridgefill.torchfill.fillers import Filler
+from ridgefill.torchfill.rows import check_keep_first, check_outlier_factor, check_tail, full_positions, outliers
+from ridgefill.torchfill.window import FilledWindow
 from ridgefill.errors import RidgefillError
 
 
@@ -20,7 +20,7 @@ class FillTally:
 
     filled: int = 0  # rows filled
     outliers: int = 0  # rows that would have been filled but ran in full: their split state is an outlier
-    unwindowed: int = 0  # ... ran in full: their maps' lookback window was not whole (engine/lookback.py)
+    unwindowed: int = 0  # ... ran in full: their maps' lookback window was not whole (torchfill/lookback.py)
 
     def to_dict(self) -> dict:
         return {"filled_rows": self.filled, "outlier_rows_run_full": self.outliers,
@@ -49,7 +49,7 @@ class FillPlan:
     outlier_factor: a row that would be filled runs in full when its split-state norm exceeds this many times
     the median norm of its chunk's filled rows (calibration kept such rows, massive activations, out of the fit,
     so the map would be applied where it was never fitted); 0 fills them too. window: the filled rows' local
-    attention below the split (engine/window.py; None: full attention). `tally` counts what happened."""
+    attention below the split (torchfill/window.py; None: full attention). `tally` counts what happened."""
 
     filler: Filler
     tail: int

@@ -1,15 +1,15 @@
-"""Local attention for filled rows below the split (engine/window.py): checked against transformers' own layers
+"""Local attention for filled rows below the split (torchfill/window.py): checked against transformers' own layers
 with the window as an explicit mask, for chunk invariance, and for the O(rows x W) work it promises. Both window
 routes run here: "blocks" (the CPU's) and "masked_band" (the CUDA band route's logic with its band kernel's exact
-stand-in; engine/routes.py)."""
+stand-in; torchfill/routes.py)."""
 
 import numpy as np
 import pytest
 import torch
 
 from conftest import HYBRID_FAMILIES, random_ids, tiny_hybrid_model
-from ridgefill.engine import DropFiller, Engine, FilledWindow, FillPlan, IdentityFiller, ModelShape, adapter_for
-from ridgefill.engine.window import block_size, parse_layers, window_blocks
+from ridgefill.torchfill import DropFiller, Engine, FilledWindow, FillPlan, IdentityFiller, ModelShape, adapter_for
+from ridgefill.torchfill.window import block_size, parse_layers, window_blocks
 from ridgefill.errors import RidgefillError
 from ridgefill.evals.flops import prefill_flops
 

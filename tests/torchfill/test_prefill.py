@@ -6,7 +6,7 @@ import torch
 
 from conftest import random_ids, tiny_model
 from helpers import TOL, assert_caches_equal, engine_for, hf_hidden
-from ridgefill.engine import FillPlan, IdentityFiller, adapter_for
+from ridgefill.torchfill import FillPlan, IdentityFiller, adapter_for
 from ridgefill.errors import RidgefillError
 
 
@@ -50,7 +50,7 @@ def test_block_attention_paths_equal_the_masked_one(kv_heads):
     bias (the CUDA path, here run on the CPU) equal attention with an explicit causal mask."""
     import torch.nn.functional as F
 
-    from ridgefill.engine.attention import lower_right_causal, prefix_then_block
+    from ridgefill.torchfill.attention import lower_right_causal, prefix_then_block
 
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 7, 16, generator=g)
@@ -108,7 +108,7 @@ def test_bad_keep_rows_are_refused_not_dropped(dense_model):
 
 # --- rows that are not one block ending at the last key ---------------------------------------------------------
 def test_runs_of_consecutive_positions():
-    from ridgefill.engine.chunk_rows import runs_of
+    from ridgefill.torchfill.chunk_rows import runs_of
 
     assert runs_of(torch.tensor([3, 4, 5, 9, 12, 13])) == [(0, 3, 5), (3, 4, 9), (4, 6, 13)]
     assert runs_of(torch.tensor([7])) == [(0, 1, 7)] and runs_of(torch.tensor([], dtype=torch.long)) == []
@@ -121,7 +121,7 @@ def test_attention_by_runs_equals_the_masked_reference(route, kv_heads):
     causal route, equal to attention with an explicit causal mask at those positions."""
     import torch.nn.functional as F
 
-    from ridgefill.engine.chunk_rows import attention_by_runs, runs_of
+    from ridgefill.torchfill.chunk_rows import attention_by_runs, runs_of
 
     g = torch.Generator().manual_seed(1)
     positions = torch.tensor([0, 1, 2, 5, 9, 10, 11, 12, 13, 19])
@@ -137,11 +137,11 @@ def test_kept_and_outlier_rows_take_the_causal_route_by_runs(dense_model, monkey
     """Kept rows mid-chunk and outliers (rows that are not one block ending at the last key) run by the causal route,
     one lower-right block per run of consecutive positions, never a masked SDPA call (on CUDA a masked call with GQA
     falls to the math backend and repeats the K/V prefix in float32); the prefill still equals the oracle fill (its
-    exactness: tests/engine/test_invariants.py)."""
+    exactness: tests/torchfill/test_invariants.py)."""
     import torch.nn.functional as F
 
-    from ridgefill.engine import FilledWindow, OracleFiller
-    from ridgefill.engine import chunk_rows
+    from ridgefill.torchfill import FilledWindow, OracleFiller
+    from ridgefill.torchfill import chunk_rows
 
     ids, split = random_ids(40, seed=2), 3
     engine = engine_for(dense_model, chunk=16)

@@ -3,7 +3,7 @@
 With a window, every filled row, in the windowed layers below the split, attends only to the sinks (the leading
 `sinks` positions: the kept first rows) and to the W rows before it (positions p-W..p); full rows (tail, kept rows,
 decode) attend to everything as without one. Layers at or above the split are untouched: there filled rows run no
-attention. The work is O(rows x W) per layer, by one of two routes (engine/routes.py chooses):
+attention. The work is O(rows x W) per layer, by one of two routes (torchfill/routes.py chooses):
 
 - "blocks" (CPU): the windowed rows of a chunk go in blocks of consecutive rows, and a block attends to the sinks
   and the band of keys from W rows before its first row to its last row, masked per row (`window_blocks`), never
@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ridgefill.engine.attention import flash_cpu
+from ridgefill.torchfill.attention import flash_cpu
 from ridgefill.errors import RidgefillError
 
 

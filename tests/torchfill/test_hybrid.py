@@ -8,8 +8,8 @@ import torch.nn.functional as F
 
 from conftest import A, HYBRID_FAMILIES, L, random_ids, tiny_hybrid_model
 from helpers import TOL, TOL_REORDERED, assert_caches_equal, engine_for, hf_hidden, max_diff
-from ridgefill.engine import FillPlan, HybridAdapter, IdentityFiller, OracleFiller, StateCache, adapter_for
-from ridgefill.engine.families.delta_rule import causal_conv, chunk_gated_delta_rule
+from ridgefill.torchfill import FillPlan, HybridAdapter, IdentityFiller, OracleFiller, StateCache, adapter_for
+from ridgefill.torchfill.families.delta_rule import causal_conv, chunk_gated_delta_rule
 
 
 @pytest.fixture(scope="module", params=HYBRID_FAMILIES)

@@ -6,8 +6,8 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
 
 from conftest import tiny_model
-from ridgefill.engine.families import adapter_for
-from ridgefill.engine.families.base import apply_rope, rms_norm
+from ridgefill.torchfill.families import adapter_for
+from ridgefill.torchfill.families.base import apply_rope, rms_norm
 
 
 @pytest.mark.parametrize("rot", [64, 32, 16])  # full rotary, and partial (Qwen3.5 rotates a quarter of the head)

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from conftest import random_ids, tiny_model
-from ridgefill.engine import Engine, FillPlan, IdentityFiller, MapFiller, OracleFiller, adapter_for
-from ridgefill.engine.kv_stack import stack_weights
-from ridgefill.engine.projection import FillProjection, layer_kv
+from ridgefill.torchfill import Engine, FillPlan, IdentityFiller, MapFiller, OracleFiller, adapter_for
+from ridgefill.torchfill.kv_stack import stack_weights
+from ridgefill.torchfill.projection import FillProjection, layer_kv
 
 TOL = 1e-5
 
@@ -67,7 +67,7 @@ def test_fused_projection_equals_per_layer_route(dense_model, split):
 def test_other_layer_kinds_keep_the_per_layer_route():
     """Layers that are not attention (hybrid linear layers) get their predicted input; only the attention layers
     among the late ones are stacked and fused."""
-    from ridgefill.engine.families import DenseAdapter
+    from ridgefill.torchfill.families import DenseAdapter
 
     class Mixed(DenseAdapter):
         def layer_kind(self, layer):

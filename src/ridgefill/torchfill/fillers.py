@@ -3,13 +3,13 @@
 A filler for split S maps the split state x (the residual stream entering layer S) of the filled rows to
 predicted inputs of layers S+1..L-1. Layer S itself always gets x (its map is the identity, so its cache
 is exact). `predict` returns [B, n, L-S-1, H]; `late_inputs` returns the same inputs layer-major with x first,
-[L-S, B·n, H], the layout of the fused fill projection (engine/projection.py), each filler computing it its own
+[L-S, B·n, H], the layout of the fused fill projection (torchfill/projection.py), each filler computing it its own
 way (no copy for identity fill, one batched GEMM for maps). A filler may carry a key-scale correction
 (`key_scale` [L-S, Hkv]: each late attention layer's filled keys are multiplied per KV head; 1 where none is
 fitted; method/key_scale.py fits it). Two null controls are fillers too: `MeanFiller` gives every filled row the
 calibration mean of each late layer's input (a map whose weights are zero: it ignores the row), and `DropFiller`
 (`drops`) gives it nothing: filled rows write no cache in layers S..L-1 and the full rows there attend only to full
-rows. Maps with lookback K (engine/lookback.py) also read the split states of the
+rows. Maps with lookback K (torchfill/lookback.py) also read the split states of the
 K rows before each filled row: `previous` [B, n, K·H], nearest first; the engine gives it, and runs in full every
 filled row whose window it cannot give.
 """
@@ -198,7 +198,7 @@ class MapFiller:
     f is the filled row's split state x [H], or with lookback K its window's too: [x_t, x_{t-1}, .., x_{t-K}]
     [F = (K+1)·H]. weights: [L-S-1, F, H]; biases: [L-S-1, H]. A low-rank map stores W_l = E + U_l V_l (E: the
     identity on x's block, zero on the window's); then `low_rank` = (U [L-S-1, F, r], V [L-S-1, r, H]) and
-    `weights` is None. lookback_start: the first position a window may hold (engine/lookback.py).
+    `weights` is None. lookback_start: the first position a window may hold (torchfill/lookback.py).
     """
 
     name = "ridge"

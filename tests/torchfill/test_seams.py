@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from conftest import random_ids, tiny_hybrid_model, tiny_model
-from ridgefill.engine import (Engine, FillPlan, IdentityFiller, MapFiller, OracleFiller, Stopwatch, adapter_for,
+from ridgefill.torchfill import (Engine, FillPlan, IdentityFiller, MapFiller, OracleFiller, Stopwatch, adapter_for,
                               late_inputs_by_layer)
-from ridgefill.engine.projection import FillProjection
+from ridgefill.torchfill.projection import FillProjection
 
 TOL = 1e-5
 H, L, S = 4, 4, 1  # tiny fillers: hidden 4, 4 layers, split 1 -> 2 maps (layers 2, 3)

@@ -7,11 +7,11 @@ Semantics (split S, L layers, tail T, keep_first F, keep_rows K):
 - a filled row writes the cache of each late layer l = S..L-1 from a predicted input (layer S: x itself;
   l > S: the filler's prediction) through that layer's own input norm, K/V projections, k-norm and RoPE
   at its true position; it runs no attention or MLP in those layers (a chunk's filled rows get their K/V
-  for every late attention layer from one fused projection, engine/projection.py);
+  for every late attention layer from one fused projection, torchfill/projection.py);
 - full rows run every layer, attending to all cached keys at or before their position (filled or not).
-- drop fill (the null control, engine/fillers.py DropFiller): filled rows write nothing in layers S..L-1 (no K/V,
+- drop fill (the null control, torchfill/fillers.py DropFiller): filled rows write nothing in layers S..L-1 (no K/V,
   no recurrent-state update), so there the full rows attend only to full rows.
-- a filled window (FillPlan.window, engine/window.py): in its layers below the split, filled rows attend only to
+- a filled window (FillPlan.window, torchfill/window.py): in its layers below the split, filled rows attend only to
   the sinks and the W rows before them; full rows attend to everything.
 
 Rows are processed chunk by chunk in position order, so activation memory stays bounded and a chunk's
@@ -29,17 +29,17 @@ from typing import Callable, Sequence
 import torch
 
 from ridgefill.clock import clocked
-from ridgefill.engine.families.base import Adapter
-from ridgefill.engine.cache import AttentionCache, Cache
-from ridgefill.engine.chunk_rows import ChunkRows
-from ridgefill.engine.fill_plan import FillPlan, Promoted
-from ridgefill.engine.fillers import Filler
-from ridgefill.engine.lookback import lookback_windows, window_states
-from ridgefill.engine.projection import FillProjection
-from ridgefill.engine.routes import Routes
-from ridgefill.engine.shape import ModelShape
-from ridgefill.engine.timing import Stopwatch
-from ridgefill.engine.window import FilledWindow
+from ridgefill.torchfill.families.base import Adapter
+from ridgefill.torchfill.cache import AttentionCache, Cache
+from ridgefill.torchfill.chunk_rows import ChunkRows
+from ridgefill.torchfill.fill_plan import FillPlan, Promoted
+from ridgefill.torchfill.fillers import Filler
+from ridgefill.torchfill.lookback import lookback_windows, window_states
+from ridgefill.torchfill.projection import FillProjection
+from ridgefill.torchfill.routes import Routes
+from ridgefill.torchfill.shape import ModelShape
+from ridgefill.torchfill.timing import Stopwatch
+from ridgefill.torchfill.window import FilledWindow
 from ridgefill.defaults import DEFAULT_CHUNK
 from ridgefill.errors import RidgefillError
 
@@ -57,7 +57,7 @@ class PrefillResult:
     n_rows: int
     n_filled: int  # rows filled (rows that ran in full instead not counted)
     n_outliers: int = 0  # rows that would have been filled but ran in full (FillPlan.outlier_factor)
-    n_unwindowed: int = 0  # ... ran in full: their lookback window was not whole (engine/lookback.py)
+    n_unwindowed: int = 0  # ... ran in full: their lookback window was not whole (torchfill/lookback.py)
 
 
 @dataclass
@@ -70,8 +70,8 @@ class GenerationResult:
 
 class Engine:
     """Runs a model through its adapter. `chunk` bounds how many prompt rows run at once; `projection` is the
-    filled rows' K/V projection backend (engine/projection.py: auto, torch, layers); `timer` (a
-    Stopwatch) gets the wall time of that projection added to it (None: not timed). `routes` (engine/routes.py):
+    filled rows' K/V projection backend (torchfill/projection.py: auto, torch, layers); `timer` (a
+    Stopwatch) gets the wall time of that projection added to it (None: not timed). `routes` (torchfill/routes.py):
     the route each piece takes on this device, chosen once here (RIDGEFILL_ROUTES overrides some)."""
 
     def __init__(self, adapter: Adapter, chunk: int = DEFAULT_CHUNK, projection: str = "auto",

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ridgefill.engine.families.base import Adapter, KVWeights, apply_rope, rms_norm
+from ridgefill.torchfill.families.base import Adapter, KVWeights, apply_rope, rms_norm
 from ridgefill.errors import RidgefillError
 
 

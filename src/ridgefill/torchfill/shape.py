@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ridgefill.engine.families.base import Adapter
+from ridgefill.torchfill.families.base import Adapter
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from conftest import random_ids
-from ridgefill.engine import Engine, FillPlan, MapFiller, OracleFiller, adapter_for
-from ridgefill.engine.lookback import lookback_windows, window_states
+from ridgefill.torchfill import Engine, FillPlan, MapFiller, OracleFiller, adapter_for
+from ridgefill.torchfill.lookback import lookback_windows, window_states
 
 TOL = 1e-5
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ridgefill.engine.families.base import Adapter, KVWeights
+from ridgefill.torchfill.families.base import Adapter, KVWeights
 
 
 @dataclass

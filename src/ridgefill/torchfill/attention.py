@@ -1,6 +1,6 @@
 """Causal attention of a block of query rows that are the last nq of a layer's n_keys cached positions (every chunk
 row before the split; a tail that ends its chunk), when the queries do not start at position 0 (SDPA's is_causal
-aligns top-left, which is wrong there). engine/routes.py chooses which of these a device runs (`causal_attention`):
+aligns top-left, which is wrong there). torchfill/routes.py chooses which of these a device runs (`causal_attention`):
 
 - "flash": CUDA, fp16/bf16: one call of torch's flash-attention op with the unrepeated GQA K/V. Flash-attention 2
   aligns its causal mask lower-right when nq < n_keys, which is exactly this case: torch's own

@@ -1,4 +1,4 @@
-"""The null controls (engine/fillers.py): drop (filled rows write nothing in layers S..L-1) and mean (every filled
+"""The null controls (torchfill/fillers.py): drop (filled rows write nothing in layers S..L-1) and mean (every filled
 row's late input is the calibration mean), checked against transformers' own layers and against their definitions
 (drop's chunk invariance on the dense families: test_invariants.test_chunked_equals_unchunked)."""
 
@@ -8,7 +8,7 @@ import torch
 
 from conftest import HYBRID_FAMILIES, random_ids, tiny_hybrid_model
 from helpers import TOL, engine_for
-from ridgefill.engine import DropFiller, FillPlan, MapFiller, MeanFiller, ModelShape
+from ridgefill.torchfill import DropFiller, FillPlan, MapFiller, MeanFiller, ModelShape
 from ridgefill.evals.flops import prefill_flops
 
 

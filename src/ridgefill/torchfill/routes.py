@@ -2,17 +2,17 @@
 builds its `Routes` once (`Routes.for_model`); prefill, its chunk rows, the fill projection and the delta rule read
 it, and `describe()` is what results record.
 
-- causal: chunk attention over the cached prefix when the queries are the last nq positions (engine/attention.py):
+- causal: chunk attention over the cached prefix when the queries are the last nq positions (torchfill/attention.py):
   "flash" on CUDA in fp16/bf16 where torch's flash kernel takes the head shape (one call, lower-right causal,
   GQA K/V unrepeated); "lower_right" on CUDA otherwise (fp32: torch's lower-right causal bias, GQA heads repeated);
   "cpu_split" on the CPU (the CPU flash kernel over the prefix and the block, merged by log-sum-exp);
   "cudnn_split" (the cuDNN op, same split) only when asked for.
-- window: the local attention of filled rows (engine/window.py): "flash_band" where "flash" applies (one
+- window: the local attention of filled rows (torchfill/window.py): "flash_band" where "flash" applies (one
   sliding-window flash call, sinks merged by log-sum-exp, no host sync), else "blocks" (blocks of rows, a masked
   band each: the CPU's); "masked_band" (the band route with its exact masked stand-in) only when asked for.
-- projection: the filled rows' late K/V (engine/projection.py): "torch" (the fused projection, one bmm) for auto
+- projection: the filled rows' late K/V (torchfill/projection.py): "torch" (the fused projection, one bmm) for auto
   on every device, or "layers" (per layer) when asked for.
-- delta_rule: Gated DeltaNet's chunked rule (engine/families/delta_rule.py): "fla" on CUDA when
+- delta_rule: Gated DeltaNet's chunked rule (torchfill/families/delta_rule.py): "fla" on CUDA when
   flash-linear-attention imports, else "torch" (an installed fla that fails to import: one warning).
 
 For measurement (scripts/attention_check.py, bench-ttft runs of a GPU check), the environment variable

@@ -24,9 +24,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ridgefill.engine.families.base import Adapter, apply_rope
-from ridgefill.engine.cache import StateCache
-from ridgefill.engine.families.delta_rule import causal_conv, chunk_gated_delta_rule
+from ridgefill.torchfill.families.base import Adapter, apply_rope
+from ridgefill.torchfill.cache import StateCache
+from ridgefill.torchfill.families.delta_rule import causal_conv, chunk_gated_delta_rule
 from ridgefill.errors import RidgefillError
 
 _KINDS = {"full_attention": "attention", "linear_attention": "linear"}
