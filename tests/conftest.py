@@ -1,7 +1,9 @@
-"""Tiny random-init models of every supported family, built in the test process (no downloads)."""
+"""The shared fixtures: the tiny models' fixtures (tests/tiny_models.py builds them), the fitted tiny checkpoint, the
+tiny GGUF files, the vLLM fixtures; and how the suite runs (the fast tier, xdist groups, CPU binding)."""
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -9,44 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from transformers import (AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3_5TextConfig, Qwen3Config,
-                          Qwen3NextConfig)
-
-VOCAB = 128
-
-
-def tiny_config(family: str, **overrides):
-    common = dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-    )
-    common.update(overrides)
-    if family == "llama":
-        return LlamaConfig(rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
-                                            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                            "original_max_position_embeddings": 64}, **common)
-    if family == "qwen2":
-        return Qwen2Config(rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **common)
-    if family == "qwen3":
-        yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128}
-        return Qwen3Config(**{"head_dim": 16, "rope_parameters": yarn, **common})
-    raise ValueError(family)
-
-
-def tiny_model(family: str, seed: int = 0, **overrides):
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(family, **overrides), dtype=torch.float32)
-    model.eval()
-    # Random init leaves norms at 1 and biases at 0; perturb them so the tests exercise them.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                p.add_(0.1 * torch.randn_like(p))
-    return model
-
-
-DENSE_FAMILIES = ["llama", "qwen2", "qwen3"]
+from tiny_models import DENSE_FAMILIES, save_tiny_checkpoint, tiny_model, training_text, write_corpus
 
 
 @pytest.fixture(params=DENSE_FAMILIES)
@@ -54,59 +19,21 @@ def dense_model(request):
     return tiny_model(request.param)
 
 
-HYBRID_FAMILIES = ["qwen3_5", "qwen3_next"]
-L, A = "linear_attention", "full_attention"
-HYBRID_LAYERS = [L, L, A, L, L, A]  # default: linear layer first (Cache.length reads layer 0), attention last
+@pytest.fixture(scope="module")
+def long_docs(tmp_path_factory) -> Path:
+    """A .jsonl corpus of documents of ~700 tokens; about one in five is an evaluation document."""
+    path = tmp_path_factory.mktemp("data") / "docs.jsonl"
+    lines = training_text(1200, seed=5)
+    docs = [" ".join(lines[i : i + 48]) for i in range(0, len(lines), 48)]
+    path.write_text("\n".join(json.dumps({"text": d}) for d in docs) + "\n")
+    return path
 
 
-def tiny_hybrid_config(family: str, **overrides):
-    """Qwen3.5 / Qwen3-Next with Gated DeltaNet and gated full-attention layers (partial RoPE 0.25, so 4 of
-    16 head dims rotate); linear layers have 2 key heads serving 4 value heads. Qwen3-Next's layers use a
-    4-expert top-2 MoE with a shared expert except layer 1 (dense MLP)."""
-    common = dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=6, layer_types=HYBRID_LAYERS,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-        linear_conv_kernel_dim=4, rms_norm_eps=1e-6, tie_word_embeddings=True,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0,
-    )
-    common.update(overrides)
-    common["num_hidden_layers"] = len(common["layer_types"])
-    if family == "qwen3_5":
-        return Qwen3_5TextConfig(**common)
-    if family == "qwen3_next":
-        moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
-                   mlp_only_layers=[1])
-        return Qwen3NextConfig(**{**moe, **common})
-    raise ValueError(family)
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    """A tiny Llama-family checkpoint folder, shared by the whole test session (treat it as read-only)."""
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "llama")
 
-
-def tiny_hybrid_model(family: str, seed: int = 0, **overrides):
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_hybrid_config(family, **overrides), dtype=torch.float32)
-    model.eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):  # incl. q/k norms, the gated norm and dt_bias
-                p.add_(0.1 * torch.randn_like(p))
-            if name.endswith("mlp.gate.weight"):  # decisive routing: no near-ties flipped by rounding
-                p.mul_(20.0)
-            if ".linear_attn.in_proj" in name or ".linear_attn.conv1d" in name:  # O(1) q/k/v, gates and states
-                p.mul_(6.0 if "in_proj" in name else 25.0)
-            if name.endswith("A_log"):
-                # Moderate decays (init draws A up to 16: a head then sees ~one token, its output q.k v is
-                # often near zero, and the gated RMSNorm blows fp32 rounding up ~1e4x). Here a state spans
-                # several tokens, as in trained checkpoints.
-                p.copy_(torch.empty_like(p).uniform_(0.05, 0.5).log())
-    return model
-
-
-def random_ids(n: int, batch: int = 1, seed: int = 1) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, VOCAB, (batch, n), generator=g)
-
-
-from tiny_checkpoint import long_docs, tiny_checkpoint, write_corpus  # noqa: E402,F401  (fixtures: model, long text)
 # the vLLM tests' shared fixtures, registered here once: a session fixture imported into several test modules is a
 # fixture of each module, and was built once per module (the tiny checkpoints and their maps five times)
 from vllm_fixtures import (engines, smollm2_tuned, vllm_hybrid, vllm_lookback, vllm_tiny,  # noqa: E402,F401
@@ -161,11 +88,7 @@ def tiny_ggufs(tmp_path_factory):
     import tiny_gguf
 
     folder = tmp_path_factory.mktemp("gguf")
-    out = {}
-    for family in ("llama", "qwen2", "qwen3"):
-        m = tiny_gguf.model(family)
-        out[family] = (m, tiny_gguf.write(m, folder / f"tiny-{family}.gguf", family))
-    return out
+    return {family: tiny_gguf.build(family, folder / f"tiny-{family}.gguf") for family in tiny_gguf.ARCH}
 
 
 # --- running in parallel (pytest-xdist: `make test` runs two workers) ----------------------------------------------

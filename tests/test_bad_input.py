@@ -29,7 +29,7 @@ from bad_input_cases import CASES, END_TO_END
 from bad_input_kit import BASES, COPY_OF_A, SERVE, Case, Inputs
 from fixtures.longbench_fixture import build_records, write_jsonl
 from helpers import run_main
-from tiny_checkpoint import save_tiny_checkpoint, training_text, write_corpus
+from tiny_models import save_tiny_checkpoint, training_text, write_corpus
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

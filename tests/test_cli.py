@@ -26,13 +26,13 @@ def ridgefill(capfd, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def fitted(tiny_fitted):
+def stats_and_maps(tiny_fitted):
     """(statistics at splits 2 and 3, maps at split 3): conftest.tiny_fitted, calibrated and fitted through the CLI."""
     return tiny_fitted.stats, tiny_fitted.maps[3]
 
 
-def test_calibrate_and_fit_write_artifacts_and_summaries(fitted):
-    stats, maps = fitted
+def test_calibrate_and_fit_write_artifacts_and_summaries(stats_and_maps):
+    stats, maps = stats_and_maps
     summary = json.loads(Path(str(stats) + ".json").read_text())
     assert [r["split"] for r in summary["rows"]] == [2, 3]
     assert all(r["train_rows"] > 0 and r["val_rows"] > 0 for r in summary["rows"])
@@ -42,10 +42,10 @@ def test_calibrate_and_fit_write_artifacts_and_summaries(fitted):
     assert not any(p.name.endswith(".partial") for p in stats.parent.iterdir())
 
 
-def test_generate_prints_only_text_and_tail_covering_prompt_is_exact(tiny_checkpoint, fitted, ridgefill):
+def test_generate_prints_only_text_and_tail_covering_prompt_is_exact(tiny_checkpoint, stats_and_maps, ridgefill):
     """The exact run in a real process (its stdout is the text alone, whatever the imports print); the filled runs
     through the same entry point in this process."""
-    _, maps = fitted
+    _, maps = stats_and_maps
     prompt = "The grass is green. The sky is blue. One of the special magic numbers for king is: 1234567."
     exact = run_cli("generate", "--model", tiny_checkpoint, "--exact", "--prompt", prompt, "--max-new-tokens", 8)
     filled = ridgefill("generate", "--model", tiny_checkpoint, "--maps", maps, "--tail", 500, "--prompt", prompt,
@@ -80,8 +80,8 @@ def test_bad_input_is_one_line_exit_2(args, message, tiny_checkpoint, ridgefill)
         assert r.stderr.rstrip().endswith(f"ridgefill{' loss' if args[0] == 'loss' else ''} --help'")
 
 
-def test_corrupted_and_foreign_artifacts_are_refused(tiny_checkpoint, fitted, tmp_path, ridgefill):
-    stats, maps = fitted
+def test_corrupted_and_foreign_artifacts_are_refused(tiny_checkpoint, stats_and_maps, tmp_path, ridgefill):
+    stats, maps = stats_and_maps
     broken = tmp_path / "broken.safetensors"
     broken.write_bytes(maps.read_bytes()[:1000])
     r = ridgefill("fit", "--stats", broken, "--out", tmp_path / "m.safetensors")
@@ -93,13 +93,13 @@ def test_corrupted_and_foreign_artifacts_are_refused(tiny_checkpoint, fitted, tm
     assert not (tmp_path / "m.safetensors").exists()
 
 
-def test_maps_for_another_model_are_refused(fitted, tmp_path, ridgefill):
+def test_maps_for_another_model_are_refused(stats_and_maps, tmp_path, ridgefill):
     import shutil
 
     import torch
     from transformers import AutoModelForCausalLM
 
-    _, maps = fitted
+    _, maps = stats_and_maps
     folder = tmp_path / "changed"
     shutil.copytree(Path(json.loads(Path(str(maps) + ".json").read_text())["model"]["id"]), folder)
     model = AutoModelForCausalLM.from_pretrained(folder)
@@ -124,8 +124,8 @@ def test_version():
     assert r.exit_code == 0 and r.output.startswith("ridgefill ")
 
 
-def test_identity_kind_reports_identity_error_and_json_is_strict(fitted, tmp_path):
-    stats, _ = fitted
+def test_identity_kind_reports_identity_error_and_json_is_strict(stats_and_maps, tmp_path):
+    stats, _ = stats_and_maps
     out = tmp_path / "id.safetensors"
     r = CliRunner().invoke(app, ["fit", "--stats", str(stats), "--out", str(out), "--split", "2", "--kind", "identity"])
     assert r.exit_code == 0, r.output

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tiny_checkpoint import save_tiny_checkpoint, write_corpus
+from tiny_models import save_tiny_checkpoint, write_corpus
 
 DENSE = ("llama", "qwen2", "qwen3")
 SPLIT = 2  # of 6 layers
@@ -130,7 +130,7 @@ def vllm_hybrid(tmp_path_factory) -> tuple[Path, Path]:
 def hybrid_checkpoint(root: Path) -> tuple[Path, Path]:
     import torch
 
-    from conftest import A, L
+    from tiny_models import A, L
 
     folder = sharpen(save_tiny_checkpoint(root / "qwen3_next", "qwen3_next", dtype=torch.bfloat16, hidden_size=128,
                                           intermediate_size=256, layer_types=[L, L, L, A] * 2, head_dim=64,

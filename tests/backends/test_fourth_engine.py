@@ -185,7 +185,7 @@ def real_engine(name: str, request, tmp_path, monkeypatch) -> str:
     monkeypatch.syspath_prepend(str(Path(__file__).parent / "llamacpp"))
     import tiny_gguf
 
-    return str(tiny_gguf.write(tiny_gguf.model("llama"), tmp_path / "tiny-llama.gguf", "llama"))
+    return str(tiny_gguf.build("llama", tmp_path / "tiny-llama.gguf")[1])
 
 
 @pytest.mark.parametrize("name", ["vllm", "llamacpp"])

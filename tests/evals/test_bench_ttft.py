@@ -11,7 +11,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from conftest import tiny_model
+from tiny_models import tiny_model
 from ridgefill.cli import app
 from ridgefill.torchfill import MapFiller, ModelShape
 from ridgefill.errors import RidgefillError

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from conftest import tiny_hybrid_model
+from tiny_models import tiny_model
 from ridgefill.torchfill import ModelShape, adapter_for
 from ridgefill.torchfill.shape import HybridShape
 from ridgefill.evals.flops import prefill_flops
@@ -32,7 +32,7 @@ def test_hybrid_flops_match_a_hand_count():
 
 
 def test_the_shape_of_a_qwen3_next_model_reads_its_config():
-    model = tiny_hybrid_model("qwen3_next")  # layers L L A L L A, a dense MLP in layer 1, 4 experts top-2
+    model = tiny_model("qwen3_next")  # layers L L A L L A, a dense MLP in layer 1, 4 experts top-2
     shape = ModelShape.of(adapter_for(model))
     assert shape.layer_kinds == ("linear", "linear", "attention", "linear", "linear", "attention")
     assert shape.hybrid == HybridShape(True, 2, 4, 16, 16, 4, (True, False, True, True, True, True), 4, 2, 32, 48)

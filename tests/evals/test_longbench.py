@@ -17,9 +17,9 @@ from ridgefill.evals.longbench import COMMAND as longbench_command
 from ridgefill.evals.longbench import ANSWER_LEAD, cut_middle, extract_answer, load_questions, option_ids, prompt_ids
 from ridgefill.evals.scoring import continuation_scores
 
-from conftest import random_ids, tiny_model
+from tiny_models import random_ids, tiny_model
 from fixtures.longbench_fixture import build_records, write_jsonl
-from tiny_checkpoint import training_text
+from tiny_models import training_text
 
 
 def documents(n: int = 16) -> list[str]:

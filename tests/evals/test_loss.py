@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from typer.testing import CliRunner
 
-from conftest import random_ids, tiny_model
+from tiny_models import random_ids, tiny_model
 from ridgefill.cli import app
 from ridgefill.torchfill import Engine, adapter_for
 from ridgefill.errors import RidgefillError

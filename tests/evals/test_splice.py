@@ -9,7 +9,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from conftest import A, L, random_ids, tiny_hybrid_model, tiny_model
+from tiny_models import A, L, random_ids, tiny_model
 from ridgefill.cli import app
 from ridgefill.torchfill import Engine, FillPlan, IdentityFiller, adapter_for
 from ridgefill.errors import RidgefillError
@@ -98,7 +98,7 @@ def test_key_scale_and_direction_decompose_keys(dense):
 
 
 def test_state_swap_on_a_hybrid_model():
-    engine, ids, plan, pair = setup(tiny_hybrid_model("qwen3_5", layer_types=[L, A, L, A]), split=1)
+    engine, ids, plan, pair = setup(tiny_model("qwen3_5", layer_types=[L, A, L, A]), split=1)
     filled, exact = (tail_nll(OwnBackend.over(engine, {"filled": plan, "exact": None}), name, ids, TAIL)[0]
                      for name in ("filled", "exact"))
     assert gap(scores(engine, ids, splice(pair, frozenset(), (1, 3))), filled) <= TOL

@@ -2,8 +2,7 @@
 this folder is marked to skip unless torch sees a CUDA GPU, so CI (CPU only) collects and skips them, visibly
 (`pytest -rs` names the reason). scripts/gpu_check.sh runs them on a GPU machine.
 
-The folder is a package (tests/gpu/__init__.py) so that this conftest is `gpu.conftest` and `from conftest import`
-in its tests still reads tests/conftest.py (the tiny-model helpers)."""
+The folder is a package (tests/gpu/__init__.py) so that this conftest is `gpu.conftest`, beside tests/conftest.py."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import random_ids, tiny_model
+from tiny_models import random_ids, tiny_model
 from ridgefill.torchfill import Engine, FilledWindow, FillPlan, IdentityFiller, adapter_for
 from ridgefill.torchfill.attention import causal_attention
 from ridgefill.torchfill.routes import ENV, Routes

@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 
-from conftest import random_ids, tiny_model
+from tiny_models import random_ids, tiny_model
 from helpers import engine_for
 from ridgefill.torchfill import Engine, FillPlan, MapFiller, adapter_for
 from ridgefill.torchfill.projection import FillProjection
@@ -134,7 +134,7 @@ def test_calibrate_statistics_on_cuda_equal_the_cpus(tiny_checkpoint, tmp_path):
     rounding of the hidden states (the float64 sums of float32 rows computed by other kernels)."""
     from typer.testing import CliRunner
 
-    from conftest import write_corpus
+    from tiny_models import write_corpus
     from ridgefill.cli import app
     from ridgefill.runtime.artifacts import load_artifact
 

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from conftest import random_ids, tiny_model
+from tiny_models import random_ids, tiny_model
 from ridgefill.errors import RidgefillError
 from ridgefill.runtime.artifacts import load_artifact, save_artifact
 from ridgefill.method.calibrate import Checkpoints, part_of, partial_path, run_calibration, start_calibration
@@ -409,7 +409,7 @@ def test_the_command_reports_the_nonfinite_rows_and_fits_from_the_rest(tiny_chec
     """`calibrate` counts the rows kept out as non-finite in its table, its summary and a note; `fit` then fits
     finite maps from the other rows."""
     from ridgefill.commands import command
-    from tiny_checkpoint import write_corpus
+    from tiny_models import write_corpus
 
     monkeypatch.setattr(Engine, "prefill", poisoning(Engine.prefill, {(2, 5): math.nan, (4, 9): math.inf}))
     monkeypatch.setenv("COLUMNS", "200")  # the table whole, whatever terminal (or none) the test runs under

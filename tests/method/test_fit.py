@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import random_ids, tiny_model
+from tiny_models import random_ids, tiny_model
 from ridgefill.torchfill import Engine, adapter_for
 from ridgefill.errors import RidgefillError
 from ridgefill.method.calibrate import run_calibration

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import random_ids, tiny_model
+from tiny_models import random_ids, tiny_model
 from ridgefill.commands import command
 from ridgefill.torchfill import Engine, FillPlan, IdentityFiller, adapter_for
 from ridgefill.method.key_scale import KeyNormSums, key_norm_sums
@@ -46,13 +46,13 @@ def test_pass_counts_only_filled_rows_of_late_attention_layers():
     assert (sums.filled[1:] > 0).all()
 
 
-def fitted(tiny_fitted, folder):
+def copied_maps(tiny_fitted, folder):
     """(calibration text, a copy in `folder` of the maps fitted on it at split 2): conftest.tiny_fitted."""
     return tiny_fitted.text, Path(shutil.copy(tiny_fitted.maps[2], folder / "maps.safetensors"))
 
 
 def test_command_writes_maps_with_a_scale_the_engine_applies(tiny_checkpoint, tiny_fitted, tmp_path):
-    text, maps = fitted(tiny_fitted, tmp_path)
+    text, maps = copied_maps(tiny_fitted, tmp_path)
     out = tmp_path / "ks.safetensors"
     summary = command("key-scale")(model=str(tiny_checkpoint), maps=maps, data=str(text), tokens=512, seq_len=128,
                                    out=out)
@@ -84,7 +84,7 @@ def test_maps_refit_during_the_pass_do_not_get_the_scale_of_the_old_ones(tiny_ch
     import ridgefill.method.key_scale as key_scale
     from ridgefill.runtime.artifacts import save_artifact
 
-    text, maps = fitted(tiny_fitted, tmp_path)
+    text, maps = copied_maps(tiny_fitted, tmp_path)
     out = tmp_path / "ks.safetensors"
     original, meta = load_artifact(maps, "maps")
     pinned = hashlib.sha256(maps.read_bytes()).hexdigest()
@@ -119,7 +119,7 @@ def test_a_scale_that_overflows_fp32_is_refused_and_nothing_is_written(tiny_chec
     from ridgefill.errors import RidgefillError
     from ridgefill.runtime.artifacts import save_artifact
 
-    text, maps = fitted(tiny_fitted, tmp_path)
+    text, maps = copied_maps(tiny_fitted, tmp_path)
     out = tmp_path / "ks.safetensors"
     tensors, meta = load_artifact(maps, "maps")
     tiny = tmp_path / "tiny.safetensors"

@@ -97,7 +97,7 @@ def test_calibrate_refuses_to_write_statistics_that_are_not_finite(tmp_path):
     """A resumed calibration whose checkpoint holds an infinity (a changed file: calibrate keeps rows that overflow
     out) would carry it into every later checkpoint and the final file: the write is refused in one line naming the
     file and the sum, and the final file is not written."""
-    from conftest import random_ids, tiny_model
+    from tiny_models import random_ids, tiny_model
     from ridgefill.torchfill import Engine, adapter_for
     from ridgefill.method.calibrate import partial_path, run_calibration
 

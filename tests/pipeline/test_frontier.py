@@ -134,12 +134,12 @@ def test_the_shape_read_from_a_result_document_is_the_engines(family, tmp_path):
     """flop_model's shape, read from a result document's `model` (what the adapter describes) and the model's
     config.json (evals/flops.described_shape), is the engine's own: dense, or hybrid (Gated DeltaNet layers, MoE
     MLPs); without the config.json there is no shape, so no count."""
-    from conftest import tiny_hybrid_model, tiny_model
+    from tiny_models import tiny_model
 
     from ridgefill.torchfill import ModelShape, adapter_for
     from ridgefill.pipeline.frontier import flop_model
 
-    model = tiny_model(family) if family == "llama" else tiny_hybrid_model(family)
+    model = tiny_model(family) if family == "llama" else tiny_model(family)
     adapter = adapter_for(model)
     doc = {"command": "ruler", "model": {"id": str(tmp_path), **adapter.describe()}, "config": {"context": 256}}
     results = [Result(tmp_path / "ruler.json", doc)]

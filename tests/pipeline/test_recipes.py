@@ -23,7 +23,7 @@ from ridgefill.pipeline.recipe import load_recipe
 from ridgefill.pipeline.run import run_recipe
 from ridgefill.runtime.paths import write_json
 from ridgefill.runtime.session import ModelConfig
-from tiny_checkpoint import write_corpus
+from tiny_models import write_corpus
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -23,7 +23,7 @@ from ridgefill.pipeline.tune import COMMAND as tune_command
 from ridgefill.pipeline.tune.options import candidate_splits, parse_windows, window_of
 from ridgefill.pipeline.tune.verdict import MIN_DISTANT_TOKENS, PASS, best_choice, distant_warning, verdict
 from ridgefill.pipeline.tune.windows import WindowRun, best_window
-from tiny_checkpoint import write_corpus
+from tiny_models import write_corpus
 
 
 # --- verdicts and the choice between variants -----------------------------------------------------------

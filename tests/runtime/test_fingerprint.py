@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 from ridgefill.runtime import models
 from ridgefill.runtime.models import checkpoint_fingerprint, load_model
-from tiny_checkpoint import save_tiny_checkpoint
+from tiny_models import save_tiny_checkpoint
 
 
 def test_the_same_checkpoint_in_fp32_and_bf16_has_one_fingerprint(tiny_checkpoint):

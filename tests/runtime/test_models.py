@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from conftest import tiny_hybrid_model
+from tiny_models import tiny_model
 from ridgefill.errors import RidgefillError
 from ridgefill.runtime import models
 from ridgefill.runtime.models import model_identity
@@ -17,7 +17,7 @@ from ridgefill.runtime.session import open_session
 
 def hybrid_checkpoint(root, tokenizer_from):
     folder = root / "qwen3_next"
-    tiny_hybrid_model("qwen3_next").save_pretrained(folder)
+    tiny_model("qwen3_next").save_pretrained(folder)
     for f in tokenizer_from.iterdir():
         if "token" in f.name:
             shutil.copy(f, folder)

@@ -28,7 +28,7 @@ from ridgefill.backends.vllm.malloc import TUNABLES
 
 # --- in-process: what serve hands to vLLM, and the vLLM installation's checks ---------------------------------
 @pytest.fixture(scope="module")
-def fitted(tiny_fitted) -> Path:
+def split3_maps(tiny_fitted) -> Path:
     """Maps fitted on the tiny checkpoint (split 3): conftest.tiny_fitted's."""
     return tiny_fitted.maps[3]
 
@@ -56,11 +56,11 @@ def main(monkeypatch, capfd, *args) -> tuple[int, str]:
 
 
 def test_serve_runs_the_vllm_server_with_the_fill_and_hands_on_undeclared_options(
-        tiny_checkpoint, fitted, vllm_ok, monkeypatch, capfd):
+        tiny_checkpoint, split3_maps, vllm_ok, monkeypatch, capfd):
     monkeypatch.setattr(vserving, "on_cpu", lambda: True)
     for name in ("VLLM_CPU_KVCACHE_SPACE", "GLIBC_TUNABLES", "LD_PRELOAD", "VLLM_USE_AOT_COMPILE"):
         monkeypatch.delenv(name, raising=False)
-    code, err = main(monkeypatch, capfd, "serve", "--model", tiny_checkpoint, "--maps", fitted, "--tail", 16,
+    code, err = main(monkeypatch, capfd, "serve", "--model", tiny_checkpoint, "--maps", split3_maps, "--tail", 16,
                      "--max-model-len", 256, "-tp", 1, "--max_num_seqs=4", "--port", 8123, "--seed", 3,
                      "--no-enable-log-requests", "--concurrency", 3)
     assert code == 0 and err == "", err  # serve's line comes once the server answers (launch prints it)
@@ -72,9 +72,9 @@ def test_serve_runs_the_vllm_server_with_the_fill_and_hands_on_undeclared_option
         "--kv-cache-memory-bytes", str(kv),
         "--max-model-len", "256", "-tp", "1", "--max_num_seqs=4", "--seed", "3", "--no-enable-log-requests"]
     env = vllm_ok["env"]
-    assert env[ENV["maps"]] == str(fitted.resolve()) and env[ENV["tail"]] == "16"
+    assert env[ENV["maps"]] == str(split3_maps.resolve()) and env[ENV["tail"]] == "16"
     assert env[ENV["keep_first"]] == "1" and float(env[ENV["outlier_factor"]]) == 20.0
-    assert env[ENV["maps_sha256"]] == hashlib.sha256(fitted.read_bytes()).hexdigest()
+    assert env[ENV["maps_sha256"]] == hashlib.sha256(split3_maps.read_bytes()).hexdigest()
     assert env["VLLM_USE_V2_MODEL_RUNNER"] == "0" and env["PROMETHEUS_MULTIPROC_DIR"]
     assert env["PATH"] == os.environ["PATH"]  # the rest of the environment is inherited
     assert env["GLIBC_TUNABLES"] == TUNABLES  # vLLM's processes keep freed memory (backends/vllm/malloc.py)
@@ -87,9 +87,9 @@ def test_serve_runs_the_vllm_server_with_the_fill_and_hands_on_undeclared_option
 
 
 def test_serve_exits_with_the_servers_exit_code_and_a_served_name_given_is_kept(
-        tiny_checkpoint, fitted, vllm_ok, monkeypatch, capfd):
+        tiny_checkpoint, split3_maps, vllm_ok, monkeypatch, capfd):
     vllm_ok["code"] = 3
-    code, _ = main(monkeypatch, capfd, "serve", "--model", tiny_checkpoint, "--maps", fitted, "--dtype", "bf16",
+    code, _ = main(monkeypatch, capfd, "serve", "--model", tiny_checkpoint, "--maps", split3_maps, "--dtype", "bf16",
                    "--served-model-name", "tiny")
     assert code == 3
     argv = vllm_ok["argv"]
@@ -106,12 +106,12 @@ def test_serve_exits_with_the_servers_exit_code_and_a_served_name_given_is_kept(
 ], ids=["vllm-missing", "vllm-other-version", "plugin-entry-point-missing", "plugin-not-allowed",
         "no-plugin-allowed"])
 def test_the_vllm_installation_is_checked_before_it_starts(version, plugin, plugins_env, match, tiny_checkpoint,
-                                                           fitted, vllm_ok, monkeypatch, capfd):
+                                                           split3_maps, vllm_ok, monkeypatch, capfd):
     monkeypatch.setattr(vserving, "installed_vllm_version", lambda: version)
     monkeypatch.setattr(vserving, "plugin_installed", lambda: plugin)
     if plugins_env is not None:
         monkeypatch.setenv("VLLM_PLUGINS", plugins_env)
-    code, err = main(monkeypatch, capfd, "serve", "--model", tiny_checkpoint, "--maps", fitted)
+    code, err = main(monkeypatch, capfd, "serve", "--model", tiny_checkpoint, "--maps", split3_maps)
     assert code == 2 and "argv" not in vllm_ok
     assert err.count("\n") == 1 and err.startswith("error: ") and match in err, err
     if version is None or version != VLLM_VERSION:
@@ -237,14 +237,14 @@ def serving_config(path: Path, tiny: Path, maps: Path | None, split: int, weight
     return path
 
 
-def test_serve_takes_a_serving_config_from_tune(tiny_checkpoint, fitted, vllm_ok, monkeypatch, capfd, tmp_path):
+def test_serve_takes_a_serving_config_from_tune(tiny_checkpoint, split3_maps, vllm_ok, monkeypatch, capfd, tmp_path):
     """--serving-config sets maps, split, tail and keep-first; an identity config is served through an identity
     maps file that lives as long as the server."""
-    ridge = serving_config(tmp_path / "ridge.json", tiny_checkpoint, fitted, 3)
+    ridge = serving_config(tmp_path / "ridge.json", tiny_checkpoint, split3_maps, 3)
     code, err = main(monkeypatch, capfd, "serve", "--model", tiny_checkpoint, "--serving-config", ridge)
     assert code == 0, err
     env = vllm_ok["env"]
-    assert env[ENV["maps"]] == str(fitted.resolve()) and env[ENV["tail"]] == "12" and env[ENV["keep_first"]] == "2"
+    assert env[ENV["maps"]] == str(split3_maps.resolve()) and env[ENV["tail"]] == "12" and env[ENV["keep_first"]] == "2"
 
     seen = {}
 
@@ -273,8 +273,8 @@ def test_serve_needs_maps_or_a_serving_config(extra, match, vllm_ok, monkeypatch
     assert code == 2 and err.count("\n") == 1 and match in err, err
 
 
-def test_serve_refuses_a_serving_config_of_another_model(tiny_checkpoint, fitted, vllm_ok, monkeypatch, capfd,
+def test_serve_refuses_a_serving_config_of_another_model(tiny_checkpoint, split3_maps, vllm_ok, monkeypatch, capfd,
                                                          tmp_path):
-    other = serving_config(tmp_path / "other.json", tiny_checkpoint, fitted, 3, weights="0123456789abcdef")
+    other = serving_config(tmp_path / "other.json", tiny_checkpoint, split3_maps, 3, weights="0123456789abcdef")
     code, err = main(monkeypatch, capfd, "serve", "--model", tiny_checkpoint, "--serving-config", other)
     assert code == 2 and "tuned for another model" in err and "argv" not in vllm_ok, err

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import HYBRID_FAMILIES, random_ids, tiny_hybrid_model
+from tiny_models import HYBRID_FAMILIES, random_ids, tiny_model
 from helpers import TOL, engine_for
 from ridgefill.torchfill import DropFiller, FillPlan, MapFiller, MeanFiller, ModelShape
 from ridgefill.evals.flops import prefill_flops
@@ -67,7 +67,7 @@ def test_decode_after_drop_sees_the_full_rows_only(dense_model):
 @pytest.mark.parametrize("family", HYBRID_FAMILIES)
 def test_drop_on_a_hybrid_model_is_chunk_invariant_and_skips_the_filled_rows(family):
     ids = random_ids(40)
-    eng = engine_for(tiny_hybrid_model(family))
+    eng = engine_for(tiny_model(family))
     split = 2
     plan = FillPlan(DropFiller(split, eng.n_layers), tail=9, keep_rows=(0,))
     whole = eng.prefill(ids, fill=plan, logits_at="full", chunk=4096)

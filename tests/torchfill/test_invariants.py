@@ -6,7 +6,7 @@ are in test_prefill.py (dense) and test_hybrid.py (hybrid)."""
 import pytest
 import torch
 
-from conftest import DENSE_FAMILIES, HYBRID_FAMILIES, random_ids, tiny_hybrid_model, tiny_model
+from tiny_models import DENSE_FAMILIES, HYBRID_FAMILIES, random_ids, tiny_model
 from helpers import TOL, TOL_REORDERED, assert_caches_equal, engine_for, hf_hidden, max_diff
 from ridgefill.torchfill import DropFiller, FillPlan, IdentityFiller, OracleFiller
 
@@ -30,7 +30,7 @@ def model_of():
 
     def get(family: str):
         if family not in built:
-            built[family] = (tiny_hybrid_model if family in HYBRID_FAMILIES else tiny_model)(family)
+            built[family] = tiny_model(family)
         return built[family]
 
     return get

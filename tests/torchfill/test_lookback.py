@@ -4,7 +4,7 @@ filled row gets f·W + b of its own window; a row without a whole window runs in
 import pytest
 import torch
 
-from conftest import random_ids
+from tiny_models import random_ids
 from ridgefill.torchfill import Engine, FillPlan, MapFiller, OracleFiller, adapter_for
 from ridgefill.torchfill.lookback import lookback_windows, window_states
 

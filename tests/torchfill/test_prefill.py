@@ -4,7 +4,7 @@ test_invariants.py."""
 import pytest
 import torch
 
-from conftest import random_ids, tiny_model
+from tiny_models import random_ids, tiny_model
 from helpers import TOL, assert_caches_equal, engine_for, hf_hidden
 from ridgefill.torchfill import FillPlan, IdentityFiller, adapter_for
 from ridgefill.errors import RidgefillError

@@ -4,7 +4,7 @@ dense family and filler."""
 import pytest
 import torch
 
-from conftest import random_ids, tiny_model
+from tiny_models import random_ids, tiny_model
 from ridgefill.torchfill import Engine, FillPlan, IdentityFiller, MapFiller, OracleFiller, adapter_for
 from ridgefill.torchfill.kv_stack import stack_weights
 from ridgefill.torchfill.projection import FillProjection, layer_kv

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import random_ids, tiny_hybrid_model
+from tiny_models import random_ids, tiny_model
 from ridgefill.torchfill import Engine, FilledWindow, FillPlan, IdentityFiller, adapter_for
 from ridgefill.torchfill.families import delta_rule
 from ridgefill.torchfill.routes import ENV, Routes, delta_rule_route, flash_applies, projection_route
@@ -82,7 +82,7 @@ def test_the_engine_takes_its_routes(dense_model, monkeypatch):
 
 
 def test_a_hybrid_engine_records_its_delta_rule_route_and_its_adapter_runs_it():
-    adapter = adapter_for(tiny_hybrid_model("qwen3_5"))
+    adapter = adapter_for(tiny_model("qwen3_5"))
     adapter.use_routes(SimpleNamespace(delta_rule="fla"))  # as a CUDA engine's routes would
     assert adapter.delta_kernel
     eng = Engine(adapter)

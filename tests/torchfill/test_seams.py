@@ -4,7 +4,7 @@ timer given at construction, what an Engine says about its model, and the one gr
 import pytest
 import torch
 
-from conftest import random_ids, tiny_hybrid_model, tiny_model
+from tiny_models import random_ids, tiny_model
 from ridgefill.torchfill import (Engine, FillPlan, IdentityFiller, MapFiller, OracleFiller, Stopwatch, adapter_for,
                               late_inputs_by_layer)
 from ridgefill.torchfill.projection import FillProjection
@@ -167,7 +167,7 @@ def test_backend_and_what_the_engine_says_about_its_model(dense_model):
 
 
 def test_a_hybrid_engine_has_no_fused_path():
-    eng = Engine(adapter_for(tiny_hybrid_model("qwen3_5")))
+    eng = Engine(adapter_for(tiny_model("qwen3_5")))
     assert eng.layer_kinds == ["linear", "linear", "attention", "linear", "linear", "attention"]
     assert not eng.shape.dense and eng.shape.layer_kinds == tuple(eng.layer_kinds)
     assert eng.projection_backend(1) == "layers" and eng.fused_kv_bytes(1) == 0

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import HYBRID_FAMILIES, random_ids, tiny_hybrid_model
+from tiny_models import HYBRID_FAMILIES, random_ids, tiny_model
 from ridgefill.torchfill import DropFiller, Engine, FilledWindow, FillPlan, IdentityFiller, ModelShape, adapter_for
 from ridgefill.torchfill.window import block_size, parse_layers, window_blocks
 from ridgefill.errors import RidgefillError
@@ -119,7 +119,7 @@ def test_identity_fill_with_a_window_writes_the_windowed_split_state_into_layer_
 @pytest.mark.parametrize("family", HYBRID_FAMILIES)
 def test_hybrid_windowed_fill_is_chunk_invariant(family, window_route):
     """Hybrids window their attention layers below the split; the linear layers' state passes every row as before."""
-    model = tiny_hybrid_model(family)
+    model = tiny_model(family)
     eng = Engine(adapter_for(model))
     plan = FillPlan(IdentityFiller(4, eng.n_layers), tail=6, window=FilledWindow(3, 0, 3))
     ids = random_ids(50)

@@ -188,8 +188,7 @@ def test_filled_cache_without_flash_attention(tiny_ggufs, family):
 def test_filled_cache_with_llama3_rope_scaling(tmp_path):
     """A Llama-3 GGUF carries its rope scaling as `rope_freqs` (frequency divisors): the filled rows' keys are
     rotated with them, as the own engine's llama3 rope does (exact rows first, to show the file is right)."""
-    model = tiny_gguf.model("llama", rope=tiny_gguf.LLAMA3_ROPE)
-    path = tiny_gguf.write(model, tmp_path / "tiny-llama3.gguf", "llama")
+    model, path = tiny_gguf.build("llama", tmp_path / "tiny-llama3.gguf", rope=tiny_gguf.LLAMA3_ROPE)
     cfg = model.config
     layers, hidden, heads = cfg.num_hidden_layers, cfg.hidden_size, cfg.num_key_value_heads
     engine = Engine(adapter_for(model))

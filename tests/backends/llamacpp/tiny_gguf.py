@@ -5,46 +5,24 @@ ridgefill's own engine run the same weights."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import math
+from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-VOCAB = 128
+from tiny_models import DEFAULT_ROPE, LLAMA3_ROPE, tiny_model  # noqa: F401  (LLAMA3_ROPE: for the tests)
+
 ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# what llama.cpp's converter takes of each family: its rope unscaled unless a test asks (Llama-3 scaling: rope=
+# LLAMA3_ROPE, written as rope_freqs), Qwen3 with head dim 128 (transformers converts 128 only)
+CONVERTIBLE = {"llama": {}, "qwen2": {}, "qwen3": {"head_dim": 128}}
 
 
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
-
-
-def config(family: str, rope: dict | None = None, **overrides):
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
-                  tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    common.update(overrides)
-    rope = rope or {"rope_type": "default", "rope_theta": 10000.0}
-    if family == "llama":
-        return LlamaConfig(rope_parameters=rope, **common)
-    if family == "qwen2":
-        return Qwen2Config(rope_parameters=rope, **common)
-    if family == "qwen3":
-        return Qwen3Config(**{"head_dim": 128, "rope_parameters": rope, **common})  # transformers converts 128 only
-    raise ValueError(family)
-
-
-def model(family: str, seed: int = 0, rope: dict | None = None, **overrides):
-    """A tiny model whose norms and biases are perturbed (so the test exercises them)."""
-    torch.manual_seed(seed)
-    m = AutoModelForCausalLM.from_config(config(family, rope, **overrides), dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                p.add_(0.1 * torch.randn_like(p))
-    return m
+def build(family: str, path: Path, seed: int = 0, rope: dict | None = None, **overrides):
+    """(the tiny model of `family` (tests/tiny_models.py), its GGUF file written at `path`)."""
+    m = tiny_model(family, seed, rope or DEFAULT_ROPE, **{**CONVERTIBLE[family], **overrides})
+    return m, write(m, path, family)
 
 
 def permute(w: torch.Tensor, heads: int) -> torch.Tensor:

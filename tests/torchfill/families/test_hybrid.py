@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import A, HYBRID_FAMILIES, L, random_ids, tiny_hybrid_model
+from tiny_models import A, HYBRID_FAMILIES, L, random_ids, tiny_model
 from helpers import TOL, TOL_REORDERED, assert_caches_equal, engine_for, hf_hidden, max_diff
 from ridgefill.torchfill import FillPlan, HybridAdapter, IdentityFiller, OracleFiller, StateCache, adapter_for
 from ridgefill.torchfill.families.delta_rule import causal_conv, chunk_gated_delta_rule
@@ -14,7 +14,7 @@ from ridgefill.torchfill.families.delta_rule import causal_conv, chunk_gated_del
 
 @pytest.fixture(scope="module", params=HYBRID_FAMILIES)
 def hybrid_model(request):
-    return tiny_hybrid_model(request.param)
+    return tiny_model(request.param)
 
 
 # --- the layer mix ---------------------------------------------------------------------------------------
@@ -101,7 +101,7 @@ def test_causal_conv_continues_from_its_state():
 # --- no attention layer in the filled range ---------------------------------------------------------------
 @pytest.mark.parametrize("family", HYBRID_FAMILIES)
 def test_filled_range_without_attention_layers(family):
-    model = tiny_hybrid_model(family, layer_types=[L, A, L, L, L, L])
+    model = tiny_model(family, layer_types=[L, A, L, L, L, L])
     eng = engine_for(model, chunk=8)
     split = 2
     assert eng.adapter.filled_attention_layers(split) == []

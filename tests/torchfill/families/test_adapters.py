@@ -5,7 +5,7 @@ import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
 
-from conftest import tiny_model
+from tiny_models import tiny_model
 from ridgefill.torchfill.families import adapter_for
 from ridgefill.torchfill.families.base import apply_rope, rms_norm
 
