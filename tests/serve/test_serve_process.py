@@ -1,6 +1,6 @@
 """`ridgefill serve` as a process, without vLLM: the launch machinery (serve/process.py) runs a stand-in child, a small
 HTTP server that writes as much output as asked; serve's plan (serve.serve_plan) is built with the vLLM lookups
-replaced. What is checked: vLLM's output is read to its end whatever happens to stderr or the log file; a log file that
+replaced. What is checked: the server's output is read to its end whatever happens to stderr or the log file; a log file that
 cannot be written is one line before the server starts; the default log is private and bounded; the API key travels
 by environment; a server that comes up without RidgeFill's plugin is stopped with one line; context parallelism,
 weight updates and vLLM's dev mode are refused."""
@@ -101,7 +101,7 @@ def answers(url: str) -> bool:
         return False
 
 
-# --- vLLM's output is read to its end ----------------------------------------------------------------------------
+# --- the server's output is read to its end ----------------------------------------------------------------------------
 LAUNCHER = """
 import json, sys
 from pathlib import Path
@@ -191,7 +191,7 @@ def test_a_paused_stderr_gets_the_lines_it_can_and_the_count_of_those_dropped(tm
     notices = [line for line in shown if line.startswith(b"ridgefill serve: ")]
     echoed = [line for line in shown if not line.startswith(b"ridgefill serve: ")]
     counts = [int(n.split()[2].replace(b",", b"")) for n in notices]
-    assert notices and all(n == b"ridgefill serve: %s lines of vLLM's log were not shown here (stderr did not keep "
+    assert notices and all(n == b"ridgefill serve: %s lines of the server's log were not shown here (stderr did not keep "
                                  b"up); %s has every line\n" % (f"{c:,}".encode(), str(plan.log).encode())
                            for n, c in zip(notices, counts))
     logged = plan.log.read_bytes().splitlines(keepends=True)
@@ -208,7 +208,7 @@ def test_a_log_that_cannot_be_written_any_more_leaves_the_output_drained(tmp_pat
         assert wait_for(tmp_path / "drained"), "the server blocked on its output: nobody read it"
         assert answers(plan.health)
     err = capfd.readouterr().err
-    assert err.count("warning: vLLM's log /dev/full cannot be written any more") == 1, err
+    assert err.count("warning: the server's log /dev/full cannot be written any more") == 1, err
 
 
 def test_a_failing_stderr_ends_the_echo_only(tmp_path, monkeypatch):
@@ -256,7 +256,7 @@ def test_a_log_that_cannot_be_opened_is_one_line_before_the_server_starts(case, 
     else:
         log.parent.write_text("a file")
     plan = stand_in(tmp_path, log=log)
-    with pytest.raises(RidgefillError, match=rf"^cannot write vLLM's log to {log} {match}: give another --log-file$"):
+    with pytest.raises(RidgefillError, match=rf"^cannot write the server's log to {log} {match}: give another --log-file$"):
         launch(plan)
     assert not (tmp_path / "drained").exists() and not target.exists()  # nothing started, nothing written
 
@@ -306,7 +306,7 @@ def test_a_log_file_that_is_a_fifo_or_has_another_name_is_one_line(tmp_path, mon
 
 @pytest.mark.parametrize("case", ["fifo", "hard link"])
 def test_a_log_that_became_a_fifo_or_a_link_after_the_checks_is_refused_not_waited_on(case, tmp_path):
-    """Put there after serve's checks, just before vLLM starts: open_log refuses it at once (a FIFO nobody reads
+    """Put there after serve's checks, just before the server starts: open_log refuses it at once (a FIFO nobody reads
     is opened without blocking) and nothing starts."""
     log = tmp_path / "vllm.log"
     if case == "fifo":
@@ -326,7 +326,7 @@ def test_a_log_that_became_a_fifo_or_a_link_after_the_checks_is_refused_not_wait
     thread.start()
     thread.join(60)  # a hang guard: the old open() of a FIFO never returned
     why = "a FIFO" if case == "fifo" else "2 hard links"
-    assert outcome == [f"cannot write vLLM's log to {log} ({why}): give another --log-file"]
+    assert outcome == [f"cannot write the server's log to {log} ({why}): give another --log-file"]
     assert not (tmp_path / "drained").exists()
     if case == "hard link":
         assert (tmp_path / "other-name.log").read_text() == "kept\n"
@@ -383,7 +383,7 @@ def test_a_server_that_comes_up_without_the_plugin_is_stopped_with_one_line(tmp_
     line = str(refused.value)
     assert line.startswith(f"vLLM's server came up without RidgeFill: its /metrics has no {vserving.MARKER}, so the "
                            "plugin did not load in vLLM's processes (ImportError: cannot import name 'register'")
-    assert line.endswith(f"see vLLM's log, {plan.log}") and "\n" not in line
+    assert line.endswith(f"see the server's log, {plan.log}") and "\n" not in line
     assert not answers(plan.health)  # stopped
     with pytest.raises(RidgefillError, match="came up without RidgeFill"), running(plan):
         pass
@@ -474,7 +474,7 @@ def test_the_api_key_goes_to_vllm_by_environment_never_on_its_command_line(given
 def test_serve_plans_a_private_log_and_looks_for_ridgefills_counter(plan_of, tmp_path):
     plan = plan_of()
     assert plan.log.parent == tmp_path / "state" / "ridgefill" and plan.log.name.startswith("serve-")
-    assert stat.S_IMODE(plan.log.parent.stat().st_mode) == 0o700 and f"vLLM's log: {plan.log}" in plan.banner
+    assert stat.S_IMODE(plan.log.parent.stat().st_mode) == 0o700 and f"the server's log: {plan.log}" in plan.banner
     assert plan.marker == "ridgefill_filled_tokens_total" and "VLLM_API_KEY" not in plan.env
 
 

@@ -20,11 +20,11 @@ from pathlib import Path
 from ridgefill.backends.serving import LOG_LIMIT  # a log file's bound: the Launch it serves says it
 from ridgefill.errors import RidgefillError
 
-LINE_LIMIT = 1 << 16  # the longest piece of vLLM's output read at once (a longer line is copied in pieces)
+LINE_LIMIT = 1 << 16  # the longest piece of the server's output read at once (a longer line is copied in pieces)
 
 
 def default_log(port: int) -> Path:
-    """Where vLLM's log goes unless --log-file says: serve-<port>.log in this user's log folder (log_folder)."""
+    """Where the server's log goes unless --log-file says: serve-<port>.log in this user's log folder (log_folder)."""
     return log_folder() / f"serve-{port}.log"
 
 
@@ -54,7 +54,7 @@ def private_folder(folder: Path) -> Path:
 
 
 class LogFile:
-    """vLLM's log on disk. Opened before vLLM starts: created with mode 0600, a symbolic link or another user's
+    """the server's log on disk. Opened before the server starts: created with mode 0600, a symbolic link or another user's
     file refused, emptied. Bounded: past `limit` bytes a regular file moves to <log>.1 and a new one begins. A write
     that fails (a full disk, the file system gone) ends the writing, never the caller: `ok` turns False."""
 
@@ -101,7 +101,7 @@ def check_log_file(path: Path) -> None:
     try:
         info = os.stat(path)
     except OSError:
-        return  # missing (created later), or unreadable: open_log says why, before vLLM starts
+        return  # missing (created later), or unreadable: open_log says why, before the server starts
     if stat.S_ISDIR(info.st_mode):
         raise RidgefillError(f"--log-file {path} is a folder: give a file, e.g. {path}/vllm.log")
     if not stat.S_ISREG(info.st_mode):
@@ -124,15 +124,15 @@ def open_log(path: Path, error: type[Exception] = RidgefillError) -> int:
     except OSError as exc:
         why = ("a symbolic link" if os.path.islink(path) else "a FIFO" if exc.errno == errno.ENXIO
                else exc.strerror or str(exc))
-        raise error(f"cannot write vLLM's log to {path} ({why}): give another --log-file") from None
+        raise error(f"cannot write the server's log to {path} ({why}): give another --log-file") from None
     info = os.fstat(fd)
     if stat.S_ISREG(info.st_mode) and info.st_uid != os.geteuid():
         os.close(fd)
-        raise error(f"cannot write vLLM's log to {path} (another user's file): give another --log-file")
+        raise error(f"cannot write the server's log to {path} (another user's file): give another --log-file")
     if stat.S_ISFIFO(info.st_mode) or (stat.S_ISREG(info.st_mode) and info.st_nlink > 1):
         os.close(fd)
         why = "a FIFO" if stat.S_ISFIFO(info.st_mode) else f"{info.st_nlink} hard links"
-        raise error(f"cannot write vLLM's log to {path} ({why}): give another --log-file")
+        raise error(f"cannot write the server's log to {path} ({why}): give another --log-file")
     if stat.S_ISREG(info.st_mode):
         os.ftruncate(fd, 0)
         os.fchmod(fd, 0o600)
@@ -149,7 +149,7 @@ def say(text: str) -> bool:
         return False
 
 
-ECHO_BUFFER = 1 << 20  # bytes of vLLM's output waiting for stderr at most: past it, echoed lines are dropped
+ECHO_BUFFER = 1 << 20  # bytes of the server's output waiting for stderr at most: past it, echoed lines are dropped
 
 
 def _stderr_writer():
@@ -173,8 +173,8 @@ def _stderr_writer():
 
 
 class Echo(threading.Thread):
-    """vLLM's output echoed to stderr by a thread of its own, so that a stderr that does not keep up (a terminal
-    paused with Ctrl-S, `serve 2>&1 | less` left unscrolled) never holds up the reading of vLLM's output: lines wait
+    """the server's output echoed to stderr by a thread of its own, so that a stderr that does not keep up (a terminal
+    paused with Ctrl-S, `serve 2>&1 | less` left unscrolled) never holds up the reading of the server's output: lines wait
     in a buffer of at most `limit` bytes, and past it they are dropped (the log file has every line). When it has
     caught up, and at the end, one line says how many were dropped. A stderr that fails (a closed pipe) ends it."""
 
@@ -215,7 +215,7 @@ class Echo(threading.Thread):
                 if batch:
                     self.write(b"".join(batch))
                 if dropped:
-                    self.write(f"ridgefill serve: {dropped:,} lines of vLLM's log were not shown here (stderr did not "
+                    self.write(f"ridgefill serve: {dropped:,} lines of the server's log were not shown here (stderr did not "
                                f"keep up); {self.log} has every line\n".encode())
             except (OSError, ValueError, AttributeError):
                 with self.cond:
@@ -255,7 +255,7 @@ class Relay(threading.Thread):
             for line in iter(lambda: self.stream.readline(LINE_LIMIT), b""):
                 self.started = self.started or self.STARTED in line
                 if self.log.ok and not self.log.write(line):
-                    say(f"warning: vLLM's log {self.log.path} cannot be written any more: its output goes on to "
+                    say(f"warning: the server's log {self.log.path} cannot be written any more: its output goes on to "
                         "stderr only\n")
                 if self._live.is_set() and self.echo is not None:
                     self.echo.put(line)

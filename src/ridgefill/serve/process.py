@@ -114,7 +114,7 @@ def wait_until_up(child: subprocess.Popen, health: str, relay: Relay) -> bool:
     from ridgefill.runtime.console import console
 
     out = console(stderr=True)
-    status = out.status("starting vLLM (loading the model)…") if out.is_terminal else None
+    status = out.status("starting the server (loading the model)…") if out.is_terminal else None
     if status is not None:
         status.start()
     try:
