@@ -104,3 +104,16 @@ def test_distant_spread_counts_tokens_and_passages():
     assert none["tokens"] == 0 and none["passages_with_tokens"] == 0 and none["largest_share"] is None
     assert distant_spread([4, 5])["per_passage_median"] == 4.5
     assert distant_spread([])["passages"] == 0
+
+
+def test_percentile_interval_is_the_percentile_with_a_seeded_bootstrap_interval():
+    from ridgefill.runtime.stats import percentile
+
+    values = np.random.default_rng(0).exponential(1.0, size=200)
+    for q in (50, 90, 99):
+        iv = percentile(values, q, seed=1)
+        assert iv.estimate == pytest.approx(np.percentile(values, q))
+        assert iv.low <= iv.estimate <= iv.high and iv.low < iv.high
+        assert iv == percentile(values, q, seed=1)
+    assert percentile(values, 90, seed=1).low > percentile(values, 50, seed=1).high  # p90 well above the median
+    assert np.isnan(percentile([0.3], 90).low)  # one sample: no spread to resample

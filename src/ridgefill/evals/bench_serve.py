@@ -32,7 +32,7 @@ from ridgefill.errors import RidgefillError
 from ridgefill.evals.common import ResultWriter
 from ridgefill.runtime.console import note, table
 from ridgefill.runtime.paths import check_output
-from ridgefill.runtime.stats import ratio_of_medians
+from ridgefill.runtime.stats import percentile, ratio_of_medians
 from ridgefill.backends import SERVING_DEFAULT
 from ridgefill.serve.serve import SERVED_DTYPE_HELP, ServedFill, serving_backend
 
@@ -113,7 +113,7 @@ def run(c: BenchServeConfig) -> dict:
                     outputs = backend.drive(base, c.model, tokenizer, prompts, rate, c.output_tokens, c.seed,
                                             c.time_limit)
                     per_request[(variant, rate)] = outputs
-                    results.append(summary(variant, rate, outputs, c.slo_ttft))
+                    results.append(summary(variant, rate, outputs, c.slo_ttft, c.seed))
     ratios = [ttft_ratio(rate, per_request[("exact", rate)], per_request[("ridge", rate)], c.seed)
               for rate in c.rate_values()]
     figure = Path(f"{c.out}.png")
@@ -153,7 +153,9 @@ def request_prompts(tokenizer, data: str, count: int, mean: int, seed: int) -> l
     return [tokens[s:s + n] for s, n in zip(starts, lengths)]
 
 
-def summary(variant: str, rate: float, outputs: list[dict], slo: float) -> dict:
+def summary(variant: str, rate: float, outputs: list[dict], slo: float, seed: int = 0) -> dict:
+    """One variant at one rate: TTFT percentiles (each with a seeded bootstrap interval over its requests), mean
+    TPOT, throughput and goodput."""
     ttft = np.array([o["ttft"] for o in outputs])
     tpot = [(o["latency"] - o["ttft"]) / (o["output_tokens"] - 1) for o in outputs if o["output_tokens"] > 1]
     duration = max(o["start"] + o["latency"] for o in outputs) - min(o["start"] for o in outputs)
@@ -162,7 +164,8 @@ def summary(variant: str, rate: float, outputs: list[dict], slo: float) -> dict:
             "ttft_p99_s": float(np.percentile(ttft, 99)), "ttft_mean_s": float(ttft.mean()),
             "tpot_mean_s": float(np.mean(tpot)) if tpot else None, "duration_s": duration,
             "throughput_rps": len(outputs) / duration, "goodput_rps": int((ttft <= slo).sum()) / duration,
-            "within_slo": int((ttft <= slo).sum()), "ttfts_s": ttft.tolist()}
+            "within_slo": int((ttft <= slo).sum()), "ttfts_s": ttft.tolist(),
+            "ttft_intervals_s": {f"p{q}": percentile(ttft, q, seed=seed).to_dict() for q in (50, 90, 99)}}
 
 
 def ttft_ratio(rate: float, exact: list[dict], ridge: list[dict], seed: int) -> dict:
@@ -190,18 +193,25 @@ def plot(results: list[dict], path: Path, slo: float) -> None:
     save_figure(fig, path)
 
 
+def with_interval(result: dict, q: int) -> str:
+    """TTFT's q-th percentile with its 95 % interval, e.g. `1.23 [1.10, 1.41]` (no bounds from one request)."""
+    iv = result["ttft_intervals_s"][f"p{q}"]
+    bounds = f" [{iv['low']:.3g}, {iv['high']:.3g}]" if math.isfinite(iv["low"]) else ""
+    return f"{iv['estimate']:.3g}{bounds}"
+
+
 def print_table(doc: dict) -> None:
     ratios = {r["rate"]: r for r in doc["ratios"]}
     rows = []
     for r in doc["results"]:
         ratio = ratios[r["rate"]]
         iv = ratio["interval"]
-        rows.append([f"{r['rate']:g}", r["variant"], r["ttft_p50_s"], r["ttft_p90_s"], r["ttft_p99_s"],
+        rows.append([f"{r['rate']:g}", r["variant"], *(with_interval(r, q) for q in (50, 90, 99)),
                      r["tpot_mean_s"], r["throughput_rps"], r["goodput_rps"],
                      f"{ratio['ttft_p50_ratio']:.3f} [{iv['low']:.3f}, {iv['high']:.3f}]" if r["variant"] == "ridge"
                      else ""])
     table("bench-serve: RidgeFill in vLLM against stock vLLM (seconds; rates in requests/s)",
-          ["rate", "variant", "TTFT p50", "TTFT p90", "TTFT p99", "TPOT", "throughput", "goodput",
+          ["rate", "variant", "TTFT p50 [95% CI]", "TTFT p90 [95% CI]", "TTFT p99 [95% CI]", "TPOT", "throughput", "goodput",
            "TTFT p50 fill/stock [95% CI]"], rows)
 
 

@@ -31,7 +31,7 @@ class Interval:
 def paired_bootstrap(
     samples: Mapping[str, Sequence[float]],
     statistic: Callable[[Mapping[str, np.ndarray]], np.ndarray],
-    reduce: str = "mean",
+    reduce: str | float = "mean",
     n_boot: int = 2000,
     seed: int = 0,
     level: float = 0.95,
@@ -40,7 +40,7 @@ def paired_bootstrap(
 
     samples: name -> per-sample values (all the same length, index i = the same sample).
     statistic: takes name -> reduced values (a scalar array for the estimate, [n_boot] for replicates).
-    reduce: how each resample is summarised per variant: 'mean' or 'median'.
+    reduce: how each resample is summarised per variant: 'mean', 'median', or a percentile (a number in 0..100).
     One sample has no spread to resample: its interval's bounds are NaN (the estimate stands alone).
     """
     arrays = {k: np.asarray(v, dtype=np.float64) for k, v in samples.items()}
@@ -50,7 +50,11 @@ def paired_bootstrap(
     n = lengths.pop()
     if n == 0:
         raise ValueError("no samples")
-    fn = {"mean": np.mean, "median": np.median}[reduce]
+    if isinstance(reduce, str):
+        fn = {"mean": np.mean, "median": np.median}[reduce]
+    else:
+        def fn(v, axis=None):
+            return np.percentile(v, reduce, axis=axis)
     estimate = float(statistic({k: fn(v) for k, v in arrays.items()}))
     if n == 1:
         return Interval(estimate, math.nan, math.nan, level)
@@ -86,6 +90,11 @@ def relative_difference(a, b, **kw) -> Interval:
 def ratio_of_medians(a, b, **kw) -> Interval:
     """median(a) / median(b), paired (e.g. exact time / filled time = speedup)."""
     return paired_bootstrap({"a": a, "b": b}, lambda m: m["a"] / m["b"], reduce="median", **kw)
+
+
+def percentile(values, q: float, **kw) -> Interval:
+    """The q-th percentile of `values` (e.g. q 90: p90 of times to first token), with its bootstrap interval."""
+    return paired_bootstrap({"a": values}, lambda m: m["a"], reduce=q, **kw)
 
 
 def gap_closed(fill, swapped, exact, **kw) -> Interval:
