@@ -41,7 +41,8 @@ class Launch:
 class GuardDialect:
     """How an engine's server carries what the request guard (serve/guard.py) checks."""
 
-    options_field: str  # the request body's object that holds the request's engine options (RidgeFill's among them)
+    options_field: str  # the request body's object that holds the request's engine options (RidgeFill's among them);
+    # "": RidgeFill's options are top-level fields of the body (ridgefill_tail beside prompt and max_tokens)
     key_env: str  # the environment variable the server reads its API key from when none is given on its command line
     auth_middleware: str = ""  # the class name of the server's own API-key middleware, whose keys the guard checks
 

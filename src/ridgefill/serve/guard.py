@@ -46,7 +46,7 @@ from typing import Mapping
 
 import numpy as np
 
-from ridgefill.backends.serving import GuardDialect, check_request_args
+from ridgefill.backends.serving import PREFIX, GuardDialect, check_request_args
 
 ENGINE_ENV = "RIDGEFILL_GUARD_ENGINE"  # the engine whose GuardDialect the guard follows (when not given one)
 BODY_LIMIT_ENV = "RIDGEFILL_MAX_REQUEST_BYTES"
@@ -182,7 +182,8 @@ def needs_parse(body: bytes, field: str) -> bool:
     name `field` or an escape), or one on which json.loads could raise (nested over DEEP levels, an integer of over
     4,300 digits). Every other body is passed on unparsed: 2 MiB of `[{},{},...]` are ~50 MiB of objects once
     parsed."""
-    if json.detect_encoding(body) not in ("utf-8", "utf-8-sig") or field.encode() in body or ESCAPE in body:
+    if json.detect_encoding(body) not in ("utf-8", "utf-8-sig") or (field or PREFIX).encode() in body or \
+            ESCAPE in body:
         return True
     bare = STRING.sub(b"", body)
     if b"0" * 4301 in bare.translate(DIGITS):  # a run of 4,301 digits (a regex takes 20x longer)
@@ -212,14 +213,25 @@ def body_error(body: bytes, field: str) -> str | None:
     try:
         doc = json.loads(body)
     except RecursionError:
-        return NESTED.format(field=field)
+        return NESTED.format(field=field or "RidgeFill's options")
     except (json.JSONDecodeError, UnicodeDecodeError):
         return None
     except ValueError:  # an integer past Python's digit limit (vLLM would answer 400 outside its error format)
         return (f"the request body holds an integer of over {sys.get_int_max_str_digits():,} digits: send integers "
                 "of at most 2147483647 in RidgeFill's options")
+    if not field:  # top-level options: the body's ridgefill_* fields (the body limit bounds them)
+        return top_level_error(doc) if isinstance(doc, dict) else None
     extra = doc.get(field) if isinstance(doc, dict) else None
     return xargs_error(extra, field) if isinstance(extra, dict) else None
+
+
+def top_level_error(doc: dict) -> str | None:
+    """The one-line refusal of a body's own ridgefill_* fields (a dialect without an options field), or None."""
+    try:
+        check_request_args({k: v for k, v in doc.items() if isinstance(k, str) and k.startswith(PREFIX)})
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def xargs_error(extra: dict, field: str) -> str | None:

@@ -19,6 +19,7 @@ import torch
 
 from ridgefill.backends.base import Backend, Capabilities, Generation, Tally, Timed, refuse
 from ridgefill.backends.llamacpp import driver, library
+from ridgefill.backends.serving import GuardDialect
 from ridgefill.errors import RidgefillError
 
 N_UBATCH = 512  # llama.cpp's default ubatch
@@ -28,7 +29,10 @@ class LlamaCppBackend(Backend):
     name = "llamacpp"
     title = "llama.cpp"
     caps = Capabilities(variants=("identity", "ridge", "mean"), keep_rows=True, key_scale=True, logprobs=True,
-                        devices=("cpu",), dtypes=("fp32",))
+                        serving=True, devices=("cpu",), dtypes=("fp32",))
+    # requests carry RidgeFill's options as top-level fields (ridgefill_tail beside prompt); the server reads its key
+    # from server.KEY_ENV (serve moves --api-key there) and llama-cpp-python checks it after the guard
+    guard = GuardDialect(options_field="", key_env="RIDGEFILL_LLAMACPP_API_KEY")
 
     @classmethod
     def check_installed(cls) -> None:
@@ -37,6 +41,34 @@ class LlamaCppBackend(Backend):
     @classmethod
     def cpu_only(cls) -> str | None:
         return "--engine llamacpp runs llama.cpp on the CPU (GPU offload is not supported)"
+
+    # --- serving: llama-cpp-python's OpenAI-compatible server with the fill (serving.py, server.py) ---------------
+    @classmethod
+    def check_serve(cls, config, own: list[str]) -> None:
+        from ridgefill.backends.llamacpp.serving import check_serve
+
+        check_serve(config, own)
+
+    @classmethod
+    def served_dtype(cls, dtype: str, folder: str) -> str:
+        return "gguf"  # the GGUF's own weight types (serve refuses any --dtype but auto)
+
+    @classmethod
+    def server(cls, config, scratch, log, guard: str, env: dict):
+        from ridgefill.backends.llamacpp.serving import serve_plan
+
+        return serve_plan(cls, config, scratch, log, guard, env)
+
+    @classmethod
+    def stock_server(cls, plan, log, guard: str):
+        from ridgefill.backends.llamacpp.serving import stock_plan
+
+        return stock_plan(plan, log, guard)
+
+    @classmethod
+    def drive(cls, *args, **kwargs) -> list[dict]:
+        raise RidgefillError("bench-serve's load is not built for --engine llamacpp yet (its server prompts are text, "
+                             "not token ids): use --engine vllm")
 
     @classmethod
     def provenance(cls) -> dict:

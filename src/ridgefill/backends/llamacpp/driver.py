@@ -72,6 +72,11 @@ def check_family(path: str | Path) -> str:
     return arch
 
 
+class Stopped(Exception):
+    """A prefill stopped by its `stop` callable (a server's client went away): the cache is in no known state until
+    `clear`."""
+
+
 @dataclass
 class Maps:
     """A split's maps as llama.cpp takes them (method/maps.py's fillers, translated by `maps_of`)."""
@@ -118,6 +123,7 @@ class Prefill:
     outliers: int = 0
     runs: int = 0  # llama_decode calls
     promoted: list[int] = field(default_factory=list)
+    reused: int = 0  # leading rows kept from the cache (prefill's `reuse`); counted in none of the above
 
 
 class LlamaCpp:
@@ -148,6 +154,7 @@ class LlamaCpp:
             raise RidgefillError(f"llama.cpp cannot load {path}: check that it is a complete GGUF file")
         self.ctx = None
         self.batch = None
+        self._owned = True  # the model and context are this driver's (attach: another owner's)
         try:
             cparams = ll.llama_context_default_params()
             cparams.n_ctx, cparams.n_batch, cparams.n_ubatch = n_ctx, n_batch, min(n_ubatch, n_batch)
@@ -165,6 +172,22 @@ class LlamaCpp:
         except BaseException:
             self.close()
             raise
+        self._bind(n_ctx, n_batch)
+
+    @classmethod
+    def attach(cls, path: str | Path, model, ctx, n_ctx: int, n_batch: int) -> "LlamaCpp":
+        """A driver of a model and context that another owner made and frees (llama-cpp-python's `Llama`, whose
+        context must be a generation context of one sequence, as __init__ makes them: CPU, unquantized K/V): its
+        prefills fill by the same rule on that context; `close` frees only the driver's own batch."""
+        self = cls.__new__(cls)
+        self.ll, self.lib = library.load()
+        self.arch = check_family(path)
+        self.model, self.ctx, self.batch, self._owned = model, ctx, None, False
+        self._bind(n_ctx, n_batch)
+        return self
+
+    def _bind(self, n_ctx: int, n_batch: int) -> None:
+        ll = self.ll
         self.n_ctx, self.n_batch = n_ctx, n_batch
         self.n_layers = ll.llama_model_n_layer(self.model)
         self.n_embd = ll.llama_model_n_embd(self.model)
@@ -174,9 +197,14 @@ class LlamaCpp:
         self.batch = ll.llama_batch_init(n_batch, 0, 1)
         self.maps: Maps | None = None
         self.n_past = 0  # positions held in the cache
-        self._filled: dict[int, bool] = {}  # a prefill's rows by how llama.cpp last ran them (True: filled)
+        # what the cache's rows are, as the prefills wrote them (rows a prefill did not write ran in full, unplanned:
+        # decode steps): how llama.cpp last ran each (True: filled), the plan's kind before outliers (True: full),
+        # and the split-state norms of the rows the plan filled (also those promoted to full as outliers)
+        self._filled: dict[int, bool] = {}
+        self._planned: dict[int, bool] = {}
+        self._norms: dict[int, float] = {}
         self._logits: dict[int, np.ndarray] = {}  # a run's logits by position
-        self._norms: dict[int, float] = {}  # a prefill's split-state norms of filled rows, by position
+        self.stop = None  # a callable asked before each llama_decode: True stops the prefill (Stopped; then clear())
 
     def meta(self, key: str) -> str | None:
         buf = ctypes.create_string_buffer(256)
@@ -188,6 +216,9 @@ class LlamaCpp:
         if getattr(self, "batch", None) is not None:
             ll.llama_batch_free(self.batch)
             self.batch = None
+        if not getattr(self, "_owned", True):  # attached: the owner frees them
+            self.ctx = self.model = None
+            return
         if getattr(self, "ctx", None):
             ll.llama_free(self.ctx)
             self.ctx = None
@@ -229,8 +260,10 @@ class LlamaCpp:
 
     # --- runs ---------------------------------------------------------------------------------------------------
     def clear(self) -> None:
+        """Empty the cache (and forget what its rows were)."""
         self.ll.llama_memory_clear(self.mem, True)
         self.n_past = 0
+        self._filled, self._planned, self._norms = {}, {}, {}
 
     def _decode(self, tokens: list[int], start: int, fill: bool, outputs=frozenset()) -> None:
         """Run tokens at positions start.. (fill mode or not), n_batch rows per llama_decode; the logits of the
@@ -253,6 +286,8 @@ class LlamaCpp:
                     if out:
                         index[pos] = i
                 b.n_tokens = len(part)
+                if self.stop is not None and self.stop():
+                    raise Stopped(f"stopped before positions {start + lo}..{start + lo + len(part) - 1}")
                 ret = self.ll.llama_decode(self.ctx, b)
                 if fill and ret in DECODE_REFUSALS:
                     raise RidgefillError(DECODE_REFUSALS[ret])
@@ -288,41 +323,89 @@ class LlamaCpp:
         return dict(zip(pos, norms.tolist()))
 
     def prefill(self, tokens: list[int], full: list[bool] | None = None, outputs: list[int] = (),
-                outlier_factor: float = 0.0, chunk: int = 2048) -> Prefill:
-        """Prefill `tokens` into an empty cache. full [n] (None: all): the rows that run the whole model; the rest
-        are filled (maps set by set_maps). outputs: rows whose logits come back. Outliers among the filled rows
-        (outlier_factor > 0, per chunk of `chunk` rows) run in full instead."""
+                outlier_factor: float = 0.0, chunk: int = 2048, reuse: int = 0) -> Prefill:
+        """Prefill `tokens`. full [n] (None: all): the rows that run the whole model; the rest are filled (maps set by
+        set_maps). outputs: rows whose logits come back. Outliers among the filled rows (outlier_factor > 0, per
+        chunk of `chunk` rows) run in full instead.
+
+        reuse: the cache's first `reuse` rows hold these tokens (the caller compared them: llama-cpp-python's prefix
+        match); of those, the rows before `reusable`'s cut are kept and the rest run again, so the cache ends as a
+        fresh prefill of `tokens` would leave it. 0: the cache is cleared first."""
         n = len(tokens)
         if n == 0 or n > self.n_ctx:
             raise RidgefillError(f"a prompt of {n} tokens does not fit the context of {self.n_ctx} tokens")
-        full = [True] * n if full is None else list(full)
-        if not all(full) and self.maps is None:
+        planned = [True] * n if full is None else list(full)
+        if not all(planned) and self.maps is None:
             raise RidgefillError("no maps are set for a filled prefill")
-        self.clear()
-        self._logits, self._norms, self._filled = {}, {}, {}
+        start = self.reusable(planned, min(reuse, n - 1, *outputs), outlier_factor, chunk)
+        if start == 0:
+            self.clear()
+        else:
+            self.ll.llama_memory_seq_rm(self.mem, 0, start, -1)
+        for record in (self._filled, self._planned, self._norms):
+            for p in [p for p in record if p >= start]:
+                del record[p]
+        self._planned.update((p, planned[p]) for p in range(start, n))
+        self._logits = {}
         want = set(outputs)
+        full = list(planned)  # the kinds the rows end up with (outliers promoted)
+        first = start  # the first row computed here
         result = Prefill(torch.empty(0), list(outputs))
-        for c0 in range(0, n, chunk):
+        for c0 in range(start - start % chunk, n, chunk):
             c1 = min(n, c0 + chunk)
-            result.runs += self._runs(tokens, full, c0, c1, want)
-            filled = [p for p in range(c0, c1) if not full[p]]
-            if outlier_factor > 0 and filled:
-                norms = torch.tensor([self._norms[p] for p in filled])
-                out = outlier_rows(norms, torch.zeros(len(filled), dtype=torch.long),
-                                   torch.ones(len(filled), dtype=torch.bool), outlier_factor)
-                promoted = [p for p, o in zip(filled, out.tolist()) if o]
-                if promoted:  # run again from the first outlier, the outliers in full
-                    for p in promoted:
-                        full[p] = True
-                    self.ll.llama_memory_seq_rm(self.mem, 0, promoted[0], -1)
-                    result.runs += self._runs(tokens, full, promoted[0], c1, want)
-                    result.outliers += len(promoted)
-                    result.promoted += promoted
-        result.filled = sum(self._filled.values())  # llama.cpp's own count: the rows whose last run it filled
+            result.runs += self._runs(tokens, full, max(c0, start), c1, want)
+            decided = self._decided(planned, c0, c1, outlier_factor)
+            wrong = self._first_unlike(decided, c0)
+            if wrong is not None:  # run again from the first row that ran otherwise (outliers in full)
+                full[c0:c1] = decided
+                self.ll.llama_memory_seq_rm(self.mem, 0, wrong, -1)
+                result.runs += self._runs(tokens, full, wrong, c1, want)
+                first = min(first, wrong)
+        self.n_past = n
+        computed = range(first, n)
+        result.reused = first
+        result.filled = sum(self._filled[p] for p in computed)  # llama.cpp's own count: the rows it filled
+        result.promoted = [p for p in computed if full[p] and not planned[p]]
+        result.outliers = len(result.promoted)
         result.logits = torch.from_numpy(np.stack([self._logits[p] for p in outputs])) if outputs else \
             torch.empty(0, self.n_vocab)
         self._logits = {}
         return result
+
+    def reusable(self, planned: list[bool], reuse: int, outlier_factor: float, chunk: int) -> int:
+        """How many of the cache's first `reuse` rows (the new prompt's own tokens) a prefill planned as `planned`
+        keeps: the rows before the first one a fresh prefill would compute otherwise. A row the plan runs in full is
+        kept only where it ran in full; a row the plan fills only where its split-state norm is known (it ran
+        filled, or was promoted as an outlier), and a whole chunk's rows only where its outlier decisions, made
+        again on those norms, are how the rows ran. The chunk the cut falls in is judged once its rest has run
+        (prefill: `_first_unlike`)."""
+        cut = next((r for r in range(reuse) if (self._filled.get(r, False) if planned[r] else r not in self._norms)),
+                   reuse)
+        for c0 in range(0, cut, chunk):
+            c1 = min(c0 + chunk, len(planned))
+            if c1 > cut:
+                break
+            wrong = self._first_unlike(self._decided(planned, c0, c1, outlier_factor), c0)
+            if wrong is not None:
+                return wrong
+        return cut
+
+    def _decided(self, planned: list[bool], c0: int, c1: int, outlier_factor: float) -> list[bool]:
+        """Rows c0..c1-1 of a chunk as a fresh prefill runs them (True: full): the plan's, and the outliers among
+        the rows it fills (their norms) in full."""
+        decided = planned[c0:c1]
+        filled = [p for p in range(c0, c1) if not planned[p]]
+        if outlier_factor > 0 and filled:
+            norms = torch.tensor([self._norms[p] for p in filled])
+            out = outlier_rows(norms, torch.zeros(len(filled), dtype=torch.long),
+                               torch.ones(len(filled), dtype=torch.bool), outlier_factor)
+            for p, o in zip(filled, out.tolist()):
+                decided[p - c0] = decided[p - c0] or bool(o)
+        return decided
+
+    def _first_unlike(self, decided: list[bool], c0: int) -> int | None:
+        """The first row from c0 whose kind as it ran is not `decided`'s, or None."""
+        return next((c0 + i for i, f in enumerate(decided) if self._filled.get(c0 + i, False) == f), None)
 
     def _runs(self, tokens, full, lo, hi, want) -> int:
         """Rows lo..hi-1 as runs of equal kind (full or filled), in order; returns llama_decode calls."""
