@@ -31,6 +31,6 @@ def test_table_shows_the_intervals_and_the_ratio(capsys):
     doc = {"results": [summary("exact", 0.1, exact, 5.0), summary("ridge", 0.1, ridge, 5.0)],
            "ratios": [ttft_ratio(0.1, exact, ridge, seed=0)]}
     assert doc["ratios"][0]["ttft_p50_ratio"] == pytest.approx(np.median([1.0, 1.1, 1.3, 1.2]) / 2.3)
-    print_table(doc)
+    print_table(doc, "llama.cpp")
     out = capsys.readouterr().out
-    assert "TTFT p50 [95% CI]" in out and "2.3 [" in out and "1.15 [" in out
+    assert "RidgeFill in llama.cpp against stock llama.cpp" in out and "TTFT p50 [95% CI]" in out and "2.3 [" in out and "1.15 [" in out

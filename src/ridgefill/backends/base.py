@@ -108,6 +108,12 @@ class Backend:
         raise NotImplementedError
 
     @classmethod
+    def context_args(cls, tokens: int) -> list[str]:
+        """Server options (serve's extra arguments) that make its context hold `tokens` tokens (bench-serve's longest
+        request)."""
+        raise NotImplementedError
+
+    @classmethod
     def drive(cls, base: str, model: str, tokenizer, prompts: list[list[int]], rate: float, output_tokens: int,
               seed: int, time_limit: float, salt: str = "") -> list[dict]:
         """A seeded Poisson stream of `prompts` at `rate` requests/s against this engine's server at `base`: per

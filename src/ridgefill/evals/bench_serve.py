@@ -1,20 +1,22 @@
-"""`ridgefill bench-serve`: a load test of RidgeFill in vLLM against stock vLLM, on loopback, bounded in time.
+"""`ridgefill bench-serve`: a load test of RidgeFill in an engine's server against the same engine stock, on loopback,
+bounded in time.
 
-It starts `ridgefill serve` (the fill) and then the same server as stock vLLM (the same command line, KV cache,
-dtype, threads and options, no plugin loaded and no RidgeFill middleware: serve.stock_plan), one at a time, and drives each with the same seeded
-request stream through vLLM's own benchmark client (vllm.benchmarks.serve.benchmark): Poisson arrivals at each of
+It starts `ridgefill serve --engine E` (the fill) and then the same server stock (the same command line, context,
+threads and options, the fill off and no RidgeFill middleware: the backend's stock_server), one at a time, and drives
+each with the same seeded request stream (the backend's `drive`: vLLM's own benchmark client,
+vllm.benchmarks.serve.benchmark; for llama.cpp ridgefill's client, backends/load.py): Poisson arrivals at each of
 `--rates` (requests/s), `--requests` prompts per rate of about `--prompt-tokens` tokens (each drawn uniformly within
-±25 %) cut from evaluation documents of `--data`, `--output-tokens` greedy tokens each (end-of-sequence ignored).
-Both servers run as `ridgefill serve` runs them: vLLM's default compilation and prefix caching on; every request
-carries a cache salt of its own, so no prompt hits the cache (a rate's prompts are the same for both variants and
-across rates).
+±25 %) cut from evaluation documents of `--data`, `--output-tokens` greedy tokens each (end-of-sequence kept out).
+Both servers run as `ridgefill serve` runs them (vLLM: its default compilation and prefix caching on, every request
+with a cache salt of its own, so no prompt hits the cache; llama.cpp: one context whose prefix reuse follows the fill
+rule, and consecutive prompts share no prefix). A rate's prompts are the same for both variants and across rates.
 
-Per rate and variant: TTFT p50/p90/p99, mean TPOT ((latency − TTFT) / (output tokens − 1)), request throughput,
-and goodput (requests finished within the TTFT objective `--slo-ttft`, per second); per rate the fill/stock ratio of
-TTFT p50 with a seeded paired bootstrap interval (the same prompt under both variants is a pair). Writes --out
-(JSON: `results`, one entry per rate and variant; `ratios`, per rate), a PNG of TTFT percentiles against rate
-beside it (<out>.png), and prints a table. vLLM's client prints its progress on stderr; the servers' logs are in
-this user's private log folder, serve's (named in the JSON).
+Per rate and variant: TTFT p50/p90/p99 each with a seeded bootstrap interval, mean TPOT ((latency − TTFT) / (output
+tokens − 1)), request throughput, and goodput (requests finished within the TTFT objective `--slo-ttft`, per
+second); per rate the fill/stock ratio of TTFT p50 with a seeded paired bootstrap interval (the same prompt under
+both variants is a pair). Writes --out (JSON: `results`, one entry per rate and variant; `ratios`, per rate), a PNG
+of TTFT percentiles against rate beside it (<out>.png), and prints a table. The servers' logs are in this user's
+private log folder, serve's (named in the JSON).
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ from pathlib import Path
 
 import numpy as np
 
-from ridgefill.backends import backend_class
 from ridgefill.commands import REQUIRED, Command, option
 from ridgefill.errors import RidgefillError
 from ridgefill.evals.common import ResultWriter
@@ -36,7 +37,7 @@ from ridgefill.runtime.stats import percentile, ratio_of_medians
 from ridgefill.backends import SERVING_DEFAULT
 from ridgefill.serve.serve import SERVED_DTYPE_HELP, ServedFill, serving_backend
 
-VARIANTS = ("exact", "ridge")  # stock vLLM, then RidgeFill's plugin (the fill of the fill options)
+VARIANTS = ("exact", "ridge")  # the engine stock, then with RidgeFill (the fill of the fill options)
 SPREAD = 0.25  # prompt lengths are drawn uniformly within ±SPREAD of --prompt-tokens
 
 
@@ -44,7 +45,7 @@ SPREAD = 0.25  # prompt lengths are drawn uniformly within ±SPREAD of --prompt-
 class BenchServeConfig(ServedFill):
     data: str = option("shakespeare", "Text whose evaluation documents the prompts are cut from.")
     rates: str = option("0.05,0.1,0.2", "Request rates to test (requests/s), comma-separated: from light to past "
-                        "stock vLLM's saturation.", listed=str)
+                        "the stock server's saturation.", listed=str)
     requests: int = option(12, "Requests per rate and variant.")
     prompt_tokens: int = option(2048, "Mean prompt length (tokens); each prompt is drawn within ±25 % of it.")
     output_tokens: int = option(32, "Tokens each request generates (greedy; end-of-sequence ignored).")
@@ -53,8 +54,9 @@ class BenchServeConfig(ServedFill):
     dtype: str = option("auto", SERVED_DTYPE_HELP)
     seed: int = option(0, "Seed of the prompts, the arrivals and the bootstrap.")
     out: Path = option(REQUIRED, "Result JSON to write (and <out>.png beside it).")
-    engine: str = option(SERVING_DEFAULT, "Which engine's server runs both variants (one that serves: vllm).")
-    vllm_args: list[str] = option([], "options of `vllm serve` given to both servers (e.g. --max-num-seqs 8).")
+    engine: str = option(SERVING_DEFAULT, "Which engine's server runs both variants (one that serves: vllm or llamacpp).")
+    vllm_args: list[str] = option([], "options of the engine's server given to both servers (vLLM: `vllm serve`'s, "
+                                  "e.g. --max-num-seqs 8; llama.cpp: --n-ctx N).")
 
     def check(self) -> None:
         super().check()
@@ -96,7 +98,7 @@ def run(c: BenchServeConfig) -> dict:
     served = ServeConfig(model=c.model, maps=c.maps, split=c.split, tail=c.tail, keep_first=c.keep_first,
                          outlier_factor=c.outlier_factor, serving_config=c.serving_config, port=free_port(),
                          dtype=c.dtype, log_file=logs / "bench-serve-ridge.log", engine=c.engine,
-                         vllm_args=[*c.vllm_args, "--max-model-len", str(longest)])
+                         vllm_args=[*c.vllm_args, *backend.context_args(longest)])
     served.check()
     results, per_request = [], {}
     with tempfile.TemporaryDirectory(prefix="ridgefill-bench-serve-") as scratch:
@@ -117,12 +119,12 @@ def run(c: BenchServeConfig) -> dict:
     ratios = [ttft_ratio(rate, per_request[("exact", rate)], per_request[("ridge", rate)], c.seed)
               for rate in c.rate_values()]
     figure = Path(f"{c.out}.png")
-    plot(results, figure, c.slo_ttft)
+    plot(results, figure, c.slo_ttft, backend.title)
     doc = writer.write(c.out, {"id": c.model}, None, list(VARIANTS), results, {},
                        ratios=ratios, prompts={"count": len(prompts), "tokens": [len(p) for p in prompts]},
                        servers={v: {"argv": plans[v].argv[3:], "log": str(plans[v].log)} for v in VARIANTS},
-                       figure=str(figure), computed_by=backend_class("vllm").provenance())
-    print_table(doc)
+                       figure=str(figure), computed_by=backend.provenance())
+    print_table(doc, backend.title)
     return doc
 
 
@@ -169,13 +171,13 @@ def summary(variant: str, rate: float, outputs: list[dict], slo: float, seed: in
 
 
 def ttft_ratio(rate: float, exact: list[dict], ridge: list[dict], seed: int) -> dict:
-    """RidgeFill's TTFT p50 over stock vLLM's at one rate, with a paired bootstrap interval (request i is the same
+    """RidgeFill's TTFT p50 over the stock server's at one rate, with a paired bootstrap interval (request i is the same
     prompt under both)."""
     iv = ratio_of_medians([o["ttft"] for o in ridge], [o["ttft"] for o in exact], seed=seed)
     return {"rate": rate, "ttft_p50_ratio": iv.estimate, "interval": iv.to_dict()}
 
 
-def plot(results: list[dict], path: Path, slo: float) -> None:
+def plot(results: list[dict], path: Path, slo: float, title: str) -> None:
     from ridgefill.runtime.figures import COLORS, pyplot, save_figure
 
     plt = pyplot()
@@ -185,7 +187,7 @@ def plot(results: list[dict], path: Path, slo: float) -> None:
         rates = [r["rate"] for r in rows]
         for key, style in (("ttft_p50_s", "-"), ("ttft_p90_s", "--"), ("ttft_p99_s", ":")):
             ax.plot(rates, [r[key] for r in rows], style, marker="o", color=COLORS[variant],
-                    label=f"{'stock vLLM' if variant == 'exact' else 'RidgeFill'} {key.split('_')[1]}")
+                    label=f"{'stock ' + title if variant == 'exact' else 'RidgeFill'} {key.split('_')[1]}")
     ax.axhline(slo, color="#999999", linewidth=0.8, label=f"TTFT objective {slo:g} s")
     ax.set_xlabel("request rate (requests/s, Poisson)")
     ax.set_ylabel("time to first token (s)")
@@ -200,7 +202,7 @@ def with_interval(result: dict, q: int) -> str:
     return f"{iv['estimate']:.3g}{bounds}"
 
 
-def print_table(doc: dict) -> None:
+def print_table(doc: dict, title: str) -> None:
     ratios = {r["rate"]: r for r in doc["ratios"]}
     rows = []
     for r in doc["results"]:
@@ -210,7 +212,7 @@ def print_table(doc: dict) -> None:
                      r["tpot_mean_s"], r["throughput_rps"], r["goodput_rps"],
                      f"{ratio['ttft_p50_ratio']:.3f} [{iv['low']:.3f}, {iv['high']:.3f}]" if r["variant"] == "ridge"
                      else ""])
-    table("bench-serve: RidgeFill in vLLM against stock vLLM (seconds; rates in requests/s)",
+    table(f"bench-serve: RidgeFill in {title} against stock {title} (seconds; rates in requests/s)",
           ["rate", "variant", "TTFT p50 [95% CI]", "TTFT p90 [95% CI]", "TTFT p99 [95% CI]", "TPOT", "throughput", "goodput",
            "TTFT p50 fill/stock [95% CI]"], rows)
 

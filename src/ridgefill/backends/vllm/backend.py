@@ -81,6 +81,10 @@ class VllmBackend(Backend):
         return stock_plan(plan, log, guard)
 
     @classmethod
+    def context_args(cls, tokens: int) -> list[str]:
+        return ["--max-model-len", str(tokens)]
+
+    @classmethod
     def drive(cls, *args, **kwargs) -> list[dict]:
         from ridgefill.backends.vllm.load import drive
 
