@@ -1,0 +1,153 @@
+"""A real `ridgefill serve --engine llamacpp` for the server tests (test_server*.py): started as a user starts it, its
+stderr read up to serve's line saying what it serves and never again (the log relay must keep reading the server's
+output), requests over loopback, stopped with SIGTERM; perturbed maps for the tiny GGUFs (a wrong fill shows)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+RIDGEFILL = [sys.executable, "-m", "ridgefill"]
+START_TIMEOUT = 180.0
+
+
+def perturbed_maps(gguf: Path, out: Path, split: int = 3, seed: int = 0, scale: float = 0.2) -> Path:
+    """Ridge maps for the tiny GGUF's conversion: the identity plus noise and a random bias, so filled rows differ
+    from exact ones and from identity fill."""
+    import torch
+
+    from ridgefill.method.maps import save_maps
+    from ridgefill.method.ridge import LayerFit
+    from ridgefill.runtime.models import model_identity
+
+    identity = model_identity(str(gguf))
+    info, layers, h = identity.info, identity.shape.layers, identity.shape.hidden
+    g = torch.Generator().manual_seed(seed)
+    fits = [LayerFit(layer=l, lam=1.0, weight=torch.eye(h) + scale * torch.randn(h, h, generator=g) / h ** 0.5,
+                     bias=scale * torch.randn(h, generator=g), low_rank=None, error_identity=1.0, error_map=0.5,
+                     error_full_rank=0.5) for l in range(split + 1, layers)]
+    save_maps(out, split, layers, fits, {"model": info}, "ridge")
+    return out
+
+
+@dataclass
+class Served:
+    proc: subprocess.Popen
+    base: str  # http://127.0.0.1:PORT
+    key: str
+    log: Path
+    banner: str
+    name: str  # the model name it serves under (serve's --model)
+
+    def request(self, method: str, path: str, body: dict | bytes | None = None, key: str | None = "",
+                timeout: float = 120.0) -> tuple[int, dict, bytes]:
+        """(status, headers, body); key "" (default): the server's key, None: no key."""
+        key = self.key if key == "" else key
+        data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+        headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+        req = urllib.request.Request(self.base + path, data, headers, method=method)
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
+        except urllib.error.HTTPError as exc:
+            return exc.code, {k.lower(): v for k, v in exc.headers.items()}, exc.read()
+
+    def post(self, path: str, body: dict | bytes, key: str | None = "") -> tuple[int, dict]:
+        status, _, data = self.request("POST", path, body, key)
+        return status, json.loads(data or b"{}")
+
+    def complete(self, prompt: str, max_tokens: int = 6, **options) -> dict:
+        """A greedy completion (temperature 0, no repeat penalty: llama-cpp-python's default is 1.1)."""
+        status, body = self.post("/v1/completions", {"model": self.name, "prompt": prompt, "max_tokens": max_tokens,
+                                                     "temperature": 0, "repeat_penalty": 1.0, **options})
+        assert status == 200, body
+        return body
+
+    def metrics(self) -> dict[str, float]:
+        status, _, data = self.request("GET", "/metrics", key=None)
+        assert status == 200
+        return {line.split()[0]: float(line.split()[1]) for line in data.decode().splitlines()
+                if line.startswith("ridgefill_")}
+
+    def port(self) -> int:
+        return int(self.base.rsplit(":", 1)[1])
+
+
+def read_until_banner(proc: subprocess.Popen, lines: list[str]) -> None:
+    for line in iter(proc.stderr.readline, b""):
+        lines.append(line.decode(errors="replace"))
+        if line.startswith(b"ridgefill serve: "):
+            return
+
+
+def start(args: list[str], root: Path, key: str, env: dict | None = None, name: str | None = None) -> Served:
+    """`ridgefill serve --engine llamacpp ARGS --port P --log-file L`, its key in the environment, up and checked."""
+    from helpers import free_port
+
+    port, log = free_port(), root / f"serve-{time.monotonic_ns()}.log"
+    proc = subprocess.Popen([*RIDGEFILL, "serve", "--engine", "llamacpp", *args, "--port", str(port), "--log-file",
+                             str(log), "--api-key", key], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=root,
+                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})})
+    lines: list[str] = []
+    reader = threading.Thread(target=read_until_banner, args=(proc, lines), daemon=True)
+    reader.start()
+    reader.join(START_TIMEOUT)
+    if not lines or not lines[-1].startswith("ridgefill serve: "):
+        stop(proc)
+        raise AssertionError(f"serve did not come up ({proc.poll()}):\n{''.join(lines)[-3000:]}\n{tail(log)}")
+    model = args[args.index("--model") + 1]
+    return Served(proc, f"http://127.0.0.1:{port}", key, log, lines[-1], name or model)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def tail(log: Path, lines: int = 40) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:]) if log.is_file() else ""
+
+
+def unfinished(server: Served, path: str, length: int, key: str | None = None) -> tuple[int, dict]:
+    """A POST that declares a `length`-byte body, sends its first bytes and waits for the answer."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port(), timeout=60)
+    try:
+        conn.putrequest("POST", path)
+        for name, value in [("Content-Type", "application/json"), ("Content-Length", str(length))] + (
+                [("Authorization", f"Bearer {key}")] if key else []):
+            conn.putheader(name, value)
+        conn.endheaders(b'{"ridgefill_tail": 0, "prompt": "')
+        r = conn.getresponse()
+        return r.status, json.loads(r.read() or b"{}")
+    finally:
+        conn.close()
+
+
+def stream_open(server: Served, body: dict) -> tuple[socket.socket, bytes]:
+    """A streamed completion whose first event has come: (its open socket, what was read)."""
+    data = json.dumps({**body, "stream": True}).encode()
+    s = socket.create_connection(("127.0.0.1", server.port()), timeout=60)
+    s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+              f"Authorization: Bearer {server.key}\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+    got = b""
+    while b"data: {" not in got:
+        chunk = s.recv(65536)
+        assert chunk, got
+        got += chunk
+    return s, got

@@ -1,0 +1,237 @@
+"""`ridgefill serve --engine llamacpp` as a user runs it, on the tiny Llama GGUF with perturbed ridge maps (split 3 of
+6, tail 8; a wrong fill shows): the OpenAI client's completion, chat completion and stream; greedy tokens equal to
+`ridgefill generate --engine llamacpp`; prefix reuse equal to a fresh prefill; /metrics counting each prompt token
+once; the API key before any body; hostile bodies 400/413, never 500; a stderr nobody reads; bad configurations one
+line and exit 2. The driver's reuse rule alone: test_server_prefix.py; the queue bound: test_server_queue.py."""
+
+from __future__ import annotations
+
+import json
+import secrets
+
+import pytest
+
+import tiny_gguf
+from served_llamacpp import perturbed_maps, start, stop, tail, unfinished
+
+MISSING = tiny_gguf.missing_build()
+pytestmark = pytest.mark.skipif(MISSING is not None, reason=f"no patched llama.cpp build: {MISSING}")
+
+PROMPT = "the cat sat on the mat and the dog ran to the park " * 3
+TAIL = 8
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """The GGUF conversions go to a cache of the session (test_backend.py's)."""
+    return str(tmp_path_factory.getbasetemp() / "cache")
+
+
+@pytest.fixture(scope="module")
+def served(tiny_ggufs, tmp_path_factory, cache):
+    import os
+
+    root = tmp_path_factory.mktemp("llamacpp-server")
+    _, gguf = tiny_ggufs["llama"]
+    old = os.environ.get("RIDGEFILL_CACHE")
+    os.environ["RIDGEFILL_CACHE"] = cache  # the maps read the conversion's identity
+    try:
+        maps = perturbed_maps(gguf, root / "maps.safetensors")
+    finally:
+        os.environ.pop("RIDGEFILL_CACHE") if old is None else os.environ.__setitem__("RIDGEFILL_CACHE", old)
+    server = start(["--model", str(gguf), "--maps", str(maps), "--tail", str(TAIL)], root, secrets.token_hex(8),
+                   {"RIDGEFILL_CACHE": cache})
+    server.maps, server.gguf = maps, gguf
+    try:
+        yield server
+    finally:
+        stop(server.proc)
+
+
+def test_the_openai_client_gets_a_completion_a_chat_completion_and_a_stream(served):
+    from openai import OpenAI
+
+    with OpenAI(base_url=served.base + "/v1", api_key=served.key, max_retries=0) as client:
+        asked(client, served)
+
+
+def asked(client, served) -> None:
+    assert "with RidgeFill: ridge fill" in served.banner and "split 3 of 6 layers" in served.banner, served.banner
+    assert [m.id for m in client.models.list().data] == [served.name]
+    greedy = {"temperature": 0, "extra_body": {"repeat_penalty": 1.0}}
+    done = client.completions.create(model=served.name, prompt=PROMPT, max_tokens=6, **greedy)
+    assert done.usage.completion_tokens == 6 and done.choices[0].text
+    streamed = client.completions.create(model=served.name, prompt=PROMPT, max_tokens=6, stream=True, **greedy)
+    assert "".join(chunk.choices[0].text for chunk in streamed) == done.choices[0].text
+    chat = client.chat.completions.create(model=served.name, messages=[{"role": "user", "content": "the cat sat"}],
+                                          max_tokens=4, **greedy)
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens <= 4
+    assert "Traceback" not in served.log.read_text(errors="replace")
+
+
+def test_greedy_tokens_equal_generate_on_the_same_prompt_maps_split_and_tail(served, tmp_path, monkeypatch, cache):
+    """The server's filled answer is `generate --engine llamacpp`'s filled one, its answer with a tail over the
+    prompt is generate's exact one, and the two differ (the maps are perturbed: a server that did not fill fails)."""
+    from typer.testing import CliRunner
+
+    from ridgefill.cli import app
+
+    monkeypatch.setenv("RIDGEFILL_CACHE", cache)
+    out = tmp_path / "generate.json"
+    r = CliRunner().invoke(app, ["generate", "--engine", "llamacpp", "--model", str(served.gguf), "--maps",
+                                 str(served.maps), "--tail", str(TAIL), "--prompt", PROMPT, "--max-new-tokens", "6",
+                                 "--compare", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    runs = json.loads(out.read_text())["results"]
+    assert runs["exact"]["text"] != runs["filled"]["text"], runs
+    filled = served.complete(PROMPT, 6)
+    assert filled["usage"]["prompt_tokens"] == runs["filled"]["prompt_tokens"]  # the same tokens
+    assert filled["choices"][0]["text"] == runs["filled"]["text"]
+    exact = served.complete(PROMPT, 6, ridgefill_tail=10_000)
+    assert exact["choices"][0]["text"] == runs["exact"]["text"]
+
+
+def tokens(served, text: str) -> list[int]:
+    status, body = served.post("/extras/tokenize", {"input": text})
+    assert status == 200, body
+    return body["tokens"]
+
+
+def test_a_prompt_sharing_a_long_prefix_reuses_only_what_a_fresh_prefill_computes_alike(served):
+    """A, then B sharing most of A with a longer tail of its own: B's answer equals B's answer after a prompt that
+    shares nothing (a fresh prefill); the rows reused stop where B's plan runs a row in full that A filled."""
+    a = PROMPT * 2
+    b = a[:-40] + " while the bird sang in the old tree"
+    unrelated = "Z" + b[1:]
+    served.complete(unrelated, 2)
+    before = served.metrics()
+    fresh = served.complete(b, 6, ridgefill_tail=30)
+    shared = 1 if tokens(served, "Z")[0] == tokens(served, "a")[0] else 0  # a BOS token
+    assert served.metrics()["ridgefill_cached_prompt_tokens_total"] - \
+        before["ridgefill_cached_prompt_tokens_total"] == shared  # B after a prompt that shares nothing: fresh
+    served.complete(a, 2)
+    middle = served.metrics()
+    reused = served.complete(b, 6, ridgefill_tail=30)
+    after = served.metrics()
+    assert reused["choices"][0]["text"] == fresh["choices"][0]["text"]
+    ta, tb = tokens(served, a), tokens(served, b)
+    common = next(i for i, (x, y) in enumerate(zip(ta, tb)) if x != y)
+    cut = min(common, len(tb) - 30)  # B's tail ran filled in A
+    assert after["ridgefill_cached_prompt_tokens_total"] - middle["ridgefill_cached_prompt_tokens_total"] == cut
+    filled = after["ridgefill_filled_tokens_total"] - middle["ridgefill_filled_tokens_total"]
+    assert filled == len(tb) - 30 - cut  # the filled rows after the cut, each counted once
+
+
+def test_metrics_count_each_prompt_token_once(served):
+    """A prompt after one that shares nothing: keep-first 1 and the tail run in full, the rest filled, none cached;
+    the same prompt again is cached but for its last row, which gives the first token."""
+    before = served.metrics()
+    body = served.complete("Q" + PROMPT, 2)
+    n = body["usage"]["prompt_tokens"]
+    mid = served.metrics()
+    delta = {k.split("ridgefill_")[1]: mid[k] - before[k] for k in mid}
+    assert delta == {"filled_tokens_total": n - TAIL - 1, "full_tokens_total": TAIL + 1,
+                     "cached_prompt_tokens_total": 0, "outlier_tokens_total": 0}, delta
+    served.complete("Q" + PROMPT, 2)
+    again = served.metrics()
+    assert again["ridgefill_cached_prompt_tokens_total"] - mid["ridgefill_cached_prompt_tokens_total"] == n - 1
+    assert again["ridgefill_full_tokens_total"] - mid["ridgefill_full_tokens_total"] == 1
+
+
+GENERATING = ["/v1/completions", "/v1/chat/completions", "/v1/engines/copilot-codex/completions", "/v1/embeddings",
+              "/extras/tokenize", "/extras/tokenize/count", "/extras/detokenize"]
+
+
+def test_without_the_key_every_route_that_reads_the_model_is_401_before_its_body(served):
+    """A bad option, a declared 1 GiB body of which a few bytes come, /v1/models: 401 without the key (the guard's,
+    before any body is read); /health and /metrics are open."""
+    for path in GENERATING:
+        assert served.post(path, {"prompt": "x", "ridgefill_tail": 0}, key=None) == (401, {"error": "Unauthorized"})
+        assert served.post(path, {"prompt": "x"}, key="not-" + served.key)[0] == 401
+        assert unfinished(served, path, 1 << 30) == (401, {"error": "Unauthorized"}), path
+    assert served.request("GET", "/v1/models", key=None)[0] == 401
+    assert served.request("GET", "/health", key=None)[0] == 200
+    assert served.request("GET", "/metrics", key=None)[0] == 200
+    status, body = served.post("/v1/completions", {"prompt": "x", "ridgefill_tail": 0})
+    assert status == 400 and body["error"]["message"].startswith("ridgefill_tail=0 is not valid"), body
+
+
+def test_hostile_bodies_are_400_or_413_never_500_and_the_server_serves_on(served):
+    """With the key: JSON nested 100,000 deep, an option behind an escape, a huge integer, a body over 8 MiB
+    (declared, or sent), malformed JSON, a body that is no object, fields of the wrong type, an unknown ridgefill_*
+    option, logprobs: each one line, 400 or 413; no traceback in the server's log; the same answer after."""
+    before = served.complete(PROMPT, 4)
+    tracebacks = served.log.read_text(errors="replace").count("Traceback")
+    cases = [(b'{"prompt": "x", "pad": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, "the request body's JSON nests"),
+             (b'{"prompt": "x", "ridgefill\\u005ftail": true}', 400, "ridgefill_tail=True is not valid"),
+             (b'{"prompt": "x", "ridgefill_tail": 1' + b"0" * 5000 + b"}", 400, "the request body holds an integer"),
+             (json.dumps({"prompt": "p" * (9 << 20)}).encode(), 413, "the request body is over 8,388,608 bytes"),
+             (b'{"prompt": "x", ', 400, "the request body is not JSON"),
+             (b'["prompt"]', 400, "the request body is not a JSON object"),
+             (b'{"prompt": 5, "max_tokens": "many"}', 400, "prompt"),
+             (b'{"prompt": "x", "ridgefill_split": 3}', 400, "unknown RidgeFill request option 'ridgefill_split'"),
+             (b'{"prompt": "x", "ridgefill_keep_first": -1}', 400, "ridgefill_keep_first=-1 is not valid"),
+             (b'{"prompt": "x", "logprobs": 2}', 400, "logprobs are not served with --engine llamacpp")]
+    chat = {b'{"prompt": 5, "max_tokens": "many"}': "max_tokens",  # (the chat request's first wrong field)
+            b'{"prompt": "x", "logprobs": 2}': b'{"messages": [{"role": "user", "content": "x"}], "logprobs": true}'}
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        for body, status, message in cases:
+            if path.endswith("chat/completions") and body in chat:
+                body, message = (chat[body], message) if isinstance(chat[body], bytes) else (body, chat[body])
+            got, answered = served.post(path, body)
+            assert got == status and answered["error"]["message"].startswith(message), (path, got, answered, body[:60])
+            assert "\n" not in answered["error"]["message"]
+    assert unfinished(served, "/v1/completions", 1 << 30, served.key)[0] == 413
+    assert served.request("GET", "/health", key=None)[0] == 200
+    assert served.complete(PROMPT, 4)["choices"] == before["choices"]
+    assert served.log.read_text(errors="replace").count("Traceback") == tracebacks, tail(served.log)
+
+
+def test_a_server_whose_stderr_nobody_reads_keeps_answering(served):
+    """Every request is a line of uvicorn's log; the relay keeps reading it though serve's stderr is a pipe nobody
+    has read since the banner: twice two pipes' worth of log lines later the server still answers."""
+    pad = "x" * 4096
+    start, answered = served.log.stat().st_size, 0
+    while served.log.stat().st_size - start < 4 * (64 << 10):
+        assert served.request("GET", f"/health?pad={pad}", key=None)[0] == 200, answered
+        answered += 1
+    assert served.proc.poll() is None
+
+
+def refused(args: list[str], monkeypatch, capfd) -> str:
+    """`ridgefill serve ARGS` through the console entry point: exit 2 and one line on stderr, which is returned."""
+    import sys
+
+    from ridgefill import cli
+
+    monkeypatch.setattr(sys, "argv", ["ridgefill", "serve", "--engine", "llamacpp", *args])
+    capfd.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        cli.main()
+    err = capfd.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    return err.strip()
+
+
+def test_bad_configurations_are_one_line_and_exit_2(served, tiny_ggufs, tiny_checkpoint, monkeypatch, capfd, cache):
+    from ridgefill.runtime.models import model_identity
+
+    monkeypatch.setenv("RIDGEFILL_CACHE", cache)
+    gguf, qwen2 = str(served.gguf), str(tiny_ggufs["qwen2"][1])
+    model_identity(qwen2)  # converted once beforehand (the conversion's progress bar is no refusal's)
+    assert refused(["--model", str(tiny_checkpoint), "--split", "2"], monkeypatch, capfd) == (
+        f"error: --engine llamacpp runs GGUF files, not {tiny_checkpoint}: give --model a .gguf file or an embedded "
+        "alias (smollm2-135m)")
+    assert refused(["--model", gguf, "--split", "3", "--max-model-len", "4096"], monkeypatch, capfd) == (
+        "error: --max-model-len is not an option of --engine llamacpp's server, which takes --api-key KEY and "
+        "--n-ctx N (vLLM's options need --engine vllm)")
+    assert refused(["--model", gguf, "--split", "3", "--dtype", "bf16"], monkeypatch, capfd).startswith(
+        "error: --dtype bf16 is not supported with --engine llamacpp")
+    assert refused(["--model", gguf, "--split", "3", "--kv-cache-gib", "1"], monkeypatch, capfd).startswith(
+        "error: --kv-cache-gib is not supported with --engine llamacpp")
+    assert refused(["--model", qwen2, "--maps", str(served.maps), "--port", str(served.port())], monkeypatch,
+                   capfd).startswith(f"error: {served.maps} was fitted for another model")
+    assert refused(["--model", gguf, "--split", "3", "--port", str(served.port())], monkeypatch, capfd).startswith(
+        f"error: cannot listen on 127.0.0.1:{served.port()}")
+    assert refused(["--model", gguf, "--split", "3", "--filled-window", "64"], monkeypatch, capfd).startswith(
+        "error: --filled-window is not supported with --engine llamacpp")
