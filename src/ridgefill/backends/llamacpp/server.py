@@ -45,6 +45,11 @@ CHECKED = {"/v1/completions": "CreateCompletionRequest", "/v1/engines/copilot-co
            "/v1/embeddings": "CreateEmbeddingRequest"}
 RETRY_AFTER_S = 1  # what a 503 asks the client to wait
 SERVED = ("filled", "full", "cached", "outliers")  # the counters this server shows (serving.COUNTERS' names)
+ADMITTED = "ridgefill_admitted_requests"  # the gauge of the requests admitted now
+# serving.COUNTERS' help, where llama.cpp's counter means something of its own
+HELP = {"cached": "Prompt tokens kept from the context's previous prompt (llama-cpp-python's prefix match, cut where a "
+                  "fresh prefill would compute a row otherwise): each prompt token is counted once, in filled, full or "
+                  "cached"}
 
 
 @dataclass
@@ -77,9 +82,21 @@ class Counters:
             values = dict(self.values)
         lines = []
         for key in SERVED:
-            name, help_ = COUNTERS[key]
+            name, help_ = COUNTERS[key][0], HELP.get(key, COUNTERS[key][1])
             lines += [f"# HELP {name}_total {help_}", f"# TYPE {name}_total counter", f"{name}_total {values[key]}"]
         return "\n".join(lines) + "\n"
+
+
+@dataclass
+class Queue:
+    """The requests admitted for the model (Admission's), at most `bound`: a gauge on /metrics."""
+
+    bound: int
+    active: int = 0
+
+    def text(self) -> str:
+        return (f"# HELP {ADMITTED} Requests running or waiting for the model (at most {self.bound})\n"
+                f"# TYPE {ADMITTED} gauge\n{ADMITTED} {self.active}\n")
 
 
 @dataclass
@@ -91,6 +108,7 @@ class Fill:
     maps: object  # driver.Maps
     chunk: int
     counters: Counters
+    arch: str  # the GGUF's architecture (serve checked it: driver.check_family)
 
     def plan_for(self, options: dict):
         """The plan with the request's own tail and keep-first (checked at admission)."""
@@ -114,8 +132,7 @@ def filled_llama_class():
             super().__init__(*args, **kwargs)
             self.fill, self.driver, self._prompt = fill, None, False
             if fill is not None:
-                self.driver = driver.LlamaCpp.attach(self.model_path, self.model, self.ctx, self.n_ctx(),
-                                                     self.n_batch)
+                self.driver = driver.LlamaCpp.attach(fill.arch, self.model, self.ctx, self.n_ctx(), self.n_batch)
                 self._stack.callback(self.driver.close)
                 self.driver.set_maps(fill.maps)
 
@@ -137,7 +154,7 @@ def filled_llama_class():
                 self.driver.clear()
             finally:
                 inner.close()
-                if self.driver is not None:
+                if self.driver is not None and self.driver.stop == request.gone.is_set:  # (not a later request's)
                     self.driver.stop = None
 
         def eval(self, tokens) -> None:
@@ -185,7 +202,7 @@ def build_app(spec: dict, key: str | None, guard: str | None, stock: bool):
     models = [ModelSettings(model=spec["gguf"], model_alias=spec["name"])]
     lapp.set_llama_proxy = lambda model_settings: setattr(lapp, "_llama_proxy", Proxy(models=model_settings))
     app = lapp.create_app(server_settings=server, model_settings=models)
-    counters = fill.counters if fill is not None else None
+    counters, queue = fill.counters if fill is not None else None, Queue(spec["queue"])
 
     @app.get("/health", include_in_schema=False)
     async def health():
@@ -193,9 +210,9 @@ def build_app(spec: dict, key: str | None, guard: str | None, stock: bool):
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics():
-        return PlainTextResponse(counters.text() if counters is not None else "")
+        return PlainTextResponse((counters.text() if counters is not None else "") + queue.text())
 
-    app.add_middleware(Admission, bound=spec["queue"], fill_on=fill is not None)
+    app.add_middleware(Admission, queue=queue, fill_on=fill is not None)
     if guard:
         module, _, name = guard.rpartition(".")
         app.add_middleware(getattr(importlib.import_module(module), name))
@@ -206,12 +223,12 @@ def served_fill(spec: dict) -> Fill:
     """The fill of `spec` on its model: the plan (maps loaded and checked against the model) and the maps in
     llama.cpp's form."""
     from ridgefill.backends.llamacpp import driver
+    from ridgefill.backends.llamacpp.serving import model_of
     from ridgefill.method.fill import FillSettings
-    from ridgefill.runtime.session import model_facts
 
     settings = FillSettings(**spec["fill"])
-    plan, _ = settings.plan(model_facts(spec["model"]))
-    return Fill(plan, driver.maps_of(plan.filler), spec["chunk"], Counters())
+    plan, _ = settings.plan(model_of(spec["model"]))
+    return Fill(plan, driver.maps_of(plan.filler), spec["chunk"], Counters(), spec["arch"])
 
 
 # --- admission -----------------------------------------------------------------------------------------------------
@@ -219,23 +236,24 @@ class Admission:
     """Pure ASGI middleware around llama-cpp-python's app: the bounded queue of requests for the model, each
     request's checks (request_error) and its RequestState, and its client's going away."""
 
-    def __init__(self, app, bound: int, fill_on: bool) -> None:
-        self.app, self.bound, self.fill_on, self.active = app, bound, fill_on, 0
+    def __init__(self, app, queue: Queue, fill_on: bool) -> None:
+        self.app, self.queue, self.fill_on = app, queue, fill_on
 
     async def __call__(self, scope, receive, send) -> None:
-        path = scope.get("path", "")
+        path, queue = scope.get("path", ""), self.queue
         if scope.get("type") != "http" or not path.startswith(MODEL_PATHS):
             await self.app(scope, receive, send)
             return
-        if self.active >= self.bound:
-            await answer(send, 503, f"the server is busy: {self.bound} requests are running or waiting for the model "
-                         f"(the most it admits); retry after {RETRY_AFTER_S} s", [(b"retry-after", b"%d" % RETRY_AFTER_S)])
+        if queue.active >= queue.bound:
+            await answer(send, 503, f"the server is busy: {queue.bound} requests are running or waiting for the "
+                         f"model (the most it admits); retry after {RETRY_AFTER_S} s",
+                         [(b"retry-after", b"%d" % RETRY_AFTER_S)])
             return
-        self.active += 1
+        queue.active += 1
         try:
             await self.admitted(scope, receive, send, path)
         finally:
-            self.active -= 1
+            queue.active -= 1
 
     async def admitted(self, scope, receive, send, path: str) -> None:
         body, ended = b"", None

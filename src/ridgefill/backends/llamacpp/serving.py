@@ -12,6 +12,7 @@ log, guard)` (the same SPEC with --stock: llama-cpp-python's own prefill, no gua
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -83,13 +84,15 @@ def serve_plan(cls, c, scratch: Path, log, guard: str | None = None, env: dict |
     `scratch`), environment (the API key, the front's `env`), health URL, banner, log and the /metrics marker."""
     from ridgefill.backends.base import check_plans, refuse
     from ridgefill.backends.llamacpp import driver
-    from ridgefill.runtime.models import gguf_file
-    from ridgefill.runtime.session import model_facts
+    from ridgefill.runtime.models import gguf_file, model_identity
 
     taken = split_args(c.vllm_args)
     gguf = gguf_file(c.model)
-    driver.check_family(gguf)
-    facts = model_facts(c.model)
+    arch = driver.check_family(gguf)
+    identity = model_identity(c.model)
+    described = {"shape": dataclasses.asdict(identity.shape), "context_length": identity.context_length,
+                 "model_info": {k: v for k, v in identity.info.items() if k != "n_layers"}}
+    facts = model_of(described)
     fill = served_fill(c, facts)
     if fill.variant not in cls.caps.variants:
         raise refuse(cls, f"the {fill.variant} variant", f"use {' or '.join(cls.caps.variants)}")
@@ -106,10 +109,14 @@ def serve_plan(cls, c, scratch: Path, log, guard: str | None = None, env: dict |
     warn_if_exposed(c, API_KEY in taken or bool(os.environ.get(KEY_ENV)))
     log = log()
     threads = os.cpu_count() or 1
-    spec = {"gguf": str(gguf), "model": c.model, "name": c.model, "fill": fill.describe(), "chunk": DEFAULT_CHUNK,
+    spec = {"gguf": str(gguf), "arch": arch, "model": described, "name": c.model, "fill": fill.describe(), "chunk": DEFAULT_CHUNK,
             "n_ctx": n_ctx, "n_batch": min(DEFAULT_CHUNK, n_ctx), "n_ubatch": min(N_UBATCH, DEFAULT_CHUNK, n_ctx),
             "threads": threads, "host": c.host, "port": c.port, "queue": c.concurrency}
-    spec["fill"]["maps"] = None if fill.maps is None else str(Path(fill.maps).resolve())
+    if fill.maps is not None:  # the server loads the bytes checked here (their sha256 pinned), or refuses
+        from ridgefill.runtime.paths import file_sha256
+
+        spec["fill"]["maps"] = str(Path(fill.maps).resolve())
+        spec["fill"]["maps_sha256"] = fill.maps_sha256 or file_sha256(fill.maps)
     path = scratch / "llamacpp-server.json"
     path.write_text(json.dumps(spec, indent=1))
     key = {KEY_ENV: taken[API_KEY]} if API_KEY in taken else {}
@@ -128,6 +135,23 @@ def stock_plan(plan: Launch, log: Path, guard: str | None = None) -> Launch:
     argv = [a for i, a in enumerate(plan.argv) if a != "--guard" and (i == 0 or plan.argv[i - 1] != "--guard")]
     return replace(plan, argv=[*argv, "--stock"], banner=plan.banner.split(" with RidgeFill")[0] +
                    " (stock llama.cpp)", log=log, marker=None)
+
+
+def model_of(described: dict):
+    """What a plan reads of the model (runtime/session.ModelFacts, no tokenizer: llama.cpp tokenizes), from its
+    description in the SPEC (model_identity's: no weights or tokenizer loaded, here or in the server)."""
+    import torch
+
+    from ridgefill.runtime.session import ModelFacts
+    from ridgefill.torchfill import ModelShape
+
+    shape = {k: tuple(v) if k == "layer_kinds" else v for k, v in described["shape"].items()}
+    if shape.get("hybrid") is not None:
+        raise RidgefillError("--engine llamacpp fills llama, qwen2 and qwen3 models (not hybrid ones): use --engine "
+                             "ridgefill")
+    info = described["model_info"]
+    return ModelFacts(None, ModelShape(**shape), described["context_length"], info, info["weights_hash"],
+                      torch.float32, torch.device("cpu"))
 
 
 def served_fill(c, facts):
