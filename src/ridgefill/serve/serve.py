@@ -1,5 +1,6 @@
-"""`ridgefill serve`: an engine's OpenAI-compatible server with RidgeFill's filled prefill (vLLM's today, with
-ridgefill's vLLM plugin), configured from the command line:
+"""`ridgefill serve`: an engine's OpenAI-compatible server with RidgeFill's filled prefill (vLLM's, with ridgefill's
+vLLM plugin; or llama-cpp-python's on a GGUF file, --engine llamacpp: backends/llamacpp/serving.py), configured from
+the command line:
 
     ridgefill serve --model M --maps MAPS [--tail T] [--keep-first K] [--outlier-factor F] [--host H] [--port P]
                     [--dtype D] [--kv-cache-gib G | --concurrency C] [--engine E] [any option of the engine's server]
@@ -76,15 +77,18 @@ class ServeConfig(ServedFill):
                                         "--concurrency requests of the longest length served, at most half the "
                                         "memory free at start-up).")
     concurrency: int = option(4, "Requests of the longest length served that the default CPU KV cache holds at "
-                              "once.")
+                              "once (vLLM); requests admitted at once, one running and the rest waiting, past them a "
+                              "503 (llama.cpp: one model, one context).")
     log_file: Path | None = option(None, "Where vLLM's log goes (default: serve-<port>.log in "
                                    "~/.local/state/ridgefill, a folder only you can enter); at 32 MiB it moves to "
                                    "<log>.1. Once the server answers, its log is also on stderr.", keyed=False)
-    engine: str = option(SERVING_DEFAULT, "Which engine's server runs the model (one that serves: vllm).")
+    engine: str = option(SERVING_DEFAULT, "Which engine's server runs the model (one that serves: vllm, or llamacpp "
+                         "on a GGUF file).")
     vllm_args: list[str] = option([], "options of `vllm serve` (see `vllm serve --help=all`), e.g. "
                                   "--max-model-len 4096 --tensor-parallel-size 2 --api-key KEY "
                                   "--no-enable-prefix-caching --enforce-eager. A request sets its own tail: vllm_xargs "
-                                  "ridgefill_tail.")
+                                  "ridgefill_tail. With --engine llamacpp: --api-key KEY and --n-ctx N only; a request "
+                                  "sets its tail as a top-level ridgefill_tail.")
 
     def check(self) -> None:
         super().check()
