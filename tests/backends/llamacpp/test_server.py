@@ -236,3 +236,41 @@ def test_bad_configurations_are_one_line_and_exit_2(served, tiny_ggufs, tiny_che
         f"error: cannot listen on 127.0.0.1:{served.port()}")
     assert refused(["--model", gguf, "--split", "3", "--filled-window", "64"], monkeypatch, capfd).startswith(
         "error: --filled-window is not supported with --engine llamacpp")
+
+
+def test_a_serving_config_and_the_stock_server_bench_serve_compares(served, tmp_path, monkeypatch, cache):
+    """serve reads tune's serving config as vLLM's serve does (its fill pinned into the server's SPEC, the maps by
+    sha256); the same server with the fill off (Backend.stock_server: --stock, no guard, no RidgeFill counter)
+    answers a prompt as the filled server answers it with a tail over the whole prompt (exact), and refuses
+    RidgeFill's options."""
+    from helpers import free_port
+    from ridgefill.backends.llamacpp.server import KEY_ENV
+    from ridgefill.method.fill import SERVING_KIND, FillSettings
+    from ridgefill.runtime.models import model_identity
+    from ridgefill.serve.serve import ServeConfig, running, serve_plan, stock_plan
+
+    monkeypatch.setenv("RIDGEFILL_CACHE", cache)
+    weights = model_identity(str(served.gguf)).info["weights_hash"]
+    fill = FillSettings("ridge", 3, served.maps, tail=12, keep_first=1, outlier_factor=20.0)
+    config = tmp_path / "serving.json"
+    config.write_text(json.dumps({"kind": SERVING_KIND, "version": 2, "model": {"weights_hash": weights},
+                                  **fill.to_serving()}))
+    c = ServeConfig(model=str(served.gguf), serving_config=config, port=free_port(), engine="llamacpp",
+                    log_file=tmp_path / "filled.log", vllm_args=["--api-key", served.key])
+    c.check()
+    plan = serve_plan(c, tmp_path)
+    spec = json.loads((tmp_path / "llamacpp-server.json").read_text())
+    assert spec["fill"]["tail"] == 12 and spec["fill"]["maps"] == str(served.maps.resolve())
+    assert spec["fill"]["maps_sha256"] == json.loads(config.read_text())["maps"]["sha256"]
+    assert plan.env[KEY_ENV] == served.key and served.key not in " ".join(plan.argv)
+    assert "--guard" in plan.argv and "tail 12" in plan.banner
+    stock = stock_plan(plan, tmp_path / "stock.log", "llamacpp")
+    assert "--guard" not in stock.argv and stock.argv[-1] == "--stock" and stock.marker is None
+    exact = served.complete(PROMPT, 6, ridgefill_tail=10_000)
+    with running(stock):
+        base = stock.health.removesuffix("/health")
+        server = type(served)(served.proc, base, served.key, stock.log, stock.banner, served.name)
+        assert server.complete(PROMPT, 6)["choices"][0]["text"] == exact["choices"][0]["text"]
+        assert not any(k.endswith("_total") for k in server.metrics())
+        status, body = server.post("/v1/completions", {"prompt": "x", "ridgefill_tail": 4})
+        assert status == 400 and "runs without RidgeFill" in body["error"]["message"], body
