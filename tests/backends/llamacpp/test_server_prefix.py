@@ -94,3 +94,22 @@ def test_keeping_the_whole_shared_prefix_would_change_the_cache(lc, monkeypatch)
     plain = [(*case[:6], 0.0, *case[7:]) for case in cases(40)]
     gaps = [gap(r_kv, f_kv) for r, r_kv, f, f_kv, _ in (served_then_fresh(lc, *case) for case in plain)]
     assert max(gaps) > 0.05, max(gaps)
+
+
+def test_a_stopped_prefill_raises_and_the_cache_serves_on_after_clear(lc):
+    """A server's client that goes away mid-prefill: `stop` is asked before each llama_decode; after Stopped and
+    clear(), a prefill gives what it gave before."""
+    from ridgefill.backends.llamacpp.driver import Stopped
+
+    a = list(range(3, 103))
+    before = lc.prefill(a, plan(len(a), 8, 1), [len(a) - 1], 0.0, 16).logits
+    calls = []
+    lc.stop = lambda: calls.append(1) or len(calls) > 2
+    try:
+        with pytest.raises(Stopped):
+            lc.prefill(a, plan(len(a), 8, 1), [len(a) - 1], 0.0, 16)
+    finally:
+        lc.stop = None
+    lc.clear()
+    assert len(calls) == 3
+    assert np.array_equal(lc.prefill(a, plan(len(a), 8, 1), [len(a) - 1], 0.0, 16).logits.numpy(), before.numpy())

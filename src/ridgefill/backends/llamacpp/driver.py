@@ -29,10 +29,11 @@ import numpy as np
 import torch
 
 from ridgefill.backends.llamacpp import library
+from ridgefill.backends.llamacpp.gguf_header import FAMILIES, check_family, gguf_architecture  # noqa: F401
+from ridgefill.backends.llamacpp.maps import Maps, maps_of  # noqa: F401
 from ridgefill.torchfill.rows import outliers as outlier_rows
 from ridgefill.errors import RidgefillError
 
-FAMILIES = ("llama", "qwen2", "qwen3")  # GGUF general.architecture values the patch fills
 KV_TYPES = {"f16": 1, "f32": 0}  # ggml types of the K/V cache the fill writes (a quantized cache is refused)
 # llama.h's LLAMA_RIDGEFILL_ERR_* codes of llama_ridgefill_set_maps, and of llama_decode in fill mode
 SET_MAPS_REFUSALS = {
@@ -50,104 +51,9 @@ DECODE_REFUSALS = {
 }
 
 
-# GGUF's metadata value types: their struct formats (8: string, 9: array)
-GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-
-
-def gguf_architecture(path: str | Path) -> str:
-    """A GGUF file's general.architecture, read from its header's key-value pairs up to that key (no weights, and
-    not the whole vocabulary, which the `gguf` package's reader parses first: seconds for a 49K-token one)."""
-    try:
-        with open(path, "rb") as f:
-            def take(fmt: str):
-                data = f.read(struct.calcsize(fmt))
-                if len(data) < struct.calcsize(fmt):
-                    raise EOFError("truncated")
-                return struct.unpack(fmt, data)[0]
-
-            def text() -> str:
-                n = take("<Q")
-                if n > 1 << 20:
-                    raise ValueError("string too long")
-                return f.read(n).decode()
-
-            def skip(kind: int) -> None:
-                if kind in GGUF_SCALARS:
-                    f.seek(struct.calcsize(GGUF_SCALARS[kind]), 1)
-                elif kind == 8:
-                    f.seek(take("<Q"), 1)
-                elif kind == 9:
-                    inner, count = take("<I"), take("<Q")
-                    if inner in GGUF_SCALARS:
-                        f.seek(count * struct.calcsize(GGUF_SCALARS[inner]), 1)
-                    else:
-                        for _ in range(count):
-                            skip(inner)
-                else:
-                    raise ValueError(f"value type {kind}")
-
-            if f.read(4) != b"GGUF" or take("<I") not in (2, 3):
-                raise ValueError("no GGUF header")
-            take("<Q")  # tensors
-            for _ in range(take("<Q")):
-                key, kind = text(), take("<I")
-                if key == "general.architecture" and kind == 8:
-                    return text()
-                skip(kind)
-            raise KeyError("general.architecture")
-    except Exception as exc:  # not GGUF, truncated: llama.cpp could not load it either
-        raise RidgefillError(f"{path} is not a readable GGUF file ({type(exc).__name__}): point --model at a "
-                             ".gguf file or an embedded alias") from None
-
-
-def check_family(path: str | Path) -> str:
-    """The architecture of a GGUF file the fill runs (FAMILIES); anything else (hybrid models among them) is one
-    line."""
-    arch = gguf_architecture(path)
-    if arch not in FAMILIES:
-        raise RidgefillError(f"{path} is a {arch} model: --engine llamacpp fills {', '.join(FAMILIES)} models "
-                             "(not hybrid or recurrent ones); use --engine ridgefill")
-    return arch
-
-
 class Stopped(Exception):
     """A prefill stopped by its `stop` callable (a server's client went away): the cache is in no known state until
     `clear`."""
-
-
-@dataclass
-class Maps:
-    """A split's maps as llama.cpp takes them (method/maps.py's fillers, translated by `maps_of`)."""
-
-    split: int
-    w: np.ndarray | None = None  # [m, H, H] each map transposed (row o: output o)
-    u: np.ndarray | None = None  # [m, r, H] (Uᵀ)
-    v: np.ndarray | None = None  # [m, H, r] (Vᵀ)
-    b: np.ndarray | None = None  # [m, H]; None: identity fill
-    key_scale: np.ndarray | None = None  # [L-S, Hkv]
-
-    @property
-    def rank(self) -> int:
-        return 0 if self.u is None else int(self.u.shape[1])
-
-
-def maps_of(filler) -> Maps:
-    """The llama.cpp form of an engine filler, from its affine maps (torchfill/fillers.py Affine): identity, fitted
-    maps (full or low rank) or the mean control; the callers refuse the others (lookback, drop, oracle) before."""
-    if getattr(filler, "lookback", 0) or not hasattr(filler, "affine"):
-        raise ValueError(f"the {getattr(filler, 'name', type(filler).__name__)} filler has no llama.cpp form")
-
-    def arr(t):
-        return None if t is None else np.ascontiguousarray(t.detach().float().cpu().numpy())
-
-    form, key_scale = filler.affine(), arr(filler.key_scale)
-    if form.weights is not None:  # llama.cpp takes [m, out, in]
-        return Maps(filler.split, w=arr(form.weights.transpose(1, 2)), b=arr(form.biases), key_scale=key_scale)
-    if form.low_rank is not None:
-        u, v = form.low_rank  # [m, F, r], [m, r, H] -> [m, r, F], [m, H, r]
-        return Maps(filler.split, u=arr(u.transpose(1, 2)), v=arr(v.transpose(1, 2)), b=arr(form.biases),
-                    key_scale=key_scale)
-    return Maps(filler.split, b=arr(form.biases), key_scale=key_scale)
 
 
 @dataclass
