@@ -15,7 +15,9 @@ import tiny_gguf
 from served_llamacpp import perturbed_maps, start, stop, tail, unfinished
 
 MISSING = tiny_gguf.missing_build()
-pytestmark = pytest.mark.skipif(MISSING is not None, reason=f"no patched llama.cpp build: {MISSING}")
+# one worker runs the module (pytest-xdist --dist loadgroup): its server starts once
+pytestmark = [pytest.mark.skipif(MISSING is not None, reason=f"no patched llama.cpp build: {MISSING}"),
+              pytest.mark.xdist_group("llamacpp-server")]
 
 PROMPT = "the cat sat on the mat and the dog ran to the park " * 3
 TAIL = 8

@@ -17,7 +17,9 @@ import tiny_gguf
 from served_llamacpp import start, stop, stream_open, tail
 
 MISSING = tiny_gguf.missing_build()
-pytestmark = pytest.mark.skipif(MISSING is not None, reason=f"no patched llama.cpp build: {MISSING}")
+# one worker runs the module (pytest-xdist --dist loadgroup): its server starts once
+pytestmark = [pytest.mark.skipif(MISSING is not None, reason=f"no patched llama.cpp build: {MISSING}"),
+              pytest.mark.xdist_group("llamacpp-server-queue")]
 
 LONG = 4000  # tokens a request would generate (over a minute on 2 cores) unless it stops
 

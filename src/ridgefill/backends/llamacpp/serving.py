@@ -125,7 +125,7 @@ def serve_plan(cls, c, scratch: Path, log, guard: str | None = None, env: dict |
               f"{fill.variant} fill, maps {c.maps or c.serving_config or 'identity'} (split {plan.split} of "
               f"{facts.shape.layers} layers), tail {fill.tail}, keep-first {fill.keep_first}, outlier factor "
               f"{fill.outlier_factor:g}; context {n_ctx} tokens, {c.concurrency} requests admitted at once, "
-              f"{threads} threads; its log: {log}")
+              f"{threads} threads; the server's log: {log}")
     return Launch(argv, {**os.environ, **key, **(env or {})}, health_url(c.host, c.port), banner, Path(log), MARKER)
 
 
