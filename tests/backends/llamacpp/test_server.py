@@ -185,6 +185,8 @@ def test_hostile_bodies_are_400_or_413_never_500_and_the_server_serves_on(served
             assert got == status and answered["error"]["message"].startswith(message), (path, got, answered, body[:60])
             assert "\n" not in answered["error"]["message"]
     assert unfinished(served, "/v1/completions", 1 << 30, served.key)[0] == 413
+    status, answered = served.post("/v1/embeddings", {"input": "x"})
+    assert status == 400 and answered["error"]["message"].startswith("embeddings are not served"), answered
     assert served.request("GET", "/health", key=None)[0] == 200
     assert served.complete(PROMPT, 4)["choices"] == before["choices"]
     assert served.log.read_text(errors="replace").count("Traceback") == tracebacks, tail(served.log)

@@ -336,6 +336,9 @@ def request_error(body: bytes, model: str, fill_on: bool) -> tuple[str | None, d
         return f"{where}: {first.get('msg', 'invalid')} (the request's {model})", {}
     except (RecursionError, ValueError) as exc:
         return f"the request body cannot be read ({type(exc).__name__}): send a flat JSON object", {}
+    if model == "CreateEmbeddingRequest":  # llama-cpp-python would fail on a generation context (a 500)
+        return ("embeddings are not served by this server (a generation context, prompts filled): use a server "
+                "started for embeddings"), {}
     if getattr(request, "logprobs", None) not in (None, False) or getattr(request, "top_logprobs", None):
         return ("logprobs are not served with --engine llamacpp (llama-cpp-python computes them from every prompt "
                 "row's logits; filled rows have none): drop logprobs"), {}
