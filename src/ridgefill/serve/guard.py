@@ -3,7 +3,8 @@ server: vLLM's --middleware), engine-neutral, with no engine's import. It checks
 body is read, bounds the body, and checks RidgeFill's own options of a request (backends/serving.REQUEST_ARGS) in the
 JSON as the client sent it, before the server's request models read it. What differs between servers is the
 engine's `GuardDialect` (backends/serving.py): the body's field that holds a request's engine options (vLLM:
-`vllm_xargs`), the environment variable of the server's API key, and the server's own key middleware. The guard
+`vllm_xargs`; none for llama-cpp-python's server, whose requests carry `ridgefill_tail` as a top-level field), the
+environment variable of the server's API key, and the server's own key middleware. The guard
 takes it as `dialect`, else from the engine named by RIDGEFILL_GUARD_ENGINE (`ridgefill serve` sets it), else from
 the engine serve runs by default (backends.SERVING_DEFAULT).
 
