@@ -230,6 +230,12 @@ def test_bad_configurations_are_one_line_and_exit_2(served, tiny_ggufs, tiny_che
     assert refused(["--model", gguf, "--split", "3", "--max-model-len", "4096"], monkeypatch, capfd) == (
         "error: --max-model-len is not an option of --engine llamacpp's server, which takes --api-key KEY and "
         "--n-ctx N (vLLM's options need --engine vllm)")
+    from ridgefill.backends import backend_class
+    from ridgefill.backends.llamacpp.serving import split_args
+
+    assert split_args(backend_class("llamacpp").context_args(4096)) == {"--n-ctx": "4096"}  # bench-serve's sizing
+    assert refused(["--model", gguf, "--split", "3", "--n-ctx", "0"], monkeypatch, capfd) == (
+        "error: --n-ctx '0' is not a number of tokens: give e.g. --n-ctx 4096")
     assert refused(["--model", gguf, "--split", "3", "--dtype", "bf16"], monkeypatch, capfd).startswith(
         "error: --dtype bf16 is not supported with --engine llamacpp")
     assert refused(["--model", gguf, "--split", "3", "--kv-cache-gib", "1"], monkeypatch, capfd).startswith(

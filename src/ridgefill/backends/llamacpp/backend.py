@@ -67,6 +67,12 @@ class LlamaCppBackend(Backend):
         return stock_plan(plan, log, guard)
 
     @classmethod
+    def context_args(cls, tokens: int) -> list[str]:
+        from ridgefill.backends.llamacpp.serving import N_CTX
+
+        return [N_CTX, str(tokens)]  # the server's context (its K/V cache) holds `tokens` tokens
+
+    @classmethod
     def drive(cls, *args, **kwargs) -> list[dict]:
         raise RidgefillError("bench-serve's load is not built for --engine llamacpp yet (its server prompts are text, "
                              "not token ids): use --engine vllm")
