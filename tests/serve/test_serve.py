@@ -156,7 +156,7 @@ def test_launch_forwards_signals_to_the_child_and_returns_its_exit_code(tmp_path
     assert int(ready.read_text()) != os.getpgid(0)  # its own process group: a Ctrl-C reaches it once, forwarded
     assert signal.getsignal(signal.SIGTERM) is handler  # this process's own handler is back
     # a child that ends by itself before it is up: its reason, one line (no signal was forwarded)
-    with pytest.raises(RidgefillError, match=r"vLLM could not start \(ValueError: no room\): see the log"):
+    with pytest.raises(RidgefillError, match=r"the server could not start \(ValueError: no room\): see the log"):
         serve.launch(plan("raise ValueError('no room')"))
     with pytest.raises(RidgefillError, match="exited with code 137 before it answered"):
         serve.launch(plan("import os; os.kill(os.getpid(), 9)"))

@@ -166,7 +166,7 @@ def plugin_error(log: str, marker: str, path: Path) -> str:
     reason = f" ({errors[0][0].rsplit('.', 1)[-1]}: {_short(errors[0][1])})" if errors else ""
     return (f"vLLM's server came up without RidgeFill: its /metrics has no {marker}, so the plugin did not load in "
             f"vLLM's processes{reason} and every ridgefill_* option would be ignored; it was stopped: reinstall "
-            f"ridgefill (pip install -e '.[vllm]', or make install) and see vLLM's log, {path}")
+            f"ridgefill (pip install -e '.[vllm]', or make install) and see the server's log, {path}")
 
 
 # --- why it did not start -----------------------------------------------------------------------------------------
@@ -188,7 +188,7 @@ def read_log(path: Path) -> str:
 
 
 def root_errors(log: str) -> list[tuple[str, str]]:
-    """The (exception type, message) of every error line in a vLLM log, but vLLM's generic start-up failures."""
+    """The (exception type, message) of every error line in a server's log (vLLM's form), but vLLM's generic start-up failures."""
     errors = []
     lines = log.splitlines()
     for i, line in enumerate(lines):
@@ -207,12 +207,12 @@ def startup_error(log: str, code: int, path: Path) -> str:
     errors = root_errors(log)
     ours = [message for kind, message in errors if kind.endswith("RidgefillError")]
     if ours:
-        return f"{ours[0]} (vLLM's log: {path})"
+        return f"{ours[0]} (the server's log: {path})"
     if not errors:
-        return f"vLLM's server exited with code {code} before it answered: see its log, {path}"
+        return f"the server exited with code {code} before it answered: see its log, {path}"
     kind, message = errors[0]
     fix = next((f for pattern, f in FIXES if pattern.search(message)), "see the log")
-    return f"vLLM could not start ({kind.rsplit('.', 1)[-1]}: {_short(message)}): {fix} (vLLM's log: {path})"
+    return f"the server could not start ({kind.rsplit('.', 1)[-1]}: {_short(message)}): {fix} (the server's log: {path})"
 
 
 def _short(message: str) -> str:

@@ -179,16 +179,16 @@ ridgefill.errors.RidgefillError: LoRA is not supported with RidgeFill (filled ro
 def test_a_failed_start_is_one_line_with_its_root_cause_and_the_fix(tmp_path):
     log = tmp_path / "vllm.log"
     line = serve.startup_error(VLLM_LOG, 1, log)
-    assert line == ("vLLM could not start (ValueError: No available memory for the cache blocks. Try increasing "
-                    "`gpu_memory_utilization`.): lower --max-model-len or --kv-cache-gib, or free memory (vLLM's log: "
+    assert line == ("the server could not start (ValueError: No available memory for the cache blocks. Try increasing "
+                    "`gpu_memory_utilization`.): lower --max-model-len or --kv-cache-gib, or free memory (the server's log: "
                     f"{log})")
     assert serve.startup_error(PYDANTIC_LOG, 1, log).startswith(
-        "vLLM could not start (ValidationError: User-specified max_model_len (100000) is greater than the derived "
-        "max_model_len (8192).): lower --max-model-len (vLLM's log:")
+        "the server could not start (ValidationError: User-specified max_model_len (100000) is greater than the derived "
+        "max_model_len (8192).): lower --max-model-len (the server's log:")
     assert serve.startup_error(OURS_LOG, 1, log) == (
-        f"LoRA is not supported with RidgeFill (filled rows ...): drop --enable-lora (vLLM's log: {log})")
+        f"LoRA is not supported with RidgeFill (filled rows ...): drop --enable-lora (the server's log: {log})")
     assert serve.startup_error("INFO nothing useful\n", -9, log) == (
-        f"vLLM's server exited with code -9 before it answered: see its log, {log}")
+        f"the server exited with code -9 before it answered: see its log, {log}")
     assert all("\n" not in serve.startup_error(text, 1, log) for text in (VLLM_LOG, PYDANTIC_LOG, OURS_LOG))
 
 

@@ -477,4 +477,4 @@ def test_a_setting_vllm_reads_from_a_config_file_that_breaks_the_fill_ends_serve
                        capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert r.returncode == 2, r.stderr
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: LoRA is not supported with RidgeFill"), r.stderr
-    assert f"(vLLM's log: {log})" in r.stderr and "Traceback" in log.read_text()  # the whole story is in the log
+    assert f"(the server's log: {log})" in r.stderr and "Traceback" in log.read_text()  # the whole story is in the log

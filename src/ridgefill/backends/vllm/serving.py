@@ -174,7 +174,7 @@ def serve_plan(c, scratch: Path, log, middleware: str | None = None, env: dict |
     banner = (f"ridgefill serve: {c.model} through vLLM at http://{c.host}:{c.port}/v1 with RidgeFill: "
               f"{fill.variant} fill, maps {c.maps or c.serving_config or 'identity'} (split {meta.get('split')} of "
               f"{meta.get('n_layers')} layers), tail {fill.tail}, keep-first {fill.keep_first}, outlier factor "
-              f"{fill.outlier_factor:g}; dtype {c.dtype}; {kv.summary}; vLLM's log: {log}")
+              f"{fill.outlier_factor:g}; dtype {c.dtype}; {kv.summary}; the server's log: {log}")
     return Launch(vllm_command(c, folder, kv.args, middleware), env, health_url(c.host, c.port), banner, Path(log),
                   MARKER)
 
