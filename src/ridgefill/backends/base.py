@@ -114,6 +114,12 @@ class Backend:
         raise NotImplementedError
 
     @classmethod
+    def bench_concurrency(cls, requests: int) -> int | None:
+        """serve's --concurrency for bench-serve's servers when a rate sends `requests` requests (None: serve's
+        default)."""
+        return None
+
+    @classmethod
     def drive(cls, base: str, model: str, tokenizer, prompts: list[list[int]], rate: float, output_tokens: int,
               seed: int, time_limit: float, salt: str = "") -> list[dict]:
         """A seeded Poisson stream of `prompts` at `rate` requests/s against this engine's server at `base`: per

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import tempfile
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -89,16 +89,19 @@ def run(c: BenchServeConfig) -> dict:
 
     backend = serving_backend(c.engine)
     folder = model_folder(c.model)
-    c = replace(c, dtype=backend.served_dtype(c.dtype, folder))  # recorded resolved
-    writer = ResultWriter("bench-serve", c.as_dict(), c.seed)
+    # recorded resolved (vLLM: fp32 or bf16; llama.cpp: the GGUF's own types); serve resolves --dtype alike
+    writer = ResultWriter("bench-serve", {**c.as_dict(), "dtype": backend.served_dtype(c.dtype, folder)}, c.seed)
     tokenizer = _tokenizer(folder)
-    prompts = request_prompts(tokenizer, c.data, c.requests, c.prompt_tokens, c.seed)
+    # one more prompt than a rate sends: the warm-up's, so no timed prompt follows itself (llama.cpp keeps the
+    # previous prompt's prefix; vLLM's requests carry cache salts)
+    *prompts, warm_up = request_prompts(tokenizer, c.data, c.requests + 1, c.prompt_tokens, c.seed)
     longest = max(map(len, prompts)) + c.output_tokens + 8
     logs = log_folder()  # private to this user, not the shared temporary folder
     served = ServeConfig(model=c.model, maps=c.maps, split=c.split, tail=c.tail, keep_first=c.keep_first,
                          outlier_factor=c.outlier_factor, serving_config=c.serving_config, port=free_port(),
                          dtype=c.dtype, log_file=logs / "bench-serve-ridge.log", engine=c.engine,
-                         vllm_args=[*c.vllm_args, *backend.context_args(longest)])
+                         vllm_args=[*c.vllm_args, *backend.context_args(longest)],
+                         **admitted(backend.bench_concurrency(c.requests)))
     served.check()
     results, per_request = [], {}
     with tempfile.TemporaryDirectory(prefix="ridgefill-bench-serve-") as scratch:
@@ -108,7 +111,7 @@ def run(c: BenchServeConfig) -> dict:
             note(f"bench-serve: {variant}: starting the server (log: {plans[variant].log})")
             with running(plans[variant]):
                 base = plans[variant].health.removesuffix("/health")
-                backend.drive(base, c.model, tokenizer, prompts[:1], math.inf, c.output_tokens, c.seed, c.time_limit,
+                backend.drive(base, c.model, tokenizer, [warm_up], math.inf, c.output_tokens, c.seed, c.time_limit,
                       salt="warm-up")  # one untimed request: the first filled step's one-time costs
                 for rate in c.rate_values():
                     note(f"bench-serve: {variant} at {rate:g} requests/s ({c.requests} requests)")
@@ -126,6 +129,11 @@ def run(c: BenchServeConfig) -> dict:
                        figure=str(figure), computed_by=backend.provenance())
     print_table(doc, backend.title)
     return doc
+
+
+def admitted(concurrency: int | None) -> dict:
+    """serve's --concurrency as the backend asks for bench-serve ({}: serve's default)."""
+    return {} if concurrency is None else {"concurrency": concurrency}
 
 
 def _tokenizer(folder: str):

@@ -284,3 +284,37 @@ def test_a_serving_config_and_the_stock_server_bench_serve_compares(served, tmp_
         assert not any(k.endswith("_total") for k in server.metrics())
         status, body = server.post("/v1/completions", {"prompt": "x", "ridgefill_tail": 4})
         assert status == 400 and "runs without RidgeFill" in body["error"]["message"], body
+
+
+def test_bench_serve_runs_the_filled_and_the_stock_server_under_poisson_load(served, tmp_path, cache):
+    """`ridgefill bench-serve --engine llamacpp`: both servers started one after the other (the stock one with
+    --stock, no guard), the same seeded stream at two rates through ridgefill's load client, and the result: each
+    TTFT percentile with an interval, the fill/stock ratio per rate, the engine's provenance, the PNG."""
+    import os
+    import subprocess
+    import sys
+
+    from tiny_models import write_corpus
+
+    text = write_corpus(tmp_path / "text.txt", seed=7, lines_per_document=6)
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, "-m", "ridgefill", "bench-serve", "--engine", "llamacpp", "--model",
+                        str(served.gguf), "--maps", str(served.maps), "--tail", str(TAIL), "--data", str(text),
+                        "--rates", "4,8", "--requests", "3", "--prompt-tokens", "40", "--output-tokens", "3",
+                        "--out", str(out)], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "RIDGEFILL_CACHE": cache})
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert [(e["rate"], e["variant"]) for e in doc["results"]] == [(4.0, "exact"), (8.0, "exact"), (4.0, "ridge"),
+                                                                  (8.0, "ridge")]
+    for e in doc["results"]:
+        assert e["requests"] == 3 and 0 < e["ttft_p50_s"] <= e["ttft_p90_s"] <= e["ttft_p99_s"]
+        for q in ("p50", "p90", "p99"):
+            iv = e["ttft_intervals_s"][q]
+            assert iv["low"] <= iv["estimate"] <= iv["high"]
+    assert [x["rate"] for x in doc["ratios"]] == [4.0, 8.0] and all(x["ttft_p50_ratio"] > 0 for x in doc["ratios"])
+    assert doc["computed_by"]["engine"] == "llamacpp" and doc["config"]["dtype"] == "gguf"
+    assert "--stock" in doc["servers"]["exact"]["argv"] and "--stock" not in doc["servers"]["ridge"]["argv"]
+    assert "--guard" in doc["servers"]["ridge"]["argv"] and "--guard" not in doc["servers"]["exact"]["argv"]
+    assert (tmp_path / "bench.json.png").stat().st_size > 0
+    assert "RidgeFill in llama.cpp against stock llama.cpp" in r.stdout

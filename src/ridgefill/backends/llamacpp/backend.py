@@ -73,9 +73,23 @@ class LlamaCppBackend(Backend):
         return [N_CTX, str(tokens)]  # the server's context (its K/V cache) holds `tokens` tokens
 
     @classmethod
-    def drive(cls, *args, **kwargs) -> list[dict]:
-        raise RidgefillError("bench-serve's load is not built for --engine llamacpp yet (its server prompts are text, "
-                             "not token ids): use --engine vllm")
+    def bench_concurrency(cls, requests: int) -> int | None:
+        return requests  # every request of a rate admitted (one runs, the rest wait): none answered 503
+
+    @classmethod
+    def drive(cls, base: str, model: str, tokenizer, prompts: list[list[int]], rate: float, output_tokens: int,
+              seed: int, time_limit: float, salt: str = "") -> list[dict]:
+        """ridgefill's load client (backends/load.py): llama-cpp-python's server takes text, so each prompt is its
+        tokens decoded (the server tokenizes them again with the GGUF's own vocabulary); greedy with no repeat
+        penalty (llama-cpp-python's default is 1.1) and end-of-sequence kept out by a logit bias. `salt` is vLLM's
+        prefix-cache salt: consecutive prompts here share no prefix, so llama.cpp's prefix reuse has none to find."""
+        from ridgefill.backends.load import drive_completions
+
+        texts = [tokenizer.decode(p) for p in prompts]
+        extra = {"repeat_penalty": 1.0}
+        if tokenizer.eos_token_id is not None:
+            extra["logit_bias"] = {str(tokenizer.eos_token_id): -100.0}
+        return drive_completions(base, model, texts, rate, output_tokens, seed, time_limit, extra)
 
     @classmethod
     def provenance(cls) -> dict:
