@@ -119,3 +119,20 @@ def plugin_startup_line(probe: str, tmp_path) -> str:
     line = startup_error(r.stderr, r.returncode, tmp_path / "vllm.log")
     assert "\n" not in line
     return line
+
+
+def refused_line(args: list[str], monkeypatch, capfd) -> str:
+    """`ridgefill ARGS` through the console entry point: exit 2 and one line on stderr, which is returned."""
+    import sys
+
+    import pytest
+
+    from ridgefill import cli
+
+    monkeypatch.setattr(sys, "argv", ["ridgefill", *args])
+    capfd.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        cli.main()
+    err = capfd.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    return err.strip()

@@ -26,7 +26,8 @@ def test_summary_has_each_percentile_with_its_interval_and_goodput():
     assert summary("ridge", 0.5, outputs(ttfts), slo=2.0, seed=3) == s  # seeded
 
 
-def test_table_shows_the_intervals_and_the_ratio(capsys):
+def test_table_shows_the_intervals_and_the_ratio(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "250")  # one row per line (rich wraps cells to the terminal's width)
     exact, ridge = outputs([2.0, 2.2, 2.4, 2.6]), outputs([1.0, 1.1, 1.3, 1.2])
     doc = {"results": [summary("exact", 0.1, exact, 5.0), summary("ridge", 0.1, ridge, 5.0)],
            "ratios": [ttft_ratio(0.1, exact, ridge, seed=0)]}

@@ -10,6 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 import tiny_gguf
+from helpers import refused_line
 from ridgefill.cli import app
 
 MISSING = tiny_gguf.missing_build()
@@ -26,19 +27,7 @@ def run(args):
     return CliRunner().invoke(app, args)
 
 
-def refused(args, monkeypatch, capfd) -> str:
-    """`ridgefill ARGS` through the console entry point: exit 2 and one line on stderr, which is returned."""
-    import sys
-
-    from ridgefill import cli
-
-    monkeypatch.setattr(sys, "argv", ["ridgefill", *args])
-    capfd.readouterr()
-    with pytest.raises(SystemExit) as exit_:
-        cli.main()
-    err = capfd.readouterr().err
-    assert exit_.value.code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
-    return err.strip()
+refused = refused_line  # `ridgefill ARGS`: exit 2 and its one line
 
 
 def test_generate_compare(tiny_ggufs):

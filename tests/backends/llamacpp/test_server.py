@@ -12,6 +12,7 @@ import secrets
 import pytest
 
 import tiny_gguf
+from helpers import refused_line
 from served_llamacpp import perturbed_maps, start, stop, tail, unfinished
 
 MISSING = tiny_gguf.missing_build()
@@ -124,19 +125,30 @@ def test_a_prompt_sharing_a_long_prefix_reuses_only_what_a_fresh_prefill_compute
     assert filled == len(tb) - 30 - cut  # the filled rows after the cut, each counted once
 
 
+def settled(served, wait: float = 10.0) -> dict[str, float]:
+    """/metrics once the finished request has left admission (its place is freed after its last byte is sent, so a
+    client can read /metrics a moment before): the admitted gauge must come back to 0."""
+    import time
+
+    deadline = time.monotonic() + wait
+    while (metrics := served.metrics())["ridgefill_admitted_requests"] != 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metrics["ridgefill_admitted_requests"] == 0, metrics
+    return metrics
+
+
 def test_metrics_count_each_prompt_token_once(served):
     """A prompt after one that shares nothing: keep-first 1 and the tail run in full, the rest filled, none cached;
     the same prompt again is cached but for its last row, which gives the first token."""
     before = served.metrics()
     body = served.complete("Q" + PROMPT, 2)
     n = body["usage"]["prompt_tokens"]
-    mid = served.metrics()
+    mid = settled(served)
     delta = {k.split("ridgefill_")[1]: mid[k] - before[k] for k in mid if k.endswith("_total")}
-    assert mid["ridgefill_admitted_requests"] == 0
     assert delta == {"filled_tokens_total": n - TAIL - 1, "full_tokens_total": TAIL + 1,
                      "cached_prompt_tokens_total": 0, "outlier_tokens_total": 0}, delta
     served.complete("Q" + PROMPT, 2)
-    again = served.metrics()
+    again = settled(served)
     assert again["ridgefill_cached_prompt_tokens_total"] - mid["ridgefill_cached_prompt_tokens_total"] == n - 1
     assert again["ridgefill_full_tokens_total"] - mid["ridgefill_full_tokens_total"] == 1
 
@@ -204,18 +216,8 @@ def test_a_server_whose_stderr_nobody_reads_keeps_answering(served):
 
 
 def refused(args: list[str], monkeypatch, capfd) -> str:
-    """`ridgefill serve ARGS` through the console entry point: exit 2 and one line on stderr, which is returned."""
-    import sys
-
-    from ridgefill import cli
-
-    monkeypatch.setattr(sys, "argv", ["ridgefill", "serve", "--engine", "llamacpp", *args])
-    capfd.readouterr()
-    with pytest.raises(SystemExit) as exit_:
-        cli.main()
-    err = capfd.readouterr().err
-    assert exit_.value.code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
-    return err.strip()
+    """`ridgefill serve --engine llamacpp ARGS`: exit 2 and its one line."""
+    return refused_line(["serve", "--engine", "llamacpp", *args], monkeypatch, capfd)
 
 
 def test_bad_configurations_are_one_line_and_exit_2(served, tiny_ggufs, tiny_checkpoint, monkeypatch, capfd, cache):
@@ -254,7 +256,7 @@ def test_a_serving_config_and_the_stock_server_bench_serve_compares(served, tmp_
     answers a prompt as the filled server answers it with a tail over the whole prompt (exact), and refuses
     RidgeFill's options."""
     from helpers import free_port
-    from ridgefill.backends.llamacpp.server import KEY_ENV
+    from ridgefill.backends.llamacpp.serving import KEY_ENV
     from ridgefill.method.fill import SERVING_KIND, FillSettings
     from ridgefill.runtime.models import model_identity
     from ridgefill.serve.serve import ServeConfig, running, serve_plan, stock_plan

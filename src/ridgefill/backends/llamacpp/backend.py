@@ -19,7 +19,7 @@ import torch
 
 from ridgefill.backends.base import Backend, Capabilities, Generation, Tally, Timed, refuse
 from ridgefill.backends.llamacpp import driver, library
-from ridgefill.backends.llamacpp.server import KEY_ENV
+from ridgefill.backends.llamacpp.serving import KEY_ENV
 from ridgefill.backends.serving import GuardDialect
 from ridgefill.errors import RidgefillError
 
@@ -32,7 +32,7 @@ class LlamaCppBackend(Backend):
     caps = Capabilities(variants=("identity", "ridge", "mean"), keep_rows=True, key_scale=True, logprobs=True,
                         serving=True, devices=("cpu",), dtypes=("fp32",))
     # requests carry RidgeFill's options as top-level fields (ridgefill_tail beside prompt); the server reads its key
-    # from server.KEY_ENV (serve moves --api-key there) and llama-cpp-python checks it after the guard
+    # from serving.KEY_ENV (serve moves --api-key there) and llama-cpp-python checks it after the guard
     guard = GuardDialect(options_field="", key_env=KEY_ENV)
 
     @classmethod

@@ -35,10 +35,10 @@ import sys
 import threading
 from dataclasses import dataclass, field
 
+from ridgefill.backends.llamacpp.serving import KEY_ENV, model_of
 from ridgefill.backends.serving import (COUNTERS, KEEP_FIRST_ARG, PREFIX, TAIL_ARG, check_request_args)
 from ridgefill.errors import RidgefillError
 
-KEY_ENV = "RIDGEFILL_LLAMACPP_API_KEY"  # the server's API key (serve moves --api-key here, off the command line)
 MODEL_PATHS = ("/v1/", "/extras/")  # the routes that wait for the model (llama-cpp-python's lock): admitted
 CHECKED = {"/v1/completions": "CreateCompletionRequest", "/v1/engines/copilot-codex/completions":
            "CreateCompletionRequest", "/v1/chat/completions": "CreateChatCompletionRequest",
@@ -223,7 +223,6 @@ def served_fill(spec: dict) -> Fill:
     """The fill of `spec` on its model: the plan (maps loaded and checked against the model) and the maps in
     llama.cpp's form."""
     from ridgefill.backends.llamacpp import driver
-    from ridgefill.backends.llamacpp.serving import model_of
     from ridgefill.method.fill import FillSettings
 
     settings = FillSettings(**spec["fill"])

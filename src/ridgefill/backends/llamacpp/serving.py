@@ -1,7 +1,7 @@
 """How llama.cpp serves (LlamaCppBackend's serving methods; the front, serve/, runs what this builds): llama-cpp-
 python's OpenAI-compatible server with the fill (server.py, run as `python -m ridgefill.backends.llamacpp.server
 SPEC`), SPEC a JSON file in serve's scratch folder (the GGUF, the fill settings, threads, context, address, the
-admission bound), the API key in the environment (server.KEY_ENV), the front's request guard named with --guard.
+admission bound), the API key in the environment (KEY_ENV), the front's request guard named with --guard.
 Before it starts: the build (library.py) and llama-cpp-python's server extra, the GGUF and its architecture, the
 fill (variant, maps against the model, no lookback, no filled window), the options serve hands on (--api-key and
 --n-ctx only: vLLM's options are refused) and the port; each problem one line and exit code 2.
@@ -19,12 +19,12 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from ridgefill.backends.llamacpp.server import KEY_ENV
 from ridgefill.backends.serving import MARKER, Launch, check_port, health_url, is_loopback
 from ridgefill.defaults import DEFAULT_CHUNK
 from ridgefill.errors import RidgefillError
 
 SERVER = "ridgefill.backends.llamacpp.server"
+KEY_ENV = "RIDGEFILL_LLAMACPP_API_KEY"  # the server's API key (serve moves --api-key here, off the command line)
 API_KEY = "--api-key"
 N_CTX = "--n-ctx"
 TAKEN = (API_KEY, N_CTX)  # the options of llama-cpp-python's server serve hands on
