@@ -6,7 +6,7 @@ import torch
 
 from tiny_models import random_ids, tiny_model
 from ridgefill.torchfill import (Engine, FillPlan, IdentityFiller, MapFiller, OracleFiller, Stopwatch, adapter_for,
-                              late_inputs_by_layer)
+                                 late_inputs_by_layer)
 from ridgefill.torchfill.projection import FillProjection
 
 TOL = 1e-5

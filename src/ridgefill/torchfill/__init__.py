@@ -4,7 +4,7 @@ projection, lookback) that vLLM's plugin and llama.cpp's driver reuse."""
 from ridgefill.torchfill.cache import AttentionCache, Cache, StateCache
 from ridgefill.torchfill.families import Adapter, HybridAdapter, adapter_for, supported_families
 from ridgefill.torchfill.fillers import (DropFiller, Filler, IdentityFiller, MapFiller, MeanFiller, OracleFiller,
-                                      late_inputs_by_layer, maps_flops)
+                                         late_inputs_by_layer, maps_flops)
 from ridgefill.torchfill.fill_plan import FillPlan
 from ridgefill.torchfill.prefill import Engine, PrefillResult
 from ridgefill.torchfill.routes import PROJECTION_KERNELS

@@ -8,7 +8,7 @@ import torch
 from ridgefill.torchfill.attention import causal_attention
 from ridgefill.torchfill.routes import Routes
 from ridgefill.torchfill.window import (BAND_KERNELS, FilledWindow, WindowBlock, banded_attention, window_blocks,
-                                     windowed_attention)
+                                        windowed_attention)
 
 
 class ChunkRows:

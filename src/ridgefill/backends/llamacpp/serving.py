@@ -109,8 +109,8 @@ def serve_plan(cls, c, scratch: Path, log, guard: str | None = None, env: dict |
     warn_if_exposed(c, API_KEY in taken or bool(os.environ.get(KEY_ENV)))
     log = log()
     threads = os.cpu_count() or 1
-    spec = {"gguf": str(gguf), "arch": arch, "model": described, "name": c.model, "fill": fill.describe(), "chunk": DEFAULT_CHUNK,
-            "n_ctx": n_ctx, "n_batch": min(DEFAULT_CHUNK, n_ctx), "n_ubatch": min(N_UBATCH, DEFAULT_CHUNK, n_ctx),
+    spec = {"gguf": str(gguf), "arch": arch, "model": described, "name": c.model, "fill": fill.describe(),
+            "chunk": DEFAULT_CHUNK, "n_ctx": n_ctx, "n_batch": min(DEFAULT_CHUNK, n_ctx), "n_ubatch": min(N_UBATCH, DEFAULT_CHUNK, n_ctx),
             "threads": threads, "host": c.host, "port": c.port, "queue": c.concurrency}
     if fill.maps is not None:  # the server loads the bytes checked here (their sha256 pinned), or refuses
         from ridgefill.runtime.paths import file_sha256
