@@ -90,3 +90,13 @@ def test_a_failed_request_fails_the_run_in_one_line(server):
 def test_a_run_past_the_time_limit_is_one_line(server):
     with pytest.raises(RidgefillError, match=r"took over --time-limit 0.01 s"):
         drive_completions(server, "m", ["a"], 1000.0, 2, seed=0, time_limit=0.01)
+
+
+def test_failures_as_vllms_client_reports_them_are_the_same_one_line():
+    """vLLM's benchmark client gives an error string per request ("" for a success): the same line as ours."""
+    from ridgefill.backends.load import check_failures
+
+    check_failures(["", "", ""], 0.5)  # none failed
+    with pytest.raises(RidgefillError, match=r"^2 of 3 requests failed at 0.5 requests/s \(the first: Traceback "
+                                             r"\(most recent call last\):\): see the server's log$"):
+        check_failures(["", "Traceback (most recent call last):\n  File ...\nValueError: x\n", "boom"], 0.5)

@@ -74,16 +74,24 @@ def drive_completions(base: str, model: str, prompts: list[str], rate: float, ou
     most; `extra_body` joins every request's body (e.g. a logit bias that keeps end-of-sequence out)."""
     bodies = [{"model": model, "prompt": p, "max_tokens": output_tokens, "temperature": 0.0, "stream": True,
                **(extra_body or {})} for p in prompts]
+    outputs = bounded(_stream(base, bodies, arrivals(len(prompts), rate, seed)), rate, time_limit)
+    check_failures([o if isinstance(o, BaseException) else o.get("error") for o in outputs], rate)
+    return list(outputs)
+
+
+def bounded(run, rate: float, time_limit: float):
+    """The result of coroutine `run` (one rate's stream), or one line when it takes over `time_limit` seconds."""
     try:
-        outputs = asyncio.run(asyncio.wait_for(_stream(base, bodies, arrivals(len(prompts), rate, seed)),
-                                               time_limit))
+        return asyncio.run(asyncio.wait_for(run, time_limit))
     except asyncio.TimeoutError:
         raise RidgefillError(f"the run at {rate:g} requests/s took over --time-limit {time_limit:g} s: lower "
                              "--requests or the rates, or raise --time-limit") from None
-    failed = [o if isinstance(o, BaseException) else o["error"] for o in outputs
-              if isinstance(o, BaseException) or "error" in o]
+
+
+def check_failures(errors: list, rate: float) -> None:
+    """One line when any request of a rate failed (`errors`: per request its error, falsy when it succeeded)."""
+    failed = [e for e in errors if e]
     if failed:
         first = str(failed[0]).strip().splitlines()[0][:200] if str(failed[0]).strip() else type(failed[0]).__name__
-        raise RidgefillError(f"{len(failed)} of {len(prompts)} requests failed at {rate:g} requests/s (the first: "
+        raise RidgefillError(f"{len(failed)} of {len(errors)} requests failed at {rate:g} requests/s (the first: "
                              f"{first}): see the server's log")
-    return list(outputs)

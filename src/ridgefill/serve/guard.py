@@ -229,7 +229,7 @@ def body_error(body: bytes, field: str) -> str | None:
 def top_level_error(doc: dict) -> str | None:
     """The one-line refusal of a body's own ridgefill_* fields (a dialect without an options field), or None."""
     try:
-        check_request_args({k: v for k, v in doc.items() if isinstance(k, str) and k.startswith(PREFIX)})
+        check_request_args(doc)  # it reads the ridgefill_* keys and passes every other
     except ValueError as exc:
         return str(exc)
     return None

@@ -3,13 +3,12 @@ stream against an OpenAI-compatible server (VllmBackend.drive)."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import sys
 
 import numpy as np
 
-from ridgefill.errors import RidgefillError
+from ridgefill.backends.load import bounded, check_failures
 
 
 def drive(base: str, model: str, tokenizer, prompts: list[list[int]], rate: float, output_tokens: int, seed: int,
@@ -30,15 +29,8 @@ def drive(base: str, model: str, tokenizer, prompts: list[list[int]], rate: floa
                     ignore_eos=True, goodput_config_dict={}, max_concurrency=None, lora_modules=None,
                     extra_headers=None, extra_body={"temperature": 0.0}, ready_check_timeout_sec=0)
     with contextlib.redirect_stdout(sys.stderr):
-        try:
-            result = asyncio.run(asyncio.wait_for(run, time_limit))
-        except asyncio.TimeoutError:
-            raise RidgefillError(f"the run at {rate:g} requests/s took over --time-limit {time_limit:g} s: lower "
-                                 "--requests or the rates, or raise --time-limit") from None
-    failed = [e for e in result["errors"] if e]
-    if failed:
-        raise RidgefillError(f"{len(failed)} of {len(prompts)} requests failed at {rate:g} requests/s (the first: "
-                             f"{failed[0].strip().splitlines()[0][:200]}): see the server's log")
+        result = bounded(run, rate, time_limit)
+    check_failures(result["errors"], rate)
     return [{"ttft": t, "latency": lat, "output_tokens": n, "start": s}
             for t, lat, n, s in zip(result["ttfts"], result["latencies"], result["output_lens"],
                                     result["start_times"])]
