@@ -150,7 +150,7 @@ def test_the_serve_base_command_passes_every_check(inputs, tmp_path, monkeypatch
     """The serve cases' command line gets as far as starting vLLM (its installation's checks pass here)."""
     from ridgefill.serve import serve
     from ridgefill.backends.vllm.config import VLLM_VERSION
-    from ridgefill.backends.vllm import serving as vserving
+    from ridgefill.backends.vllm import server as vserving
 
     args, _, _, cwd = _prepare(SERVE, {}, inputs, tmp_path)
     launched = []

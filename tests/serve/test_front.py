@@ -159,7 +159,7 @@ def names(target: str) -> bool:
 def test_every_module_path_we_write_as_a_string_exists():
     import tomllib
 
-    from ridgefill.backends.vllm import serving as vserving
+    from ridgefill.backends.vllm import server as vserving
     from ridgefill.backends.vllm.worker import FORKSERVER_PRELOAD
 
     admission = SRC / "backends" / "vllm" / "plugin" / "admission.py"  # imports vLLM: read, not imported

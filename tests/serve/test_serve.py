@@ -21,7 +21,7 @@ import pytest
 from helpers import free_port, run_captured
 from ridgefill.errors import RidgefillError
 from ridgefill.serve import serve
-from ridgefill.backends.vllm import serving as vserving
+from ridgefill.backends.vllm import server as vserving
 from ridgefill.backends.vllm.config import ENV, VLLM_VERSION
 from ridgefill.backends.vllm.malloc import TUNABLES
 

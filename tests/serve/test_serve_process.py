@@ -22,7 +22,7 @@ import pytest
 from helpers import free_port
 
 from ridgefill.errors import RidgefillError
-from ridgefill.backends.vllm import serving as vserving
+from ridgefill.backends.vllm import server as vserving
 from ridgefill.serve import log as server_log, process, serve
 from ridgefill.serve.process import Launch, launch, running
 from ridgefill.backends.vllm.args import split_api_key

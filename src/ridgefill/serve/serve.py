@@ -1,5 +1,5 @@
 """`ridgefill serve`: an engine's OpenAI-compatible server with RidgeFill's filled prefill (vLLM's, with ridgefill's
-vLLM plugin; or llama-cpp-python's on a GGUF file, --engine llamacpp: backends/llamacpp/serving.py), configured from
+vLLM plugin; or llama-cpp-python's on a GGUF file, --engine llamacpp: backends/llamacpp/server.py), configured from
 the command line:
 
     ridgefill serve --model M --maps MAPS [--tail T] [--keep-first K] [--outlier-factor F] [--host H] [--port P]
@@ -7,7 +7,7 @@ the command line:
 
 The front, engine-neutral: it asks the registry for --engine's backend (backends/__init__.py), refuses one line (exit
 2) when that engine cannot serve (its capabilities: caps.serving), and has it check the arguments only it reads and
-build its server's start (Backend.server: for vLLM, backends/vllm/serving.py, which checks the installation, the
+build its server's start (Backend.server: for vLLM, backends/vllm/server.py, which checks the installation, the
 model, the fill, the KV cache and the port, each problem one line and exit code 2). Into that server it mounts the
 request guard (serve/guard.py: the API key before any body, body limits, RidgeFill's request options), then runs it
 as a child process (serve/process.py): while it starts, its output goes to a private, bounded log file

@@ -233,7 +233,7 @@ def test_bad_configurations_are_one_line_and_exit_2(served, tiny_ggufs, tiny_che
         "error: --max-model-len is not an option of --engine llamacpp's server, which takes --api-key KEY and "
         "--n-ctx N (vLLM's options need --engine vllm)")
     from ridgefill.backends import backend_class
-    from ridgefill.backends.llamacpp.serving import split_args
+    from ridgefill.backends.llamacpp.server import split_args
 
     assert split_args(backend_class("llamacpp").context_args(4096)) == {"--n-ctx": "4096"}  # bench-serve's sizing
     assert refused(["--model", gguf, "--split", "3", "--n-ctx", "0"], monkeypatch, capfd) == (
@@ -256,7 +256,7 @@ def test_a_serving_config_and_the_stock_server_bench_serve_compares(served, tmp_
     answers a prompt as the filled server answers it with a tail over the whole prompt (exact), and refuses
     RidgeFill's options."""
     from helpers import free_port
-    from ridgefill.backends.llamacpp.serving import KEY_ENV
+    from ridgefill.backends.llamacpp.server import KEY_ENV
     from ridgefill.method.fill import SERVING_KIND, FillSettings
     from ridgefill.runtime.models import model_identity
     from ridgefill.serve.serve import ServeConfig, running, serve_plan, stock_plan

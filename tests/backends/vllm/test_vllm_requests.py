@@ -17,7 +17,7 @@ import torch
 from ridgefill.errors import RidgefillError
 from ridgefill.serve import serve
 from ridgefill.backends.vllm import kv_sizing
-from ridgefill.backends.vllm import serving as vserving
+from ridgefill.backends.vllm import server as vserving
 from ridgefill.backends.vllm.plugin.metrics import FillCounters
 from ridgefill.backends.vllm.requests import LARGEST, check_request_args, request_rule
 from ridgefill.backends.vllm.plugin.runner import Step, StepLog, account

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from helpers import free_port
-from ridgefill.backends.vllm import serving as vserving
+from ridgefill.backends.vllm import server as vserving
 from ridgefill.serve.guard import NESTED as NESTED_IN
 
 NESTED = NESTED_IN.format(field="vllm_xargs")

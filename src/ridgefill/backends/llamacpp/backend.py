@@ -19,7 +19,7 @@ import torch
 
 from ridgefill.backends.base import Backend, Capabilities, Generation, Tally, Timed, refuse
 from ridgefill.backends.llamacpp import driver, library
-from ridgefill.backends.llamacpp.serving import KEY_ENV
+from ridgefill.backends.llamacpp.server import KEY_ENV
 from ridgefill.backends.serving import GuardDialect
 from ridgefill.errors import RidgefillError
 
@@ -43,10 +43,10 @@ class LlamaCppBackend(Backend):
     def cpu_only(cls) -> str | None:
         return "--engine llamacpp runs llama.cpp on the CPU (GPU offload is not supported)"
 
-    # --- serving: llama-cpp-python's OpenAI-compatible server with the fill (serving.py, server.py) ---------------
+    # --- serving: llama-cpp-python's OpenAI-compatible server with the fill (server.py, app.py) -------------------
     @classmethod
     def check_serve(cls, config, own: list[str]) -> None:
-        from ridgefill.backends.llamacpp.serving import check_serve
+        from ridgefill.backends.llamacpp.server import check_serve
 
         check_serve(config, own)
 
@@ -56,19 +56,19 @@ class LlamaCppBackend(Backend):
 
     @classmethod
     def server(cls, config, scratch, log, guard: str, env: dict):
-        from ridgefill.backends.llamacpp.serving import serve_plan
+        from ridgefill.backends.llamacpp.server import serve_plan
 
         return serve_plan(cls, config, scratch, log, guard, env)
 
     @classmethod
     def stock_server(cls, plan, log, guard: str):
-        from ridgefill.backends.llamacpp.serving import stock_plan
+        from ridgefill.backends.llamacpp.server import stock_plan
 
         return stock_plan(plan, log, guard)
 
     @classmethod
     def context_args(cls, tokens: int) -> list[str]:
-        from ridgefill.backends.llamacpp.serving import N_CTX
+        from ridgefill.backends.llamacpp.server import N_CTX
 
         return [N_CTX, str(tokens)]  # the server's context (its K/V cache) holds `tokens` tokens
 

@@ -1,389 +1,177 @@
-"""The process `ridgefill serve --engine llamacpp` runs (`python -m ridgefill.backends.llamacpp.server SPEC [--guard
-CLASS] [--stock]`): llama-cpp-python 0.3.36's own OpenAI-compatible server (llama_cpp.server.app.create_app: its
-routes /v1/completions, /v1/chat/completions with the GGUF's chat template, /v1/models, streaming) on a `FilledLlama`,
-the patched build's `Llama` whose prompt prefill goes through the driver's fill (driver.LlamaCpp.attach on the
-Llama's own context: the rows the plan fills filled, the tail, keep-first and outliers in full) and whose decode
-steps stay llama-cpp-python's (the whole model). SPEC is the JSON serving.py writes (the GGUF, the fill, threads,
-context, address, the admission bound); the API key comes by the environment (serving.KEY_ENV), never the command
-line.
+"""How llama.cpp serves (LlamaCppBackend's serving methods; the front, serve/, runs what this builds): llama-cpp-
+python's OpenAI-compatible server with the fill (app.py, run as `python -m ridgefill.backends.llamacpp.app
+SPEC`), SPEC a JSON file in serve's scratch folder (the GGUF, the fill settings, threads, context, address, the
+admission bound), the API key in the environment (KEY_ENV), the front's request guard named with --guard.
+Before it starts: the build (library.py) and llama-cpp-python's server extra, the GGUF and its architecture, the
+fill (variant, maps against the model, no lookback, no filled window), the options serve hands on (--api-key and
+--n-ctx only: vLLM's options are refused) and the port; each problem one line and exit code 2.
 
-Prefix reuse: llama-cpp-python keeps the longest common prefix of the previous prompt in its context; the prompt's
-rows then go to driver.LlamaCpp.prefill with `reuse` that prefix, and the driver keeps only the rows a fresh prefill
-of the new prompt would compute the same way (driver.LlamaCpp.reusable), so an answer never depends on what was
-asked before.
-
-Around the app: `Admission` (one model, one context: at most `queue` requests admitted at once, one running and the
-rest waiting for llama-cpp-python's lock; past that a 503 with Retry-After; a client that goes away frees its place
-and stops its generation, also mid-prefill), the request's checks before llama-cpp-python's (its body as the route's
-model reads it, else 400, not llama-cpp-python's 500; logprobs refused: filled rows have no logits; RidgeFill's own
-options, top-level `ridgefill_tail` / `ridgefill_keep_first`, by backends/serving.check_request_args), and, outermost,
-the front's request guard (`--guard`: the API key before any body, body limits). /health answers once the model is
-loaded; /metrics gives RidgeFill's counters (serving.COUNTERS: filled, full, cached and outlier prompt tokens, each
-prompt token counted once in filled, full or cached). `--stock`: the same server with the fill off (plain
-llama-cpp-python prefill, no guard, no RidgeFill counter): bench-serve's baseline.
+bench-serve's two servers: `Backend.server(...)` (the fill on, the guard mounted) and `Backend.stock_server(plan,
+log, guard)` (the same SPEC with --stock: llama-cpp-python's own prefill, no guard, no RidgeFill counter).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextvars
 import dataclasses
-import importlib
 import json
 import os
 import sys
-import threading
-from dataclasses import dataclass, field
+from dataclasses import replace
+from pathlib import Path
 
-from ridgefill.backends.llamacpp.serving import KEY_ENV, model_of
-from ridgefill.backends.serving import (COUNTERS, KEEP_FIRST_ARG, PREFIX, TAIL_ARG, check_request_args)
+from ridgefill.backends.serving import MARKER, Launch, check_port, health_url, is_loopback
+from ridgefill.defaults import DEFAULT_CHUNK
 from ridgefill.errors import RidgefillError
 
-MODEL_PATHS = ("/v1/", "/extras/")  # the routes that wait for the model (llama-cpp-python's lock): admitted
-CHECKED = {"/v1/completions": "CreateCompletionRequest", "/v1/engines/copilot-codex/completions":
-           "CreateCompletionRequest", "/v1/chat/completions": "CreateChatCompletionRequest",
-           "/v1/embeddings": "CreateEmbeddingRequest"}
-RETRY_AFTER_S = 1  # what a 503 asks the client to wait
-SERVED = ("filled", "full", "cached", "outliers")  # the counters this server shows (serving.COUNTERS' names)
-ADMITTED = "ridgefill_admitted_requests"  # the gauge of the requests admitted now
-# serving.COUNTERS' help, where llama.cpp's counter means something of its own
-HELP = {"cached": "Prompt tokens kept from the context's previous prompt (llama-cpp-python's prefix match, cut where a "
-                  "fresh prefill would compute a row otherwise): each prompt token is counted once, in filled, full or "
-                  "cached"}
+SERVER = "ridgefill.backends.llamacpp.app"
+KEY_ENV = "RIDGEFILL_LLAMACPP_API_KEY"  # the server's API key (serve moves --api-key here, off the command line)
+API_KEY = "--api-key"
+N_CTX = "--n-ctx"
+TAKEN = (API_KEY, N_CTX)  # the options of llama-cpp-python's server serve hands on
+N_UBATCH = 512  # llama.cpp's default ubatch (as the backend runs it)
 
 
-@dataclass
-class RequestState:
-    """A request as the Llama sees it in its worker thread: RidgeFill's options the client gave, and whether it went
-    away (set by Admission; the generation stops at its next step)."""
-
-    options: dict = field(default_factory=dict)
-    gone: threading.Event = field(default_factory=threading.Event)
-
-
-REQUEST: contextvars.ContextVar[RequestState] = contextvars.ContextVar("ridgefill_request")
-
-
-class Counters:
-    """RidgeFill's prompt-token counters (COUNTERS' names), shared by the worker threads."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.values = dict.fromkeys(SERVED, 0)
-
-    def add(self, **counts: int) -> None:
-        with self.lock:
-            for k, v in counts.items():
-                self.values[k] += v
-
-    def text(self) -> str:
-        """The Prometheus text exposition of the counters."""
-        with self.lock:
-            values = dict(self.values)
-        lines = []
-        for key in SERVED:
-            name, help_ = COUNTERS[key][0], HELP.get(key, COUNTERS[key][1])
-            lines += [f"# HELP {name}_total {help_}", f"# TYPE {name}_total counter", f"{name}_total {values[key]}"]
-        return "\n".join(lines) + "\n"
+def split_args(args: list[str]) -> dict[str, str]:
+    """serve's extra arguments as {option: value}: --api-key KEY and --n-ctx N (or --name=value), nothing else."""
+    found, i = {}, 0
+    while i < len(args):
+        arg = args[i]
+        name, eq, value = arg.partition("=")
+        if name not in TAKEN:
+            what = f"{arg!r} is not an option of serve" if not arg.startswith("-") else f"{name} is not an option"
+            raise RidgefillError(f"{what} of --engine llamacpp's server, which takes {API_KEY} KEY and {N_CTX} N "
+                                 "(vLLM's options need --engine vllm)")
+        if not eq:
+            if i + 1 >= len(args):
+                raise RidgefillError(f"{name} needs a value: {name} {'KEY' if name == API_KEY else 'N'}")
+            value, i = args[i + 1], i + 1
+        if name in found:
+            raise RidgefillError(f"{name} is given twice: give it once")
+        found[name] = value
+        i += 1
+    if N_CTX in found and (not found[N_CTX].isdigit() or not 1 <= int(found[N_CTX]) <= 1 << 24):
+        raise RidgefillError(f"{N_CTX} {found[N_CTX]!r} is not a number of tokens: give e.g. {N_CTX} 4096")
+    if API_KEY in found and not found[API_KEY]:
+        raise RidgefillError(f"{API_KEY} is empty: give a key, or drop it")
+    return found
 
 
-@dataclass
-class Queue:
-    """The requests admitted for the model (Admission's), at most `bound`: a gauge on /metrics."""
+def check_serve(c, own: list[str]) -> None:
+    """What only llama.cpp's server reads, checked before anything starts."""
+    from ridgefill.backends.llamacpp import library
+    from ridgefill.runtime.models import ALIASES, gguf_file
 
-    bound: int
-    active: int = 0
-
-    def text(self) -> str:
-        return (f"# HELP {ADMITTED} Requests running or waiting for the model (at most {self.bound})\n"
-                f"# TYPE {ADMITTED} gauge\n{ADMITTED} {self.active}\n")
-
-
-@dataclass
-class Fill:
-    """What the server fills by: the plan of its fill settings (per request its tail and keep-first replaced), the
-    maps in llama.cpp's form, the chunk the outliers are judged by, and the counters."""
-
-    plan: object  # torchfill.FillPlan
-    maps: object  # driver.Maps
-    chunk: int
-    counters: Counters
-    arch: str  # the GGUF's architecture (serve checked it: driver.check_family)
-
-    def plan_for(self, options: dict):
-        """The plan with the request's own tail and keep-first (checked at admission)."""
-        if not options:
-            return self.plan
-        return dataclasses.replace(self.plan, tail=options.get(TAIL_ARG, self.plan.tail),
-                                   keep_first=options.get(KEEP_FIRST_ARG, self.plan.keep_first))
+    split_args(c.vllm_args)
+    if c.dtype != "auto":
+        raise RidgefillError(f"--dtype {c.dtype} is not supported with --engine llamacpp: it serves the GGUF's own "
+                             "weight types (an F16 K/V cache); drop --dtype")
+    if c.kv_cache_gib is not None:
+        raise RidgefillError(f"--kv-cache-gib is not supported with --engine llamacpp: its K/V cache holds {N_CTX} "
+                             "tokens (default: the model's context); drop --kv-cache-gib")
+    if gguf_file(c.model) is None:
+        raise RidgefillError(f"--engine llamacpp runs GGUF files, not {c.model}: give --model a .gguf file or an "
+                             f"embedded alias ({', '.join(ALIASES)})")
+    library.check_installed()
+    try:
+        import llama_cpp.server.app  # noqa: F401  (its server extra: fastapi, sse-starlette, starlette-context, ...)
+    except ImportError as exc:
+        raise RidgefillError(f"llama-cpp-python's server needs the package {(exc.name or '?').split('.')[0]}, which "
+                             f"is not installed: {library.INSTALL}") from None
 
 
-def filled_llama_class():
-    """FilledLlama, defined where llama_cpp is imported (only backends/llamacpp imports it)."""
-    from llama_cpp import Llama
-
+def serve_plan(cls, c, scratch: Path, log, guard: str | None = None, env: dict | None = None) -> Launch:
+    """Everything checked (the GGUF, the fill, the port), then the server's start: its command (the SPEC written in
+    `scratch`), environment (the API key, the front's `env`), health URL, banner, log and the /metrics marker."""
+    from ridgefill.backends.base import check_plans, refuse
     from ridgefill.backends.llamacpp import driver
+    from ridgefill.runtime.models import gguf_file, model_identity
 
-    class FilledLlama(Llama):
-        """llama-cpp-python's Llama whose prompt prefill is the driver's (fill None: its own, the fill off); every
-        generation stops when its client goes away."""
+    taken = split_args(c.vllm_args)
+    gguf = gguf_file(c.model)
+    arch = driver.check_family(gguf)
+    identity = model_identity(c.model)
+    described = {"shape": dataclasses.asdict(identity.shape), "context_length": identity.context_length,
+                 "model_info": {k: v for k, v in identity.info.items() if k != "n_layers"}}
+    facts = model_of(described)
+    fill = served_fill(c, facts)
+    if fill.variant not in cls.caps.variants:
+        raise refuse(cls, f"the {fill.variant} variant", f"use {' or '.join(cls.caps.variants)}")
+    if fill.filled_window:
+        raise refuse(cls, "--filled-window", "drop it")
+    plan, meta = fill.plan(facts)
+    check_plans(cls, {"served": plan})
+    try:
+        driver.maps_of(plan.filler)
+    except ValueError as exc:
+        raise refuse(cls, f"the {fill.variant} variant ({exc})", "use identity, ridge or mean") from None
+    n_ctx = int(taken.get(N_CTX, 0)) or facts.context_length or 4096
+    check_port(c.host, c.port)
+    warn_if_exposed(c, API_KEY in taken or bool(os.environ.get(KEY_ENV)))
+    log = log()
+    threads = os.cpu_count() or 1
+    spec = {"gguf": str(gguf), "arch": arch, "model": described, "name": c.model, "fill": fill.describe(),
+            "chunk": DEFAULT_CHUNK, "n_ctx": n_ctx, "n_batch": min(DEFAULT_CHUNK, n_ctx), "n_ubatch": min(N_UBATCH, DEFAULT_CHUNK, n_ctx),
+            "threads": threads, "host": c.host, "port": c.port, "queue": c.concurrency}
+    if fill.maps is not None:  # the server loads the bytes checked here (their sha256 pinned), or refuses
+        from ridgefill.runtime.paths import file_sha256
 
-        def __init__(self, *args, fill: Fill | None = None, **kwargs) -> None:
-            super().__init__(*args, **kwargs)
-            self.fill, self.driver, self._prompt = fill, None, False
-            if fill is not None:
-                self.driver = driver.LlamaCpp.attach(fill.arch, self.model, self.ctx, self.n_ctx(), self.n_batch)
-                self._stack.callback(self.driver.close)
-                self.driver.set_maps(fill.maps)
-
-        def generate(self, tokens, *args, **kwargs):
-            request = REQUEST.get(None) or RequestState()
-            # never sample from a cached prompt's last logits: its rows may have run another request's plan
-            self._requires_eval = True
-            self._prompt = self.driver is not None
-            if self.driver is not None:
-                self.driver.stop = request.gone.is_set
-            inner = super().generate(tokens, *args, **kwargs)
-            try:
-                for token in inner:
-                    if request.gone.is_set():
-                        return
-                    yield token
-            except driver.Stopped:  # the client went away mid-prefill: the cache holds nothing known
-                self.reset()
-                self.driver.clear()
-            finally:
-                inner.close()
-                if self.driver is not None and self.driver.stop == request.gone.is_set:  # (not a later request's)
-                    self.driver.stop = None
-
-        def eval(self, tokens) -> None:
-            if not self._prompt:
-                return super().eval(tokens)
-            self._prompt = False
-            request = REQUEST.get(None) or RequestState()
-            reuse = self.n_tokens  # llama-cpp-python's prefix match: these rows hold the prompt's first tokens
-            prompt = [*self.input_ids[:reuse].tolist(), *tokens]
-            n = len(prompt)
-            plan = self.fill.plan_for(request.options)
-            done = self.driver.prefill(prompt, plan.full_rows(n).tolist(), [n - 1], plan.outlier_factor,
-                                       self.fill.chunk, reuse=reuse)
-            self.input_ids[:n] = prompt
-            self.n_tokens = n
-            self._requires_eval = False
-            self.fill.counters.add(filled=done.filled, full=n - done.reused - done.filled, cached=done.reused,
-                                   outliers=done.outliers)
-
-    return FilledLlama
+        spec["fill"]["maps"] = str(Path(fill.maps).resolve())
+        spec["fill"]["maps_sha256"] = fill.maps_sha256 or file_sha256(fill.maps)
+    path = scratch / "llamacpp-server.json"
+    path.write_text(json.dumps(spec, indent=1))
+    key = {KEY_ENV: taken[API_KEY]} if API_KEY in taken else {}
+    argv = [sys.executable, "-m", SERVER, str(path), *(["--guard", guard] if guard else [])]
+    banner = (f"ridgefill serve: {c.model} through llama.cpp at http://{c.host}:{c.port}/v1 with RidgeFill: "
+              f"{fill.variant} fill, maps {c.maps or c.serving_config or 'identity'} (split {plan.split} of "
+              f"{facts.shape.layers} layers), tail {fill.tail}, keep-first {fill.keep_first}, outlier factor "
+              f"{fill.outlier_factor:g}; context {n_ctx} tokens, {c.concurrency} requests admitted at once, "
+              f"{threads} threads; the server's log: {log}")
+    return Launch(argv, {**os.environ, **key, **(env or {})}, health_url(c.host, c.port), banner, Path(log), MARKER)
 
 
-# --- the app -------------------------------------------------------------------------------------------------------
-def build_app(spec: dict, key: str | None, guard: str | None, stock: bool):
-    """llama-cpp-python's app on a FilledLlama (spec: serving.py's), with Admission, /health, /metrics and, when
-    `guard` names one, the front's request guard mounted outermost."""
-    import llama_cpp.server.app as lapp
-    from fastapi.responses import PlainTextResponse
-    from llama_cpp.server.model import LlamaProxy
-    from llama_cpp.server.settings import ModelSettings, ServerSettings
-
-    fill = None if stock else served_fill(spec)
-    llama_class = filled_llama_class()
-
-    class Proxy(LlamaProxy):  # llama-cpp-python's model holder, loading the FilledLlama with serve's settings
-        @staticmethod
-        def load_llama_from_model_settings(settings):
-            return llama_class(model_path=spec["gguf"], n_gpu_layers=0, n_ctx=spec["n_ctx"], n_batch=spec["n_batch"],
-                               n_ubatch=spec["n_ubatch"], n_threads=spec["threads"],
-                               n_threads_batch=spec["threads"], flash_attn=True, type_k=1, type_v=1,
-                               logits_all=False, embedding=False, verbose=False, fill=fill)
-
-    server = ServerSettings(host=spec["host"], port=spec["port"], api_key=key, interrupt_requests=False,
-                            disable_ping_events=False, root_path="", ssl_keyfile=None, ssl_certfile=None)
-    models = [ModelSettings(model=spec["gguf"], model_alias=spec["name"])]
-    lapp.set_llama_proxy = lambda model_settings: setattr(lapp, "_llama_proxy", Proxy(models=model_settings))
-    app = lapp.create_app(server_settings=server, model_settings=models)
-    counters, queue = fill.counters if fill is not None else None, Queue(spec["queue"])
-
-    @app.get("/health", include_in_schema=False)
-    async def health():
-        return {"status": "ok"}
-
-    @app.get("/metrics", include_in_schema=False)
-    async def metrics():
-        return PlainTextResponse((counters.text() if counters is not None else "") + queue.text())
-
-    app.add_middleware(Admission, queue=queue, fill_on=fill is not None)
-    if guard:
-        module, _, name = guard.rpartition(".")
-        app.add_middleware(getattr(importlib.import_module(module), name))
-    return app
+def stock_plan(plan: Launch, log: Path, guard: str | None = None) -> Launch:
+    """The same server as `plan` with the fill off (--stock: llama-cpp-python's own prefill of the same GGUF, context
+    and threads), without the front's guard (its checks are RidgeFill's) and no RidgeFill counter looked for."""
+    argv = [a for i, a in enumerate(plan.argv) if a != "--guard" and (i == 0 or plan.argv[i - 1] != "--guard")]
+    return replace(plan, argv=[*argv, "--stock"], banner=plan.banner.split(" with RidgeFill")[0] +
+                   " (stock llama.cpp)", log=log, marker=None)
 
 
-def served_fill(spec: dict) -> Fill:
-    """The fill of `spec` on its model: the plan (maps loaded and checked against the model) and the maps in
-    llama.cpp's form."""
+def model_of(described: dict):
+    """What a plan reads of the model (runtime/session.ModelFacts, no tokenizer: llama.cpp tokenizes), from its
+    description in the SPEC (model_identity's: no weights or tokenizer loaded, here or in the server)."""
     import torch
 
-    from ridgefill.backends.llamacpp import driver
-    from ridgefill.method.fill import FillSettings
+    from ridgefill.runtime.session import ModelFacts
+    from ridgefill.torchfill import ModelShape
 
-    # torch's work here is small (plans, outlier medians) and its OpenMP threads, spinning after each op, took cores
-    # from llama.cpp's own: decode steps were 40 % slower than the stock server's on 2 cores (13 against 9 ms per
-    # token, nothing filled), equal with torch on one thread
-    torch.set_num_threads(1)
-    settings = FillSettings(**spec["fill"])
-    plan, _ = settings.plan(model_of(spec["model"]))
-    return Fill(plan, driver.maps_of(plan.filler), spec["chunk"], Counters(), spec["arch"])
+    shape = {k: tuple(v) if k == "layer_kinds" else v for k, v in described["shape"].items()}
+    if shape.get("hybrid") is not None:
+        raise RidgefillError("--engine llamacpp fills llama, qwen2 and qwen3 models (not hybrid ones): use --engine "
+                             "ridgefill")
+    info = described["model_info"]
+    return ModelFacts(None, ModelShape(**shape), described["context_length"], info, info["weights_hash"],
+                      torch.float32, torch.device("cpu"))
 
 
-# --- admission -----------------------------------------------------------------------------------------------------
-class Admission:
-    """Pure ASGI middleware around llama-cpp-python's app: the bounded queue of requests for the model, each
-    request's checks (request_error) and its RequestState, and its client's going away."""
+def served_fill(c, facts):
+    """The fill to serve: the fill options', or a serving config's (checked against the model)."""
+    from ridgefill.method.fill import load_serving
 
-    def __init__(self, app, queue: Queue, fill_on: bool) -> None:
-        self.app, self.queue, self.fill_on = app, queue, fill_on
+    if c.serving_config is None:
+        fill = c.fill()
+    else:
+        tuned = load_serving(c.serving_config)
+        tuned.check_model(facts.fingerprint, c.serving_config)
+        fill = tuned.fill
+    return fill
 
-    async def __call__(self, scope, receive, send) -> None:
-        path, queue = scope.get("path", ""), self.queue
-        if scope.get("type") != "http" or not path.startswith(MODEL_PATHS):
-            await self.app(scope, receive, send)
-            return
-        if queue.active >= queue.bound:
-            await answer(send, 503, f"the server is busy: {queue.bound} requests are running or waiting for the "
-                         f"model (the most it admits); retry after {RETRY_AFTER_S} s",
-                         [(b"retry-after", b"%d" % RETRY_AFTER_S)])
-            return
-        queue.active += 1
+
+def warn_if_exposed(c, keyed: bool) -> None:
+    """A warning on stderr when the server listens beyond this machine without an API key."""
+    if not keyed and not is_loopback(c.host):
         try:
-            await self.admitted(scope, receive, send, path)
-        finally:
-            queue.active -= 1
-
-    async def admitted(self, scope, receive, send, path: str) -> None:
-        body, ended = b"", None
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client went away before its body ended
-            body += message.get("body", b"")
-            if not message.get("more_body", False):
-                break
-        state = RequestState()
-        if scope.get("method") == "POST" and path in CHECKED:
-            error, state.options = request_error(body, CHECKED[path], self.fill_on)
-            if error is not None:
-                await answer(send, 400, error)
-                return
-        gone = asyncio.Event()
-
-        async def replay():
-            nonlocal ended
-            if ended is None:
-                ended = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            if not gone.is_set():
-                await gone.wait()
-            return {"type": "http.disconnect"}
-
-        async def watch():
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            state.gone.set()
-            gone.set()
-
-        token = REQUEST.set(state)
-        try:
-            task = asyncio.ensure_future(self.app(scope, replay, send))
-        finally:
-            REQUEST.reset(token)
-        watcher = asyncio.ensure_future(watch())
-        try:
-            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            if not task.done():  # the client went away: its place is free now, its generation stops at its next step
-                task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                if not watcher.done():
-                    raise
-        finally:
-            watcher.cancel()
-
-
-def request_error(body: bytes, model: str, fill_on: bool) -> tuple[str | None, dict]:
-    """(one line refusing the request, or None; RidgeFill's options it gives): its body as llama-cpp-python's request
-    model `model` reads it, no logprobs (llama-cpp-python computes them from every prompt row's logits), and
-    RidgeFill's options (backends/serving.check_request_args; with the fill off they are refused, not ignored)."""
-    import pydantic
-    from llama_cpp.server import types
-
-    try:
-        doc = json.loads(body)
-    except RecursionError:
-        return "the request body's JSON nests too deeply to be read: send a flat object", {}
-    except ValueError as exc:
-        return f"the request body is not JSON ({str(exc).splitlines()[0][:200]}): send a JSON object", {}
-    if not isinstance(doc, dict):
-        return "the request body is not a JSON object: send one", {}
-    options = {k: v for k, v in doc.items() if isinstance(k, str) and k.startswith(PREFIX)}
-    try:
-        check_request_args(options)
-    except ValueError as exc:
-        return str(exc), {}
-    if options and not fill_on:
-        return f"{next(iter(options))}: this server runs without RidgeFill (its fill is off): drop it", {}
-    try:
-        request = getattr(types, model).model_validate(doc)
-    except pydantic.ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ())) or "the body"
-        return f"{where}: {first.get('msg', 'invalid')} (the request's {model})", {}
-    except (RecursionError, ValueError) as exc:
-        return f"the request body cannot be read ({type(exc).__name__}): send a flat JSON object", {}
-    if model == "CreateEmbeddingRequest":  # llama-cpp-python would fail on a generation context (a 500)
-        return ("embeddings are not served by this server (a generation context, prompts filled): use a server "
-                "started for embeddings"), {}
-    if getattr(request, "logprobs", None) not in (None, False) or getattr(request, "top_logprobs", None):
-        return ("logprobs are not served with --engine llamacpp (llama-cpp-python computes them from every prompt "
-                "row's logits; filled rows have none): drop logprobs"), {}
-    return None, options
-
-
-async def answer(send, status: int, message: str, headers: list = ()) -> None:
-    """An error in the OpenAI format (message, type, param, code), one line."""
-    from http import HTTPStatus
-
-    kind = HTTPStatus(status).phrase.replace(" ", "") + "Error"
-    payload = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": status}}).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(payload)),
-                            *headers]})
-    await send({"type": "http.response.body", "body": payload})
-
-
-# --- the process ---------------------------------------------------------------------------------------------------
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m ridgefill.backends.llamacpp.server")
-    parser.add_argument("spec")
-    parser.add_argument("--guard", default=None)
-    parser.add_argument("--stock", action="store_true")
-    args = parser.parse_args(argv)
-    os.environ.pop("CONFIG_FILE", None)  # llama-cpp-python's create_app would read its settings from it
-    try:
-        with open(args.spec) as f:
-            spec = json.load(f)
-        app = build_app(spec, os.environ.get(KEY_ENV) or None, args.guard, args.stock)
-    except RidgefillError as exc:  # the front prints it as serve's one line (serve/process.startup_error)
-        print(f"ridgefill.errors.RidgefillError: {exc}", flush=True)
-        return 2
-    import uvicorn
-
-    uvicorn.run(app, host=spec["host"], port=spec["port"], log_level="info", timeout_keep_alive=5)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+            sys.stderr.write(f"warning: --host {c.host} accepts requests from other machines and no --api-key is "
+                             "set: anyone who reaches this port can use the server\n")
+        except (OSError, ValueError):
+            pass

@@ -50,33 +50,33 @@ class VllmBackend(Backend):
 
     @classmethod
     def check_installed(cls) -> None:
-        from ridgefill.backends.vllm.serving import check_vllm
+        from ridgefill.backends.vllm.server import check_vllm
 
         check_vllm()  # installed, the plugin's release, and its entry point (tensor-parallel workers load it)
 
-    # --- serving: vLLM's OpenAI-compatible server (backends/vllm/serving.py) --------------------------------------
+    # --- serving: vLLM's OpenAI-compatible server (backends/vllm/server.py) ---------------------------------------
     @classmethod
     def check_serve(cls, config, own: list[str]) -> None:
-        from ridgefill.backends.vllm.serving import check_vllm_args
+        from ridgefill.backends.vllm.server import check_vllm_args
 
         check_vllm_args(config.vllm_args, config.kv_cache_gib is not None, own)
 
     @classmethod
     def served_dtype(cls, dtype: str, folder: str) -> str:
-        from ridgefill.backends.vllm import serving
+        from ridgefill.backends.vllm import server as serving
         from ridgefill.backends.vllm.config import read_model_config, served_dtype
 
         return served_dtype(dtype, read_model_config(folder), serving.on_cpu())
 
     @classmethod
     def server(cls, config, scratch, log, guard: str, env: dict):
-        from ridgefill.backends.vllm.serving import serve_plan
+        from ridgefill.backends.vllm.server import serve_plan
 
         return serve_plan(config, scratch, log, guard, env)
 
     @classmethod
     def stock_server(cls, plan, log, guard: str):
-        from ridgefill.backends.vllm.serving import stock_plan
+        from ridgefill.backends.vllm.server import stock_plan
 
         return stock_plan(plan, log, guard)
 
