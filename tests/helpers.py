@@ -1,4 +1,4 @@
-"""Helpers the test modules share (one definition each): an engine over a tiny model, transformers' own hidden
+"""Helpers the test modules share (one definition each): a runner over a tiny model, transformers' own hidden
 states, cache equality over both kinds of layer, a free loopback port, and the one start-up line of a vLLM plugin
 registered in a probe process."""
 
@@ -20,10 +20,10 @@ TOL = 1e-5
 TOL_REORDERED = 1e-4
 
 
-def engine_for(model, chunk=2048):
-    from ridgefill.torchfill import Engine, adapter_for
+def runner_for(model, chunk=2048):
+    from ridgefill.torchfill import Runner, adapter_for
 
-    return Engine(adapter_for(model), chunk=chunk)
+    return Runner(adapter_for(model), chunk=chunk)
 
 
 def hf_hidden(model, ids):
@@ -38,7 +38,7 @@ def max_diff(a, b) -> float:
 
 
 def assert_caches_equal(a, b, tol=TOL):
-    """Two engine caches hold the same layers, lengths and contents: K/V of attention layers, recurrent and conv
+    """Two runner caches hold the same layers, lengths and contents: K/V of attention layers, recurrent and conv
     state of linear (Gated DeltaNet) layers."""
     assert len(a) == len(b)
     for la, lb in zip(a.layers, b.layers):

@@ -32,7 +32,7 @@ def vocab_of(folder) -> int:
 
 def reference(folder, maps, tail: int, batch: list[list[int]], new: int, keep_first: int = 1, chunk: int = 2048,
               dtype: str = "fp32"):
-    """ridgefill's own engine (what `ridgefill generate` runs): greedy tokens and first-token log-probs [V]
+    """torchfill (what `ridgefill generate` runs): greedy tokens and first-token log-probs [V]
     (maps None: exact)."""
     import torch
 
@@ -44,7 +44,7 @@ def reference(folder, maps, tail: int, batch: list[list[int]], new: int, keep_fi
     tokens, first = [], []
     for p in batch:
         ids = torch.tensor([p])
-        result = session.engine.generate(ids, new, plan, None)
+        result = session.runner.generate(ids, new, plan, None)
         tokens.append(result.tokens[0])
         first.append(torch.log_softmax(result.prefill.logits[0, -1].double(), -1))
     return tokens, first
@@ -173,7 +173,7 @@ def vllm_lookback(vllm_tiny, tmp_path_factory) -> tuple[Path, Path]:
 @pytest.fixture(scope="session")
 def smollm2_tuned(tmp_path_factory) -> tuple[Path, Path]:
     """(the embedded SmolLM2 folder, the serving config `ridgefill tune` wrote for it: ridge at split 15, tail 64,
-    its maps fitted on 2,048 tokens of wiki-leads; the serve tests compare the server with ridgefill's engine on the
+    its maps fitted on 2,048 tokens of wiki-leads; the serve tests compare the server with torchfill on the
     same maps, so the maps need not be good, only real)."""
     pytest.importorskip("vllm")
     from ridgefill.commands import command

@@ -1,5 +1,5 @@
-"""The one clock for time to first token: `generate` and `bench-ttft` of every engine read it (the own engine's
-Engine.generate and its backend, vLLM's measurement worker, llama.cpp's backend).
+"""The one clock for time to first token: `generate` and `bench-ttft` of every engine read it (torchfill's
+Runner.generate and its backend, vLLM's measurement worker, llama.cpp's backend).
 
 As gpt-fast's `device_sync` before every clock read: where the work runs on a device that queues it (CUDA), the
 device is synchronised before the clock starts and before it stops, so the time is that of the work launched, not

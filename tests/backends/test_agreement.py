@@ -1,11 +1,11 @@
-"""Every installed engine agrees with ridgefill's own engine on the same prompts and maps: the embedded SmolLM2
+"""Every installed engine agrees with torchfill on the same prompts and maps: the embedded SmolLM2
 (vLLM runs its Hugging Face conversion, llama.cpp its GGUF file) with the maps `ridgefill tune` fitted for it
 (tests/vllm_fixtures.py smollm2_tuned: ridge at split 15, tail 64), through the commands a user runs
 (`generate --compare --out`, `loss --out`): the same greedy tokens of exact and filled prefill, the same rows
-filled, and tail NLLs within a stated tolerance of the own engine's (vLLM: fp32 kernels of another order;
-llama.cpp: the GGUF's Q4_1 weights and its quantized activations, where the own engine runs their fp32
+filled, and tail NLLs within a stated tolerance of torchfill's (vLLM: fp32 kernels of another order;
+llama.cpp: the GGUF's Q4_1 weights and its quantized activations, where torchfill runs their fp32
 conversion). Measured when written (2026-12-05): all three engines gave the same 8 greedy tokens, exact and filled,
-on a 707-token prompt; tail NLLs within 3e-3 nats of the own engine's on 2 passages. A near-tie is no
+on a 707-token prompt; tail NLLs within 3e-3 nats of torchfill's on 2 passages. A near-tie is no
 agreement test: see PROMPT."""
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import pytest
 
 from helpers import run_captured
 
-ENGINES = ("ridgefill", "vllm", "llamacpp")
-NLL_TOLERANCE = {"ridgefill": 0.0, "vllm": 2e-3, "llamacpp": 2e-2}  # nats, against the own engine's tail NLL
+ENGINES = ("torchfill", "vllm", "llamacpp")
+NLL_TOLERANCE = {"torchfill": 0.0, "vllm": 2e-3, "llamacpp": 2e-2}  # nats, against torchfill's tail NLL
 # greedy tokens are compared exactly, so the prompt's continuation must not hang on a near-tie that llama.cpp's
 # quantized activations can flip (a repeated sentence did: its first filled token's two best logits were 0.07 apart
-# in the own engine and swapped in llama.cpp); counting leaves a margin of about 10
+# in torchfill and swapped in llama.cpp); counting leaves a margin of about 10
 PROMPT = ", ".join(str(i) for i in range(1, 160)) + ","
 TEXT = ("The shipping forecast is read four times a day. It covers the seas around the British Isles, area by area, "
         "with the wind, the sea state, the weather and the visibility. ")
@@ -70,14 +70,14 @@ def results_of(engine, served, tmp_path, capfd, monkeypatch) -> tuple[dict, dict
 
 @pytest.fixture(scope="module")
 def own(served, tmp_path_factory):
-    """The own engine's documents, the reference (run once for the module, through the same commands)."""
+    """Torchfill's documents, the reference (run once for the module, through the same commands)."""
     from ridgefill.commands import command
 
     maps, tail, corpus, prompt = served
     root = tmp_path_factory.mktemp("own")
-    command("generate")(engine="ridgefill", model="smollm2-135m", maps=maps, tail=tail, prompt_file=prompt,
+    command("generate")(engine="torchfill", model="smollm2-135m", maps=maps, tail=tail, prompt_file=prompt,
                         max_new_tokens=6, compare=True, out=root / "generate.json")
-    command("loss")(engine="ridgefill", model="smollm2-135m", maps=maps, tail=tail, data=str(corpus), context=512,
+    command("loss")(engine="torchfill", model="smollm2-135m", maps=maps, tail=tail, data=str(corpus), context=512,
                     short=128, samples=2, variants="ridge", out=root / "loss.json")
     return json.loads((root / "generate.json").read_text()), json.loads((root / "loss.json").read_text())
 

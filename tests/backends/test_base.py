@@ -47,7 +47,7 @@ def little(monkeypatch):
                                                    "exact, identity, ridge"),
     ("ruler", {"dtype": "bf16"}, "--device cpu --dtype bf16 is not supported with --engine little: use a device of "
                                  "cpu and a dtype of fp32"),
-    ("loss", {}, "logprobs, which this command needs, is not supported with --engine little: use --engine ridgefill"),
+    ("loss", {}, "logprobs, which this command needs, is not supported with --engine little: use --engine torchfill"),
 ])
 def test_what_a_backend_lacks_is_refused_in_one_line_from_its_flags(little, name, options, message, tmp_path):
     given = {"prompt": "hi"} if name == "generate" else {"out": tmp_path / "x.json", "data": "wiki-leads"}
@@ -62,7 +62,7 @@ def test_what_a_backend_lacks_is_refused_in_one_line_from_its_flags(little, name
 def test_an_unknown_engine_names_the_known_ones(tmp_path):
     with pytest.raises(RidgefillError) as err:
         command("loss")(engine="sglang", split=2, data="wiki-leads", out=tmp_path / "x.json")
-    assert str(err.value) == "unknown --engine 'sglang': use one of ridgefill, vllm, llamacpp"
+    assert str(err.value) == "unknown --engine 'sglang': use one of torchfill, vllm, llamacpp"
 
 
 def test_maps_a_backend_cannot_serve_are_refused_when_the_variants_are_given():
@@ -94,11 +94,11 @@ def test_the_timing_loop_warms_up_then_rotates_the_order_each_round():
 
 
 def test_an_engine_module_is_imported_only_when_that_engine_is_asked_for():
-    """The registry imports an engine's module only when asked: a command on ridgefill's own engine never imports
+    """The registry imports an engine's module only when asked: a command on torchfill never imports
     the vLLM backend (nor vLLM)."""
     import subprocess
 
     code = ("import sys; from ridgefill.commands import command; command('loss').make(out='x', data='d'); "
             "print(sorted(m for m in sys.modules if m.startswith(('ridgefill.backends.', 'vllm'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "['ridgefill.backends.base', 'ridgefill.backends.own']"
+    assert out.strip() == "['ridgefill.backends.base', 'ridgefill.backends.torchfill']"

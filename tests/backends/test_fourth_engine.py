@@ -3,7 +3,7 @@ line in the registry, backends.ENGINES) runs generate, bench-ttft, ruler and los
 of `generate --compare` has the same keys whichever engine ran, the engine a value (`engine`: name, build,
 settings), never part of a key's name.
 
-The key comparison runs ridgefill's own engine for real against stand-ins of vLLM and llama.cpp (the fourth engine
+The key comparison runs torchfill for real against stand-ins of vLLM and llama.cpp (the fourth engine
 under their name, capabilities and settings: the documents are built by the same code, evals/common.engine_record
 and bench-ttft's entries, from each backend's capabilities and describe output), and against the real engines where
 they are installed (skipped with the reason where not)."""
@@ -64,10 +64,10 @@ def generate(model: str, engine: str, out) -> dict:
 # --- a fourth engine ----------------------------------------------------------------------------------------------
 def test_a_fourth_engine_runs_generate_bench_ttft_ruler_and_loss(fourth, tiny_checkpoint, long_docs, tmp_path):
     model = str(tiny_checkpoint)
-    own, theirs = generate(model, "ridgefill", tmp_path / "g0.json"), generate(model, "fourth", tmp_path / "g.json")
+    own, theirs = generate(model, "torchfill", tmp_path / "g0.json"), generate(model, "fourth", tmp_path / "g.json")
     assert theirs["engine"]["name"] == "fourth" and theirs["engine"]["build"] == fourth.provenance()
     started = theirs["results"]["exact"]["prompt_tokens"] + 4  # prompt and new tokens
-    assert theirs["engine"]["settings"]["filled"] == {"runs": "ridgefill's own engine", "max_len": started,
+    assert theirs["engine"]["settings"]["filled"] == {"runs": "torchfill", "max_len": started,
                                                       "fill": True}
     for name in ("exact", "filled"):
         assert theirs["results"][name]["tokens"] == own["results"][name]["tokens"]
@@ -85,15 +85,15 @@ def test_a_fourth_engine_runs_generate_bench_ttft_ruler_and_loss(fourth, tiny_ch
 
     ruler = {engine: command("ruler")(model=model, engine=engine, split=2, tail=16, lengths="256",
                                       tasks="niah_single_1", samples=2, max_new_tokens=4,
-                                      out=tmp_path / f"ruler-{engine}.json") for engine in ("ridgefill", "fourth")}
+                                      out=tmp_path / f"ruler-{engine}.json") for engine in ("torchfill", "fourth")}
     assert ruler["fourth"]["engine"]["name"] == "fourth"
-    assert ruler["fourth"]["results"] == ruler["ridgefill"]["results"]
+    assert ruler["fourth"]["results"] == ruler["torchfill"]["results"]
 
     loss = {engine: command("loss")(model=model, engine=engine, split=2, tail=16, data=str(long_docs), context=96,
                                     short=24, samples=2, out=tmp_path / f"loss-{engine}.json")
-            for engine in ("ridgefill", "fourth")}
+            for engine in ("torchfill", "fourth")}
     assert loss["fourth"]["engine"]["name"] == "fourth"
-    for name, result in loss["ridgefill"]["results"].items():
+    for name, result in loss["torchfill"]["results"].items():
         assert loss["fourth"]["results"][name]["tail_nll"] == pytest.approx(result["tail_nll"], rel=1e-5)
 
 
@@ -103,15 +103,7 @@ def test_a_fourth_engine_is_refused_what_it_lacks_in_the_one_form(fourth, tiny_c
     assert str(err.value) == "--keep-rows is not supported with --engine fourth: drop it"
     with pytest.raises(RidgefillError) as err:
         command("splice")(model=str(tiny_checkpoint), engine="fourth", split=2, data="wiki-leads", out=tmp_path / "s")
-    assert "no option engine" in str(err.value)  # splice and longbench run ridgefill's own engine (caps.caches)
-    from ridgefill.evals.common import start
-
-    config = command("loss").make(model=str(tiny_checkpoint), engine="fourth", split=2, data="wiki-leads",
-                                  out=tmp_path / "x.json")
-    with pytest.raises(RidgefillError) as err:
-        start("splice", config, ("exact", "identity"), needs=("caches",))
-    assert str(err.value) == ("caches, which this command needs, is not supported with --engine fourth: use --engine "
-                              "ridgefill")
+    assert "no option engine" in str(err.value)  # splice and longbench run on torchfill alone
 
 
 # --- one schema ------------------------------------------------------------------------------------------------------
@@ -142,14 +134,14 @@ def stand_in(monkeypatch, name: str, settings: dict):
 def test_bench_ttft_and_generate_write_the_same_keys_for_every_engine(name, settings, fourth, monkeypatch,
                                                                       tiny_checkpoint, tmp_path):
     model = str(tiny_checkpoint)
-    own = {"bench": bench(model, "ridgefill", tmp_path / "own.json"),
-           "generate": generate(model, "ridgefill", tmp_path / "own-g.json")}
+    own = {"bench": bench(model, "torchfill", tmp_path / "own.json"),
+           "generate": generate(model, "torchfill", tmp_path / "own-g.json")}
     if settings is not None:
         stand_in(monkeypatch, name, settings)
     other = {"bench": bench(model, name, tmp_path / "other.json"),
              "generate": generate(model, name, tmp_path / "other-g.json")}
     for kind in own:
-        assert own[kind]["engine"]["name"] == "ridgefill" and other[kind]["engine"]["name"] == name
+        assert own[kind]["engine"]["name"] == "torchfill" and other[kind]["engine"]["name"] == name
         assert not any(key.endswith("_engines") for key in other[kind])
         assert_same_keys(own[kind], other[kind])
         assert_same_keys(other[kind], own[kind])
@@ -160,7 +152,7 @@ def test_bench_ttft_and_generate_write_the_same_keys_for_every_engine(name, sett
 
 def test_an_engine_in_another_process_describes_the_model_as_the_own_engine(tiny_checkpoint):
     """vLLM and llama.cpp read the model without its weights (runtime/session.model_facts): the result's `model`
-    is what the own engine's loaded model gives."""
+    is what torchfill's loaded model gives."""
     from ridgefill.runtime.session import model_facts, open_session
 
     assert model_facts(str(tiny_checkpoint)).model_info == open_session(str(tiny_checkpoint)).model_info
@@ -192,7 +184,7 @@ def real_engine(name: str, request, tmp_path, monkeypatch) -> str:
 def test_the_installed_engines_write_the_same_keys_as_ridgefills(name, request, tmp_path, monkeypatch):
     model = real_engine(name, request, tmp_path, monkeypatch)
     for kind, run in (("bench", bench), ("generate", generate)):
-        own, other = run(model, "ridgefill", tmp_path / f"{kind}-own.json"), run(model, name, tmp_path / f"{kind}.json")
+        own, other = run(model, "torchfill", tmp_path / f"{kind}-own.json"), run(model, name, tmp_path / f"{kind}.json")
         assert other["engine"]["name"] == name and other["engine"]["build"] == other["computed_by"]
         assert other["engine"]["settings"]["exact"] and other["engine"]["settings"]["identity" if kind == "bench"
                                                                                      else "filled"]

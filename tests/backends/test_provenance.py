@@ -26,12 +26,12 @@ def built(monkeypatch):
 
 def test_the_own_engine_names_torch_transformers_and_triton_where_installed(monkeypatch):
     found = provenance.versions(("torch", "transformers", "triton"))
-    own = backend_class("ridgefill").provenance()
-    assert own == {"engine": "ridgefill", "torch": found["torch"], "transformers": found["transformers"],
+    own = backend_class("torchfill").provenance()
+    assert own == {"engine": "torchfill", "torch": found["torch"], "transformers": found["transformers"],
                    **({"triton": found["triton"]} if found["triton"] else {})}
     real = provenance.versions
     monkeypatch.setattr(provenance, "versions", lambda names: {**real(names), "triton": None})
-    assert "triton" not in backend_class("ridgefill").provenance()  # not installed: not named
+    assert "triton" not in backend_class("torchfill").provenance()  # not installed: not named
 
 
 @pytest.mark.parametrize("installed,expected", [
@@ -76,9 +76,9 @@ def test_the_exact_store_is_keyed_by_the_engine_that_computes(built, tmp_path):
     """Exact results of one llama.cpp build are not reused by another build, nor by another engine."""
     info = {"id": "m", "weights_hash": "h"}
     stores = {name: ExactStore(tmp_path, info, "fp32", "cpu", 512, computed_by=backend_class(name).provenance())
-              for name in ("ridgefill", "vllm", "llamacpp")}
+              for name in ("torchfill", "vllm", "llamacpp")}
     assert {k: stores["llamacpp"].scope["versions"][k] for k in BUILD} == BUILD
-    assert ExactStore(tmp_path, info, "fp32", "cpu", 512).scope == stores["ridgefill"].scope  # the default
+    assert ExactStore(tmp_path, info, "fp32", "cpu", 512).scope == stores["torchfill"].scope  # the default
     assert len({json.dumps(s.scope, sort_keys=True) for s in stores.values()}) == 3
     calls = []
     stores["llamacpp"].get("loss-exact-nll", {"ids": [1]}, lambda: calls.append(1) or 0.5)

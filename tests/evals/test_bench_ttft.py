@@ -50,10 +50,10 @@ def test_row_flops_are_twice_the_layer_weights(family):
     """The shapes the count reads agree with the model: one row through a layer's linear maps costs 2 FLOPs per
     weight (qwen3's head_dim differs from hidden/heads)."""
     model = tiny_model(family)
-    from ridgefill.torchfill import Engine, adapter_for
+    from ridgefill.torchfill import Runner, adapter_for
     from ridgefill.runtime.session import Session
 
-    session = Session(loaded=type("L", (), {"model": model})(), engine=Engine(adapter_for(model)))
+    session = Session(loaded=type("L", (), {"model": model})(), runner=Runner(adapter_for(model)))
     shape = session.shape
     assert shape.layer_kinds == ("attention",) * 6 and shape.dense and session.model is model
     layer = model.model.layers[0]
@@ -71,7 +71,7 @@ def test_options_and_defaults_are_those_of_the_command_line_before_the_registry(
         "data": "wiki-leads", "keep-first": 1, "chunk": 2048, "threads": 0, "projection": "auto", "seed": 0,
         "outlier-factor": 20.0,  # issue #12: outlier rows run in full by default
         "serving-config": None,  # issue #13: the settings `ridgefill tune` chose
-        "engine": "ridgefill",  # issue #11: vllm times stock vLLM against the plugin
+        "engine": "torchfill",  # issue #11: vllm times stock vLLM against the plugin
         "filled-window": 0, "filled-window-layers": None,  # issue #27: local attention below the split, off
     }  # device and dtype auto (issue 38): cuda and bf16 where a GPU runs them, else cpu and fp32
     helps = {flag: o.help for flag, o in bench_ttft_command.options.items()}

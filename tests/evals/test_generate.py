@@ -65,7 +65,7 @@ def test_a_keep_first_past_the_context_is_one_line_before_any_row_is_built(tiny_
 
 
 def test_a_keep_first_past_the_prompt_runs_it_exact_as_the_plugin_does(tiny_checkpoint, capsys):
-    """Inside the context, a keep-first past the prompt is the prompt run in full (exact), on ridgefill's engine as
+    """Inside the context, a keep-first past the prompt is the prompt run in full (exact), on torchfill as
     in the vLLM plugin (whose request rule clamps to the prompt): the same text as --exact, and a note."""
     texts = COMMAND(model=str(tiny_checkpoint), prompt="hi there", split=2, tail=1, keep_first=4000, max_new_tokens=4,
                     compare=True)

@@ -137,7 +137,7 @@ def test_generate_until_stops_at_the_stop_sequence(tiny_checkpoint):
     context = "The grass is green. The sky is"
     free = lm.generate_until([Instance("generate_until", {}, (context, {"until": [], "max_gen_toks": 8}), 0)])[0]
     ids = lm.tok_encode(context)
-    reference = lm.engine.generate(torch.tensor([ids]), 8, None, lm.eot_token_id).tokens[0]
+    reference = lm.runner.generate(torch.tensor([ids]), 8, None, lm.eot_token_id).tokens[0]
     assert free == lm.tokenizer.decode(reference, skip_special_tokens=True)
     assert len(free) > 1
     stop = free[len(free) // 2]

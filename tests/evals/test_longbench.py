@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ridgefill.torchfill import Engine, FillPlan, IdentityFiller, adapter_for
+from ridgefill.torchfill import Runner, FillPlan, IdentityFiller, adapter_for
 from ridgefill.errors import RidgefillError
 from ridgefill.evals.longbench import COMMAND as longbench_command
 from ridgefill.evals.longbench import ANSWER_LEAD, cut_middle, extract_answer, load_questions, option_ids, prompt_ids
@@ -119,11 +119,11 @@ def test_extract_answer():
 # --- scoring -------------------------------------------------------------------------------------------------
 def test_continuation_scores_match_a_full_forward_pass_and_are_independent():
     model = tiny_model("llama")
-    engine = Engine(adapter_for(model), chunk=16)
+    runner = Runner(adapter_for(model), chunk=16)
     context = random_ids(40, seed=3)[0].tolist()
     conts = [random_ids(1, seed=4)[0].tolist(), random_ids(3, seed=5)[0].tolist(), random_ids(5, seed=6)[0].tolist()]
-    conts.append(engine.generate(torch.tensor([context]), 3).tokens[0])  # the model's own greedy choice
-    scores = continuation_scores(engine, context, conts)
+    conts.append(runner.generate(torch.tensor([context]), 3).tokens[0])  # the model's own greedy choice
+    scores = continuation_scores(runner, context, conts)
     assert [greedy for _, greedy in scores] == [False, False, False, True]
     for cont, (logprob, greedy) in zip(conts, scores):
         with torch.no_grad():
@@ -132,23 +132,23 @@ def test_continuation_scores_match_a_full_forward_pass_and_are_independent():
         assert logprob == pytest.approx(float(logits.gather(1, target[:, None]).sum()), abs=1e-4)
         assert greedy == bool((logits.argmax(-1) == target).all())
     # each continuation alone scores the same: the clones keep the shared cache intact
-    alone = [continuation_scores(engine, context, [c])[0] for c in conts]
+    alone = [continuation_scores(runner, context, [c])[0] for c in conts]
     assert [s for s, _ in alone] == pytest.approx([s for s, _ in scores], abs=1e-5)
     assert [g for _, g in alone] == [g for _, g in scores]
 
 
 def test_filled_context_scores_equal_one_filled_prefill_with_the_continuation_in_the_tail():
     model = tiny_model("qwen3")
-    engine = Engine(adapter_for(model), chunk=16)
+    runner = Runner(adapter_for(model), chunk=16)
     context, cont = random_ids(48, seed=7)[0].tolist(), random_ids(4, seed=8)[0].tolist()
-    filler, tail = IdentityFiller(3, engine.n_layers), 6
-    (logprob, _), = continuation_scores(engine, context, [cont], FillPlan(filler, tail, (0,)))
+    filler, tail = IdentityFiller(3, runner.n_layers), 6
+    (logprob, _), = continuation_scores(runner, context, [cont], FillPlan(filler, tail, (0,)))
     whole = torch.tensor([context + cont[:-1]])
     rows = list(range(len(context) - 1, whole.shape[1]))
-    logits = engine.prefill(whole, fill=FillPlan(filler, tail + len(cont) - 1, (0,)), logits_at=rows).logits[0]
+    logits = runner.prefill(whole, fill=FillPlan(filler, tail + len(cont) - 1, (0,)), logits_at=rows).logits[0]
     reference = logits.float().log_softmax(-1).gather(1, torch.tensor(cont)[:, None]).sum()
     assert logprob == pytest.approx(float(reference), abs=1e-4)
-    (exact, _), = continuation_scores(engine, context, [cont])
+    (exact, _), = continuation_scores(runner, context, [cont])
     assert abs(exact - logprob) > 1e-3  # the fill is in effect
 
 

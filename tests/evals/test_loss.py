@@ -10,12 +10,12 @@ from typer.testing import CliRunner
 
 from tiny_models import random_ids, tiny_model
 from ridgefill.cli import app
-from ridgefill.torchfill import Engine, adapter_for
+from ridgefill.torchfill import Runner, adapter_for
 from ridgefill.errors import RidgefillError
 from ridgefill.evals.loss import summarise
 from ridgefill.runtime.stats import describe_spread, distant_spread, mean_difference
 from ridgefill.evals.loss import COMMAND as loss_command
-from ridgefill.backends.own import OwnBackend
+from ridgefill.backends.torchfill import TorchfillBackend
 from ridgefill.evals.scoring import distant_tokens, short_context_nll, tail_nll
 
 
@@ -37,17 +37,17 @@ def test_distant_tokens_known_answer():
 
 
 @pytest.fixture(scope="module")
-def engine():
-    return Engine(adapter_for(tiny_model("qwen2")), chunk=16)  # chunk < a few windows: several batches
+def runner():
+    return Runner(adapter_for(tiny_model("qwen2")), chunk=16)  # chunk < a few windows: several batches
 
 
 @pytest.mark.parametrize("stride", [1, 3, 64])
-def test_short_context_nll_equals_separate_windows(engine, stride):
+def test_short_context_nll_equals_separate_windows(runner, stride):
     """Target t of a block starting at t0 (all > short) sees exactly the short + (t - t0) tokens before it, as a
     fresh sequence; targets with at most `short` tokens before them keep their full-context NLL."""
     n, tail, short = 28, 20, 10
     ids = random_ids(n)
-    backend = OwnBackend.over(engine, {"exact": None})
+    backend = TorchfillBackend.over(runner, {"exact": None})
     full = tail_nll(backend, "exact", ids, tail)[0]
     got = short_context_nll(backend, ids, tail, short, stride, full)
     first, start = n - tail + 1, short + 1
@@ -57,7 +57,7 @@ def test_short_context_nll_equals_separate_windows(engine, stride):
             assert got[i] == full[i]
             continue
         seen = short + (t - start) % used
-        logits = engine.prefill(ids[:, t - seen : t]).logits[:, -1]
+        logits = runner.prefill(ids[:, t - seen : t]).logits[:, -1]
         assert abs(float(F.cross_entropy(logits, ids[:, t])) - float(got[i])) < 1e-4, (t, seen)
 
 

@@ -11,9 +11,9 @@ from typer.testing import CliRunner
 
 from tiny_models import A, L, random_ids, tiny_model
 from ridgefill.cli import app
-from ridgefill.torchfill import Engine, FillPlan, IdentityFiller, adapter_for
+from ridgefill.torchfill import Runner, FillPlan, IdentityFiller, adapter_for
 from ridgefill.errors import RidgefillError
-from ridgefill.backends.own import OwnBackend
+from ridgefill.backends.torchfill import TorchfillBackend
 from ridgefill.evals.scoring import continuation_nll, tail_nll
 from ridgefill.evals.splice import layer_ranges, parse_layer_ranges, parse_swaps, prefix_pair, splice, spliced_keys
 from ridgefill.runtime.stats import describe_spread, distant_spread
@@ -23,15 +23,15 @@ TOL = 1e-4
 
 
 def setup(model, split=SPLIT):
-    engine = Engine(adapter_for(model), chunk=16)
+    runner = Runner(adapter_for(model), chunk=16)
     ids = random_ids(N)
-    plan = FillPlan(IdentityFiller(split, engine.n_layers), TAIL, KEEP)
-    pair = prefix_pair(engine, ids[:, : N - TAIL], plan, capacity=N)
-    return engine, ids, plan, pair
+    plan = FillPlan(IdentityFiller(split, runner.n_layers), TAIL, KEEP)
+    pair = prefix_pair(runner, ids[:, : N - TAIL], plan, capacity=N)
+    return runner, ids, plan, pair
 
 
-def scores(engine, ids, cache):
-    return continuation_nll(engine, cache, ids[:, N - TAIL :])[0]
+def scores(runner, ids, cache):
+    return continuation_nll(runner, cache, ids[:, N - TAIL :])[0]
 
 
 def gap(a, b):
@@ -44,12 +44,12 @@ def dense():
 
 
 def test_prefix_caches_match_one_call_prefills(dense):
-    engine, ids, plan, pair = dense
+    runner, ids, plan, pair = dense
     P = N - TAIL
-    one_call = engine.prefill(ids, fill=plan).cache
-    exact = engine.prefill(ids).cache
+    one_call = runner.prefill(ids, fill=plan).cache
+    exact = runner.prefill(ids).cache
     assert pair.rows.tolist() == [r >= 1 for r in range(P)]  # keep row 7 follows filled rows: it differs too
-    for layer in range(engine.n_layers):
+    for layer in range(runner.n_layers):
         assert gap(pair.filled[layer].keys, one_call[layer].keys[:, :, :P]) <= 1e-5
         assert gap(pair.filled[layer].values, one_call[layer].values[:, :, :P]) <= 1e-5
         assert gap(pair.exact[layer].keys, exact[layer].keys[:, :, :P]) <= 1e-5
@@ -57,24 +57,24 @@ def test_prefix_caches_match_one_call_prefills(dense):
 
 
 def test_swapping_nothing_is_the_filled_prefill_and_everything_is_exact(dense):
-    engine, ids, plan, pair = dense
-    filled, exact = (tail_nll(OwnBackend.over(engine, {"filled": plan, "exact": None}), name, ids, TAIL)[0]
+    runner, ids, plan, pair = dense
+    filled, exact = (tail_nll(TorchfillBackend.over(runner, {"filled": plan, "exact": None}), name, ids, TAIL)[0]
                      for name in ("filled", "exact"))
     assert gap(filled, exact) > 1e-3
-    assert gap(scores(engine, ids, splice(pair, frozenset(), (SPLIT, 5))), filled) <= TOL
-    assert gap(scores(engine, ids, splice(pair, frozenset({"keys", "values"}), (SPLIT, 5))), exact) <= TOL
+    assert gap(scores(runner, ids, splice(pair, frozenset(), (SPLIT, 5))), filled) <= TOL
+    assert gap(scores(runner, ids, splice(pair, frozenset({"keys", "values"}), (SPLIT, 5))), exact) <= TOL
     # below the split the caches agree: a swap there changes nothing
-    assert gap(scores(engine, ids, splice(pair, frozenset({"keys", "values"}), (0, SPLIT))), filled) <= TOL
+    assert gap(scores(runner, ids, splice(pair, frozenset({"keys", "values"}), (0, SPLIT))), filled) <= TOL
     # one component alone is neither
-    keys_only = scores(engine, ids, splice(pair, frozenset({"keys"}), (SPLIT, 5)))
+    keys_only = scores(runner, ids, splice(pair, frozenset({"keys"}), (SPLIT, 5)))
     assert gap(keys_only, filled) > 1e-4 and gap(keys_only, exact) > 1e-4
 
 
 def test_swaps_touch_only_filled_rows_of_the_range(dense):
-    engine, ids, plan, pair = dense
+    runner, ids, plan, pair = dense
     out = splice(pair, frozenset({"keys", "values"}), (4, 4))
     rows = pair.rows
-    for layer in range(engine.n_layers):
+    for layer in range(runner.n_layers):
         source = pair.exact if layer == 4 else pair.filled
         assert torch.equal(out[layer].keys[:, :, rows], source[layer].keys[:, :, rows])
         assert torch.equal(out[layer].values[:, :, ~rows], pair.filled[layer].values[:, :, ~rows])
@@ -82,7 +82,7 @@ def test_swaps_touch_only_filled_rows_of_the_range(dense):
 
 
 def test_key_scale_and_direction_decompose_keys(dense):
-    engine, ids, plan, pair = dense
+    runner, ids, plan, pair = dense
     filled, exact = pair.filled[4].keys, pair.exact[4].keys
     scale = spliced_keys(filled, exact, frozenset({"key-scale"}))
     direction = spliced_keys(filled, exact, frozenset({"key-direction"}))
@@ -92,22 +92,22 @@ def test_key_scale_and_direction_decompose_keys(dense):
     assert gap(scale / scale.norm(dim=-1, keepdim=True), filled / filled.norm(dim=-1, keepdim=True)) <= 1e-5
     assert gap(direction.norm(dim=-1), filled.norm(dim=-1)) <= 1e-4
     assert gap(scale, filled) > 1e-3 and gap(direction, filled) > 1e-3
-    combined = scores(engine, ids, splice(pair, frozenset({"key-scale", "key-direction"}), (SPLIT, 5)))
-    keys = scores(engine, ids, splice(pair, frozenset({"keys"}), (SPLIT, 5)))
+    combined = scores(runner, ids, splice(pair, frozenset({"key-scale", "key-direction"}), (SPLIT, 5)))
+    keys = scores(runner, ids, splice(pair, frozenset({"keys"}), (SPLIT, 5)))
     assert gap(combined, keys) <= TOL
 
 
 def test_state_swap_on_a_hybrid_model():
-    engine, ids, plan, pair = setup(tiny_model("qwen3_5", layer_types=[L, A, L, A]), split=1)
-    filled, exact = (tail_nll(OwnBackend.over(engine, {"filled": plan, "exact": None}), name, ids, TAIL)[0]
+    runner, ids, plan, pair = setup(tiny_model("qwen3_5", layer_types=[L, A, L, A]), split=1)
+    filled, exact = (tail_nll(TorchfillBackend.over(runner, {"filled": plan, "exact": None}), name, ids, TAIL)[0]
                      for name in ("filled", "exact"))
-    assert gap(scores(engine, ids, splice(pair, frozenset(), (1, 3))), filled) <= TOL
-    assert gap(scores(engine, ids, splice(pair, frozenset({"keys", "values", "state"}), (1, 3))), exact) <= TOL
+    assert gap(scores(runner, ids, splice(pair, frozenset(), (1, 3))), filled) <= TOL
+    assert gap(scores(runner, ids, splice(pair, frozenset({"keys", "values", "state"}), (1, 3))), exact) <= TOL
     state = splice(pair, frozenset({"state"}), (1, 3))
     assert torch.equal(state[2].recurrent, pair.exact[2].recurrent) and torch.equal(state[2].conv, pair.exact[2].conv)
     assert gap(state[2].recurrent, pair.filled[2].recurrent) > 1e-3
     assert torch.equal(state[1].keys, pair.filled[1].keys) and torch.equal(state[0].recurrent, pair.filled[0].recurrent)
-    state_only = scores(engine, ids, state)
+    state_only = scores(runner, ids, state)
     assert gap(state_only, filled) > 1e-4 and gap(state_only, exact) > 1e-4
 
 

@@ -2,7 +2,7 @@
 128, 2,048 queries over up to 8,192 keys) against attention computed in float32 from the same inputs, element-wise:
 a route's max and RMS error are at most 1.5x those of transformers' eager attention in bf16, plus one bf16 step at
 the reference's scale (scripts/attention_check.py's reference, errors and bound, so the script and these tests
-judge alike). Then the engine's windowed prefill on CUDA by its default routes against the float32 engine.
+judge alike). Then the runner's windowed prefill on CUDA by its default routes against the float32 runner.
 Skipped without a GPU."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tiny_models import random_ids, tiny_model
-from ridgefill.torchfill import Engine, FilledWindow, FillPlan, IdentityFiller, adapter_for
+from ridgefill.torchfill import Runner, FilledWindow, FillPlan, IdentityFiller, adapter_for
 from ridgefill.torchfill.attention import causal_attention
 from ridgefill.torchfill.routes import ENV, Routes
 from ridgefill.torchfill.window import band_flash, banded_attention
@@ -97,7 +97,7 @@ def test_window_band_plus_sinks(sinks, size, n_keys, fp32_reference):
 @torch.inference_mode()
 def test_engine_windowed_prefill_on_its_cuda_routes(monkeypatch, fp32_reference):
     """A windowed identity fill (tail and a kept row: rows that are not windowed) in bf16 by the default CUDA
-    routes (flash, flash_band) against the float32 engine by the masked route, bounded by the bf16 engine by the
+    routes (flash, flash_band) against the float32 runner by the masked route, bounded by the bf16 runner by the
     masked route (blocks)."""
     config = dict(hidden_size=1024, intermediate_size=2048, num_attention_heads=8, num_key_value_heads=2,
                   head_dim=128, num_hidden_layers=4, max_position_embeddings=8192)
@@ -108,12 +108,12 @@ def test_engine_windowed_prefill_on_its_cuda_routes(monkeypatch, fp32_reference)
 
     def logits(model, routes):
         monkeypatch.setenv(ENV, routes)
-        engine = Engine(adapter_for(model), chunk=1024)
-        return engine.prefill(ids, fill=plan(), logits_at="full").logits.float(), engine.routes
+        runner = Runner(adapter_for(model), chunk=1024)
+        return runner.prefill(ids, fill=plan(), logits_at="full").logits.float(), runner.routes
 
     ours, routes = logits(low, "")
     assert (routes.causal, routes.window) == ("flash", "flash_band")
     baseline, _ = logits(low, "window=blocks,causal=lower_right")
     ref, _ = logits(high, "window=blocks")
     err, base = check.errors(ours, ref), check.errors(baseline, ref)
-    assert check.within(err, base, ref, torch.bfloat16), f"engine: {err} against the masked route's {base}"
+    assert check.within(err, base, ref, torch.bfloat16), f"runner: {err} against the masked route's {base}"

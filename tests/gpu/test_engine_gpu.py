@@ -1,4 +1,4 @@
-"""The engine on a CUDA GPU in bf16, against float32 references computed from the same bf16 weights (so the bound
+"""The runner on a CUDA GPU in bf16, against float32 references computed from the same bf16 weights (so the bound
 measures the arithmetic, not the weights' rounding): the exact prefill against transformers' own forward at several
 chunk sizes (last logits and the K/V cache), the fused fill projection against the per-layer route, a filled
 prefill through each, and calibrate's statistics on CUDA against the CPU's. Models: tiny_config with the heads of
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from tiny_models import random_ids, tiny_model
-from helpers import engine_for
-from ridgefill.torchfill import Engine, FillPlan, MapFiller, adapter_for
+from helpers import runner_for
+from ridgefill.torchfill import Runner, FillPlan, MapFiller, adapter_for
 from ridgefill.torchfill.projection import FillProjection
 
 N = 3000  # prompt rows: not a multiple of any chunk below
@@ -53,7 +53,7 @@ def hf_cache(output):
 
 
 def random_maps(split: int, n_layers: int, hidden: int, seed: int = 0) -> MapFiller:
-    """Maps near the identity (as fitted ones are), float32 on CUDA; .to() casts them for a bf16 engine."""
+    """Maps near the identity (as fitted ones are), float32 on CUDA; .to() casts them for a bf16 runner."""
     g = torch.Generator().manual_seed(seed)
     m = n_layers - split - 1
     weights = torch.eye(hidden) + 0.02 * torch.randn(m, hidden, hidden, generator=g)
@@ -64,13 +64,13 @@ def random_maps(split: int, n_layers: int, hidden: int, seed: int = 0) -> MapFil
 @pytest.mark.parametrize("chunk", [64, 256, N])
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_exact_prefill_matches_transformers_in_bf16(family, chunk, fp32_reference):
-    """The engine's bf16 exact prefill (chunked: each chunk attends to the cached prefix) is as close to the float32
+    """The runner's bf16 exact prefill (chunked: each chunk attends to the cached prefix) is as close to the float32
     forward as transformers' own bf16 forward is: last logits and every layer's K and V."""
     low, ref_model = realistic(family)
     ids = random_ids(N).cuda()
     with torch.inference_mode():
         ref, theirs = ref_model(ids, use_cache=True), low(ids, use_cache=True)
-        ours = engine_for(low, chunk=chunk).prefill(ids)
+        ours = runner_for(low, chunk=chunk).prefill(ids)
     assert ours.cache.length == N
     assert_within("last logits", ours.logits[:, -1], theirs.logits[:, -1], ref.logits[:, -1])
     ref_cache, their_cache = hf_cache(ref), hf_cache(theirs)
@@ -115,11 +115,11 @@ def test_filled_prefill_fused_matches_the_per_layer_route(family, fp32_reference
     filler = random_maps(2, low.config.num_hidden_layers, low.config.hidden_size)
     results = {}
     for name, model, backend in (("fused", low, "torch"), ("layers", low, "layers"), ("ref", ref_model, "layers")):
-        engine = Engine(adapter_for(model), chunk=1024, projection=backend)
-        plan = FillPlan(copy.deepcopy(filler).to(torch.device("cuda"), engine.adapter.dtype), tail=256,
+        runner = Runner(adapter_for(model), chunk=1024, projection=backend)
+        plan = FillPlan(copy.deepcopy(filler).to(torch.device("cuda"), runner.adapter.dtype), tail=256,
                         keep_rows=(1500,), keep_first=1)
         with torch.inference_mode():
-            results[name] = engine.prefill(ids, fill=plan)
+            results[name] = runner.prefill(ids, fill=plan)
     fused, layers, ref = results["fused"], results["layers"], results["ref"]
     assert fused.n_filled == layers.n_filled == ref.n_filled > 0
     assert_within("last logits", fused.logits, layers.logits, ref.logits)

@@ -13,7 +13,7 @@ from ridgefill.errors import RidgefillError
 from ridgefill.runtime.artifacts import load_artifact, save_artifact
 from ridgefill.method.calibrate import Checkpoints, part_of, partial_path, run_calibration, start_calibration
 from ridgefill.method.statistics import COUNTS, Calibration, accumulate, check_fittable, sum_of_squares
-from ridgefill.torchfill import Engine, adapter_for
+from ridgefill.torchfill import Runner, adapter_for
 
 
 def direct_stats(model, seqs, split, skip_first):
@@ -31,11 +31,11 @@ def direct_stats(model, seqs, split, skip_first):
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_statistics_match_hidden_states(family):
     model = tiny_model(family)
-    engine = Engine(adapter_for(model), chunk=7)  # chunking must not change the statistics
+    runner = Runner(adapter_for(model), chunk=7)  # chunking must not change the statistics
     seqs = [random_ids(20, seed=s) for s in range(3)]
     cal = Calibration.empty([2, 4], 6, 64)
     for ids in seqs:
-        accumulate(engine, cal, ids, "train", skip_first=1, outlier_factor=0)
+        accumulate(runner, cal, ids, "train", skip_first=1, outlier_factor=0)
     for split in (2, 4):
         x, ys = direct_stats(model, seqs, split, 1)
         st = cal.stats[(split, "train")]
@@ -66,11 +66,11 @@ def test_lookback_statistics_match_hidden_states(chunk):
     """With lookback 2 the maps' inputs are x_t and the two rows before it, also across chunks; the two rows
     after the sink are kept out (their window holds it) and counted with it; Σ‖x‖² stays that of x_t."""
     model = tiny_model("qwen2")
-    engine = Engine(adapter_for(model), chunk=chunk)
+    runner = Runner(adapter_for(model), chunk=chunk)
     seqs = [random_ids(20, seed=s) for s in range(3)]
     cal = Calibration.empty([2], 6, 64, lookback=2)
     for ids in seqs:
-        accumulate(engine, cal, ids, "train", skip_first=1, outlier_factor=0)
+        accumulate(runner, cal, ids, "train", skip_first=1, outlier_factor=0)
     f, ys = direct_lookback_inputs(model, seqs, 2, 1, 2)
     st = cal.stats[(2, "train")]
     assert st.lookback == 2 and st.xtx.shape == (192, 192) and st.xty.shape == (3, 192, 64)
@@ -90,7 +90,7 @@ def test_rows_whose_window_holds_an_outlier_are_kept_out():
     ids[ids == 5] = 6
     ids[0, 10] = 5
     cal = Calibration.empty([2], 6, 64, lookback=2)
-    accumulate(Engine(adapter_for(model)), cal, ids, "train", skip_first=1, outlier_factor=20)
+    accumulate(Runner(adapter_for(model)), cal, ids, "train", skip_first=1, outlier_factor=20)
     st = cal.stats[(2, "train")]
     assert st.skipped_first == 3 and st.skipped_outliers == 3 and st.count == 30 - 6  # rows 0-2; 10-12
 
@@ -99,23 +99,23 @@ def test_outlier_rows_are_kept_out():
     model = tiny_model("llama")
     with torch.no_grad():  # make token 5's embedding huge: its split state becomes an outlier
         model.model.embed_tokens.weight[5] *= 1000
-    engine = Engine(adapter_for(model))
+    runner = Runner(adapter_for(model))
     ids = random_ids(30)
     ids[0, 10] = 5
     ids[0, 1:10][ids[0, 1:10] == 5] = 6
     ids[0, 11:][ids[0, 11:] == 5] = 6
     cal = Calibration.empty([2], 6, 64)
-    accumulate(engine, cal, ids, "train", skip_first=1, outlier_factor=20)
+    accumulate(runner, cal, ids, "train", skip_first=1, outlier_factor=20)
     st = cal.stats[(2, "train")]
     assert st.skipped_outliers == 1 and st.count == 28
 
 
 def test_resume_after_interruption_gives_the_same_statistics(tmp_path):
     model = tiny_model("qwen2")
-    engine = Engine(adapter_for(model))
+    runner = Runner(adapter_for(model))
     seqs = [random_ids(16, seed=s)[0].tolist() for s in range(6)]
     meta = {"model": {"id": "tiny", "weights_hash": "x"}, "data": "random", "tokens": 96, "seq_len": 16}
-    whole = run_calibration(engine, seqs, [3], tmp_path / "whole.safetensors", meta, holdout=0.34,
+    whole = run_calibration(runner, seqs, [3], tmp_path / "whole.safetensors", meta, holdout=0.34,
                             checkpoint_every=2)
 
     class Stop(Exception):
@@ -130,9 +130,9 @@ def test_resume_after_interruption_gives_the_same_statistics(tmp_path):
 
     out = tmp_path / "resumed.safetensors"
     with pytest.raises(Stop):
-        run_calibration(engine, seqs, [3], out, meta, holdout=0.34, checkpoint_every=2, advance=advance)
+        run_calibration(runner, seqs, [3], out, meta, holdout=0.34, checkpoint_every=2, advance=advance)
     assert not out.exists() and (tmp_path / "resumed.safetensors.partial").exists()
-    resumed = run_calibration(engine, seqs, [3], out, meta, holdout=0.34, checkpoint_every=2, resume=True)
+    resumed = run_calibration(runner, seqs, [3], out, meta, holdout=0.34, checkpoint_every=2, resume=True)
     assert not (tmp_path / "resumed.safetensors.partial").exists()
     for key, st in whole.stats.items():
         other = resumed.stats[key]
@@ -143,9 +143,9 @@ def test_resume_after_interruption_gives_the_same_statistics(tmp_path):
     assert saved["sequences_done"] == 6 and saved["splits"] == [3]
 
 
-def count_chunks(engine, monkeypatch) -> list[int]:
-    """Rows of each chunk the engine's prefills run (one entry per chunk: the observer's layer-0 calls)."""
-    chunks, prefill = [], engine.prefill
+def count_chunks(runner, monkeypatch) -> list[int]:
+    """Rows of each chunk the runner's prefills run (one entry per chunk: the observer's layer-0 calls)."""
+    chunks, prefill = [], runner.prefill
 
     def counting(ids, *args, observe=None, **kwargs):
         def observed(layer, h, positions):
@@ -155,7 +155,7 @@ def count_chunks(engine, monkeypatch) -> list[int]:
 
         return prefill(ids, *args, observe=observed if observe else None, **kwargs)
 
-    monkeypatch.setattr(engine, "prefill", counting)
+    monkeypatch.setattr(runner, "prefill", counting)
     return chunks
 
 
@@ -170,10 +170,10 @@ def test_chunked_statistics_take_the_outlier_median_over_the_whole_sequence(monk
     ids[ids == 5] = 6
     ids[0, 1:6] = 5
     whole, chunked = Calibration.empty([2], 6, 64), Calibration.empty([2], 6, 64)
-    accumulate(Engine(adapter_for(model)), whole, ids, "train", skip_first=1, outlier_factor=20)
-    engine = Engine(adapter_for(model), chunk=8)
-    chunks = count_chunks(engine, monkeypatch)
-    accumulate(engine, chunked, ids, "train", skip_first=1, outlier_factor=20)
+    accumulate(Runner(adapter_for(model)), whole, ids, "train", skip_first=1, outlier_factor=20)
+    runner = Runner(adapter_for(model), chunk=8)
+    chunks = count_chunks(runner, monkeypatch)
+    accumulate(runner, chunked, ids, "train", skip_first=1, outlier_factor=20)
     assert chunks == [8, 8, 8, 6] * 2  # a norms-only pass, then the accumulating pass, each in 4 chunks
     a, b = whole.stats[(2, "train")], chunked.stats[(2, "train")]
     assert a.skipped_outliers == b.skipped_outliers == 5 and a.count == b.count == 24
@@ -182,9 +182,9 @@ def test_chunked_statistics_take_the_outlier_median_over_the_whole_sequence(monk
 
 
 def test_chunked_without_outlier_rule_runs_once(monkeypatch):
-    engine = Engine(adapter_for(tiny_model("qwen2")), chunk=8)
-    chunks = count_chunks(engine, monkeypatch)
-    accumulate(engine, Calibration.empty([2], 6, 64), random_ids(20), "train", outlier_factor=0)
+    runner = Runner(adapter_for(tiny_model("qwen2")), chunk=8)
+    chunks = count_chunks(runner, monkeypatch)
+    accumulate(runner, Calibration.empty([2], 6, 64), random_ids(20), "train", outlier_factor=0)
     assert chunks == [8, 8, 4]
 
 
@@ -217,7 +217,7 @@ RUN = {"model": {"id": "tiny", "weights_hash": "x"}, "data": "random", "data_has
        "seq_len": 16}
 
 
-def interrupted(engine, seqs, out, stop_after, meta=RUN, **kwargs):
+def interrupted(runner, seqs, out, stop_after, meta=RUN, **kwargs):
     """Run a calibration that is interrupted after `stop_after` sequences (its partial file stays)."""
 
     class Stop(Exception):
@@ -231,39 +231,39 @@ def interrupted(engine, seqs, out, stop_after, meta=RUN, **kwargs):
             raise Stop
 
     with pytest.raises(Stop):
-        run_calibration(engine, seqs, [3], out, meta, holdout=0.34, checkpoint_every=2, advance=advance, **kwargs)
+        run_calibration(runner, seqs, [3], out, meta, holdout=0.34, checkpoint_every=2, advance=advance, **kwargs)
     return partial_path(out)
 
 
 def test_a_plain_rerun_does_not_clobber_the_partial_file(tmp_path):
-    engine = Engine(adapter_for(tiny_model("qwen2")))
+    runner = Runner(adapter_for(tiny_model("qwen2")))
     seqs = [random_ids(16, seed=s)[0].tolist() for s in range(6)]
-    whole = run_calibration(engine, seqs, [3], tmp_path / "whole.safetensors", RUN, holdout=0.34)
+    whole = run_calibration(runner, seqs, [3], tmp_path / "whole.safetensors", RUN, holdout=0.34)
     out = tmp_path / "stats.safetensors"
-    partial = interrupted(engine, seqs, out, 5)
+    partial = interrupted(runner, seqs, out, 5)
     before = partial.read_bytes()
     with pytest.raises(RidgefillError, match="pass --resume to continue it or --restart to start over"):
-        run_calibration(engine, seqs, [3], out, RUN, holdout=0.34, checkpoint_every=2)
+        run_calibration(runner, seqs, [3], out, RUN, holdout=0.34, checkpoint_every=2)
     assert partial.read_bytes() == before
-    restarted = run_calibration(engine, seqs, [3], out, RUN, holdout=0.34, checkpoint_every=2, restart=True)
+    restarted = run_calibration(runner, seqs, [3], out, RUN, holdout=0.34, checkpoint_every=2, restart=True)
     assert not partial.exists()
     for key, st in whole.stats.items():
         assert torch.equal(st.xty, restarted.stats[key].xty) and st.count == restarted.stats[key].count
 
 
 def test_resume_checks_the_data_by_content_not_by_name(tmp_path):
-    engine = Engine(adapter_for(tiny_model("qwen2")))
+    runner = Runner(adapter_for(tiny_model("qwen2")))
     seqs = [random_ids(16, seed=s)[0].tolist() for s in range(6)]
     out = tmp_path / "stats.safetensors"
-    interrupted(engine, seqs, out, 5)
+    interrupted(runner, seqs, out, 5)
     with pytest.raises(RidgefillError, match=r"other settings \(data_hash 'abc', now 'abd'\): pass --restart"):
-        run_calibration(engine, seqs, [3], out, {**RUN, "data_hash": "abd"}, holdout=0.34, resume=True)
-    renamed = run_calibration(engine, seqs, [3], out, {**RUN, "data": "renamed.txt"}, holdout=0.34, resume=True)
+        run_calibration(runner, seqs, [3], out, {**RUN, "data_hash": "abd"}, holdout=0.34, resume=True)
+    renamed = run_calibration(runner, seqs, [3], out, {**RUN, "data": "renamed.txt"}, holdout=0.34, resume=True)
     assert renamed.sequences_done == 6 and load_artifact(out, "stats")[1]["data"] == "renamed.txt"
 
 
-class MetaEngine:
-    """Just what start_calibration reads of an engine, on the 'meta' device (no data: only placement)."""
+class MetaRunner:
+    """Just what start_calibration reads of a runner, on the 'meta' device (no data: only placement)."""
 
     n_layers, device = 6, torch.device("meta")
 
@@ -276,19 +276,19 @@ def test_statistics_live_on_the_model_device_also_after_resume(tmp_path):
     the 'meta' device, for fresh statistics and for a partial file loaded back."""
     partial = tmp_path / "stats.safetensors.partial"
     meta = {**RUN, "artifact": "stats", "splits": [3]}
-    fresh = start_calibration(MetaEngine(), [3], partial, meta)
+    fresh = start_calibration(MetaRunner(), [3], partial, meta)
     assert {t.device.type for t in fresh.tensors().values() if t.is_floating_point()} == {"meta"}
     saved = Calibration.empty([3], 6, 64)
     saved.stats[(3, "train")].xsum += 1
     save_artifact(partial, saved.tensors(), {**meta, "sequences_done": 4, "tokens_done": 64})
-    resumed = start_calibration(MetaEngine(), [3], partial, meta, resume=True)
+    resumed = start_calibration(MetaRunner(), [3], partial, meta, resume=True)
     assert resumed.sequences_done == 4
     assert {t.device.type for t in resumed.tensors().values() if t.is_floating_point()} == {"meta"}
 
 
 # --- rows with a NaN or an infinity (fp16 overflow) -------------------------------------------------------------
 def poisoning(prefill, values: dict[tuple[int, int], float]):
-    """`prefill` (an engine's, bound or not) whose observers see values[(layer, position)] in one element of that
+    """`prefill` (a runner's, bound or not) whose observers see values[(layer, position)] in one element of that
     row's input of that layer, as an overflow would leave it; the model itself runs on its own values."""
 
     def poisoned(observe):
@@ -319,13 +319,13 @@ def test_rows_with_a_nonfinite_value_are_kept_out_and_counted(chunk, monkeypatch
     state of split 4) and -Inf in row 15's input of layer 5 (the last): each split's statistics are those of its
     other rows alone, and the rows left out are counted as non-finite, also when the rows go on in later chunks."""
     model = tiny_model("llama")
-    engine = Engine(adapter_for(model), chunk=chunk)
-    monkeypatch.setattr(engine, "prefill", poisoning(engine.prefill, {(2, 7): math.nan, (4, 12): math.inf,
+    runner = Runner(adapter_for(model), chunk=chunk)
+    monkeypatch.setattr(runner, "prefill", poisoning(runner.prefill, {(2, 7): math.nan, (4, 12): math.inf,
                                                                       (5, 15): -math.inf}))
     seqs = [random_ids(20, seed=s) for s in range(2)]
     cal = Calibration.empty([2, 4], 6, 64)
     for ids in seqs:
-        accumulate(engine, cal, ids, "train", skip_first=1, outlier_factor=20)
+        accumulate(runner, cal, ids, "train", skip_first=1, outlier_factor=20)
     for split, dropped in ((2, (7, 12, 15)), (4, (12, 15))):
         x, ys = direct_stats(model, seqs, split, 1)
         clean = rows_except(seqs, 1, 20, dropped)
@@ -351,11 +351,11 @@ def test_the_outlier_median_is_taken_over_the_finite_rows(chunk, monkeypatch):
     ids = random_ids(20)
     ids[ids == 5] = 6
     ids[0, 17] = 5
-    engine = Engine(adapter_for(model), chunk=chunk)
+    runner = Runner(adapter_for(model), chunk=chunk)
     poison = {(2, p): (math.inf if p % 2 else math.nan) for p in range(1, 13)}
-    monkeypatch.setattr(engine, "prefill", poisoning(engine.prefill, poison))
+    monkeypatch.setattr(runner, "prefill", poisoning(runner.prefill, poison))
     cal = Calibration.empty([2], 6, 64)
-    accumulate(engine, cal, ids, "train", skip_first=1, outlier_factor=20)
+    accumulate(runner, cal, ids, "train", skip_first=1, outlier_factor=20)
     st = cal.stats[(2, "train")]
     assert st.skipped_nonfinite == 12 and st.skipped_outliers == 1 and st.count == 6
     assert st.nonfinite() is None
@@ -367,12 +367,12 @@ def test_rows_whose_window_holds_a_nonfinite_row_are_kept_out(chunk, monkeypatch
     row 13 ends a chunk and the rows whose window holds it are in the next) and +Inf in row 20's split state keep
     out rows 13-15 and 20-22; the statistics are those of the other rows."""
     model = tiny_model("qwen2")
-    engine = Engine(adapter_for(model), chunk=chunk)
-    monkeypatch.setattr(engine, "prefill", poisoning(engine.prefill, {(4, 13): math.nan, (2, 20): math.inf}))
+    runner = Runner(adapter_for(model), chunk=chunk)
+    monkeypatch.setattr(runner, "prefill", poisoning(runner.prefill, {(4, 13): math.nan, (2, 20): math.inf}))
     seqs = [random_ids(30, seed=s) for s in range(2)]
     cal = Calibration.empty([2], 6, 64, lookback=2)
     for ids in seqs:
-        accumulate(engine, cal, ids, "train", skip_first=1, outlier_factor=0)
+        accumulate(runner, cal, ids, "train", skip_first=1, outlier_factor=0)
     f, ys = direct_lookback_inputs(model, seqs, 2, 1, 2)
     clean = rows_except(seqs, 3, 30, (13, 14, 15, 20, 21, 22))
     f = f[clean]
@@ -387,17 +387,17 @@ def test_rows_whose_window_holds_a_nonfinite_row_are_kept_out(chunk, monkeypatch
 def test_a_checkpoint_from_before_the_nonfinite_count_loads_and_resumes(tmp_path):
     """A partial file whose parts hold 3 counts (written before skipped_nonfinite) loads with that count 0, and
     --resume continues it to the statistics of an uninterrupted run (which then holds all 4 counts)."""
-    engine = Engine(adapter_for(tiny_model("qwen2")))
+    runner = Runner(adapter_for(tiny_model("qwen2")))
     seqs = [random_ids(16, seed=s)[0].tolist() for s in range(6)]
-    whole = run_calibration(engine, seqs, [3], tmp_path / "whole.safetensors", RUN, holdout=0.34)
+    whole = run_calibration(runner, seqs, [3], tmp_path / "whole.safetensors", RUN, holdout=0.34)
     out = tmp_path / "stats.safetensors"
-    partial = interrupted(engine, seqs, out, 5)
+    partial = interrupted(runner, seqs, out, 5)
     tensors, meta = load_artifact(partial, "stats")
     older = {k: v[:3] if k.endswith(".counts") else v for k, v in tensors.items()}
     save_artifact(partial, older, meta)
     loaded = Calibration.from_tensors([3], older, meta).stats[(3, "train")]
     assert loaded.skipped_nonfinite == 0 and loaded.count == int(tensors["s3.train.counts"][0]) > 0
-    resumed = run_calibration(engine, seqs, [3], out, RUN, holdout=0.34, checkpoint_every=2, resume=True)
+    resumed = run_calibration(runner, seqs, [3], out, RUN, holdout=0.34, checkpoint_every=2, resume=True)
     for key, st in whole.stats.items():
         assert [getattr(st, n) for n in COUNTS] == [getattr(resumed.stats[key], n) for n in COUNTS]
         assert torch.allclose(st.xty, resumed.stats[key].xty, rtol=1e-12, atol=1e-9)
@@ -411,7 +411,7 @@ def test_the_command_reports_the_nonfinite_rows_and_fits_from_the_rest(tiny_chec
     from ridgefill.commands import command
     from tiny_models import write_corpus
 
-    monkeypatch.setattr(Engine, "prefill", poisoning(Engine.prefill, {(2, 5): math.nan, (4, 9): math.inf}))
+    monkeypatch.setattr(Runner, "prefill", poisoning(Runner.prefill, {(2, 5): math.nan, (4, 9): math.inf}))
     monkeypatch.setenv("COLUMNS", "200")  # the table whole, whatever terminal (or none) the test runs under
     text = write_corpus(tmp_path / "text.txt", seed=3, lines_per_document=12)
     stats = tmp_path / "stats.safetensors"

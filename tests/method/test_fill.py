@@ -1,4 +1,4 @@
-"""The one fill-settings type (method/fill.py): its checks, the engine's plans it gives, the vLLM plugin's environment
+"""The one fill-settings type (method/fill.py): its checks, the runner's plans it gives, the vLLM plugin's environment
 (there and back), the fill part of a serving config (there and back, the maps pinned by sha256), and the plans a
 measurement runs side by side."""
 
@@ -22,7 +22,7 @@ from ridgefill.runtime.session import open_session
 def session_and_maps(tiny_checkpoint, tmp_path_factory):
     session = open_session(str(tiny_checkpoint))
     maps = tmp_path_factory.mktemp("maps") / "maps-s3.safetensors"
-    save_maps(maps, 3, session.engine.n_layers, [], {"model": session.loaded.info()}, "identity")
+    save_maps(maps, 3, session.runner.n_layers, [], {"model": session.loaded.info()}, "identity")
     return session, maps
 
 
@@ -59,7 +59,7 @@ def test_the_plan_is_the_settings_on_the_model(session_and_maps):
 
 def test_the_vllm_environment_there_and_back(session_and_maps, tmp_path):
     session, maps = session_and_maps
-    pinned = pin(FillSettings("identity", 4, tail=12, keep_first=0, outlier_factor=0.0), session.engine.n_layers,
+    pinned = pin(FillSettings("identity", 4, tail=12, keep_first=0, outlier_factor=0.0), session.runner.n_layers,
                  session.loaded.info(), tmp_path)
     assert pinned.maps.parent == tmp_path and pinned.split == 4 and pinned.maps_sha256 == file_sha256(pinned.maps)
     env = fill_env(pinned)
@@ -178,7 +178,7 @@ def test_the_controls_plan_and_serve_as_their_definitions_say(session_and_maps, 
     from ridgefill.runtime.artifacts import load_artifact
 
     session, _ = session_and_maps
-    n, hidden = session.engine.n_layers, session.engine.shape.hidden
+    n, hidden = session.runner.n_layers, session.runner.shape.hidden
     means = torch.randn(n - 3 - 1, hidden)
     maps = tmp_path / "with-means.safetensors"
     save_maps(maps, 3, n, [], {"model": session.loaded.info()}, "identity", means=means)

@@ -89,7 +89,7 @@ def test_bad_window_settings_are_one_line(kwargs, match):
 
 def test_the_vllm_plugin_refuses_a_window_in_one_line(windowed, tmp_path):
     session, maps, _ = windowed
-    info, n = session.loaded.info(), session.engine.n_layers
+    info, n = session.loaded.info(), session.runner.n_layers
     with pytest.raises(RidgefillError, match="does not serve a filled window .*carried by"):
         pin(FillSettings("ridge", None, maps["windowed"]), n, info, tmp_path)
     with pytest.raises(RidgefillError, match="does not serve a filled window \\(--filled-window 32\\)"):

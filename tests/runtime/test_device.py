@@ -118,7 +118,7 @@ def test_the_vllm_engine_runs_where_the_installed_vllm_runs(monkeypatch):
     installed = {"vllm": "0.32.0+cpu"}
     assert vllm_backend.BACKEND.cpu_only() == "--engine vllm runs vllm 0.32.0+cpu, a CPU build of vLLM"
     installed = {"vllm": "0.32.0"}
-    assert vllm_backend.BACKEND.cpu_only() is None and command("generate").make(engine="ridgefill").cpu_only() is None
+    assert vllm_backend.BACKEND.cpu_only() is None and command("generate").make(engine="torchfill").cpu_only() is None
 
 
 def test_a_recipe_resolves_its_device_and_dtype_as_it_is_read(tmp_path, monkeypatch):

@@ -28,7 +28,7 @@ def hybrid_checkpoint(root, tokenizer_from):
 def test_the_identity_is_what_the_loaded_model_says(family, tiny_checkpoint, tmp_path, monkeypatch):
     folder = tiny_checkpoint if family == "llama" else hybrid_checkpoint(tmp_path, tiny_checkpoint)
     session = open_session(str(folder))
-    loaded = {**session.loaded.info(), "n_layers": session.engine.n_layers}
+    loaded = {**session.loaded.info(), "n_layers": session.runner.n_layers}
 
     def no_weights(*args, **kwargs):
         raise AssertionError("model_identity loaded the weights")
@@ -36,7 +36,7 @@ def test_the_identity_is_what_the_loaded_model_says(family, tiny_checkpoint, tmp
     monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained", no_weights)
     identity = model_identity(str(folder))
     assert identity.info == loaded and identity.shape == session.shape
-    assert identity.context_length == session.context_length and identity.n_layers == session.engine.n_layers
+    assert identity.context_length == session.context_length and identity.n_layers == session.runner.n_layers
     assert models.checkpoint_fingerprint(folder) == identity.info["weights_hash"]
 
 

@@ -49,9 +49,9 @@ def test_every_engine_that_serves_says_how_and_the_default_is_one():
         cls = backend_class(name)
         assert isinstance(cls.guard, GuardDialect)
         for method in ("check_serve", "served_dtype", "server", "stock_server", "drive"):
-            assert getattr(cls, method).__func__ is not getattr(backend_class("ridgefill"), method).__func__, method
+            assert getattr(cls, method).__func__ is not getattr(backend_class("torchfill"), method).__func__, method
     with pytest.raises(Exception, match="does not serve"):
-        RequestGuard(lambda *a: None, environ={"RIDGEFILL_GUARD_ENGINE": "ridgefill"})
+        RequestGuard(lambda *a: None, environ={"RIDGEFILL_GUARD_ENGINE": "torchfill"})
 
 
 class Recorder:

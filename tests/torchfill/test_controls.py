@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tiny_models import HYBRID_FAMILIES, random_ids, tiny_model
-from helpers import TOL, engine_for
+from helpers import TOL, runner_for
 from ridgefill.torchfill import DropFiller, FillPlan, MapFiller, MeanFiller, ModelShape
 from ridgefill.evals.flops import prefill_flops
 
@@ -40,7 +40,7 @@ def drop_reference(model, ids, split, full):
 @pytest.mark.parametrize("split,tail,keep", [(2, 5, (0,)), (3, 7, (0, 11)), (1, 1, ())])
 def test_drop_equals_the_late_layers_run_on_the_full_rows_alone(dense_model, split, tail, keep):
     ids = random_ids(30)
-    eng = engine_for(dense_model)
+    eng = runner_for(dense_model)
     plan = FillPlan(DropFiller(split, eng.n_layers), tail=tail, keep_rows=keep)
     out = eng.prefill(ids, fill=plan, logits_at="full")
     full = plan.full_rows(30)
@@ -54,7 +54,7 @@ def test_drop_equals_the_late_layers_run_on_the_full_rows_alone(dense_model, spl
 
 def test_decode_after_drop_sees_the_full_rows_only(dense_model):
     ids = random_ids(24)
-    eng = engine_for(dense_model)
+    eng = runner_for(dense_model)
     plan = FillPlan(DropFiller(3, eng.n_layers), tail=4)
     pre = eng.prefill(ids, fill=plan)
     nxt = pre.logits[:, -1].argmax(-1, keepdim=True)
@@ -67,7 +67,7 @@ def test_decode_after_drop_sees_the_full_rows_only(dense_model):
 @pytest.mark.parametrize("family", HYBRID_FAMILIES)
 def test_drop_on_a_hybrid_model_is_chunk_invariant_and_skips_the_filled_rows(family):
     ids = random_ids(40)
-    eng = engine_for(tiny_model(family))
+    eng = runner_for(tiny_model(family))
     split = 2
     plan = FillPlan(DropFiller(split, eng.n_layers), tail=9, keep_rows=(0,))
     whole = eng.prefill(ids, fill=plan, logits_at="full", chunk=4096)
@@ -85,7 +85,7 @@ def test_drop_on_a_hybrid_model_is_chunk_invariant_and_skips_the_filled_rows(fam
 
 def test_mean_is_the_map_with_zero_weights(dense_model):
     ids = random_ids(30)
-    eng = engine_for(dense_model)
+    eng = runner_for(dense_model)
     split, hidden = 2, eng.shape.hidden
     means = torch.randn(eng.n_layers - split - 1, hidden)
     zero = MapFiller(split, eng.n_layers, torch.zeros(eng.n_layers - split - 1, hidden, hidden), means)

@@ -1,4 +1,4 @@
-"""Engine invariants every family keeps, dense (Llama, Qwen2, Qwen3) and hybrid (Qwen3.5, Qwen3-Next: Gated DeltaNet
+"""Runner invariants every family keeps, dense (Llama, Qwen2, Qwen3) and hybrid (Qwen3.5, Qwen3-Next: Gated DeltaNet
 + gated full attention): the exact prefill is transformers', a fill that fills nothing or fills with the true hidden
 states is exact, chunking changes nothing, and decoding after a fill runs the full model. The family-specific tests
 are in test_prefill.py (dense) and test_hybrid.py (hybrid)."""
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tiny_models import DENSE_FAMILIES, HYBRID_FAMILIES, random_ids, tiny_model
-from helpers import TOL, TOL_REORDERED, assert_caches_equal, engine_for, hf_hidden, max_diff
+from helpers import TOL, TOL_REORDERED, assert_caches_equal, runner_for, hf_hidden, max_diff
 from ridgefill.torchfill import DropFiller, FillPlan, IdentityFiller, OracleFiller
 
 
@@ -71,7 +71,7 @@ def test_exact_prefill_matches_transformers(model_of, family):
     model, ids = model_of(family), random_ids(37, batch=2)
     with torch.no_grad():
         ref = model(ids, use_cache=True)
-    out = engine_for(model).prefill(ids, logits_at="full")
+    out = runner_for(model).prefill(ids, logits_at="full")
     assert out.n_filled == 0 and out.cache.length == 37
     assert max_diff(out.logits, ref.logits) <= TOL
     assert_matches_hf_cache(out.cache, hf_output_cache(ref))
@@ -79,7 +79,7 @@ def test_exact_prefill_matches_transformers(model_of, family):
 
 @pytest.mark.parametrize("family, split", by_family([(2,), (6,)], [(1,), (3,)]))
 def test_tail_covering_prompt_is_exact(model_of, family, split):
-    ids, eng = random_ids(30), engine_for(model_of(family))
+    ids, eng = random_ids(30), runner_for(model_of(family))
     exact = eng.prefill(ids, logits_at="full")
     filled = eng.prefill(ids, fill=FillPlan(IdentityFiller(split, eng.n_layers), tail=30), logits_at="full")
     assert filled.n_filled == 0
@@ -89,7 +89,7 @@ def test_tail_covering_prompt_is_exact(model_of, family, split):
 
 @pytest.mark.parametrize("family", DENSE_FAMILIES + HYBRID_FAMILIES)
 def test_split_at_last_layer_is_exact(model_of, family):
-    ids, eng = random_ids(30), engine_for(model_of(family))
+    ids, eng = random_ids(30), runner_for(model_of(family))
     exact = eng.prefill(ids, logits_at="last")
     filled = eng.prefill(ids, fill=FillPlan(IdentityFiller(eng.n_layers, eng.n_layers), tail=4))
     assert filled.n_filled == 0  # no late layer to fill
@@ -106,7 +106,7 @@ def test_oracle_maps_are_exact(model_of, family, split, tail, keep):
     filled region run in full between filled rows (a linear layer's state passes through the filled rows' oracle
     inputs and the kept rows' true inputs in row order)."""
     model, ids = model_of(family), random_ids(33)
-    eng = engine_for(model, chunk=10)
+    eng = runner_for(model, chunk=10)
     exact = eng.prefill(ids, logits_at="full")
     plan = FillPlan(OracleFiller(split, hf_hidden(model, ids)), tail=tail, keep_rows=keep)
     filled = eng.prefill(ids, fill=plan, logits_at="full")
@@ -119,7 +119,7 @@ def test_oracle_maps_are_exact(model_of, family, split, tail, keep):
 @pytest.mark.parametrize("family", DENSE_FAMILIES + HYBRID_FAMILIES)
 def test_greedy_after_full_tail_matches_transformers_generate(model_of, family):
     model, ids = model_of(family), random_ids(12)
-    eng = engine_for(model)
+    eng = runner_for(model)
     ours = eng.generate(ids, max_new_tokens=20, fill=FillPlan(IdentityFiller(3, eng.n_layers), tail=12))
     ref = model.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0,
                          min_new_tokens=20)
@@ -129,7 +129,7 @@ def test_greedy_after_full_tail_matches_transformers_generate(model_of, family):
 @pytest.mark.parametrize("family, keep", by_family([((),)], [((7,),)]))
 def test_decode_after_oracle_prefill_runs_the_full_model(model_of, family, keep):
     model, ids = model_of(family), random_ids(20)
-    eng = engine_for(model)
+    eng = runner_for(model)
     pre = eng.prefill(ids, fill=FillPlan(OracleFiller(2, hf_hidden(model, ids)), tail=3, keep_rows=keep))
     nxt = pre.logits[:, -1].argmax(-1, keepdim=True)
     logits = eng.decode_step(pre.cache, nxt)
@@ -149,7 +149,7 @@ HYBRID_CHUNKING = [(70, IdentityFiller, chunk, (0, 20, 40)) for chunk in (1, 16,
 
 @pytest.mark.parametrize("family, n, filler, chunk, keep", by_family(DENSE_CHUNKING, HYBRID_CHUNKING))
 def test_chunked_equals_unchunked(model_of, family, n, filler, chunk, keep):
-    ids, eng = random_ids(n), engine_for(model_of(family))
+    ids, eng = random_ids(n), runner_for(model_of(family))
     plan = FillPlan(filler(2, eng.n_layers), tail=9, keep_rows=keep)
     whole = eng.prefill(ids, fill=plan, logits_at="full", chunk=4096)
     parts = eng.prefill(ids, fill=plan, logits_at="full", chunk=chunk)

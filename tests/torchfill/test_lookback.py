@@ -1,11 +1,11 @@
-"""Lookback maps: which rows a window may hold, the maps' inputs, and the engine's filled prefill with them (each
+"""Lookback maps: which rows a window may hold, the maps' inputs, and the runner's filled prefill with them (each
 filled row gets f·W + b of its own window; a row without a whole window runs in full)."""
 
 import pytest
 import torch
 
 from tiny_models import random_ids
-from ridgefill.torchfill import Engine, FillPlan, MapFiller, OracleFiller, adapter_for
+from ridgefill.torchfill import Runner, FillPlan, MapFiller, OracleFiller, adapter_for
 from ridgefill.torchfill.lookback import lookback_windows, window_states
 
 TOL = 1e-5
@@ -78,7 +78,7 @@ def test_lookback_maps_refuse_to_run_without_the_window():
         MapFiller(S, L, weights, bias).late_inputs(torch.randn(1, 3, H), torch.arange(3))
 
 
-# --- the engine ------------------------------------------------------------------------------------
+# --- the runner ------------------------------------------------------------------------------------
 def predicted_hidden(model, ids, split, weights, bias, k):
     """The late-layer inputs a lookback map gives every row, computed by hand from the exact split states:
     hidden[l] [B, N, H] for l = 0..L (rows without k predecessors get x_t for the missing ones; they run in full)."""
@@ -97,7 +97,7 @@ def predicted_hidden(model, ids, split, weights, bias, k):
 def test_lookback_fill_equals_oracle_fill_with_the_unwindowed_rows_kept(dense_model, chunk, start):
     """Filled prefill with lookback maps = oracle fill with the maps' predictions computed by hand, where the rows
     whose window is not whole (before `start` + K, the first K of each chunk) are kept rows instead."""
-    eng = Engine(adapter_for(dense_model), chunk=chunk)
+    eng = Runner(adapter_for(dense_model), chunk=chunk)
     n, tail, split, k = 33, 5, 2, 2
     hidden = dense_model.config.hidden_size
     g = torch.Generator().manual_seed(3)

@@ -1,18 +1,18 @@
-"""The dense families' own engine tests (tiny random-init models); the invariants every family keeps are in
+"""The dense families' torchfill tests (tiny random-init models); the invariants every family keeps are in
 test_invariants.py."""
 
 import pytest
 import torch
 
 from tiny_models import random_ids, tiny_model
-from helpers import TOL, assert_caches_equal, engine_for, hf_hidden
+from helpers import TOL, assert_caches_equal, runner_for, hf_hidden
 from ridgefill.torchfill import FillPlan, IdentityFiller, adapter_for
 from ridgefill.errors import RidgefillError
 
 
 def test_identity_fill_differs_only_after_split(dense_model):
     ids = random_ids(24)
-    eng = engine_for(dense_model)
+    eng = runner_for(dense_model)
     exact = eng.prefill(ids)
     split = 3
     filled = eng.prefill(ids, fill=FillPlan(IdentityFiller(split, eng.n_layers), tail=4))
@@ -25,7 +25,7 @@ def test_identity_fill_differs_only_after_split(dense_model):
 
 def test_errors_are_one_line():
     model = tiny_model("llama")
-    eng = engine_for(model)
+    eng = runner_for(model)
     with pytest.raises(RidgefillError, match="^tail 0 must be an integer of at least 1"):
         eng.prefill(random_ids(10), fill=FillPlan(IdentityFiller(2, 6), tail=0))
     with pytest.raises(RidgefillError, match="out of range"):
@@ -67,9 +67,9 @@ def test_outlier_rows_run_in_full_like_keep_rows(dense_model, chunk):
     """A filled row whose split-state norm exceeds factor x the median of its chunk's filled rows runs in full:
     the prefill equals one that keeps exactly those rows, and the plan's tally counts them."""
     ids, split, tail = random_ids(48, seed=5), 3, 8
-    engine = engine_for(dense_model, chunk=chunk)
+    runner = runner_for(dense_model, chunk=chunk)
     x = hf_hidden(dense_model, ids)[split][0]  # [N, H]: the split state (layers 0..S-1 are exact)
-    plan = FillPlan(IdentityFiller(split, engine.n_layers), tail, (0,), outlier_factor=1.1)
+    plan = FillPlan(IdentityFiller(split, runner.n_layers), tail, (0,), outlier_factor=1.1)
     filled = (~plan.full_rows(ids.shape[1])).nonzero().squeeze(1)
     expected = []
     for c0 in range(0, ids.shape[1], chunk):  # the rule works per chunk, on that chunk's filled rows
@@ -78,8 +78,8 @@ def test_outlier_rows_run_in_full_like_keep_rows(dense_model, chunk):
         expected += rows[norms > 1.1 * norms.median()].tolist()
     assert expected  # the factor is low enough that some rows are outliers
     rows = plan.full_rows(ids.shape[1]).nonzero().squeeze(1).tolist()  # the rows full before the split
-    got = engine.prefill(ids, fill=plan, logits_at=rows)
-    kept = engine.prefill(ids, fill=FillPlan(plan.filler, tail, (0, *expected)), logits_at=rows)
+    got = runner.prefill(ids, fill=plan, logits_at=rows)
+    kept = runner.prefill(ids, fill=FillPlan(plan.filler, tail, (0, *expected)), logits_at=rows)
     assert got.n_outliers == len(expected) and got.n_filled == kept.n_filled
     assert (got.logits - kept.logits).abs().max() <= TOL
     assert_caches_equal(got.cache, kept.cache)
@@ -88,20 +88,20 @@ def test_outlier_rows_run_in_full_like_keep_rows(dense_model, chunk):
 
 
 def test_outlier_factor_zero_or_huge_changes_nothing(dense_model):
-    ids, engine = random_ids(40, seed=6), engine_for(dense_model)
-    filler = IdentityFiller(3, engine.n_layers)
-    plain = engine.prefill(ids, fill=FillPlan(filler, 8, (0,)))
-    huge = engine.prefill(ids, fill=FillPlan(filler, 8, (0,), outlier_factor=1e9))
+    ids, runner = random_ids(40, seed=6), runner_for(dense_model)
+    filler = IdentityFiller(3, runner.n_layers)
+    plain = runner.prefill(ids, fill=FillPlan(filler, 8, (0,)))
+    huge = runner.prefill(ids, fill=FillPlan(filler, 8, (0,), outlier_factor=1e9))
     assert huge.n_outliers == 0 and plain.n_filled == huge.n_filled
     assert (plain.logits - huge.logits).abs().max() == 0
 
 
 def test_bad_keep_rows_are_refused_not_dropped(dense_model):
-    engine, filler = engine_for(dense_model), IdentityFiller(3, 6)
+    runner, filler = runner_for(dense_model), IdentityFiller(3, 6)
     with pytest.raises(RidgefillError, match="keep row -1 is not a row index"):
         FillPlan(filler, 8, (-1,))
     with pytest.raises(RidgefillError, match="outside the 20-token prompt"):
-        engine.prefill(random_ids(20), fill=FillPlan(filler, 8, (0, 25)))
+        runner.prefill(random_ids(20), fill=FillPlan(filler, 8, (0, 25)))
     with pytest.raises(RidgefillError, match="outlier factor -1"):
         FillPlan(filler, 8, outlier_factor=-1)
 
@@ -144,8 +144,8 @@ def test_kept_and_outlier_rows_take_the_causal_route_by_runs(dense_model, monkey
     from ridgefill.torchfill import chunk_rows
 
     ids, split = random_ids(40, seed=2), 3
-    engine = engine_for(dense_model, chunk=16)
-    exact = engine.prefill(ids, logits_at="full")
+    runner = runner_for(dense_model, chunk=16)
+    exact = runner.prefill(ids, logits_at="full")
     masked, runs = [], []
     sdpa, by_runs = F.scaled_dot_product_attention, chunk_rows.attention_by_runs
 
@@ -160,11 +160,11 @@ def test_kept_and_outlier_rows_take_the_causal_route_by_runs(dense_model, monkey
     filler = OracleFiller(split, hf_hidden(dense_model, ids))
     if window is None:
         plan = FillPlan(filler, tail=4, keep_rows=keep)
-        got = engine.prefill(ids, fill=plan, logits_at="full")
+        got = runner.prefill(ids, fill=plan, logits_at="full")
         assert (got.logits - exact.logits[:, got.rows]).abs().max() <= TOL
         assert not masked
     else:  # the window's "blocks" route masks its own key blocks (window_blocks): those masks span a block's keys
         plan = FillPlan(filler, tail=4, keep_rows=keep, window=FilledWindow(window, 0, split - 1))
-        engine.prefill(ids, fill=plan, logits_at="full")
+        runner.prefill(ids, fill=plan, logits_at="full")
         assert all(shape[-1] <= window + 1 + 32 + 1 for shape in masked)  # never a chunk's whole prefix
     assert [(0, 3, 7)] in runs and [(0, 1, 20)] in runs  # the kept rows' runs (chunk-relative rows, positions)

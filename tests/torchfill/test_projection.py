@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tiny_models import random_ids, tiny_model
-from ridgefill.torchfill import Engine, FillPlan, IdentityFiller, MapFiller, OracleFiller, adapter_for
+from ridgefill.torchfill import Runner, FillPlan, IdentityFiller, MapFiller, OracleFiller, adapter_for
 from ridgefill.torchfill.kv_stack import stack_weights
 from ridgefill.torchfill.projection import FillProjection, layer_kv
 
@@ -25,7 +25,7 @@ def random_maps(split, n_layers, hidden, rank=None, seed=0):
 
 
 def per_layer_reference(adapter, filler, x, positions, cos, sin):
-    """The route the engine took before fusion: predict, then each layer's input norm and key_value."""
+    """The route the runner took before fusion: predict, then each layer's input norm and key_value."""
     predicted = filler.predict(x, positions) if filler.split + 1 < filler.n_layers else None
     out = {}
     for layer in range(filler.split, adapter.n_layers):
@@ -101,7 +101,7 @@ def test_late_inputs_are_the_fillers_predictions(dense_model):
 
     calls = []
 
-    def make(weight, bias):  # a serving engine's prepared GEMM stands in: torch's, counted
+    def make(weight, bias):  # a serving runner's prepared GEMM stands in: torch's, counted
         def gemm(f):
             calls.append(f.shape)
             return torch.nn.functional.linear(f, weight, bias)
@@ -117,8 +117,8 @@ def test_late_inputs_are_the_fillers_predictions(dense_model):
 def test_engine_prefill_fused_equals_per_layer(dense_model):
     """Whole filled prefill (chunked, keep rows, batch 2): fused and per-layer routes give the same caches."""
     ids = random_ids(40, batch=2)
-    fused = Engine(adapter_for(dense_model), chunk=16)
-    reference = Engine(adapter_for(dense_model), chunk=16, projection="layers")
+    fused = Runner(adapter_for(dense_model), chunk=16)
+    reference = Runner(adapter_for(dense_model), chunk=16, projection="layers")
     filler = random_maps(3, fused.n_layers, fused.adapter.hidden_size, rank=4)
     plan = FillPlan(filler, tail=6, keep_rows=(0, 20))
     a = fused.prefill(ids, fill=plan, logits_at="full")
@@ -131,7 +131,7 @@ def test_engine_prefill_fused_equals_per_layer(dense_model):
 
 def test_oracle_fill_through_the_fused_path_is_exact(dense_model):
     ids = random_ids(30)
-    eng = Engine(adapter_for(dense_model), chunk=11)
+    eng = Runner(adapter_for(dense_model), chunk=11)
     exact = eng.prefill(ids, logits_at="full")
     with torch.no_grad():
         hidden = dense_model(ids, output_hidden_states=True).hidden_states
@@ -142,7 +142,7 @@ def test_oracle_fill_through_the_fused_path_is_exact(dense_model):
 
 
 def test_stacked_weights_are_built_once_per_split(dense_model):
-    eng = Engine(adapter_for(dense_model))
+    eng = Runner(adapter_for(dense_model))
     plan = FillPlan(IdentityFiller(3, eng.n_layers), tail=4)
     eng.prefill(random_ids(20), fill=plan)
     stack = eng.projection.stack(3)
@@ -157,19 +157,19 @@ def test_key_scale_multiplies_each_filled_key_head_and_nothing_else(dense_model,
     """A filler's key scale [L-S, Hkv] multiplies the filled keys of each late layer per KV head (fused and
     per-layer route alike); values, the full rows' keys and the split layer's keys are untouched."""
     split, ids = 2, random_ids(30)
-    engine = Engine(adapter_for(dense_model), chunk=16, projection=backend)
-    filler = random_maps(split, engine.n_layers, engine.adapter.hidden_size)
-    heads = engine.shape.kv_heads
-    scale = torch.linspace(0.5, 1.5, (engine.n_layers - split) * heads).view(-1, heads)
+    runner = Runner(adapter_for(dense_model), chunk=16, projection=backend)
+    filler = random_maps(split, runner.n_layers, runner.adapter.hidden_size)
+    heads = runner.shape.kv_heads
+    scale = torch.linspace(0.5, 1.5, (runner.n_layers - split) * heads).view(-1, heads)
     scale[0] = 1.0  # layer S: its keys are exact
-    scaled = MapFiller(split, engine.n_layers, filler._stacked.view(engine.adapter.hidden_size, -1,
-                                                                     engine.adapter.hidden_size).transpose(0, 1),
+    scaled = MapFiller(split, runner.n_layers, filler._stacked.view(runner.adapter.hidden_size, -1,
+                                                                     runner.adapter.hidden_size).transpose(0, 1),
                        filler._biases, key_scale=scale)
     plain = FillPlan(filler, tail=6, keep_rows=(0,))
-    a = engine.prefill(ids, fill=plain, logits_at=[])
-    b = engine.prefill(ids, fill=FillPlan(scaled, tail=6, keep_rows=(0,)), logits_at=[])
+    a = runner.prefill(ids, fill=plain, logits_at=[])
+    b = runner.prefill(ids, fill=FillPlan(scaled, tail=6, keep_rows=(0,)), logits_at=[])
     rows = ~plain.full_rows(30)
-    for layer in range(engine.n_layers):
+    for layer in range(runner.n_layers):
         ka, kb = a.cache[layer].keys, b.cache[layer].keys  # [1, Hkv, T, D]
         if layer <= split:
             assert torch.equal(ka, kb)
@@ -181,16 +181,16 @@ def test_key_scale_multiplies_each_filled_key_head_and_nothing_else(dense_model,
 
 def test_key_scale_of_ones_changes_nothing(dense_model):
     ids = random_ids(30)
-    engine = Engine(adapter_for(dense_model), chunk=16)
-    ones = torch.ones(engine.n_layers - 3, engine.shape.kv_heads)
-    a = engine.prefill(ids, fill=FillPlan(IdentityFiller(3, engine.n_layers), tail=6), logits_at="full")
-    b = engine.prefill(ids, fill=FillPlan(IdentityFiller(3, engine.n_layers, ones), tail=6), logits_at="full")
+    runner = Runner(adapter_for(dense_model), chunk=16)
+    ones = torch.ones(runner.n_layers - 3, runner.shape.kv_heads)
+    a = runner.prefill(ids, fill=FillPlan(IdentityFiller(3, runner.n_layers), tail=6), logits_at="full")
+    b = runner.prefill(ids, fill=FillPlan(IdentityFiller(3, runner.n_layers, ones), tail=6), logits_at="full")
     assert torch.equal(a.logits, b.logits)
 
 
 def test_one_layers_kv_as_the_vllm_plugin_writes_it_equals_the_per_layer_route(dense_model):
     """layer_kv on one layer's own stacked weights (what the vLLM plugin builds from its modules at load) gives each
-    late layer's filled K/V and key scale exactly as the engine's per-layer route does (Llama, Qwen2 bias, Qwen3
+    late layer's filled K/V and key scale exactly as the runner's per-layer route does (Llama, Qwen2 bias, Qwen3
     k-norm)."""
     adapter = adapter_for(dense_model)
     x, _, cos, sin = filled_inputs(adapter, batch=1)

@@ -1,5 +1,5 @@
 """torchfill/routes.py: the one place that chooses each piece's route, what it chooses on the CPU, its overrides, and
-that the engine takes the routes it chose."""
+that the runner takes the routes it chose."""
 
 import dataclasses
 import inspect
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tiny_models import random_ids, tiny_model
-from ridgefill.torchfill import Engine, FilledWindow, FillPlan, IdentityFiller, adapter_for
+from ridgefill.torchfill import Runner, FilledWindow, FillPlan, IdentityFiller, adapter_for
 from ridgefill.torchfill.families import delta_rule
 from ridgefill.torchfill.routes import ENV, Routes, delta_rule_route, flash_applies, projection_route
 from ridgefill.errors import RidgefillError
@@ -45,7 +45,7 @@ def test_projection_and_delta_rule_choices():
         projection_route("triton")
     assert delta_rule_route(torch.device("cpu")) == "torch"
     assert inspect.signature(delta_rule.chunk_gated_delta_rule).parameters["use_kernel"].default is False  # the
-    # delta rule asks its caller (the engine's route), not the device itself
+    # delta rule asks its caller (the runner's route), not the device itself
 
 
 def test_overrides_replace_routes_and_refuse_what_the_device_cannot_run(monkeypatch):
@@ -62,13 +62,13 @@ def test_overrides_replace_routes_and_refuse_what_the_device_cannot_run(monkeypa
 
 
 def test_the_engine_takes_its_routes(dense_model, monkeypatch):
-    """The engine chooses once and its chunk rows run the route it chose: the same logits by every route, and a
+    """The runner chooses once and its chunk rows run the route it chose: the same logits by every route, and a
     route's function is what ran."""
     from ridgefill.torchfill import chunk_rows
 
     ids = random_ids(40)
     monkeypatch.delenv(ENV, raising=False)
-    eng = Engine(adapter_for(dense_model))
+    eng = Runner(adapter_for(dense_model))
     assert eng.routes == cpu_routes() and eng.with_timer(None).routes is eng.routes
     plan = FillPlan(IdentityFiller(3, eng.n_layers), tail=6, window=FilledWindow(5, 0, 2))
     base = eng.prefill(ids, fill=plan, logits_at="full", chunk=16).logits
@@ -76,23 +76,23 @@ def test_the_engine_takes_its_routes(dense_model, monkeypatch):
     band = chunk_rows.banded_attention
     monkeypatch.setattr(chunk_rows, "banded_attention", lambda *a: calls.append(1) or band(*a))
     monkeypatch.setenv(ENV, "causal=lower_right,window=masked_band")
-    other = Engine(adapter_for(dense_model))
+    other = Runner(adapter_for(dense_model))
     assert (other.prefill(ids, fill=plan, logits_at="full", chunk=16).logits - base).abs().max() <= 1e-5
     assert len(calls) == 3 * 3  # 3 chunks x the 3 windowed layers below the split
 
 
 def test_a_hybrid_engine_records_its_delta_rule_route_and_its_adapter_runs_it():
     adapter = adapter_for(tiny_model("qwen3_5"))
-    adapter.use_routes(SimpleNamespace(delta_rule="fla"))  # as a CUDA engine's routes would
+    adapter.use_routes(SimpleNamespace(delta_rule="fla"))  # as a CUDA runner's routes would
     assert adapter.delta_kernel
-    eng = Engine(adapter)
+    eng = Runner(adapter)
     assert eng.routes.delta_rule == "torch" and eng.routes.describe()["device"] == "cpu"
-    assert not adapter.delta_kernel  # the route the engine chose (and records) is the one its layers run
+    assert not adapter.delta_kernel  # the route the runner chose (and records) is the one its layers run
 
 
 def test_overrides_are_checked_against_the_dtype():
     """causal=flash in fp32 would fail inside mha_fwd on the first chunk: one line naming the fix instead. Routes of a
-    CUDA engine are built here without a GPU (the dataclass checks, no kernel runs)."""
+    CUDA runner are built here without a GPU (the dataclass checks, no kernel runs)."""
     fp32 = Routes("cuda", "float32", "lower_right", "blocks", "torch", "torch")
     with pytest.raises(RidgefillError) as info:
         fp32.overridden("causal=flash")
@@ -111,7 +111,7 @@ def test_overrides_are_checked_against_the_dtype():
     bf16 = Routes("cuda", "bfloat16", "flash", "flash_band", "torch", "torch")
     assert bf16.overridden("causal=cudnn_split").causal == "cudnn_split"
     with pytest.raises(RidgefillError) as info:
-        bf16.overridden("delta_rule=fla")  # this engine's probe found no fla
+        bf16.overridden("delta_rule=fla")  # this runner's probe found no fla
     assert str(info.value) == ("RIDGEFILL_ROUTES asks for delta_rule=fla but flash-linear-attention does not import "
                                "here: install fla, or leave delta_rule out (the torch rule)")
 

@@ -1,4 +1,4 @@
-"""The one outlier rule (torchfill/rows.py outliers), judged through both of its callers: the engine's FillPlan (per
+"""The one outlier rule (torchfill/rows.py outliers), judged through both of its callers: the runner's FillPlan (per
 chunk, any prompt of the batch) and the vLLM plugin's outlier_tokens (per request of a step)."""
 
 import torch
@@ -24,15 +24,15 @@ def test_the_median_is_the_lower_middle_of_the_groups_filled_rows():
 
 
 def test_the_engine_and_the_vllm_plugin_pick_the_same_outliers():
-    """Two prompts of a chunk's filled rows with crafted norms: the engine runs a row in full when it is an outlier
+    """Two prompts of a chunk's filled rows with crafted norms: the runner runs a row in full when it is an outlier
     in any prompt of the batch; the plugin, given the same rows as two requests, marks the same rows."""
     norms = torch.tensor([[1.0, 2.0, 9.0, 1.0, 2.0, 1.0],
                           [3.0, 3.0, 3.0, 3.0, 3.0, 30.0]])
     plan = FillPlan(IdentityFiller(1, 4), tail=1, outlier_factor=3.0)
-    engine = plan.outlier_rows(states(norms))
+    runner = plan.outlier_rows(states(norms))
     request = torch.arange(2).repeat_interleave(6)
     full = torch.zeros(12, dtype=torch.bool)
     plugin = outlier_tokens(norms.flatten(), request, full, 3.0).view(2, 6)
-    assert engine.tolist() == [False, False, True, False, False, True]
-    assert plugin.any(dim=0).tolist() == engine.tolist()
+    assert runner.tolist() == [False, False, True, False, False, True]
+    assert plugin.any(dim=0).tolist() == runner.tolist()
     assert plugin.tolist() == [[False, False, True, False, False, False], [False] * 5 + [True]]

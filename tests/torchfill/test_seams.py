@@ -1,11 +1,11 @@
-"""The engine's seams: what a Filler owns (late inputs, bytes, rank, map FLOPs), the projection's backend and
-timer given at construction, what an Engine says about its model, and the one greedy decoder."""
+"""The runner's seams: what a Filler owns (late inputs, bytes, rank, map FLOPs), the projection's backend and
+timer given at construction, what a Runner says about its model, and the one greedy decoder."""
 
 import pytest
 import torch
 
 from tiny_models import random_ids, tiny_model
-from ridgefill.torchfill import (Engine, FillPlan, IdentityFiller, MapFiller, OracleFiller, Stopwatch, adapter_for,
+from ridgefill.torchfill import (Runner, FillPlan, IdentityFiller, MapFiller, OracleFiller, Stopwatch, adapter_for,
                                  late_inputs_by_layer)
 from ridgefill.torchfill.projection import FillProjection
 
@@ -43,7 +43,7 @@ def test_late_inputs_are_x_then_the_predictions(name):
 
 @pytest.mark.parametrize("name", ["identity", "full", "rank-1", "oracle"])
 def test_late_inputs_by_layer_are_late_inputs_with_or_without_prepared_gemms(name):
-    """The serving engine's order (x, then each map as it is asked for) gives late_inputs' rows, whether or not the
+    """The serving runner's order (x, then each map as it is asked for) gives late_inputs' rows, whether or not the
     full-rank maps run through prepared per-layer GEMMs (use_gemm; low-rank maps keep their products)."""
     filler = tiny_fillers()[name]
     x, positions = torch.randn(2, 3, H, generator=torch.Generator().manual_seed(2)), torch.tensor([1, 4, 6])
@@ -117,8 +117,8 @@ def test_rank_bytes_and_map_flops():
 # --- the projection's backend and timer -------------------------------------------------------------
 def test_the_timer_adds_up_only_when_given(dense_model):
     adapter = adapter_for(dense_model)
-    plain, timer = Engine(adapter), Stopwatch()
-    timed = Engine(adapter, timer=timer)
+    plain, timer = Runner(adapter), Stopwatch()
+    timed = Runner(adapter, timer=timer)
     assert plain.projection.timer is None and timed.projection.timer is timer
     timed.prefill(random_ids(20))  # exact: no filled rows, nothing timed
     assert timer.elapsed_s == 0.0
@@ -131,7 +131,7 @@ def test_the_timer_adds_up_only_when_given(dense_model):
 
 
 def test_with_timer_shares_the_stacked_weights(dense_model):
-    eng = Engine(adapter_for(dense_model), chunk=8, projection="torch")
+    eng = Runner(adapter_for(dense_model), chunk=8, projection="torch")
     plan = FillPlan(IdentityFiller(2, eng.n_layers), tail=3)
     before = eng.prefill(random_ids(20), fill=plan)
     timer = Stopwatch()
@@ -153,9 +153,9 @@ def test_stopwatch_adds_its_spans():
 
 
 def test_backend_and_what_the_engine_says_about_its_model(dense_model):
-    eng = Engine(adapter_for(dense_model))
+    eng = Runner(adapter_for(dense_model))
     assert eng.projection_backend(2) == "torch"  # auto on the CPU
-    assert Engine(eng.adapter, projection="layers").projection_backend(2) == "layers"
+    assert Runner(eng.adapter, projection="layers").projection_backend(2) == "layers"
     assert eng.fused_kv_bytes(2) == eng.projection.stack(2).nbytes > 0
     assert eng.layer_kinds == ["attention"] * 6 and eng.context_length == 512
     assert eng.device == torch.device("cpu") and eng.dtype == torch.float32
@@ -167,7 +167,7 @@ def test_backend_and_what_the_engine_says_about_its_model(dense_model):
 
 
 def test_a_hybrid_engine_has_no_fused_path():
-    eng = Engine(adapter_for(tiny_model("qwen3_5")))
+    eng = Runner(adapter_for(tiny_model("qwen3_5")))
     assert eng.layer_kinds == ["linear", "linear", "attention", "linear", "linear", "attention"]
     assert not eng.shape.dense and eng.shape.layer_kinds == tuple(eng.layer_kinds)
     assert eng.projection_backend(1) == "layers" and eng.fused_kv_bytes(1) == 0
@@ -176,17 +176,17 @@ def test_a_hybrid_engine_has_no_fused_path():
 # --- the greedy decoder ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def llama():
-    return Engine(adapter_for(tiny_model("llama")))
+    return Runner(adapter_for(tiny_model("llama")))
 
 
-def free_run(engine, ids, n):
+def free_run(runner, ids, n):
     """n greedy tokens of each row, with no end-of-sequence token."""
-    return engine.generate(ids, n).tokens
+    return runner.generate(ids, n).tokens
 
 
-def decode(engine, ids, n, eos=None, stop=None):
-    pre = engine.prefill(ids, capacity=ids.shape[1] + n)
-    return engine.decode_greedy(pre.cache, pre.logits[:, -1].argmax(-1), n, eos, stop)
+def decode(runner, ids, n, eos=None, stop=None):
+    pre = runner.prefill(ids, capacity=ids.shape[1] + n)
+    return runner.decode_greedy(pre.cache, pre.logits[:, -1].argmax(-1), n, eos, stop)
 
 
 def test_decode_greedy_runs_to_max_new_tokens(llama):

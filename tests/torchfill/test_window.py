@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tiny_models import HYBRID_FAMILIES, random_ids, tiny_model
-from ridgefill.torchfill import DropFiller, Engine, FilledWindow, FillPlan, IdentityFiller, ModelShape, adapter_for
+from ridgefill.torchfill import DropFiller, Runner, FilledWindow, FillPlan, IdentityFiller, ModelShape, adapter_for
 from ridgefill.torchfill.window import block_size, parse_layers, window_blocks
 from ridgefill.errors import RidgefillError
 from ridgefill.evals.flops import prefill_flops
@@ -19,7 +19,7 @@ ROUTES = ["blocks", "masked_band"]
 
 @pytest.fixture(params=ROUTES)
 def window_route(request, monkeypatch):
-    """Every engine the test builds takes this window route."""
+    """Every runner the test builds takes this window route."""
     monkeypatch.setenv("RIDGEFILL_ROUTES", f"window={request.param}")
     return request.param
 
@@ -62,11 +62,11 @@ def test_windowed_forward_equals_transformers_layers_with_the_window_as_a_mask(d
     causal = window_mask(positions, torch.zeros(n, dtype=torch.bool), window)
     ref = hf_forward(dense_model, ids, lambda i: local if first <= i <= last else causal)
     ref = dense_model.lm_head(dense_model.model.norm(ref))
-    engine = Engine(adapter_for(dense_model))
-    assert engine.routes.window == window_route
-    out = engine.prefill(ids, logits_at="full", chunk=chunk, window=window)
+    runner = Runner(adapter_for(dense_model))
+    assert runner.routes.window == window_route
+    out = runner.prefill(ids, logits_at="full", chunk=chunk, window=window)
     assert (out.logits - ref).abs().max() <= TOL
-    plain = Engine(adapter_for(dense_model)).prefill(ids, logits_at="full")
+    plain = Runner(adapter_for(dense_model)).prefill(ids, logits_at="full")
     assert (plain.logits - ref).abs().max() > 1e-3  # the window changes the model: the test can fail
 
 
@@ -77,7 +77,7 @@ def test_a_windowed_fill_windows_its_filled_rows_below_the_split_only(dense_mode
     that way."""
     n, split, tail, keep = 70, 3, 9, (0, 30)
     ids = random_ids(n)
-    eng = Engine(adapter_for(dense_model))
+    eng = Runner(adapter_for(dense_model))
     window = FilledWindow(4, 0, 3, sinks=1)  # layers 0..3 asked: only 0..2 lie below the split
     plan = FillPlan(DropFiller(split, eng.n_layers), tail=tail, keep_rows=keep, window=window)
     full = plan.full_rows(n)
@@ -94,7 +94,7 @@ def test_a_windowed_fill_windows_its_filled_rows_below_the_split_only(dense_mode
 
 def test_a_window_changes_nothing_when_every_row_is_full(dense_model):
     ids = random_ids(40)
-    eng = Engine(adapter_for(dense_model))
+    eng = Runner(adapter_for(dense_model))
     plan = FillPlan(IdentityFiller(2, eng.n_layers), tail=40, window=FilledWindow(2, 0, 1))
     assert (eng.prefill(ids, fill=plan, logits_at="full").logits - eng.prefill(ids, logits_at="full").logits
             ).abs().max() <= TOL
@@ -105,7 +105,7 @@ def test_identity_fill_with_a_window_writes_the_windowed_split_state_into_layer_
     windowed forward without a fill has at those rows."""
     n, split = 60, 2
     ids = random_ids(n)
-    eng = Engine(adapter_for(dense_model))
+    eng = Runner(adapter_for(dense_model))
     window = FilledWindow(6, 0, split - 1, sinks=1)
     plan = FillPlan(IdentityFiller(split, eng.n_layers), tail=5, window=window)
     filled = eng.prefill(ids, fill=plan, chunk=17).cache[split]
@@ -120,7 +120,7 @@ def test_identity_fill_with_a_window_writes_the_windowed_split_state_into_layer_
 def test_hybrid_windowed_fill_is_chunk_invariant(family, window_route):
     """Hybrids window their attention layers below the split; the linear layers' state passes every row as before."""
     model = tiny_model(family)
-    eng = Engine(adapter_for(model))
+    eng = Runner(adapter_for(model))
     plan = FillPlan(IdentityFiller(4, eng.n_layers), tail=6, window=FilledWindow(3, 0, 3))
     ids = random_ids(50)
     whole = eng.prefill(ids, fill=plan, logits_at="full", chunk=4096)

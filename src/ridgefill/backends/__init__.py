@@ -1,5 +1,5 @@
 """The engines that run a fill, behind one seam (backends/base.py): name -> (the module holding its Backend class as
-BACKEND, imported only when that engine is asked for, so `--help` and the own engine never import another engine's
+BACKEND, imported only when that engine is asked for, so `--help` and torchfill never import another engine's
 code; what --engine's help says of it). Adding an engine: its module, one line here, its row in docs."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import importlib
 
 from ridgefill.errors import RidgefillError
 
-DEFAULT_ENGINE = "ridgefill"  # the engine a command runs without --engine (and those without the option)
+DEFAULT_ENGINE = "torchfill"  # the engine a command runs without --engine (and those without the option)
 
 ENGINES = {
-    DEFAULT_ENGINE: ("ridgefill.backends.own", "its own engine"),
+    "torchfill": ("ridgefill.backends.torchfill", "ridgefill's own torch engine"),
     "vllm": ("ridgefill.backends.vllm.backend", "vLLM: stock vLLM for exact, ridgefill's vLLM plugin for fills; needs "
              "the vllm extra"),
     "llamacpp": ("ridgefill.backends.llamacpp.backend", "llama.cpp with ridgefill's patch on the GGUF file of --model; "

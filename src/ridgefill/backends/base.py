@@ -4,9 +4,10 @@
 
 A command never asks which engine runs: it asks the backend's capabilities. An option a backend cannot serve is
 refused in one line naming the backend and the option (`check_engine_options`, from the flags), before anything
-loads. A backend is built from the command's config (`open`): it reads the model as much as it needs (the own
-engine loads it; an engine in another process reads only its identity and tokenizer) and exposes it as `model`
-(tokenizer, shape, context_length, n_layers, model_info, fingerprint: what plans and prompts need). `use`
+loads. A backend is built from the command's config (`open`): it reads the model as much as it needs (torchfill
+loads it; an engine in another process reads only its identity and tokenizer) and exposes it as `model`, a
+runtime/session.ModelFacts (tokenizer, shape, context_length, model_info, fingerprint: what plans and prompts
+need). `use`
 gets the variants to run side by side (name -> FillSettings, None for exact; and their torchfill.FillPlan, which
 says which rows are filled: the one rule every engine follows), `start` readies them; every later call names a
 variant.
@@ -25,7 +26,6 @@ from ridgefill.torchfill.fill_plan import FillTally
 from ridgefill.errors import RidgefillError
 
 REFERENCE = "transformers"  # the timed name of transformers' own forward, beside exact (caps.reference_forward)
-Tally = FillTally  # the one tally: rows filled, and rows run in full instead (outliers, unwhole lookback windows)
 
 
 @dataclass(frozen=True)
@@ -39,10 +39,9 @@ class Capabilities:
     key_scale: bool = False  # maps with a key-scale correction (ridgefill key-scale)
     logprobs: bool = False  # next-token log-probs of chosen prompt rows (loss)
     batching: bool = False  # several prompts per call, batched by the engine
-    projection: bool = False  # ridgefill's own fill projection (--projection) and its timed share
+    projection: bool = False  # torchfill's fused fill projection (--projection) and its timed share
     reference_forward: bool = False  # bench-ttft also times transformers' forward beside exact
     first_token_latency: bool = False  # the engine reports its own first-token latency per request
-    caches: bool = False  # its K/V caches are ridgefill's to read, copy and splice (splice, longbench)
     serving: bool = False  # an OpenAI-compatible server with RidgeFill (serve, bench-serve: Backend's serving methods)
     devices: tuple[str, ...] = ("cpu", "cuda")
     dtypes: tuple[str, ...] = ("fp32", "bf16", "fp16")
@@ -69,7 +68,7 @@ class Backend:
     module exposes its class as BACKEND and is named in backends/__init__.ENGINES."""
 
     name: ClassVar[str]
-    title: ClassVar[str] = ""  # how results printed to stderr name it ("vLLM"; "" for ridgefill's own engine)
+    title: ClassVar[str] = ""  # how results printed to stderr name it ("vLLM"; "" for torchfill)
     caps: ClassVar[Capabilities]
     guard: ClassVar = None  # caps.serving: how its server's requests carry what the request guard checks
     # (backends/serving.GuardDialect)
@@ -191,8 +190,9 @@ class Backend:
         ids [B, N] (torch tensors) by variant `name` (caps.logprobs)."""
         raise NotImplementedError
 
-    def tally(self, name: str) -> Tally:
-        """What variant `name` filled since `start`."""
+    def tally(self, name: str) -> FillTally:
+        """What variant `name` filled since `start`: rows filled, and rows run in full instead (outliers, lookback
+        windows not whole)."""
         raise NotImplementedError
 
     def describe(self) -> dict:
@@ -200,7 +200,7 @@ class Backend:
         return {}
 
     def device_info(self) -> dict:
-        """Where it ran: device, dtype (and the routes the own engine took)."""
+        """Where it ran: device, dtype (and the routes torchfill took)."""
         raise NotImplementedError
 
     def fused_kv_bytes(self, split: int) -> int:
@@ -221,8 +221,9 @@ class Backend:
         return "", ""
 
     def store_scope(self) -> dict:
-        """What the exact store's scope adds for this engine (exact results of other engines differ)."""
-        return {"engine": self.name}
+        """What the exact store's scope adds for this engine beyond its provenance (which names the engine and its
+        build: exact results of other engines differ), e.g. the file it runs."""
+        return {}
 
     @property
     def chunk(self) -> int:
@@ -284,7 +285,7 @@ class EngineOptions(Config):
     capabilities the command cannot run without (e.g. loss: logprobs)."""
 
     engine: str = option(DEFAULT_ENGINE, engine_help())
-    threads: int = option(0, "CPU threads the engine runs on (0: its default): torch's for ridgefill's own engine, "
+    threads: int = option(0, "CPU threads the engine runs on (0: its default): torch's for torchfill, "
                           "the cores vLLM's threads are bound to, llama.cpp's threads (0: all cores).")
     needs: ClassVar[tuple[str, ...]] = ()
 

@@ -5,7 +5,7 @@ A timed run is the whole path from prompt token ids to the first generated token
 (maps applied, caches written) and the greedy choice of the first token (`--engine` picks the engine: each
 backend's `first_token`, backends/). Per length, every variant runs `warmup` untimed times, then `repeats` timed
 runs interleaved run by run, the order rotating each round (backends/base.time_first_tokens, the one loop for every
-engine). With ridgefill's own engine (backends/own.py) transformers' own forward (model(ids, use_cache=True),
+engine). With torchfill (backends/torchfill.py) transformers' own forward (model(ids, use_cache=True),
 logits of the last row only) runs on the same prompt in the same rounds, on CUDA each run is synchronised before
 the clock stops, and one more run of each fill variant, on an engine whose fill projection is timed (a
 Stopwatch), gives the projection's share of a filled prefill. vLLM's runs: backends/vllm/backend.py.
@@ -106,12 +106,12 @@ def run(config: BenchConfig) -> dict:
     load_before = _load_1m()
     m = start("bench-ttft", c, c.names(), record=c.record(), projection=c.projection)
     if serving is not None:
-        serving.check_model(m.session.fingerprint, c.serving_config)
+        serving.check_model(m.model.fingerprint, c.serving_config)
     _check_model(m, c.sizes()[-1])
-    prompts = _prompts(m.session, c.data, c.sizes(), c.seed)
+    prompts = _prompts(m.model, c.data, c.sizes(), c.seed)
     longest = max(ids.shape[1] for ids, _ in prompts.values())
     with m.backend.start(longest + 8):
-        results, intervals = _bench_lengths(m, prompts, m.session.shape)
+        results, intervals = _bench_lengths(m, prompts, m.model.shape)
         memory = _map_memory(m)
         for entry in results:
             entry["map_bytes"] = memory["map_bytes"]
@@ -123,7 +123,7 @@ def run(config: BenchConfig) -> dict:
 
 def _check_model(m: Measurement, longest: int) -> None:
     """What needs the model: the longest prompt fits its context."""
-    limit = m.session.context_length
+    limit = m.model.context_length
     check_length("--lengths", longest, limit, f"use lengths up to {limit}")
 
 
@@ -152,16 +152,16 @@ def _bench_lengths(m: Measurement, prompts: dict, shape: ModelShape | None) -> t
     return results, intervals
 
 
-def _prompts(session, data: str, sizes: list[int], seed: int) -> dict[int, tuple[torch.Tensor, str]]:
-    """Per length: token ids [1, N] and where they come from (`session`: the backend's model). Real text: one passage from within an evaluation
-    document, else consecutive evaluation documents; random ids (seeded) if the corpus is too short or
-    `data` is 'random'."""
-    tok = session.tokenizer
+def _prompts(model, data: str, sizes: list[int], seed: int) -> dict[int, tuple[torch.Tensor, str]]:
+    """Per length: token ids [1, N] and where they come from (`model`: the backend's). Real text: one passage from
+    within an evaluation document, else consecutive evaluation documents; random ids (seeded) if the corpus is too
+    short or `data` is 'random'."""
+    tok = model.tokenizer
     corpus = None if data == "random" else load_corpus(data)
     if corpus is not None and not corpus.documents:
         raise RidgefillError(f"--data {data} holds no text: give prompt text, or --data random for random ids")
     docs = [] if corpus is None else documents_for(corpus, "evaluation")
-    vocab = session.shape.vocab
+    vocab = model.shape.vocab
     out = {}
     for length in sizes:
         found = passages(tok, docs, length, 1) if docs else []

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from ridgefill import __version__
 from ridgefill.backends import DEFAULT_ENGINE, backend_class
-from ridgefill.backends.base import Backend, check_needs
+from ridgefill.backends.base import Backend
 from ridgefill.commands import REQUIRED, option
 from ridgefill.torchfill import FillPlan
 from ridgefill.errors import RidgefillError
@@ -26,7 +26,7 @@ from ridgefill.evals.exact_store import ExactStore
 from ridgefill.method.fill import FROM_MAPS, FillOptions, variant_fills, variant_plans
 from ridgefill.runtime.console import note, progress_bar
 from ridgefill.runtime.paths import check_output, write_json
-from ridgefill.runtime.session import ModelConfig, Session
+from ridgefill.runtime.session import ModelConfig, ModelFacts
 
 
 # --- options ------------------------------------------------------------------------------------------------
@@ -84,8 +84,8 @@ class Measurement:
     writer: "ResultWriter"
 
     @property
-    def session(self) -> Session:
-        """The model as the backend holds it (tokenizer, shape, context; the own engine's Session)."""
+    def model(self) -> ModelFacts:
+        """The model as the backend holds it (tokenizer, shape, context, identity)."""
         return self.backend.model
 
     @property
@@ -137,25 +137,22 @@ class Measurement:
         extra = {"computed_by": self.backend.provenance(), "engine": engine_record(self.backend),
                  "fill_rows": self.fill_rows(), "filled_window": self.filled_window(), **extra}
         info = maps_info(self.config.maps, self.maps_meta)
-        return self.writer.write(self.config.out, self.session.model_info, info,
+        return self.writer.write(self.config.out, self.model.model_info, info,
                                  list(self.plans) if variants is None else variants, results, intervals, **extra)
 
 
 def start(command: str, config: MeasureConfig, variants: Sequence[str], record: dict | None = None,
-          projection: str = "auto", needs: tuple[str, ...] = ()) -> Measurement:
-    """Start the clock, open the engine (--engine, ridgefill's own where the command has none) and its model,
-    build the plans of `variants` at the config's split and tail. The command starts the backend (`with
-    m.backend.start(longest):`), knowing how long its prompts are.
-    record: the `config` of the result document (default: every option as given); needs: the capabilities the
-    command cannot run without (an engine that lacks one is refused before it opens)."""
+          projection: str = "auto", engine: str | None = None) -> Measurement:
+    """Start the clock, open the engine (`engine`, else --engine, else the default engine for a command without the
+    option) and its model, build the plans of `variants` at the config's split and tail. The command starts the
+    backend (`with m.backend.start(longest):`), knowing how long its prompts are.
+    record: the `config` of the result document (default: every option as given)."""
     writer = ResultWriter(command, config.as_dict() if record is None else record, config.seed)
-    cls = backend_class(getattr(config, "engine", DEFAULT_ENGINE))
-    check_needs(cls, needs)
-    backend = cls(config, projection)
-    session = backend.model
+    backend = backend_class(engine or getattr(config, "engine", DEFAULT_ENGINE))(config, projection)
+    model = backend.model
     fills = variant_fills(config, variants)
-    plans, meta = variant_plans(session, config, variants)
-    store = ExactStore(getattr(config, "exact_cache", None), session.model_info, config.dtype, config.device,
+    plans, meta = variant_plans(model, config, variants)
+    store = ExactStore(getattr(config, "exact_cache", None), model.model_info, config.dtype, config.device,
                        config.chunk, backend.store_scope(), backend.provenance())
     return Measurement(config, backend.use(fills, plans), fills, plans, meta, store, writer)
 

@@ -38,17 +38,18 @@ STORED = re.compile(rf"(?P<kind>[A-Za-z0-9][A-Za-z0-9_-]*)-[0-9a-f]{{{KEY_DIGITS
 
 class ExactStore:
     def __init__(self, folder: str | Path | None, model_info: dict, dtype: str, device: str, chunk: int,
-                 engine: dict | None = None, computed_by: dict | None = None) -> None:
-        """engine: what the scope adds for an engine other than ridgefill's own (backends: store_scope);
-        computed_by: the provenance of the engine that computes the results (Backend.provenance; default: ridgefill's
-        own engine's)."""
+                 engine_scope: dict | None = None, computed_by: dict | None = None) -> None:
+        """engine_scope: what the scope adds for the engine beyond its provenance (Backend.store_scope);
+        computed_by: the provenance of the engine that computes the results (Backend.provenance, which names the
+        engine; default: the default engine's)."""
         if computed_by is None:
             from ridgefill.backends import DEFAULT_ENGINE, backend_class
 
             computed_by = backend_class(DEFAULT_ENGINE).provenance()
         self.folder = Path(folder) if folder is not None else None
         self.scope = {"weights": model_info.get("weights_hash"), "model": model_info.get("id"), "dtype": dtype,
-                      "device": device, "chunk": chunk, "versions": result_versions(computed_by), **(engine or {})}
+                      "device": device, "chunk": chunk, "versions": result_versions(computed_by),
+                      **(engine_scope or {})}
         self.hits = self.misses = 0
 
     def get(self, kind: str, sample: dict, compute: Callable[[], Any]) -> Any:

@@ -6,8 +6,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ridgefill.backends.base import EngineOptions, Tally
+from ridgefill.backends.base import EngineOptions
 from ridgefill.commands import Command, option
+from ridgefill.torchfill.fill_plan import FillTally
 from ridgefill.torchfill.rows import check_keep_first
 from ridgefill.errors import RidgefillError
 from ridgefill.evals.common import ResultWriter, engine_record, maps_info
@@ -63,42 +64,41 @@ def run(c: GenerateConfig) -> dict:
     tail, exact, max_new_tokens, compare = c.tail, c.exact, c.max_new_tokens, c.compare
     prompt = c.prompt if c.prompt_file is None else read_text(c.prompt_file, "--prompt-file")
     backend = c.open_backend()
-    session = backend.model
-    ids = session.tokenizer(prompt, return_tensors="pt", add_special_tokens=True)["input_ids"]
+    model = backend.model
+    ids = model.tokenizer(prompt, return_tensors="pt", add_special_tokens=True)["input_ids"]
     if ids.shape[1] == 0:
         raise RidgefillError("the prompt is empty after tokenization")
-    limit = session.context_length
+    limit = model.context_length
     if limit and not exact:  # before any row of the fill is planned
         check_keep_first(c.keep_first, limit, within=" (this model's context)")
     if limit and ids.shape[1] + max_new_tokens > limit:
         raise RidgefillError(f"prompt ({ids.shape[1]} tokens) plus {max_new_tokens} new tokens exceed the model's "
                              f"context of {limit}: shorten the prompt")
     if tuned is not None:
-        tuned.check_model(session.fingerprint, c.serving_config)
+        tuned.check_model(model.fingerprint, c.serving_config)
     fills, plans, maps_meta = {}, {}, None
     if exact or compare:
         fills["exact"] = plans["exact"] = None
     if not exact:
         fills["filled"] = c.fill()
-        plans["filled"], maps_meta = fills["filled"].plan(session, keep_rows(c, session.tokenizer, prompt,
-                                                                              ids.shape[1]))
+        plans["filled"], maps_meta = fills["filled"].plan(model, keep_rows(c, model.tokenizer, prompt, ids.shape[1]))
         if tail >= ids.shape[1]:
             note(f"note: tail {tail} >= prompt length {ids.shape[1]}: every row runs the full model (exact)")
         elif c.keep_first + tail >= ids.shape[1]:
             note(f"note: keep-first {c.keep_first} and tail {tail} cover the {ids.shape[1]}-token prompt: every row "
                  "runs the full model (exact)")
-    eos = session.tokenizer.eos_token_id
+    eos = model.tokenizer.eos_token_id
     prompt_ids = ids[0].tolist()
     runs = {}
     with backend.use(fills, plans).start(len(prompt_ids) + max_new_tokens):
         for name in fills:
             done = backend.generate(name, prompt_ids, max_new_tokens, eos)
             runs[name] = Run(done.tokens, done.ttft_s, backend.tally(name))
-    texts = {k: session.tokenizer.decode(r.tokens, skip_special_tokens=True) for k, r in runs.items()}
+    texts = {k: model.tokenizer.decode(r.tokens, skip_special_tokens=True) for k, r in runs.items()}
     if c.out is not None:
         results = {k: {"text": texts[k], "tokens": r.tokens, "ttft_s": r.ttft_s, "prompt_tokens": ids.shape[1],
                        **r.tally.to_dict()} for k, r in runs.items()}
-        writer.write(c.out, session.model_info, maps_info(c.maps if not exact else None, maps_meta), list(runs),
+        writer.write(c.out, model.model_info, maps_info(c.maps if not exact else None, maps_meta), list(runs),
                      results, {}, computed_by=backend.provenance(), engine=engine_record(backend))
     where = f" ({backend.title})" if backend.title else ""
     if compare:
@@ -120,7 +120,7 @@ class Run:
 
     tokens: list[int]
     ttft_s: float
-    tally: Tally
+    tally: FillTally
 
     def summary(self, n: int) -> str:
         t = self.tally

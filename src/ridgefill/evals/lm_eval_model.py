@@ -9,7 +9,7 @@ after that import:
     ridgefill lm-eval --model ridgefill --model_args pretrained=M --tasks T          # exact prefill
 
 model_args: pretrained (a --model spec: alias, folder or Hub id), fill (exact | identity | ridge; default ridge
-with maps, else exact), dtype (auto: bf16 on a GPU that supports it, else fp32), chunk (engine.DEFAULT_CHUNK),
+with maps, else exact), dtype (auto: bf16 on a GPU that supports it, else fp32), chunk (defaults.DEFAULT_CHUNK),
 max_gen_toks (256), and the fill's options by their names (method/fill_fields.OPTIONS: maps, split, tail,
 keep_first, outlier_factor, filled_window, filled_window_layers, with their defaults). Every request's context is
 prefilled with the plan; the scored continuation and every generated token run the full model. Contexts that share
@@ -53,7 +53,7 @@ class RidgefillLM(TemplateLM):
         self.session = open_session(str(pretrained), dtype, device, chunk)
         self.plan, self.maps_meta = (None, None) if settings is None else settings.plan(self.session)
         self.fill = fill
-        self.engine = self.session.engine
+        self.runner = self.session.runner
         self.tokenizer = self.session.tokenizer
         self.max_gen_toks = max_gen_toks
         self._device = torch.device(device)
@@ -97,7 +97,7 @@ class RidgefillLM(TemplateLM):
             for context, members in groups.items():
                 continuations = [requests[i][2] for i in members]
                 context = self._fit_context(list(context), max(len(c) for c in continuations))
-                for i, score in zip(members, continuation_scores(self.engine, context, continuations, self.plan)):
+                for i, score in zip(members, continuation_scores(self.runner, context, continuations, self.plan)):
                     answers[i] = score
                     self.cache_hook.add_partial("loglikelihood", requests[i][0], score)
                     advance()
@@ -139,14 +139,14 @@ class RidgefillLM(TemplateLM):
     def _greedy_until(self, ids: list[int], until: list[str], max_new: int) -> str:
         """Greedy decoding after the filled prefill, stopping at the end-of-text token, at the first stop
         sequence (the text is cut before it) or after `max_new` tokens."""
-        pre = self.engine.prefill(torch.tensor([ids]), fill=self.plan, capacity=len(ids) + max_new)
+        pre = self.runner.prefill(torch.tensor([ids]), fill=self.plan, capacity=len(ids) + max_new)
         eot = self.eot_token_id
 
         def stopped(tokens: list[int]) -> bool:
             text = self.tokenizer.decode(tokens, skip_special_tokens=True)
             return any(stop in text for stop in until)
 
-        (tokens,) = self.engine.decode_greedy(pre.cache, pre.logits[:, -1].argmax(-1), max_new, eot,
+        (tokens,) = self.runner.decode_greedy(pre.cache, pre.logits[:, -1].argmax(-1), max_new, eot,
                                               stopped if until else None)
         if eot is not None and tokens[-1] == eot:
             tokens = tokens[:-1]  # the end-of-text token is not text

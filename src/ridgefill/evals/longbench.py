@@ -8,6 +8,7 @@ at the end survives. Two ways to answer:
 - generate: greedy decoding after the prefill, then `The correct answer is (X)` (or `... is X`) is extracted;
 - loglik: the prompt ends with the answer lead "The correct answer is (" and the four letters' log-likelihoods
   are compared; the prompt is prefilled once and every option is scored on a clone of its cache.
+It runs on torchfill alone (no --engine): option scoring continues torchfill's runner's caches.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from pathlib import Path
 
 import torch
 
+from ridgefill.backends.torchfill import TorchfillBackend
 from ridgefill.commands import REQUIRED, Command, option
-from ridgefill.torchfill import Engine, FillPlan
+from ridgefill.torchfill import Runner, FillPlan
 from ridgefill.errors import RidgefillError
 from ridgefill.evals.common import MeasureConfig, exact_cache_option, start, variants_option
 from ridgefill.evals.scoring import continuation_scores
@@ -178,14 +180,14 @@ def extract_answer(response: str) -> str | None:
 
 
 # --- scoring ---------------------------------------------------------------------------------------------
-def answer_question(engine: Engine, tokenizer, ids: list[int], plan: FillPlan | None, mode: str,
+def answer_question(runner: Runner, tokenizer, ids: list[int], plan: FillPlan | None, mode: str,
                     options: list[list[int]] | None, max_new_tokens: int) -> dict:
     """One variant's answer to one prompt: the predicted letter and what it came from."""
     if mode == "loglik":
-        logprobs = [s for s, _ in continuation_scores(engine, ids, options, plan)]
+        logprobs = [s for s, _ in continuation_scores(runner, ids, options, plan)]
         best = max(range(len(LETTERS)), key=lambda i: logprobs[i])
         return {"prediction": LETTERS[best], "option_logprobs": logprobs}
-    run = engine.generate(torch.tensor([ids]), max_new_tokens, plan, tokenizer.eos_token_id)
+    run = runner.generate(torch.tensor([ids]), max_new_tokens, plan, tokenizer.eos_token_id)
     response = tokenizer.decode(run.tokens[0], skip_special_tokens=True)
     return {"prediction": extract_answer(response), "response": response}
 
@@ -272,11 +274,11 @@ def run(c: LongBenchConfig) -> dict:
     names = parse_variants(c.variants, c.maps)
     questions = load_questions(str(c.data))[:c.limit]
     record = {**c.as_dict(), "variants": names, "questions": len(questions)}
-    m = start("longbench", c, names, record, needs=("caches",))  # option scoring continues the own engine's caches
-    tokenizer = m.session.tokenizer
+    m = start("longbench", c, names, record, engine=TorchfillBackend.name)
+    tokenizer = m.model.tokenizer
     options = option_ids(tokenizer) if c.mode == "loglik" else None
     budget = max(len(o) for o in options) if options else c.max_new_tokens
-    max_len = _checked_max_len(c.max_len, budget, m.session.context_length)
+    max_len = _checked_max_len(c.max_len, budget, m.model.context_length)
     chat = bool(c.chat_template and getattr(tokenizer, "chat_template", None))
     record.update(max_len=max_len, chat_template_used=chat, split=m.split)
     if c.tail >= max_len:
@@ -285,7 +287,7 @@ def run(c: LongBenchConfig) -> dict:
     answers = m.answers(prompts, f"LongBench v2 ({c.mode})", "longbench-answer",
                         lambda ids: {"ids": ids, "mode": c.mode, "options": options,
                                      "max_new_tokens": c.max_new_tokens},
-                        lambda ids, name: answer_question(m.backend.engine, tokenizer, ids, m.plans[name], c.mode,
+                        lambda ids, name: answer_question(m.backend.runner, tokenizer, ids, m.plans[name], c.mode,
                                                           options, c.max_new_tokens))
     record["prompt_tokens"] = {"mean": sum(map(len, prompts)) / len(prompts), "max": max(map(len, prompts))}
     results = {name: summarize(questions, answers[name], answers.get("exact")) for name in m.plans}

@@ -56,8 +56,8 @@ def run(config: LossConfig) -> dict:
     (by passage), so a sweep's other splits reuse them."""
     c = config
     m = start("loss", c, parse_variants(c.variants, c.maps))
-    check_length("--context", c.context, m.session.context_length)
-    texts = evaluation_passages(m.session.tokenizer, c.data, c.context, c.samples, c.skip)
+    check_length("--context", c.context, m.model.context_length)
+    texts = evaluation_passages(m.model.tokenizer, c.data, c.context, c.samples, c.skip)
     scored = min(c.tail, c.context)  # a tail beyond the passage runs every row in full
     sums = {name: {"tail": [], "distant": []} for name in m.plans}
     counts = []

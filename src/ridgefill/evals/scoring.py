@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ridgefill.torchfill import Cache, Engine, FillPlan
+from ridgefill.torchfill import Cache, Runner, FillPlan
 
 
 def tail_nll(backend, variant: str, ids: torch.Tensor, tail: int) -> torch.Tensor:
@@ -18,12 +18,12 @@ def tail_nll(backend, variant: str, ids: torch.Tensor, tail: int) -> torch.Tenso
     return backend.nll(variant, ids, list(range(n - tail, n - 1)), ids[:, n - tail + 1 :])
 
 
-def continuation_nll(engine: Engine, cache: Cache, ids: torch.Tensor) -> torch.Tensor:
+def continuation_nll(runner: Runner, cache: Cache, ids: torch.Tensor) -> torch.Tensor:
     """Per-token NLL [B, n-1] of ids[:, 1:] when the rows `ids` [B, n] run the full model after `cache`
     (which they extend: pass a clone to keep it). With `cache` a prefix prefill of rows 0..N-n-1 this scores
-    the same tokens as `tail_nll(engine, whole, n, ...)`."""
+    the same tokens as `tail_nll(runner, whole, n, ...)`."""
     n = ids.shape[1]
-    logits = engine.prefill(ids, cache=cache, logits_at=range(n - 1)).logits  # [B, n-1, V]
+    logits = runner.prefill(ids, cache=cache, logits_at=range(n - 1)).logits  # [B, n-1, V]
     targets = ids[:, 1:].to(logits.device)
     return F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none")
 
@@ -73,13 +73,13 @@ def distant_tokens(full_nll: torch.Tensor, short_nll: torch.Tensor, alpha: float
     return (short_nll - full_nll > alpha) & (full_nll < beta)
 
 
-def continuation_scores(engine: Engine, context: list[int], continuations: list[list[int]],
+def continuation_scores(runner: Runner, context: list[int], continuations: list[list[int]],
                         plan: FillPlan | None = None) -> list[tuple[float, bool]]:
     """(log-likelihood, greedy) of each continuation after one shared prefill of `context` (exact if `plan` is
     None). Continuation rows run the full model on a clone of the context's cache, so the context is prefilled
     once however many continuations there are; `greedy` says whether greedy decoding would produce it."""
     longest = max((len(c) for c in continuations), default=0)
-    pre = engine.prefill(torch.tensor([context]), fill=plan, capacity=len(context) + longest)
+    pre = runner.prefill(torch.tensor([context]), fill=plan, capacity=len(context) + longest)
     first = pre.logits[0, -1:].float().log_softmax(-1)  # [1, V]: predicts each continuation's first token
     scores = []
     for i, cont in enumerate(continuations):
@@ -90,7 +90,7 @@ def continuation_scores(engine: Engine, context: list[int], continuations: list[
         if len(cont) > 1:
             last_use = i == len(continuations) - 1
             cache = pre.cache if last_use else pre.cache.clone()
-            rest = engine.prefill(torch.tensor([cont[:-1]]), cache=cache, logits_at="full").logits[0]  # [k-1, V]
+            rest = runner.prefill(torch.tensor([cont[:-1]]), cache=cache, logits_at="full").logits[0]  # [k-1, V]
             logprobs = torch.cat([first, rest.float().log_softmax(-1)])  # [k, V]
         target = torch.tensor(cont, device=logprobs.device)
         total = logprobs.gather(1, target.unsqueeze(1)).sum()

@@ -18,6 +18,8 @@ scored teacher-forced on the whole tail and on the distant-context tokens of `ri
 exact model), and optionally on needle retrieval from the filled region (RULER prompts, greedy decoding).
 For each splice: the share of the fill's gap to exact that it closes, (fill − spliced) / (fill − exact), with
 paired bootstrap intervals over passages (NLL) or needle prompts (retrieval).
+
+It runs on torchfill alone (no --engine): it reads, copies and splices the caches of torchfill's runner.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ridgefill.backends.torchfill import TorchfillBackend
 from ridgefill.commands import Command, option
-from ridgefill.torchfill import Cache, Engine, FillPlan
+from ridgefill.torchfill import Cache, Runner, FillPlan
 from ridgefill.errors import RidgefillError
 from ridgefill.evals.common import start
 from ridgefill.evals.decode import greedy_after_cache
@@ -100,31 +103,32 @@ class SpliceConfig(PassageConfig):
 def run(c: SpliceConfig) -> dict:
     """Prefill each passage's prefix exactly and filled, score the tail on the filled cache and on each splice."""
     fill = c.fill_used
-    m = start("splice", c, ("exact", fill), needs=("caches",))  # an engine whose caches it can splice
-    check_length("--context", c.context, m.session.context_length)
+    m = start("splice", c, ("exact", fill), engine=TorchfillBackend.name)
+    check_length("--context", c.context, m.model.context_length)
     plan = m.plans[fill]
-    engine = m.backend.engine  # the own engine's (caps.caches)
-    has_state = set(engine.layer_kinds) != {"attention"}
+    runner = m.backend.runner
+    has_state = set(runner.layer_kinds) != {"attention"}
     swaps = parse_swaps(c.swap) if c.swap is not None else \
         parse_swaps(ATTENTION_SWAPS + ("," + STATE_SWAPS if has_state else ""))
     if not has_state and any("state" in s for s in swaps):
         raise RidgefillError("--swap state needs a model with recurrent-state (linear-attention) layers; this "
                              "model has attention layers only: drop state from --swap")
     ranges_asked = None if c.layers is None else parse_layer_ranges(c.layers)
-    ranges = layer_ranges(ranges_asked, c.by_quarter, plan.split, engine.n_layers)
+    ranges = layer_ranges(ranges_asked, c.by_quarter, plan.split, runner.n_layers)
     splices = [(parts, r) for r in ranges for parts in swaps]
     prompts = [] if c.needles == 0 else build_samples(
-        m.session.tokenizer, c.task, c.context, c.needles, c.seed, region="filled", tail=c.tail,
+        m.model.tokenizer, c.task, c.context, c.needles, c.seed, region="filled", tail=c.tail,
         keep_first=c.keep_first, max_new_tokens=c.max_new_tokens)
-    texts = evaluation_passages(m.session.tokenizer, c.data, c.context, c.samples, c.skip)
+    texts = evaluation_passages(m.model.tokenizer, c.data, c.context, c.samples, c.skip)
 
     nll, counts = _passage_nll(m.backend, texts, plan, fill, splices, c.short, c.stride, c.alpha, c.beta)
     answers = _retrieval(m.backend, prompts, plan, splices, fill) if prompts else None
 
     results, intervals = summarise(nll, counts, c.tail - 1, answers, fill, c.seed)
     spread = distant_spread(counts)
-    doc = m.write(results, intervals, list(results), fill=fill, split=plan.split, layer_ranges=[list(r) for r in ranges],
-                  swaps=[_components(p) for p in swaps], short_stride_used=c.stride, distant_spread=spread)
+    doc = m.write(results, intervals, list(results), fill=fill, split=plan.split,
+                  layer_ranges=[list(r) for r in ranges], swaps=[_components(p) for p in swaps],
+                  short_stride_used=c.stride, distant_spread=spread)
     print_tables(results, intervals, swaps, ranges, fill, f"{len(texts)} passages of {c.context} tokens, tail "
                  f"{c.tail}, {describe_spread(spread)}" + (f", {len(prompts)} needles" if prompts else ""))
     return doc
@@ -195,11 +199,11 @@ class PrefixPair:
     rows: torch.Tensor  # [P] bool: the prefix rows whose entries can differ (see `differing_rows`)
 
 
-def prefix_pair(engine: Engine, prefix: torch.Tensor, plan: FillPlan, capacity: int = 0) -> PrefixPair:
+def prefix_pair(runner: Runner, prefix: torch.Tensor, plan: FillPlan, capacity: int = 0) -> PrefixPair:
     """Prefill the prefix rows `prefix` [1, P] exactly and with `plan`'s filler and keep_rows."""
     prefix_plan = PrefixPlan(plan)
-    exact = engine.prefill(prefix, logits_at=[], capacity=capacity).cache
-    filled = engine.prefill(prefix, fill=prefix_plan, logits_at=[], capacity=capacity).cache
+    exact = runner.prefill(prefix, logits_at=[], capacity=capacity).cache
+    filled = runner.prefill(prefix, fill=prefix_plan, logits_at=[], capacity=capacity).cache
     return PrefixPair(exact, filled, differing_rows(prefix_plan.full_rows(prefix.shape[1])))
 
 
@@ -254,20 +258,20 @@ def _passage_nll(backend, texts: list[list[int]], plan: FillPlan, fill: str, spl
                  alpha: float, beta: float) -> tuple[dict, list[int]]:
     """Per passage: tail NLL sums of the exact, filled and spliced caches over all tail tokens and over the
     distant-context tokens (marked with the exact model), and the distant token count."""
-    engine = backend.engine
+    runner = backend.runner
     nll = {name: {"tail": [], "distant": []} for name in ["exact", fill] + [label(p, r) for p, r in splices]}
     counts = []
     with progress_bar(f"splicing {len(texts)} passages", len(texts) * (len(splices) + 2)) as advance:
         for passage in texts:
             ids = torch.tensor([passage])
             n, tail = ids.shape[1], plan.tail
-            pair = prefix_pair(engine, ids[:, : n - tail], plan, capacity=n)
+            pair = prefix_pair(runner, ids[:, : n - tail], plan, capacity=n)
             tail_ids = ids[:, n - tail :]
-            exact = continuation_nll(engine, pair.exact.clone(), tail_ids)[0].float().cpu()  # [tail-1]
+            exact = continuation_nll(runner, pair.exact.clone(), tail_ids)[0].float().cpu()  # [tail-1]
             key = distant_tokens(exact, short_context_nll(backend, ids, tail, short, stride, exact), alpha, beta)
             counts.append(int(key.sum()))
             for name, make in [("exact", None)] + candidates(pair, fill, splices):
-                scores = exact if make is None else continuation_nll(engine, make(), tail_ids)[0].float().cpu()
+                scores = exact if make is None else continuation_nll(runner, make(), tail_ids)[0].float().cpu()
                 nll[name]["tail"].append(float(scores.sum()))
                 nll[name]["distant"].append(float(scores[key].sum()))
                 advance()
@@ -277,14 +281,14 @@ def _passage_nll(backend, texts: list[list[int]], plan: FillPlan, fill: str, spl
 # --- needle retrieval ---------------------------------------------------------------------------------
 def _retrieval(backend, samples, plan: FillPlan, splices, fill: str) -> dict[str, list[float]]:
     """Score (0..100) of greedy answers to filled-region needle prompts from the exact, filled and spliced caches."""
-    engine, tokenizer = backend.engine, backend.model.tokenizer
+    runner, tokenizer = backend.runner, backend.model.tokenizer
     scores = {name: [] for name in ["exact", fill] + [label(p, r) for p, r in splices]}
     with progress_bar(f"retrieving {len(samples)} needles", len(samples) * len(scores)) as advance:
         for s in samples:
             ids = torch.tensor([s.input_ids])
-            pair = prefix_pair(engine, ids[:, : s.tail_start], plan, capacity=ids.shape[1] + s.max_new_tokens)
+            pair = prefix_pair(runner, ids[:, : s.tail_start], plan, capacity=ids.shape[1] + s.max_new_tokens)
             for name, make in [("exact", pair.exact.clone)] + candidates(pair, fill, splices):
-                tokens = greedy_after_cache(engine, make(), ids[:, s.tail_start :], s.max_new_tokens,
+                tokens = greedy_after_cache(runner, make(), ids[:, s.tail_start :], s.max_new_tokens,
                                             tokenizer.eos_token_id)
                 scores[name].append(score_prediction(s.task, tokenizer.decode(tokens, skip_special_tokens=True),
                                                      s.outputs))

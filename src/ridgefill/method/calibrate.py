@@ -24,7 +24,7 @@ import torch
 
 from ridgefill import __version__
 from ridgefill.commands import REQUIRED, Command, option
-from ridgefill.torchfill import Engine
+from ridgefill.torchfill import Runner
 from ridgefill.errors import RidgefillError
 from ridgefill.method.distributed import World, joined_world, relaunch
 from ridgefill.method.fill import check_window_values, resolve_window
@@ -81,7 +81,7 @@ def partial_refusal(partial: Path, resume: bool, restart: bool) -> str | None:
     return None
 
 
-def start_calibration(engine: Engine, splits: list[int], partial: Path, run_meta: dict, resume: bool = False,
+def start_calibration(runner: Runner, splits: list[int], partial: Path, run_meta: dict, resume: bool = False,
                       restart: bool = False, world: World = World(), normalized: bool = False,
                       lookback: int = 0) -> Calibration:
     """Zero statistics on the model's device, or on rank 0 with --resume the partial file's global sums, loaded
@@ -90,14 +90,14 @@ def start_calibration(engine: Engine, splits: list[int], partial: Path, run_meta
     cal, outcome = None, None
     if world.root:
         try:
-            cal = _resumed(partial, run_meta, resume, restart, splits, engine.device)
+            cal = _resumed(partial, run_meta, resume, restart, splits, runner.device)
             outcome = cal.sequences_done if cal is not None else 0
         except RidgefillError as exc:
             outcome = str(exc)
     outcome = world.from_root(outcome)
     if isinstance(outcome, str):
         raise RidgefillError(outcome if world.root else f"rank 0 cannot start: {outcome}")
-    cal = cal or Calibration.empty(splits, engine.n_layers, engine.shape.hidden, engine.device, normalized, lookback)
+    cal = cal or Calibration.empty(splits, runner.n_layers, runner.shape.hidden, runner.device, normalized, lookback)
     cal.sequences_done = outcome
     return cal
 
@@ -157,7 +157,7 @@ def _rounds(sequences: Iterable, size: int) -> Iterator[tuple[list, bool]]:
 
 
 # --- the pass -------------------------------------------------------------------------------------------------
-def run_calibration(engine: Engine, sequences: Iterable[list[int]], splits: list[int], out, meta: dict,
+def run_calibration(runner: Runner, sequences: Iterable[list[int]], splits: list[int], out, meta: dict,
                     holdout: float = 0.1, skip_first: int = 1, outlier_factor: float = OUTLIER_FACTOR,
                     checkpoint_every: int = 0, checkpoint_seconds: float = 0.0, resume: bool = False,
                     restart: bool = False, advance=lambda n=1: None, chunk: int | None = None,
@@ -170,11 +170,11 @@ def run_calibration(engine: Engine, sequences: Iterable[list[int]], splits: list
     the rows past the sinks attend locally below the split, as filled rows will (stored as `filled_window`)."""
     partial = partial_path(out)
     run_meta = {**meta, "artifact": "stats", "splits": sorted(splits), "holdout": holdout,
-                "skip_first": skip_first, "outlier_factor": outlier_factor, "n_layers": engine.n_layers,
-                "hidden_size": engine.shape.hidden, **({"normalized_targets": True} if normalized else {}),
+                "skip_first": skip_first, "outlier_factor": outlier_factor, "n_layers": runner.n_layers,
+                "hidden_size": runner.shape.hidden, **({"normalized_targets": True} if normalized else {}),
                 **({"lookback": lookback} if lookback else {}),
                 **({"filled_window": window.to_meta()} if window is not None else {})}
-    cal = start_calibration(engine, splits, partial, run_meta, resume, restart, world, normalized, lookback)
+    cal = start_calibration(runner, splits, partial, run_meta, resume, restart, world, normalized, lookback)
     done = cal.sequences_done
     if done:
         advance(done)
@@ -182,8 +182,8 @@ def run_calibration(engine: Engine, sequences: Iterable[list[int]], splits: list
     clock = Checkpoints(checkpoint_every, checkpoint_seconds, done)
     for block, last in _rounds(islice(sequences, done, None), world.size):
         if world.rank < len(block):
-            ids = torch.tensor([block[world.rank]], device=engine.device)  # [1, T]
-            accumulate(engine, cal, ids, part_of(done + world.rank, every), skip_first, outlier_factor, chunk, window)
+            ids = torch.tensor([block[world.rank]], device=runner.device)  # [1, T]
+            accumulate(runner, cal, ids, part_of(done + world.rank, every), skip_first, outlier_factor, chunk, window)
         done += len(block)
         advance(len(block))
         if not last and world.from_root(clock.due(done)):
@@ -264,7 +264,7 @@ def _calibrate(c: CalibrateConfig, world: World) -> dict:
     if refused:  # before the model loads
         raise RidgefillError(refused if world.root else f"rank 0 cannot start: {refused}")
     session = c.open()
-    n_layers = session.engine.n_layers
+    n_layers = session.runner.n_layers
     splits = parse_splits(c.split, n_layers)
     check_fittable(splits, n_layers)
     window = calibration_window(c.filled_window, c.filled_window_layers, splits, c.skip_first)
@@ -277,7 +277,7 @@ def _calibrate(c: CalibrateConfig, world: World) -> dict:
     bar = progress_bar(f"calibrating splits {','.join(map(str, splits))}", budget) if world.root else \
         nullcontext(lambda n=1: None)
     with bar as advance:
-        cal = run_calibration(session.engine, sequences, splits, c.out, meta, c.holdout, c.skip_first,
+        cal = run_calibration(session.runner, sequences, splits, c.out, meta, c.holdout, c.skip_first,
                               c.outlier_factor, c.checkpoint_every, c.checkpoint_seconds, c.resume, c.restart,
                               advance, world=world, normalized=c.normalized_targets, lookback=c.lookback,
                               window=window)

@@ -5,7 +5,7 @@ theirs), the maps file, the tail, the leading rows kept in full, the outlier rul
 the split (maps carry the one they were calibrated with). Each setting but the variant is one FillField
 (method/fill_fields.py: its default, check, help, environment variable and serving.json key); from them come
 
-- the engine's plan (`plan`: torchfill.FillPlan, with the maps loaded and checked against the model),
+- the plan (`plan`: torchfill.FillPlan, every engine's rows, with the maps loaded and checked against the model),
 - (the vLLM plugin's environment is vLLM's translation of it: backends/vllm/fill.py),
 - the fill part of a serving config (`to_serving`, `load_serving`: what `ridgefill tune` writes and `generate`,
   `bench-ttft` and `serve` read).
@@ -82,25 +82,26 @@ class FillSettings:
         if self.maps is not None and not isinstance(self.maps, Path):
             object.__setattr__(self, "maps", Path(self.maps))
 
-    # --- ridgefill's engine --------------------------------------------------------------------------------------
-    def plan(self, session, keep_rows=()) -> tuple["FillPlan", dict | None]:
-        """The engine's plan on `session`'s model (maps loaded and checked against it) and the maps' metadata (None
-        for identity fill). keep_rows: rows run in full besides the first keep_first and the tail."""
+    # --- the plan ----------------------------------------------------------------------------------------------
+    def plan(self, model, keep_rows=()) -> tuple["FillPlan", dict | None]:
+        """The plan on `model` (runtime/session.ModelFacts, or a loaded Session: maps loaded and checked against
+        it) and the maps' metadata (None for identity fill). keep_rows: rows run in full besides the first
+        keep_first and the tail."""
         from ridgefill.torchfill import DropFiller, FillPlan, IdentityFiller
         from ridgefill.method.maps import check_for_model, load_filler
         from ridgefill.runtime.artifacts import read_meta
         from ridgefill.runtime.paths import file_sha256
 
-        n_layers = session.shape.layers
+        n_layers = model.shape.layers
         rows = tuple(sorted(set(keep_rows)))  # the first keep_first rows are the plan's keep_first (never a list)
         meta, split = None, self.split
         if self.variant in FROM_MAPS:
-            filler, meta = load_filler(self.maps, session.model_info, self.split, session.dtype, session.device,
+            filler, meta = load_filler(self.maps, model.model_info, self.split, model.dtype, model.device,
                                        self.maps_sha256, mean=self.variant == "mean")
             split = meta["split"]
         elif self.maps is not None:  # identity or drop at the maps' split: their metadata is enough
             meta = {**read_meta(self.maps, "maps"), "sha256": file_sha256(self.maps)}
-            check_for_model(self.maps, meta, session.model_info, self.split)
+            check_for_model(self.maps, meta, model.model_info, self.split)
             split = meta["split"]
         if not 1 <= split <= n_layers:
             raise RidgefillError(f"split {split} is out of range: use 1..{n_layers} for this model")
@@ -167,15 +168,15 @@ def variant_fills(options, variants=VARIANTS) -> dict[str, "FillSettings | None"
             for v in variants}
 
 
-def variant_plans(session, options, variants=VARIANTS) -> tuple[dict, dict | None]:
-    """The plans of variant_fills on `session`'s model. Given maps, every variant runs at the maps' split (--split
-    is checked against it), also when ridge is not among them. Returns (plans, maps metadata)."""
+def variant_plans(model, options, variants=VARIANTS) -> tuple[dict, dict | None]:
+    """The plans of variant_fills on `model` (FillSettings.plan). Given maps, every variant runs at the maps' split
+    (--split is checked against it), also when ridge is not among them. Returns (plans, maps metadata)."""
     plans, meta = {}, None
     for v, fill in variant_fills(options, variants).items():
         if fill is None:
             plans[v] = None
             continue
-        plans[v], found = fill.plan(session)
+        plans[v], found = fill.plan(model)
         meta = found or meta
     return plans, meta
 

@@ -2,7 +2,7 @@
 key, serving.json key and lm-eval model argument), type, default, check, help and the vLLM plugin's environment
 variable. method/fill.py builds FillSettings, FillOptions, the plugin's environment and serving configs from FIELDS;
 lm-eval's model arguments (evals/lm_eval_model.py) and tune's options (pipeline/tune/options.py) take theirs from
-here too. The rules ridgefill's engine applies as well (tail, keep-first, outlier factor, window size) live in
+here too. The rules torchfill applies as well (tail, keep-first, outlier factor, window size) live in
 torchfill/ and are named here.
 """
 
@@ -37,7 +37,7 @@ def check_split(split) -> None:
 class FillField:
     """One fill setting, declared once. `name` is its FillSettings field, command-line option (--name with dashes),
     recipe key, serving.json key and lm-eval model argument; `kind` its type (`optional`: None allowed); `default`;
-    `check(value)` raises the one-line error for a bad value (torchfill/ holds the rules ridgefill's engine applies
+    `check(value)` raises the one-line error for a bad value (torchfill/ holds the rules torchfill applies
     too); `help` the option's help (None: no option); `env` the vLLM plugin's environment variable; `served`
     whether serving.json must have it ("required"; "optional": older configs may lack it and get the default;
     None: not a top-level key); `extra`: more of commands.option's keywords, as (key, value) pairs."""

@@ -11,7 +11,7 @@ one filled, as in a long prompt), and for each layer l > S and KV head h sums ov
 the least-squares scalar from filled key norms to exact ones (RoPE is a rotation, so the norms are the same
 before and after it). Only sums are kept; nothing is trained. The output is the same maps file with a
 `key_scale` tensor [L-S, Hkv] (1 for layer S, whose keys are exact, and for non-attention layers), which the
-engine applies to every filled key (torchfill/projection.py). It works for identity fill's maps file too.
+runner applies to every filled key (torchfill/projection.py). It works for identity fill's maps file too.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 
 from ridgefill import __version__
 from ridgefill.commands import REQUIRED, Command, option
-from ridgefill.torchfill import Engine, FillPlan
+from ridgefill.torchfill import Runner, FillPlan
 from ridgefill.errors import RidgefillError
 from ridgefill.method.calibrate import calibration_sequences
 from ridgefill.method.maps import filler_of
@@ -91,14 +91,14 @@ class KeyNormSums:
         return sse.sum(1) / self.exact.sum(1)
 
 
-def key_norm_sums(engine: Engine, plan: FillPlan, ids: torch.Tensor, sums: KeyNormSums) -> None:
+def key_norm_sums(runner: Runner, plan: FillPlan, ids: torch.Tensor, sums: KeyNormSums) -> None:
     """Prefill `ids` [1, T] exactly and with `plan` (outlier rule off, so every row it fills is filled) and add
     the key norms of the filled rows of every late attention layer to `sums`."""
-    exact = engine.prefill(ids, logits_at=[]).cache
-    filled = engine.prefill(ids, fill=plan, logits_at=[]).cache
-    rows = (~plan.full_rows(ids.shape[1])).to(engine.device)  # [T] bool
-    split, kinds = plan.split, engine.layer_kinds
-    for layer in range(split + 1, engine.n_layers):
+    exact = runner.prefill(ids, logits_at=[]).cache
+    filled = runner.prefill(ids, fill=plan, logits_at=[]).cache
+    rows = (~plan.full_rows(ids.shape[1])).to(runner.device)  # [T] bool
+    split, kinds = plan.split, runner.layer_kinds
+    for layer in range(split + 1, runner.n_layers):
         if kinds[layer] == "attention":
             sums.add(layer - split, exact[layer].keys[:, :, rows], filled[layer].keys[:, :, rows])
     sums.rows += int(rows.sum()) * ids.shape[0]
@@ -110,25 +110,25 @@ def run(c: KeyScaleConfig) -> dict:
     scale was measured on (their sha256 is recorded as `maps_sha256`)."""
     check_device(c.device, c.dtype)
     session = c.open()
-    engine = session.engine
+    runner = session.runner
     # Read once, into private memory: the maps measured are the maps written (pinned by their sha256), whatever
     # happens to the file during the pass (a refit).
     tensors, stored, digest = load_private(c.maps, "maps")
-    filler, meta = filler_of(c.maps, tensors, {**stored, "sha256": digest}, session.loaded.info(), dtype=engine.dtype,
-                             device=engine.device)
-    if meta["n_layers"] != engine.n_layers:
-        raise RidgefillError(f"{c.maps} holds maps for {meta['n_layers']} layers, the model has {engine.n_layers}: "
+    filler, meta = filler_of(c.maps, tensors, {**stored, "sha256": digest}, session.loaded.info(), dtype=runner.dtype,
+                             device=runner.device)
+    if meta["n_layers"] != runner.n_layers:
+        raise RidgefillError(f"{c.maps} holds maps for {meta['n_layers']} layers, the model has {runner.n_layers}: "
                              "fit maps for this model")
     filler.key_scale = None  # the pass measures the maps as fitted, without any earlier correction
     _, _, sequences = calibration_sequences(session, c.data, c.seq_len, c.tokens)
     budget = sequence_budget(c.tokens, c.seq_len)
     plan = FillPlan(filler, tail=1, keep_rows=tuple(range(c.skip_first)))
     split = filler.split
-    sums = KeyNormSums.empty(engine.n_layers - split, engine.shape.kv_heads, engine.device)
+    sums = KeyNormSums.empty(runner.n_layers - split, runner.shape.kv_heads, runner.device)
     done = 0
     with progress_bar(f"key scale, split {split}", budget) as advance:
         for seq in sequences:
-            key_norm_sums(engine, plan, torch.tensor([seq], device=engine.device), sums)
+            key_norm_sums(runner, plan, torch.tensor([seq], device=runner.device), sums)
             done += 1
             advance()
     scale = sums.scale()  # [L-S, Hkv], on the model's device
@@ -139,7 +139,7 @@ def run(c: KeyScaleConfig) -> dict:
     save_artifact(c.out, {**tensors, "key_scale": scale.float()}, {**stored, "key_scale": info},
                   fix=f"the maps {c.maps} fill keys the scale cannot reach in fp32: refit them (a larger --lam), then "
                   "rerun key-scale")
-    attention = [i for i in range(1, len(scale)) if engine.layer_kinds[split + i] == "attention"]
+    attention = [i for i in range(1, len(scale)) if runner.layer_kinds[split + i] == "attention"]
     rows = [[split + i, float(scale[i].min()), float(scale[i].median()), float(scale[i].max()), float(before[i]),
              float(after[i])] for i in attention]
     table(f"key scale per layer (over {scale.shape[1]} KV heads), {sums.rows} filled rows → {c.out}",

@@ -5,7 +5,7 @@ For split S and each late layer l = S+1..L-1 it accumulates XᵀX, XᵀY_l, ΣX,
 count (layer S needs no map: its input is X itself). With `normalized`, also the same sums of the per-row
 normalised targets Y_l / rms(Y_l) (every row rescaled to rms 1: the late layer normalises its input, so only
 the direction of a prediction matters); `fit --targets normalized` fits to them. Memory does not grow with the
-token count: beside the sums it holds one engine chunk's inputs of the late layers (see below). Held-out
+token count: beside the sums it holds one chunk's inputs of the late layers (see below). Held-out
 sequences accumulate the same statistics separately, in two parts: `val` (fit chooses λ on it) and `test`
 (fit reports its error on it). The statistics live on the model's device; they go to the CPU only to be saved.
 
@@ -17,7 +17,7 @@ Rows kept out of the regression (and counted): the first `skip_first` rows of ea
 sinks; with lookback K, the K rows after them too), rows with a NaN or an infinity in the split state x or in
 any late layer's input y_l (fp16 overflow; with lookback K, also the K rows after each such row), and rows whose
 split-state norm exceeds `outlier_factor` times the SEQUENCE's median norm of the finite rows (with lookback K,
-also the K rows after each such row). When the engine runs a sequence in several chunks, that median is only known
+also the K rows after each such row). When the runner runs a sequence in several chunks, that median is only known
 after the last chunk, so `accumulate` then runs the sequence twice: a first pass that records only the split
 states' norms, and the accumulating pass (about twice the time; a sequence that fits one chunk, or
 `outlier_factor` 0, runs once). Whether a row's late inputs are finite is only known once the chunk's last layer
@@ -32,7 +32,7 @@ from typing import Callable
 
 import torch
 
-from ridgefill.torchfill import Engine
+from ridgefill.torchfill import Runner
 from ridgefill.torchfill.lookback import lookback_windows, window_states
 from ridgefill.errors import RidgefillError
 
@@ -227,8 +227,8 @@ def _split_rows(h: torch.Tensor, positions: torch.Tensor, skip_first: int):
 
 
 class _SplitNorms:
-    """Engine observer of a first pass: the norms of each split state's finite rows past the sinks, chunk by
-    chunk."""
+    """An observer (of Runner.prefill) of a first pass: the norms of each split state's finite rows past the sinks,
+    chunk by chunk."""
 
     def __init__(self, splits: list[int], skip_first: int):
         self.skip_first = skip_first
@@ -258,8 +258,8 @@ class _Kept:
 
 
 class _Collector:
-    """Engine observer: keeps each split's rows at the split layer and a copy of every later layer's input; when
-    the chunk's last layer has run, adds the kept rows whose late inputs are all finite (module docstring).
+    """An observer (of Runner.prefill): keeps each split's rows at the split layer and a copy of every later layer's
+    input; when the chunk's last layer has run, adds the kept rows whose late inputs are all finite (module docstring).
     medians: the per-sequence median split-state norm of each split, when a first pass found it; without it the
     median is taken over the rows seen at once (the whole sequence, when it runs in one chunk)."""
 
@@ -375,20 +375,20 @@ class _Collector:
         return kept.keep & rows[:, kept.index].any(-1).reshape(-1)
 
 
-def accumulate(engine: Engine, calibration: Calibration, ids: torch.Tensor, part: str,
+def accumulate(runner: Runner, calibration: Calibration, ids: torch.Tensor, part: str,
                skip_first: int = 1, outlier_factor: float = OUTLIER_FACTOR, chunk: int | None = None,
                window=None) -> None:
-    """Run one exact prefill of `ids` [B, T] in chunks of `chunk` rows (default: the engine's) and add its rows
+    """Run one exact prefill of `ids` [B, T] in chunks of `chunk` rows (default: the runner's) and add its rows
     to `calibration` (part 'train', 'val' or 'test'). When that takes several chunks and the outlier rule is on,
     a first pass finds each split state's median norm over the whole sequence (see the module docstring).
     window (torchfill.FilledWindow): the rows past its sinks attend locally in its layers, as filled rows will."""
-    chunk = chunk or engine.chunk
+    chunk = chunk or runner.chunk
     medians = None
     if outlier_factor > 0 and chunk < ids.shape[1]:
         norms = _SplitNorms(calibration.splits, skip_first)
-        engine.prefill(ids, observe=norms, logits_at=[], chunk=chunk, window=window)
+        runner.prefill(ids, observe=norms, logits_at=[], chunk=chunk, window=window)
         medians = norms.medians()
     collector = _Collector(calibration, part, skip_first, outlier_factor, medians)
-    engine.prefill(ids, observe=collector, logits_at=[], chunk=chunk, window=window)
+    runner.prefill(ids, observe=collector, logits_at=[], chunk=chunk, window=window)
     calibration.tokens_done += ids.numel()
     calibration.sequences_done += ids.shape[0]

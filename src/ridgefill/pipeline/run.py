@@ -4,7 +4,7 @@ run folder (recipe.toml, manifest.json, artifacts/, report.md, plots/).
 Cache: an artifact's file name carries a hash of its inputs (the checkpoint's hash, every keyed option of its command
 with its default filled in, data by content or revision, the key of the artifact it reads) and of what computes it
 (ridgefill's version and a hash of its source, the maps format, and the provenance of the engine that runs the step:
-torch and transformers for ridgefill's own, vLLM's version, the llama.cpp build); a task whose files exist is
+torch and transformers for torchfill, vLLM's version, the llama.cpp build); a task whose files exist is
 reused, so a pull that changes the code or a default, or an upgrade or another build, recomputes. Commands write
 atomically, so an existing file is a finished one; an interrupted calibration resumes from its checkpoint.
 """
@@ -200,7 +200,7 @@ def forget_forced(tasks: list[Task], run_dir: Path, force) -> None:
 # --- cache keys ---------------------------------------------------------------------------------------------
 def task_engine(task: Task) -> str:
     """The engine that runs a task: its step's --engine as the recipe sets it or as it defaults (generate,
-    bench-ttft, ruler, loss), else ridgefill's own (calibrate, fit and the rest run in this process on torch)."""
+    bench-ttft, ruler, loss), else torchfill (calibrate, fit and the rest run in this process on torch)."""
     engine = next((o for o in command(task.step).options.values() if o.name == "engine"), None)
     return task.kwargs.get("engine") or (engine.default if engine is not None else DEFAULT_ENGINE)
 

@@ -1,4 +1,4 @@
-"""What every command does first: load the model and build its engine, quietly."""
+"""What every command does first: load the model and build its torchfill runner, quietly."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ridgefill.commands import Config, option
-from ridgefill.torchfill import Engine, ModelShape, Stopwatch
+from ridgefill.torchfill import Runner, ModelShape, Stopwatch
 from ridgefill.torchfill.prefill import DEFAULT_CHUNK
 from ridgefill.errors import RidgefillError
 from ridgefill.runtime.device import DEVICE_HELP, DTYPE_HELP, check_device, resolve_device
@@ -38,7 +38,7 @@ class ModelConfig(Config):
         return None
 
     def open(self, projection: str = "auto") -> "Session":
-        """The model of these options, loaded, with its engine."""
+        """The model of these options, loaded, with its runner."""
         return open_session(self.model, self.dtype, self.device, self.chunk, projection)
 
 
@@ -54,7 +54,7 @@ def quiet_libraries() -> None:
 @dataclass
 class Session:
     loaded: LoadedModel
-    engine: Engine
+    runner: Runner
 
     @property
     def tokenizer(self):
@@ -68,30 +68,36 @@ class Session:
     @property
     def shape(self) -> ModelShape:
         """Layers, widths, heads, vocabulary and layer kinds of the model."""
-        return self.engine.shape
+        return self.runner.shape
 
     @property
     def context_length(self) -> int | None:
         """The model's context (max positions), None if it declares none."""
-        return self.engine.context_length
+        return self.runner.context_length
 
     # what plans read of the model, as ModelFacts has it: identity (id, weights hash, family and widths), the
     # weights' hash, and the torch dtype and device the model runs in (what maps are loaded as)
     model_info = property(lambda self: self.loaded.info())
     fingerprint = property(lambda self: self.loaded.fingerprint)
-    dtype = property(lambda self: self.engine.dtype)
-    device = property(lambda self: self.engine.device)
+    dtype = property(lambda self: self.runner.dtype)
+    device = property(lambda self: self.runner.device)
 
-    def timed_engine(self, timer: Stopwatch) -> Engine:
-        """A second engine over the same loaded model whose fill projection adds its wall time to `timer`."""
-        return self.engine.with_timer(timer)
+    def facts(self) -> "ModelFacts":
+        """What plans and prompts read of the model, as every engine's backend holds it (Backend.model)."""
+        return ModelFacts(self.tokenizer, self.shape, self.context_length, self.model_info, self.fingerprint,
+                          self.dtype, self.device)
+
+    def timed_runner(self, timer: Stopwatch) -> Runner:
+        """A second runner over the same loaded model whose fill projection adds its wall time to `timer`."""
+        return self.runner.with_timer(timer)
 
 
 @dataclass(frozen=True)
 class ModelFacts:
-    """What an engine in another process needs of the model here, read without its weights (runtime/models.
-    model_identity) plus its tokenizer: the attributes of Session that plans and prompts read. Maps are loaded on
-    the CPU in float32 (for the plan's rows and FLOPs; the engine loads its own)."""
+    """The model as plans and prompts read it: every backend's `model`. An engine in another process reads it
+    without the weights (model_facts: runtime/models.model_identity plus the tokenizer; maps are then loaded on the
+    CPU in float32, for the plan's rows and FLOPs, and the engine loads its own); torchfill takes it from the model
+    it loaded (Session.facts: its dtype and device)."""
 
     tokenizer: object
     shape: ModelShape
@@ -113,14 +119,14 @@ def model_facts(model: str) -> ModelFacts:
 
 def open_session(model: str, dtype: str = "fp32", device: str = "cpu", chunk: int = DEFAULT_CHUNK,
                  projection: str = "auto") -> Session:
-    """The model loaded (dtype and device may be auto) with its engine."""
+    """The model loaded (dtype and device may be auto) with its runner."""
     quiet_libraries()
     device, dtype = resolve_device(device, dtype)
     check_device(device, dtype)
     if chunk < 1:
         raise RidgefillError(f"--chunk must be at least 1, got {chunk}")
     loaded = load_model(model, dtype, device)
-    return Session(loaded, Engine(loaded.adapter, chunk=chunk, projection=projection))
+    return Session(loaded, Runner(loaded.adapter, chunk=chunk, projection=projection))
 
 
 def check_length(flag: str, length: int, limit: int | None, fix: str = "lower it") -> None:

@@ -68,11 +68,13 @@ class GenerationResult:
     prefill: PrefillResult = field(repr=False, default=None)
 
 
-class Engine:
-    """Runs a model through its adapter. `chunk` bounds how many prompt rows run at once; `projection` is the
-    filled rows' K/V projection backend (torchfill/projection.py: auto, torch, layers); `timer` (a
-    Stopwatch) gets the wall time of that projection added to it (None: not timed). `routes` (torchfill/routes.py):
-    the route each piece takes on this device, chosen once here (RIDGEFILL_ROUTES overrides some)."""
+class Runner:
+    """Runs a model's exact and filled prefill and its decode steps, through the model's adapter (torchfill, the
+    engine `--engine torchfill` names, is this class behind backends/torchfill.py). `chunk` bounds how many prompt
+    rows run at once; `projection` is the filled rows' K/V projection backend (torchfill/projection.py: auto, torch,
+    layers); `timer` (a Stopwatch) gets the wall time of that projection added to it (None: not timed). `routes`
+    (torchfill/routes.py): the route each piece takes on this device, chosen once here (RIDGEFILL_ROUTES overrides
+    some)."""
 
     def __init__(self, adapter: Adapter, chunk: int = DEFAULT_CHUNK, projection: str = "auto",
                  timer: Stopwatch | None = None) -> None:
@@ -83,8 +85,8 @@ class Engine:
         adapter.use_routes(self.routes)
         self.projection = FillProjection(adapter, self.routes.projection, timer)  # the filled rows' fused K/V
 
-    def with_timer(self, timer: Stopwatch | None) -> "Engine":
-        """An engine over the same model, chunk and projection backend (sharing the stacked K/V weights already
+    def with_timer(self, timer: Stopwatch | None) -> "Runner":
+        """A runner over the same model, chunk and projection backend (sharing the stacked K/V weights already
         built) whose fill projection adds its wall time to `timer`."""
         other = copy.copy(self)
         other.projection = self.projection.with_timer(timer)

@@ -98,7 +98,7 @@ class FilledRows:
 
 
 class FillProjection:
-    """Owned by an Engine: the stacked K/V weights of each split it has filled at (built once), and the fused
+    """Owned by a Runner: the stacked K/V weights of each split it has filled at (built once), and the fused
     projection of a chunk's filled rows. backend: auto or torch (the fused torch path; torchfill/routes.py resolves
     auto), or layers (no fused K/V: every layer takes the per-layer route, the reference). timer: a Stopwatch
     that the wall time spent here is added to (None: not timed)."""

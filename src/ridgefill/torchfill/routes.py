@@ -1,4 +1,4 @@
-"""The one place that chooses, per device, dtype and head shape, the route each piece of a prefill takes. An Engine
+"""The one place that chooses, per device, dtype and head shape, the route each piece of a prefill takes. A Runner
 builds its `Routes` once (`Routes.for_model`); prefill, its chunk rows, the fill projection and the delta rule read
 it, and `describe()` is what results record.
 

@@ -1,6 +1,6 @@
 """Which prompt rows run the full model, and the one rule of each number that says so: the tail (tail_ok,
 check_tail), the leading rows kept in full (keep_first_ok, check_keep_first) and the outlier factor
-(check_outlier_factor), and the one outlier rule (outliers). Ridgefill's engine, the fill settings (method/fill_fields.py), RULER's placement and the vLLM
+(check_outlier_factor), and the one outlier rule (outliers). Torchfill, the fill settings (method/fill_fields.py), RULER's placement and the vLLM
 plugin's request options all check with these.
 """
 
@@ -49,7 +49,7 @@ def check_outlier_factor(factor, name: str = "--outlier-factor") -> float:
 
 
 def outliers(norms: torch.Tensor, groups: torch.Tensor, filled: torch.Tensor, factor: float) -> torch.Tensor:
-    """The one outlier rule of ridgefill's engine and the vLLM plugin: [N] bool, True for filled rows whose
+    """The one outlier rule of torchfill and the vLLM plugin: [N] bool, True for filled rows whose
     split-state norm exceeds `factor` times the median norm (torch's lower median) of the filled rows of their
     group. norms [N]; groups [N] the group of each row (a prompt of the engine's batch, a request of a vLLM step);
     filled [N] bool, only those rows are judged or counted in a median; factor 0: no outliers."""
@@ -70,7 +70,7 @@ def keep_first_ok(keep_first, limit: int | None = None) -> bool:
 
 
 def check_keep_first(keep_first, limit: int = MAX_ROWS, name: str = "--keep-first", within: str = "") -> int:
-    """The one keep-first rule of ridgefill's engine, `generate` and the vLLM plugin, checked before any work: a
+    """The one keep-first rule of torchfill, `generate` and the vLLM plugin, checked before any work: a
     count of leading rows that run in full, an integer in 0..limit (`limit`: the most rows a prompt can have, e.g.
     the model's context, named by `within`); anything else is refused with one line (RidgefillError). A value
     inside the limit but past a prompt runs that whole prompt in full (exact), as a tail past the prompt does:

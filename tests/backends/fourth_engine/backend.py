@@ -1,11 +1,12 @@
 """A fourth engine behind the seam, as a new engine would come: a Backend subclass in its own folder, named in
-backends.ENGINES. It runs ridgefill's own engine inside (in this process, on the CPU), through the seam's methods
+backends.ENGINES. It runs torchfill inside (in this process, on the CPU), through the seam's methods
 only, and reports its own first-token latency (as vLLM does) and its own settings (as every engine may)."""
 
 from __future__ import annotations
 
-from ridgefill.backends.base import Backend, Capabilities, Generation, Tally, Timed
-from ridgefill.backends.own import OwnBackend
+from ridgefill.backends.base import Backend, Capabilities, Generation, Timed
+from ridgefill.backends.torchfill import TorchfillBackend
+from ridgefill.torchfill.fill_plan import FillTally
 
 
 class FourthBackend(Backend):
@@ -16,7 +17,7 @@ class FourthBackend(Backend):
 
     def __init__(self, config, projection: str = "auto") -> None:
         super().__init__(config, projection)
-        self.inner = OwnBackend(config, projection)
+        self.inner = TorchfillBackend(config, projection)
         self.model = self.inner.model
         self.started = 0
 
@@ -43,11 +44,11 @@ class FourthBackend(Backend):
     def nll(self, name: str, ids, rows: list[int], targets):
         return self.inner.nll(name, ids, rows, targets)
 
-    def tally(self, name: str) -> Tally:
+    def tally(self, name: str) -> FillTally:
         return self.inner.tally(name)
 
     def describe(self) -> dict:
-        return {name: {"runs": "ridgefill's own engine", "max_len": self.started, "fill": plan is not None}
+        return {name: {"runs": "torchfill", "max_len": self.started, "fill": plan is not None}
                 for name, plan in self.plans.items()}
 
     def device_info(self) -> dict:

@@ -1,5 +1,5 @@
 """`--engine llamacpp` as a user runs it: generate, bench-ttft and loss on GGUF files the tests write (--model a
-.gguf path, converted once for its identity and tokenizer), against the own engine on the same file, and the
+.gguf path, converted once for its identity and tokenizer), against torchfill on the same file, and the
 command-level refusals (whole messages)."""
 
 from __future__ import annotations
@@ -60,11 +60,11 @@ def test_bench_ttft(tiny_ggufs, tmp_path):
 
 
 def test_loss_agrees_with_the_own_engine(tiny_ggufs, long_docs, tmp_path):
-    """loss --engine llamacpp (the tail's next-token NLL from llama.cpp's logits) equals the own engine's on the same
+    """loss --engine llamacpp (the tail's next-token NLL from llama.cpp's logits) equals torchfill's on the same
     GGUF (its conversion) within llama.cpp's rounding, exact and filled."""
     _, path = tiny_ggufs["qwen3"]
     docs = {}
-    for engine in ("llamacpp", "ridgefill"):
+    for engine in ("llamacpp", "torchfill"):
         out = tmp_path / f"{engine}.json"
         r = run(["loss", "--engine", engine, "--model", str(path), "--split", "3", "--tail", "16", "--data",
                  str(long_docs), "--context", "96", "--short", "24", "--samples", "2", "--alpha", "0", "--beta",

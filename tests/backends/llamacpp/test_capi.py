@@ -160,7 +160,7 @@ def test_rows_llama_cpp_did_not_fill_are_refused(tiny_ggufs, monkeypatch):
             with pytest.raises(RidgefillError) as err:
                 lc.prefill(ids(), full=full_rows(), outlier_factor=factor)
             assert str(err.value) == ("llama.cpp filled 0 of the 31 rows its plan fills at positions 1..31: its qwen2 "
-                                      "graph does not run ridgefill's fill; use --engine ridgefill for this model")
+                                      "graph does not run ridgefill's fill; use --engine torchfill for this model")
 
 
 class NoNorms:

@@ -1,5 +1,5 @@
 """The fill inside llama.cpp (driver.py + ridgefill.patch) against llama.cpp's own full runs and ridgefill's own
-engine: exactness when nothing is filled, the filled cache equal to the fill, the families, and the driver's
+runner: exactness when nothing is filled, the filled cache equal to the fill, the families, and the driver's
 refusals."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 
 import tiny_gguf
 from ridgefill.backends.llamacpp.driver import LlamaCpp, Maps, maps_of
-from ridgefill.torchfill import Engine, IdentityFiller, MapFiller, MeanFiller, adapter_for
+from ridgefill.torchfill import Runner, IdentityFiller, MapFiller, MeanFiller, adapter_for
 from ridgefill.torchfill.fill_plan import FillPlan
 
 MISSING = tiny_gguf.missing_build()
@@ -34,14 +34,14 @@ def open_tiny(path, **kw):
 
 
 def llama_k(k: np.ndarray, family: str, heads: int, n: int) -> torch.Tensor:
-    """llama.cpp's K rows [n, Hkv·D] as the own engine holds them [Hkv, n, D] (Llama's rows unpermuted)."""
+    """llama.cpp's K rows [n, Hkv·D] as torchfill holds them [Hkv, n, D] (Llama's rows unpermuted)."""
     if family == "llama":
         k = tiny_gguf.unpermute_rows(k, heads)
     return torch.from_numpy(np.ascontiguousarray(k)).view(n, heads, -1).transpose(0, 1)
 
 
 def cache_gap(lc, cache, family, heads, layers):
-    """Largest |llama.cpp − own engine| over K and V of each layer: [layers]."""
+    """Largest |llama.cpp − torchfill| over K and V of each layer: [layers]."""
     _, ks, vs = lc.kv_rows()
     n = ks[0].shape[0]
     return [max((llama_k(ks[l], family, heads, n) - cache.layers[l].keys[0]).abs().max().item(),
@@ -50,7 +50,7 @@ def cache_gap(lc, cache, family, heads, layers):
 
 
 def bounds(exact_gaps, floor=1e-6):
-    """Per layer, the bound of a filled cache's gap to the own engine: twice that layer's gap on exact rows (the F16
+    """Per layer, the bound of a filled cache's gap to torchfill: twice that layer's gap on exact rows (the F16
     cache and llama.cpp's matmul), with a floor for layers that agree to the last bit."""
     return [2 * g + floor for g in exact_gaps]
 
@@ -120,15 +120,15 @@ def fillers(split, layers, hidden):
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("kind", ["identity", "maps", "low_rank", "mean", "key_scale"])
 def test_filled_cache_is_the_fill(tiny_ggufs, family, kind):
-    """The K/V llama.cpp writes for filled rows equal the own engine's filled K/V (the same maps, positions and
+    """The K/V llama.cpp writes for filled rows equal torchfill's filled K/V (the same maps, positions and
     weights) within the gap llama.cpp already has on exact rows (its F16 cache, its matmul); a wrong map does not."""
     model, path = tiny_ggufs[family]
     cfg = model.config
     layers, hidden, heads = cfg.num_hidden_layers, cfg.hidden_size, cfg.num_key_value_heads
-    engine = Engine(adapter_for(model))
+    runner = Runner(adapter_for(model))
     prompt = ids()
     with open_tiny(path) as lc, torch.no_grad():
-        exact = engine.prefill(torch.tensor([prompt]))
+        exact = runner.prefill(torch.tensor([prompt]))
         lc.prefill(prompt)
         bound = bounds(cache_gap(lc, exact.cache, family, heads, layers))
 
@@ -148,7 +148,7 @@ def test_filled_cache_is_the_fill(tiny_ggufs, family, kind):
             low = (0.1 * torch.randn(m, hidden, 4, generator=g), 0.1 * torch.randn(m, 4, hidden, generator=g))
             filler = MapFiller(SPLIT, layers, None, b, low)
         plan = FillPlan(filler, tail=TAIL, keep_first=1)
-        want = engine.prefill(torch.tensor([prompt]), fill=plan)
+        want = runner.prefill(torch.tensor([prompt]), fill=plan)
         assert want.n_filled == N - TAIL - 1
         lc.set_maps(maps_of(filler))
         got = lc.prefill(prompt, full=full_rows(N, TAIL))
@@ -172,13 +172,13 @@ def test_filled_cache_without_flash_attention(tiny_ggufs, family):
     model, path = tiny_ggufs[family]
     cfg = model.config
     layers, hidden, heads = cfg.num_hidden_layers, cfg.hidden_size, cfg.num_key_value_heads
-    engine = Engine(adapter_for(model))
+    runner = Runner(adapter_for(model))
     prompt = ids()
     filler = MapFiller(SPLIT, layers, *random_maps(SPLIT, layers, hidden))
     with open_tiny(path, flash_attn=False) as lc, torch.no_grad():
         lc.prefill(prompt)
-        bound = bounds(cache_gap(lc, engine.prefill(torch.tensor([prompt])).cache, family, heads, layers))
-        want = engine.prefill(torch.tensor([prompt]), fill=FillPlan(filler, tail=TAIL, keep_first=1))
+        bound = bounds(cache_gap(lc, runner.prefill(torch.tensor([prompt])).cache, family, heads, layers))
+        want = runner.prefill(torch.tensor([prompt]), fill=FillPlan(filler, tail=TAIL, keep_first=1))
         lc.set_maps(maps_of(filler))
         assert lc.prefill(prompt, full=full_rows(N, TAIL)).filled == want.n_filled
         gaps = cache_gap(lc, want.cache, family, heads, layers)
@@ -187,18 +187,18 @@ def test_filled_cache_without_flash_attention(tiny_ggufs, family):
 
 def test_filled_cache_with_llama3_rope_scaling(tmp_path):
     """A Llama-3 GGUF carries its rope scaling as `rope_freqs` (frequency divisors): the filled rows' keys are
-    rotated with them, as the own engine's llama3 rope does (exact rows first, to show the file is right)."""
+    rotated with them, as torchfill's llama3 rope does (exact rows first, to show the file is right)."""
     model, path = tiny_gguf.build("llama", tmp_path / "tiny-llama3.gguf", rope=tiny_gguf.LLAMA3_ROPE)
     cfg = model.config
     layers, hidden, heads = cfg.num_hidden_layers, cfg.hidden_size, cfg.num_key_value_heads
-    engine = Engine(adapter_for(model))
+    runner = Runner(adapter_for(model))
     prompt = ids(100)  # past original_max_position_embeddings (64), where the scaling matters
     filler = MapFiller(SPLIT, layers, *random_maps(SPLIT, layers, hidden))
     with open_tiny(path) as lc, torch.no_grad():
         lc.prefill(prompt)
-        exact_gaps = cache_gap(lc, engine.prefill(torch.tensor([prompt])).cache, "llama", heads, layers)
+        exact_gaps = cache_gap(lc, runner.prefill(torch.tensor([prompt])).cache, "llama", heads, layers)
         assert max(exact_gaps) < 1e-2, exact_gaps
-        want = engine.prefill(torch.tensor([prompt]), fill=FillPlan(filler, tail=TAIL, keep_first=1))
+        want = runner.prefill(torch.tensor([prompt]), fill=FillPlan(filler, tail=TAIL, keep_first=1))
         lc.set_maps(maps_of(filler))
         assert lc.prefill(prompt, full=full_rows(100, TAIL)).filled == want.n_filled == 100 - TAIL - 1
         gaps = cache_gap(lc, want.cache, "llama", heads, layers)
@@ -234,18 +234,18 @@ def test_new_maps_between_filled_prefills(tiny_ggufs):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_filled_logits_follow_the_fill(tiny_ggufs, family):
     """The tail's logits after a filled prefill (the tail attends to the filled rows' cache in every late layer)
-    are the own engine's within the exact rows' gap; also with ubatches smaller than a run and the runs split
+    are torchfill's within the exact rows' gap; also with ubatches smaller than a run and the runs split
     over several llama_decode calls."""
     model, path = tiny_ggufs[family]
-    engine = Engine(adapter_for(model))
+    runner = Runner(adapter_for(model))
     prompt = ids()
     rows = list(range(N - TAIL, N))
     layers, hidden = model.config.num_hidden_layers, model.config.hidden_size
     w, b = random_maps(SPLIT, layers, hidden)
     filler = MapFiller(SPLIT, layers, w, b)
     with torch.no_grad():
-        exact = engine.prefill(torch.tensor([prompt]), logits_at=rows).logits[0]
-        want = engine.prefill(torch.tensor([prompt]), fill=FillPlan(filler, tail=TAIL, keep_first=1),
+        exact = runner.prefill(torch.tensor([prompt]), logits_at=rows).logits[0]
+        want = runner.prefill(torch.tensor([prompt]), fill=FillPlan(filler, tail=TAIL, keep_first=1),
                               logits_at=rows).logits[0]
     for n_batch, n_ubatch in ((64, 16), (7, 3)):
         with open_tiny(path, n_batch=n_batch, n_ubatch=n_ubatch) as lc:
@@ -257,12 +257,12 @@ def test_filled_logits_follow_the_fill(tiny_ggufs, family):
 
 
 def test_outliers_run_in_full(tiny_ggufs):
-    """A filled row whose split-state norm exceeds factor × its chunk's median runs in full, as in the own engine:
-    the same rows are promoted and the cache is the own engine's."""
+    """A filled row whose split-state norm exceeds factor × its chunk's median runs in full, as in torchfill:
+    the same rows are promoted and the cache is torchfill's."""
     model, path = tiny_ggufs["llama"]
     cfg = model.config
     layers, heads = cfg.num_hidden_layers, cfg.num_key_value_heads
-    engine = Engine(adapter_for(model), chunk=16)
+    runner = Runner(adapter_for(model), chunk=16)
     prompt = ids()
     filler = IdentityFiller(SPLIT, layers)
     with open_tiny(path) as lc, torch.no_grad():
@@ -272,18 +272,18 @@ def test_outliers_run_in_full(tiny_ggufs):
         first = torch.tensor([lc._norms[p] for p in range(1, 16)])
         factor = float((first.max() / first.median()) * 0.999)
         plan = FillPlan(filler, tail=TAIL, keep_first=1, outlier_factor=factor)
-        want = engine.prefill(torch.tensor([prompt]), fill=plan)
+        want = runner.prefill(torch.tensor([prompt]), fill=plan)
         got = lc.prefill(prompt, full=full_rows(N, TAIL), outlier_factor=factor, chunk=16)
         assert got.outliers == want.n_outliers >= 1 and got.filled == want.n_filled
         gaps = cache_gap(lc, want.cache, "llama", heads, layers)
         lc.prefill(prompt)
-        bound = bounds(cache_gap(lc, engine.prefill(torch.tensor([prompt])).cache, "llama", heads, layers))
+        bound = bounds(cache_gap(lc, runner.prefill(torch.tensor([prompt])).cache, "llama", heads, layers))
         assert within(gaps, bound), (gaps, bound)
 
 
 def test_embedded_filled_cache_within_the_quantized_gap():
-    """On the embedded Q4_1 GGUF against the own engine on its fp32 conversion: the gap llama.cpp's quantized
-    matmul makes on exact rows (measured here, every layer) bounds the gap of its filled rows to the own engine's
+    """On the embedded Q4_1 GGUF against torchfill on its fp32 conversion: the gap llama.cpp's quantized
+    matmul makes on exact rows (measured here, every layer) bounds the gap of its filled rows to torchfill's
     filled rows (identity fill, split 15 of 30); wrong maps (zero) exceed it."""
     from ridgefill.runtime.models import load_model
 
@@ -291,13 +291,13 @@ def test_embedded_filled_cache_within_the_quantized_gap():
     cfg = model.config
     layers, heads, n, split, tail = cfg.num_hidden_layers, cfg.num_key_value_heads, 64, 15, 16
     prompt = ids(n, seed=4, vocab=40000)
-    engine = Engine(adapter_for(model))
+    runner = Runner(adapter_for(model))
     full = full_rows(n, tail)
     filler = IdentityFiller(split, layers)
     with LlamaCpp(tiny_gguf.embedded_gguf(), n_ctx=256, threads=2) as lc, torch.no_grad():
         lc.prefill(prompt)
-        exact_gap = max(cache_gap(lc, engine.prefill(torch.tensor([prompt])).cache, "llama", heads, layers))
-        want = engine.prefill(torch.tensor([prompt]), fill=FillPlan(filler, tail=tail, keep_first=1)).cache
+        exact_gap = max(cache_gap(lc, runner.prefill(torch.tensor([prompt])).cache, "llama", heads, layers))
+        want = runner.prefill(torch.tensor([prompt]), fill=FillPlan(filler, tail=tail, keep_first=1)).cache
         lc.set_maps(maps_of(filler))
         assert lc.prefill(prompt, full=full).filled == n - tail - 1
         assert max(cache_gap(lc, want, "llama", heads, layers)) <= 1.5 * exact_gap

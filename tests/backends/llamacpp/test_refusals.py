@@ -84,7 +84,7 @@ def test_hybrid_and_other_families(tmp_path, arch):
     with pytest.raises(RidgefillError) as err:
         LlamaCpp(path, n_ctx=64, threads=1)
     assert str(err.value) == (f"{path} is a {arch} model: --engine llamacpp fills llama, qwen2, qwen3 models (not "
-                              "hybrid or recurrent ones); use --engine ridgefill")
+                              "hybrid or recurrent ones); use --engine torchfill")
 
 
 @needs_build

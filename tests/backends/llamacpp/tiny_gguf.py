@@ -1,7 +1,7 @@
 """Tiny GGUF files written by the tests themselves (the `gguf` package): a transformers model of the Llama, Qwen2
 or Qwen3 family with random weights, written as llama.cpp's converter writes it (F32 tensors; Llama's Q/K rows
 permuted for llama.cpp's RoPE; a byte-level BPE vocabulary of the model's size), so that llama.cpp and
-ridgefill's own engine run the same weights."""
+torchfill run the same weights."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""`generate --engine vllm` and `bench-ttft --engine vllm`: the same options and result documents as ridgefill's
-own engine, with stock vLLM as exact and the plugin for fills."""
+"""`generate --engine vllm` and `bench-ttft --engine vllm`: the same options and result documents as torchfill's,
+with stock vLLM as exact and the plugin for fills."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def test_generate_in_vllm_prints_only_the_text_on_stdout_and_equals_ridgefills_e
 
 def test_bench_ttft_in_vllm_takes_tunes_ridge_config_and_writes_the_same_document(vllm_tuned, vllm_tiny, tmp_path):
     """`bench-ttft --engine vllm --serving-config` with the ridge config tune wrote (its maps by path and sha256):
-    the document ridgefill's engine writes, and vLLM's first token equals ridgefill's engine's for both variants."""
+    the document torchfill writes, and vLLM's first token equals torchfill's for both variants."""
     from ridgefill.method.fill import load_serving
 
     folder, _ = vllm_tiny["llama"]
@@ -65,8 +65,8 @@ def test_bench_ttft_in_vllm_takes_tunes_ridge_config_and_writes_the_same_documen
         assert ridge["filled_rows"] == n - 33
         assert ridge["limit_speedup"] > 1 and ridge["speedup_interval"]["estimate"] == ridge["speedup"]
         ids = torch.randint(3, vocab, (1, n), generator=torch.Generator().manual_seed(n))  # bench's random prompt
-        for name, plan in plans.items():  # vLLM's first token is ridgefill's engine's, for every variant
-            want = int(session.engine.prefill(ids, plan).logits[0, -1].argmax())
+        for name, plan in plans.items():  # vLLM's first token is torchfill's, for every variant
+            want = int(session.runner.prefill(ids, plan).logits[0, -1].argmax())
             assert entry["first_token"][name] == want, (n, name)
     expected = runs * sum(e["length"] - 33 for e in doc["results"])
     assert doc["fill_rows"]["ridge"]["filled_rows"] + doc["fill_rows"]["ridge"]["outlier_rows_run_full"] == expected
@@ -77,18 +77,22 @@ def test_bench_ttft_in_vllm_takes_tunes_ridge_config_and_writes_the_same_documen
 
 
 def test_bench_ttft_refuses_timings_of_a_fill_that_filled_nothing():
-    from ridgefill.backends.vllm.backend import check_filled
+    from ridgefill.backends.base import check_filled
+    from ridgefill.backends.vllm.backend import unfilled_detail
+
+    def check(tally: dict, planned: int) -> None:  # as VllmBackend.check_filled reads the plugin's counters
+        check_filled("vLLM", "ridge", tally["filled_rows"], planned, *unfilled_detail(tally))
 
     tally = {"filled_rows": 0, "full_prompt_rows": 600, "stock_steps": 3}
     with pytest.raises(RidgefillError, match="ridge filled none of the 525 prompt rows it should have filled in vLLM "
                                              r"\(600 ran in full, 3 steps ran stock\)"):
-        check_filled("ridge", tally, 525)
-    check_filled("ridge", tally, 0)  # nothing to fill (tail over the prompts): nothing to refuse
-    check_filled("ridge", {**tally, "filled_rows": 1}, 525)
+        check(tally, 525)
+    check(tally, 0)  # nothing to fill (tail over the prompts): nothing to refuse
+    check({**tally, "filled_rows": 1}, 525)
 
 
 @pytest.mark.parametrize("options, message", [
-    ({"engine": "sglang"}, "unknown --engine 'sglang': use one of ridgefill, vllm, llamacpp"),
+    ({"engine": "sglang"}, "unknown --engine 'sglang': use one of torchfill, vllm, llamacpp"),
     ({"engine": "vllm", "keep_rows": "3-5"}, "--keep-rows is not supported with --engine vllm: drop it"),
     ({"engine": "vllm", "keep_text": "the"}, "--keep-text is not supported with --engine vllm: drop it"),
     ({"engine": "vllm", "filled_window": 32}, "--filled-window is not supported with --engine vllm: drop it"),
@@ -114,12 +118,12 @@ def test_measurements_refuse_what_vllm_lacks(name, options, message, tmp_path):
     assert str(err.value) == message
 
 
-LOGPROB_TOL = 1e-3  # nats: the agreement of vLLM's first-token log-probs with ridgefill's engine (test_vllm_plugin)
+LOGPROB_TOL = 1e-3  # nats: the agreement of vLLM's first-token log-probs with torchfill (test_vllm_plugin)
 
 
 def test_loss_in_vllm_equals_ridgefills_engine(vllm_tiny, tmp_path):
     """`loss --engine vllm` (exact: stock vLLM's prompt log-probs; ridge: the plugin, a request per tail row) scores
-    every passage's tail as ridgefill's own engine does, per passage within the log-prob agreement of the plugin
+    every passage's tail as torchfill does, per passage within the log-prob agreement of the plugin
     tests, and marks the same distant-context tokens; what vLLM filled is the plan's rows."""
     folder, maps = vllm_tiny["llama"]
     options = dict(model=str(folder), maps=maps, data=str(folder.parent / "corpus.txt"), context=320, tail=48,

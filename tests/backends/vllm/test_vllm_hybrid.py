@@ -1,6 +1,6 @@
 """RidgeFill inside vLLM on a hybrid model (Qwen3-Next: Gated DeltaNet layers between gated full-attention
 layers, MoE MLPs), in bf16, the only dtype of vLLM's CPU Gated DeltaNet kernel. A tiny random-init checkpoint
-(vllm_fixtures.vllm_hybrid) against stock vLLM and against ridgefill's own engine in bf16.
+(vllm_fixtures.vllm_hybrid) against stock vLLM and against torchfill in bf16.
 
 The tolerances are bf16's, measured (issue 39, 2026-12-04). What the two fill is the same: after the prompt, vLLM's
 conv and recurrent states (read from its GDN caches) and the engine's in bf16 are as far from the engine's fp32
@@ -89,7 +89,7 @@ def agree(got, tokens, n: int) -> int:
 
 
 def forced(folder, maps, tail: int, batch: list[list[int]], completions) -> list:
-    """ridgefill's engine in bf16 (maps None: exact prefill) teacher-forced on each vLLM completion's tokens: per
+    """torchfill in bf16 (maps None: exact prefill) teacher-forced on each vLLM completion's tokens: per
     completion its log-probs [k, V], row t the distribution token t was drawn from. Both implementations are read on
     one token path, so a near-tie that bf16 breaks one way in vLLM and the other in the engine cannot end the
     comparison (greedy continuations part there and are no longer comparable)."""
@@ -102,9 +102,9 @@ def forced(folder, maps, tail: int, batch: list[list[int]], completions) -> list
     out = []
     with torch.inference_mode():
         for prompt, completion in zip(batch, completions):
-            pre = session.engine.prefill(torch.tensor([prompt]), plan, capacity=len(prompt) + len(completion.tokens))
+            pre = session.runner.prefill(torch.tensor([prompt]), plan, capacity=len(prompt) + len(completion.tokens))
             rows = [pre.logits[0, -1]]
-            rows += [session.engine.decode_step(pre.cache, torch.tensor([t]))[0] for t in completion.tokens[:-1]]
+            rows += [session.runner.decode_step(pre.cache, torch.tensor([t]))[0] for t in completion.tokens[:-1]]
             out.append(torch.log_softmax(torch.stack(rows).double(), -1))
     return out
 
@@ -123,7 +123,7 @@ def parting(completion, logprobs) -> int:
 
 def test_hybrid_filled_prefill_matches_ridgefills_engine_in_bf16(vllm_hybrid, engines):
     """Test 2 (and 4: the continuation runs on the recurrent and conv states the filled rows left), against
-    ridgefill's engine in bf16 on 8 prompts (seed 3), the engine teacher-forced on vLLM's greedy tokens (`forced`):
+    torchfill in bf16 on 8 prompts (seed 3), the engine teacher-forced on vLLM's greedy tokens (`forced`):
     - tail 24 (every row but the first and the last 24 filled): vLLM's top-5 log-probs at each of FORCED_STEPS
       steps within FORCED_TOL of the engine's;
     - tail 4, where the fill dominates: the first token's top-5 log-probs within FILL_DOMINATED_TOL of the engine's,
@@ -150,7 +150,7 @@ def test_hybrid_filled_prefill_matches_ridgefills_engine_in_bf16(vllm_hybrid, en
     fill_lp, exact_lp = forced(folder, maps, TAIL, batch, got), forced(folder, None, TAIL, batch, stock)
     gaps = [forced_gap(c, lp) for c, lp in zip(got, fill_lp)]
     exact_gaps = [forced_gap(c, lp) for c, lp in zip(stock, exact_lp)]
-    print(f"qwen3_next bf16 against ridgefill's engine teacher-forced over {FORCED_STEPS} steps, tail 24: filled: "
+    print(f"qwen3_next bf16 against torchfill teacher-forced over {FORCED_STEPS} steps, tail 24: filled: "
           f"largest gap {max(gaps):.3f}, greedy would part at {[parting(c, lp) for c, lp in zip(got, fill_lp)]}; "
           f"exact (stock vLLM): {max(exact_gaps):.3f}, {[parting(c, lp) for c, lp in zip(stock, exact_lp)]}")
     assert max(gaps) < FORCED_TOL, gaps

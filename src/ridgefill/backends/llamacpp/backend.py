@@ -2,7 +2,7 @@
 built with ridgefill's patch (driver.py). Exact is the same build's prefill with the fill off (llama.cpp's stock
 code path: fill mode is never entered); a fill variant (identity, ridge, mean) is the same context with its maps
 copied into llama.cpp and its prompts prefilled by the fill rule of its plan (torchfill.FillPlan: keep-first, the
-tail, kept rows and the outlier factor, per chunk of --chunk rows as the own engine judges outliers).
+tail, kept rows and the outlier factor, per chunk of --chunk rows as torchfill judges outliers).
 
 The model's identity, shape and tokenizer come from the GGUF's Hugging Face conversion (runtime/models.py converts
 it once), so maps fitted with `calibrate` and `fit` on that conversion are checked against it and run unchanged;
@@ -17,7 +17,8 @@ import os
 import numpy as np
 import torch
 
-from ridgefill.backends.base import Backend, Capabilities, Generation, Tally, Timed, refuse
+from ridgefill.backends.base import Backend, Capabilities, Generation, Timed, refuse
+from ridgefill.torchfill.fill_plan import FillTally
 from ridgefill.backends.llamacpp import driver, library
 from ridgefill.backends.llamacpp.server import KEY_ENV
 from ridgefill.backends.serving import GuardDialect
@@ -114,7 +115,7 @@ class LlamaCppBackend(Backend):
         self.n_ubatch = min(N_UBATCH, self.n_batch)
         self.lc: driver.LlamaCpp | None = None
         self.maps: dict[str, driver.Maps] = {}
-        self._tallies: dict[str, Tally] = {}
+        self._tallies: dict[str, FillTally] = {}
         self._current: str | None = None  # the variant whose maps llama.cpp holds
 
     def use(self, fills: dict, plans: dict) -> "LlamaCppBackend":
@@ -126,7 +127,7 @@ class LlamaCppBackend(Backend):
                     self.maps[name] = driver.maps_of(plan.filler)
                 except ValueError as exc:
                     raise refuse(self, f"the {name} variant ({exc})", "use identity, ridge or mean") from None
-        self._tallies = {name: Tally() for name in self.plans}
+        self._tallies = {name: FillTally() for name in self.plans}
         return self
 
     def start(self, max_len: int) -> "LlamaCppBackend":
@@ -180,8 +181,8 @@ class LlamaCppBackend(Backend):
             out[b] = torch.nn.functional.cross_entropy(logits, targets[b].long().cpu(), reduction="none")
         return out
 
-    def tally(self, name: str) -> Tally:
-        return self._tallies.get(name, Tally())
+    def tally(self, name: str) -> FillTally:
+        return self._tallies.get(name, FillTally())
 
     def describe(self) -> dict:
         return {name: {"gguf": str(self.gguf), "llama_cpp_python": library.VERSION, "patch": library.patch_id(),
@@ -192,10 +193,10 @@ class LlamaCppBackend(Backend):
                 for name in self.plans}
 
     def device_info(self) -> dict:
-        return {"device": "cpu", "dtype": "GGUF weights, F16 K/V", "routes": None}  # --dtype is the own engine's
+        return {"device": "cpu", "dtype": "GGUF weights, F16 K/V", "routes": None}  # --dtype is torchfill's
 
     def store_scope(self) -> dict:
-        return {"engine": self.name, "gguf": str(self.gguf), "patch": library.patch_id()}
+        return {"gguf": str(self.gguf)}  # the build (its patch included) is in the provenance
 
 
 BACKEND = LlamaCppBackend

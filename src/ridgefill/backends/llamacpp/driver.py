@@ -6,7 +6,7 @@ a split's maps into a backend buffer, `llama_ridgefill_set_fill` puts the next `
 norm, its K/V projection, k-norm and RoPE and the cache store), and the filled ubatches report their split-state
 norms. This module splits a prompt into runs by the fill rule (torchfill/rows.py: keep-first, tail, kept rows in
 full; the rest filled) and calls `llama_decode` once per run (and per `n_batch` rows): there is no Python in the
-per-layer path. Outliers (torchfill/rows.py `outliers`, the own engine's rule: per chunk of `chunk` rows, the
+per-layer path. Outliers (torchfill/rows.py `outliers`, torchfill's rule: per chunk of `chunk` rows, the
 median of its filled rows' split-state norms) are found from the norms of the filled runs; a chunk with outliers
 has its cache removed from the first outlier on and runs again from there with those rows in full (their split
 states, and so their norms, do not depend on the fill: layers below the split run exactly for every row).
@@ -263,7 +263,7 @@ class LlamaCpp:
         if pos != list(rows):
             raise RidgefillError(f"llama.cpp filled {n} of the {len(rows)} rows its plan fills at positions "
                                  f"{rows.start}..{rows.stop - 1}: its {self.arch} graph does not run ridgefill's "
-                                 f"fill; use --engine ridgefill for this model")
+                                 f"fill; use --engine torchfill for this model")
         norms = np.ctypeslib.as_array(self.lib.llama_ridgefill_norms(self.ctx), shape=(n,))
         return dict(zip(pos, norms.tolist()))
 

@@ -65,5 +65,5 @@ def check_family(path: str | Path) -> str:
     arch = gguf_architecture(path)
     if arch not in FAMILIES:
         raise RidgefillError(f"{path} is a {arch} model: --engine llamacpp fills {', '.join(FAMILIES)} models "
-                             "(not hybrid or recurrent ones); use --engine ridgefill")
+                             "(not hybrid or recurrent ones); use --engine torchfill")
     return arch

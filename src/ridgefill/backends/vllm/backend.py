@@ -23,8 +23,8 @@ import tempfile
 from contextlib import ExitStack
 from pathlib import Path
 
-from ridgefill.backends import base
-from ridgefill.backends.base import Backend, Capabilities, Generation, Tally, Timed
+from ridgefill.backends.base import Backend, Capabilities, Generation, Timed
+from ridgefill.torchfill.fill_plan import FillTally
 from ridgefill.backends.serving import GuardDialect
 
 KV_CACHE_GIB = 2
@@ -201,14 +201,14 @@ class VllmBackend(Backend):
         found = self.workers[name].token_logprobs(prompts, wanted, tails)
         return -torch.tensor(found, dtype=torch.float32).view(len(ids), len(rows))
 
-    def tally(self, name: str) -> Tally:
+    def tally(self, name: str) -> FillTally:
         if self._base.get(name) is None:
-            return Tally()
+            return FillTally()
         now = self.counters(name)
-        return Tally(*(now[k] for k in ("filled_rows", "outlier_rows_run_full", "lookback_rows_run_full")))
+        return FillTally(*(now[k] for k in ("filled_rows", "outlier_rows_run_full", "lookback_rows_run_full")))
 
     def counters(self, name: str) -> dict:
-        """The plugin's own counters of variant `name` since `start` (more than the Tally: rows run in full,
+        """The plugin's own counters of variant `name` since `start` (more than the FillTally: rows run in full,
         steps run stock); after `close`, as they were then."""
         now = self.workers[name].tally() if name in self.workers else self._final[name]
         base = self._base[name]
@@ -230,9 +230,6 @@ class VllmBackend(Backend):
         return {"device": "cuda" if gpu else "cpu", "dtype": str(DTYPES[self.config.dtype]).replace("torch.", ""),
                 "routes": None}  # vLLM picks its own kernels
 
-    def store_scope(self) -> dict:
-        return {"engine": self.name}
-
     def unfilled_detail(self, name: str) -> tuple[str, str]:
         return unfilled_detail(self.counters(name))
 
@@ -241,12 +238,6 @@ def unfilled_detail(tally: dict) -> tuple[str, str]:
     """What ran instead of an unfilled variant (the plugin's counters), and what to check."""
     return (f" ({tally['full_prompt_rows']} ran in full, {tally['stock_steps']} steps ran stock)",
             "check that ridgefill's vLLM plugin loads (VLLM_PLUGINS, VLLM_USE_V2_MODEL_RUNNER)")
-
-
-def check_filled(name: str, tally: dict, planned: int) -> None:
-    """backends/base.check_filled on the plugin's counters: a fill variant that filled no row timed stock vLLM
-    under the variant's name (the plugin did not run)."""
-    base.check_filled("vLLM", name, tally["filled_rows"], planned, *unfilled_detail(tally))
 
 
 def covering_prompts(batch: list[list[int]], rows: list[int], targets: list[list[int]]) -> list[tuple]:

@@ -31,7 +31,7 @@ def pin(fill: FillSettings, n_layers: int, model_info: dict, scratch: Path) -> F
     maps = fill.maps
     if fill.variant == "drop":
         raise RidgefillError("the vLLM plugin does not serve drop fill (a null control for measurements): "
-                             "measure it with ridgefill's own engine, or serve identity, mean or ridge")
+                             "measure it with --engine torchfill, or serve identity, mean or ridge")
     refuse_windowed(fill.filled_window, fill.maps)
     if fill.variant == "identity":
         split = fill.split if fill.split is not None else read_meta(fill.maps, "maps")["split"]
@@ -89,8 +89,8 @@ def refuse_windowed(window: int, maps, meta: dict | None = None) -> None:
     if window or stored:
         size = window or stored["size"]
         raise RidgefillError(f"the vLLM plugin does not serve a filled window (--filled-window {size}"
-                             f"{', carried by ' + str(maps) if stored else ''}) yet: measure it with ridgefill's own "
-                             "engine, or serve maps calibrated without a window")
+                             f"{', carried by ' + str(maps) if stored else ''}) yet: measure it with --engine "
+                             "torchfill, or serve maps calibrated without a window")
 
 
 def mean_maps(maps: Path, out: Path, sha256: str | None = None) -> Path:

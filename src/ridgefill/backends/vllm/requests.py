@@ -9,7 +9,7 @@ one line (HTTP 400), so nothing a client sends reaches the engine unchecked. Ins
 
 A keep-first follows ridgefill's one rule (torchfill/rows.check_keep_first): an integer up to MAX_ROWS, refused
 beyond (here: at admission, HTTP 400; in `generate`: one line, exit 2); past a prompt, the whole prompt runs in full
-(exact), in the plugin as in ridgefill's engine.
+(exact), in the plugin as in torchfill.
 """
 
 from __future__ import annotations

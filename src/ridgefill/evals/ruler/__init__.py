@@ -90,17 +90,17 @@ def run(c: RulerConfig) -> dict:
                       haystacks={t: SPECS[t].haystack if c.haystack == "auto" else c.haystack for t in task_names})
     record["region_enforced"] = c.from_jsonl is None
     m = start("ruler", c, parse_variants(c.variants, c.maps), record)
-    context = m.session.context_length
+    context = m.model.context_length
     too_long = [n for n in length_list if context and n > context] if c.from_jsonl is None else []
     if too_long:
         raise RidgefillError(f"length {too_long[0]} exceeds the model's context of {context} (prompt plus generation "
                              "budget must fit): lower --lengths")
-    items = _samples(c, m.session.tokenizer, task_names, length_list, context)
+    items = _samples(c, m.model.tokenizer, task_names, length_list, context)
     longest = max((len(s.input_ids) + s.max_new_tokens for s in items), default=1)
     with m.backend.start(longest):
         predictions = m.answers(items, f"answering {len(items)} samples x {len(m.plans)} variants", "ruler-answer",
                                 lambda s: {"ids": s.input_ids, "max_new_tokens": s.max_new_tokens},
-                                lambda s, name: predict(m.backend, m.session.tokenizer, s, name))
+                                lambda s, name: predict(m.backend, m.model.tokenizer, s, name))
     scores = {v: [score_prediction(s.task, p, s.outputs) for s, p in zip(items, predictions[v])] for v in m.plans}
     results, intervals = summarise(items, scores, c.seed)
     records = [_record_of(s, {v: predictions[v][i] for v in m.plans}, {v: scores[v][i] for v in m.plans})

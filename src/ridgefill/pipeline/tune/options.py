@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ridgefill.backends import engine_help
+from ridgefill.backends import DEFAULT_ENGINE, engine_help
 from ridgefill.commands import option
 from ridgefill.errors import RidgefillError
 from ridgefill.evals.common import parse_lengths
@@ -64,7 +64,7 @@ class TuneConfig(ModelConfig):
     seed: int = option(0, "Sample and bootstrap seed.")
     out_dir: Path | None = option(None, "Run folder (default runs/tune-<model>); a rerun reuses its finished steps.")
     config_out: Path | None = option(None, "Serving config JSON to write (default <out-dir>/serving.json).")
-    engine: str = option("ridgefill", engine_help() + " It runs tune's RULER tasks and NLL check.")
+    engine: str = option(DEFAULT_ENGINE, engine_help() + " It runs tune's RULER tasks and NLL check.")
 
     def check(self) -> None:
         check_fill(tail=self.tail, keep_first=self.keep_first)  # served with the default outlier factor

@@ -27,7 +27,7 @@ def search_tables(c: TuneConfig, splits: list[int], window: int = 0) -> dict:
                        "tasks": [t.strip() for t in str(c.tasks).split(",") if t.strip()], "samples": c.samples,
                        "max-new-tokens": c.max_new_tokens, "region": "filled", "keep-first": c.keep_first,
                        "variants": variants, **_window_keys(splits, window), **_shared_answers(c, window),
-                       **_engine_key(c)}
+                       "engine": c.engine}
     return _tables(c, _name(c, window), f"ridgefill tune: splits {splits[0]}..{splits[-1]}, tail {c.tail}"
                    f"{_window_note(window)}", splits, c.tail, tables)
 
@@ -41,7 +41,7 @@ def check_tables(c: TuneConfig, splits: list[int], variant: str, window: int = 0
                       "short-stride": c.short_stride, "samples": c.passages, "keep-first": c.keep_first,
                       "variants": ["exact", variant],
                       "exact-cache": str((c.run_dir / CHECK_FOLDER / "exact").resolve()),
-                      **_window_keys(splits, window), **_engine_key(c)}
+                      **_window_keys(splits, window), "engine": c.engine}
     return _tables(c, f"{_name(c, window)}-check-{variant}", f"ridgefill tune: the NLL check of {variant} fill, "
                    f"tail {c.nll_tail}{_window_note(window)}", splits, c.nll_tail, tables)
 
@@ -56,12 +56,6 @@ def _fit_tables(c: TuneConfig, splits: list[int], window: int) -> dict:
 def _window_keys(splits: list[int], window: int) -> dict:
     """A step table's filled window (nothing for full attention)."""
     return {"filled-window": window, "filled-window-layers": window_layers(window, splits)} if window else {}
-
-
-def _engine_key(c: TuneConfig) -> dict:
-    """The engine that runs a measuring step (ruler, loss): nothing for the default, ridgefill's own (so the
-    recipes, and the steps' cache keys, are as before --engine)."""
-    return {"engine": c.engine} if c.engine != "ridgefill" else {}
 
 
 def _shared_answers(c: TuneConfig, window: int) -> dict:

@@ -2,7 +2,7 @@
 processes).
 
 Each class is the stock vLLM class plus `ridgefill` state: the fitted maps and, per late attention layer, its input
-norm, K/V projection rows and k-norm stacked at weight-loading time as ridgefill's engine stacks them
+norm, K/V projection rows and k-norm stacked at weight-loading time as torchfill stacks them
 (torchfill/kv_stack.py; vLLM's CPU linear layers repack and drop `weight` afterwards).
 A step whose batch has no filled token (decode steps, short prompts, the plugin unconfigured) runs the stock
 forward unchanged. A step with filled tokens (the model runner passes a FillBatch, backends/vllm/plugin/runner.py):
@@ -14,7 +14,7 @@ forward unchanged. A step with filled tokens (the model runner passes a FillBatc
 - for each late layer l = S..L-1 the filled rows' K/V come from the predicted input (x for l = S, the map's
   prediction after) through that layer's own input norm, K/V rows of its (tensor-parallel shard of) qkv_proj,
   k-norm (Qwen3, Qwen3-Next), key scale and RoPE (vLLM's tables, partial in Qwen3-Next) at the true positions,
-  computed by ridgefill's engine (torchfill/projection.py layer_kv, the engine's own projection), and are written
+  computed by torchfill (torchfill/projection.py layer_kv, its own projection), and are written
   into the paged cache;
 - the full rows alone run layers S..L-1 (attention over every cached key up to their position, then the MLP);
 - a hybrid's late Gated DeltaNet layers (Qwen3-Next) run their mixer over every row of the step in position order,
