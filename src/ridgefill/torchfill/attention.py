@@ -63,7 +63,7 @@ def prefix_then_block(q, keys, values, prefix: int, scale: float, kernel=flash_c
 
 
 def flash_lower_right(q, keys, values, scale: float) -> torch.Tensor:
-    """CUDA, fp16/bf16, head dim a multiple of 8 (routes.py checks, once per engine): the last nq positions over
+    """CUDA, fp16/bf16, head dim a multiple of 8 (routes.py checks, once per runner): the last nq positions over
     keys 0..n_keys-1, one flash call, GQA K/V as they are (see the module's docstring)."""
     return torch.ops.aten._scaled_dot_product_flash_attention(q, keys, values, 0.0, True, False, scale=scale)[0]
 

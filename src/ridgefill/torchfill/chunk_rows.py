@@ -1,4 +1,4 @@
-"""A chunk's rows inside the engine's prefill: which run a layer, which are filled, their positions and RoPE, and
+"""A chunk's rows inside the runner's prefill: which run a layer, which are filled, their positions and RoPE, and
 the attention of the rows that run (causal over the cached keys, or local in a filled window)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ class ChunkRows:
     """Bookkeeping of a chunk's rows: which run the layer, which are filled, their positions and RoPE."""
 
     def __init__(self, n, idx_full, idx_fill, positions, cos, sin, routes: Routes, split_done=False, dropped=False):
-        """routes: the engine's (torchfill/routes.py). dropped (after the split of a drop fill): the late layers'
+        """routes: the runner's (torchfill/routes.py). dropped (after the split of a drop fill): the late layers'
         caches hold full rows only, so the run rows are the last of their keys, in order, whatever their
         positions."""
         self.n, self.idx_full, self.idx_fill, self.routes = n, idx_full, idx_fill, routes

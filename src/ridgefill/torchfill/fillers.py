@@ -10,7 +10,7 @@ fitted; method/key_scale.py fits it). Two null controls are fillers too: `MeanFi
 calibration mean of each late layer's input (a map whose weights are zero: it ignores the row), and `DropFiller`
 (`drops`) gives it nothing: filled rows write no cache in layers S..L-1 and the full rows there attend only to full
 rows. Maps with lookback K (torchfill/lookback.py) also read the split states of the
-K rows before each filled row: `previous` [B, n, K·H], nearest first; the engine gives it, and runs in full every
+K rows before each filled row: `previous` [B, n, K·H], nearest first; the runner gives it, and runs in full every
 filled row whose window it cannot give.
 """
 

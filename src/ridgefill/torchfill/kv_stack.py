@@ -45,7 +45,7 @@ def stack_kv(adapter: Adapter, split: int) -> StackedKV | None:
 
 def stack_weights(weights: list[KVWeights], layers: list[int], index: torch.Tensor | None, heads: int,
                   head_dim: int, dtype: torch.dtype, device: torch.device) -> StackedKV:
-    """Stack the K/V weights of `layers` (one KVWeights each, `heads` KV heads of `head_dim`): the engine's late
+    """Stack the K/V weights of `layers` (one KVWeights each, `heads` KV heads of `head_dim`): the runner's late
     attention layers of a split, or one layer's (tensor-parallel shard of its) weights in the vLLM plugin."""
     with torch.no_grad():
         # k = RMSNorm(y)·g·Wkᵀ: the norm weight scales Wk's columns (input dims); fold it in float32, round once.

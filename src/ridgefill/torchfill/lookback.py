@@ -6,7 +6,7 @@ carry what their attention copied from the preceding tokens (a previous-token he
 row t); a map of x_t alone cannot know it, a map of the window can.
 
 A window is *whole* when each of its rows
-- belongs to the same run of consecutive rows as row t (one engine chunk; one request's tokens in a vLLM step),
+- belongs to the same run of consecutive rows as row t (one runner chunk; one request's tokens in a vLLM step),
 - sits at an absolute position >= `start` (calibration kept its first rows, the attention sinks, out of every
   window: `calibrate --skip-first`), and
 - is not blocked (a split-state outlier: calibration kept those out too).

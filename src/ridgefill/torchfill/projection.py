@@ -7,10 +7,10 @@ For split S and the filled rows' split state x [R, H] (R = B·nF rows), with M' 
    stride-0 view of x, no copy);
 2. norm + K/V for the M late *attention* layers: RMSNorm(Y_l)·g_l·Wkv_lᵀ + b_l = r_l ⊙ (Y_l·(g_l∘Wkv_l)ᵀ) + b_l
    with r_l = rsqrt(mean(Y_l²) + ε) a per-row scale, so the norm weights are folded into the stacked K/V
-   weights once per (engine, split) and the norm becomes a scale of one bmm [M, R, H] @ [M, H, 2·Hkv·D];
+   weights once per (runner, split) and the norm becomes a scale of one bmm [M, R, H] @ [M, H, 2·Hkv·D];
 3. k-norm (Qwen3) batched over layers and heads, RoPE once per position for all layers.
 
-Each late attention layer then gets its slice; the engine only writes it into the cache. The result equals the
+Each late attention layer then gets its slice; the runner only writes it into the cache. The result equals the
 per-layer route (adapter.input_norm, then adapter.key_value) up to float rounding. Layers of another kind
 (hybrid linear layers), and every layer of a family whose adapter has no `kv_weights`, take their predicted
 input from Y and run the per-layer route. The same torch path runs on every device: a fused Triton kernel of the
@@ -64,7 +64,7 @@ def scale_keys(k: torch.Tensor, key_scale: torch.Tensor | None) -> torch.Tensor:
 
 def layer_kv(stack: StackedKV, u: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              key_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One layer's filled K/V, the engine's own math (norm_kv_torch on a one-layer stack, then scale_keys), as the
+    """One layer's filled K/V, the runner's own math (norm_kv_torch on a one-layer stack, then scale_keys), as the
     vLLM plugin writes it: u [n, H] the rows' predicted layer input, cos/sin [n, Dr] their RoPE, key_scale [Hkv]
     (None: none) -> k, v [n, Hkv, D]."""
     y = u.to(stack.weight.dtype).unsqueeze(0)  # [1, n, H]

@@ -62,7 +62,7 @@ def flash_applies(device: torch.device, dtype: torch.dtype, heads: int, kv_heads
 def delta_rule_route(device: torch.device) -> str:
     """fla's fused Gated DeltaNet kernel on CUDA when flash-linear-attention imports, else the torch rule. An fla
     that is installed but fails to import for any reason (a Triton or torch it was not built for raises
-    AttributeError, RuntimeError, ...) falls back to the torch rule with one warning: it must not stop every engine,
+    AttributeError, RuntimeError, ...) falls back to the torch rule with one warning: it must not stop every runner,
     dense ones included."""
     if torch.device(device).type != "cuda":
         return "torch"

@@ -51,7 +51,7 @@ def check_outlier_factor(factor, name: str = "--outlier-factor") -> float:
 def outliers(norms: torch.Tensor, groups: torch.Tensor, filled: torch.Tensor, factor: float) -> torch.Tensor:
     """The one outlier rule of torchfill and the vLLM plugin: [N] bool, True for filled rows whose
     split-state norm exceeds `factor` times the median norm (torch's lower median) of the filled rows of their
-    group. norms [N]; groups [N] the group of each row (a prompt of the engine's batch, a request of a vLLM step);
+    group. norms [N]; groups [N] the group of each row (a prompt of the runner's batch, a request of a vLLM step);
     filled [N] bool, only those rows are judged or counted in a median; factor 0: no outliers."""
     out = torch.zeros_like(filled)
     if factor <= 0:

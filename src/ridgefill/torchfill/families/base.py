@@ -1,7 +1,7 @@
 """Family adapters: where a Hugging Face decoder keeps its norms, projections, RoPE and MLP.
 
-The engine only talks to an `Adapter`; it never touches a model's modules itself. An adapter exposes
-the pieces of one decoder layer as small functions so the engine can run them on any subset of rows:
+The runner only talks to an `Adapter`; it never touches a model's modules itself. An adapter exposes
+the pieces of one decoder layer as small functions so the runner can run them on any subset of rows:
 
     h_normed = input_norm(l, h)                       # [B, n, H]
     q, gate  = query(l, h_normed, cos, sin)           # q [B, Hq, n, D] (RoPE applied); gate: None or
@@ -106,7 +106,7 @@ class Adapter:
         return self.model.lm_head(self.decoder.norm(h))
 
     def use_routes(self, routes) -> None:
-        """The routes its engine chose (torchfill/routes.py, once per engine); a family with a route of its own (the
+        """The routes its runner chose (torchfill/routes.py, once per runner); a family with a route of its own (the
         hybrids' delta rule) keeps what it needs, so that an overridden route is the one that runs."""
 
     def layer_kind(self, layer: int) -> str:

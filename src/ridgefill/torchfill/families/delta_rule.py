@@ -1,6 +1,6 @@
 """Gated DeltaNet math: the short causal conv and the chunked gated delta rule, with state in and out.
 
-Both continue from a previous state, so a sequence can be run in pieces (engine chunks, decode steps) and give
+Both continue from a previous state, so a sequence can be run in pieces (runner chunks, decode steps) and give
 the same result as one pass. Shapes follow transformers' Qwen3-Next / Qwen3.5 layers:
 
     q, k: [B, n, Hk, Dk]   v: [B, n, Hv, Dv]   g (log decay, <= 0), beta: [B, n, Hv]   state: [B, Hv, Dk, Dv]
@@ -11,7 +11,7 @@ Per value head, with q and k L2-normalised and q scaled by Dk^-1/2, the gated de
 
 `chunk_gated_delta_rule` evaluates it chunk by chunk (the WY/UT form: one triangular solve per chunk and a
 scan over chunks, never over tokens; chunks are `chunk_size` rows, the last one zero-padded, as in transformers'
-torch fallback; a single row takes one recurrent step). With `use_kernel` (the engine's delta rule route is "fla":
+torch fallback; a single row takes one recurrent step). With `use_kernel` (the runner's delta rule route is "fla":
 CUDA with flash-linear-attention installed, torchfill/routes.py) it uses fla's kernel.
 """
 
@@ -134,7 +134,7 @@ def _step(q, k, v, g, beta, state):
 
 
 # --- optional kernel hook (flash-linear-attention) -------------------------------------------------------
-# NOT exercised by the test suite (fla needs CUDA + Triton). Where the engine's delta rule route is "fla"
+# NOT exercised by the test suite (fla needs CUDA + Triton). Where the runner's delta rule route is "fla"
 # (torchfill/routes.py: CUDA, fla importable), `chunk_gated_delta_rule` hands the work to fla's fused kernel, which
 # computes the same rule.
 def _fla_kernel():

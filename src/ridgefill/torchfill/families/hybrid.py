@@ -10,7 +10,7 @@ and per-head beta (write strength) and a (decay); the gated delta rule (`delta_r
 gated RMSNorm (the layer's `norm`, gated by z) and out_proj give the mixer output.
 
 RidgeFill on a hybrid model. A linear layer has no per-row cache: its state must pass through every row in
-position order. So the engine's `_state_layer` runs the mixer over *all* rows of a chunk, taking the true input
+position order. So the runner's `_state_layer` runs the mixer over *all* rows of a chunk, taking the true input
 for full rows (the tail and `keep_rows`) and the predicted input (layer S: the split state) for filled rows,
 merged back into row order; it keeps the mixer output of the full rows only. A `keep_rows` entry inside the
 filled region therefore updates the state with its true input between filled rows, exactly where it sits in the
@@ -38,7 +38,7 @@ class HybridAdapter(Adapter):
 
     family = "hybrid"
     delta_chunk = 64  # rows per chunk of the gated delta rule (math is exact for any value)
-    delta_kernel = False  # the delta rule by fla's kernel: the engine's route is "fla" (use_routes)
+    delta_kernel = False  # the delta rule by fla's kernel: the runner's route is "fla" (use_routes)
 
     def __init__(self, model: nn.Module) -> None:
         if not hasattr(getattr(model, "model", None), "layers"):
