@@ -283,16 +283,16 @@ CASES: list[Case] = [
     *maps_cases("serve", SERVE),
     Case("serve-maps-for-another-layer-count", cmd(SERVE, maps="{in}/m.safetensors"),  # A with 7 layers: another model
          {"m.safetensors": maps_with(n_layers=7)},
-         match="{in}/m.safetensors holds maps for a 7-layer model, {A} has 6 layers"),
+         match="{in}/m.safetensors has mean of shape [2, 64], not [3, 64] (split 3 of 7 layers"),
     Case("serve-maps-option-missing", cmd(SERVE, maps=None),
          match="give --maps (from ridgefill fit), --split (identity fill) or --serving-config"),
     Case("serve-model-unsupported-architecture", cmd(SERVE, model="{in}/model"),
          model_folder(config_json=b'{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}'),
-         match="{in}/model is a GPT2LMHeadModel model: ridgefill's vLLM plugin serves"),
+         match="unsupported architecture 'gpt2' in {in}/model: ridgefill supports"),
     Case("serve-model-config-binary", cmd(SERVE, model="{in}/model"), model_folder(config_json=BINARY),
-         match="cannot read {in}/model/config.json"),
+         match="cannot read the config.json of model {in}/model"),
     Case("serve-model-config-nested", cmd(SERVE, model="{in}/model"), model_folder(config_json=NESTED),
-         match="cannot read {in}/model/config.json (RecursionError)"),
+         match="cannot read the config.json of model {in}/model (RecursionError"),
     Case("serve-model-without-config", cmd(SERVE, model="{in}/model"), model_folder(config_json=None),
          match="{in}/model has no config.json"),
     Case("serve-model-missing", cmd(SERVE, model="{in}/no-model"), match="unknown model '{in}/no-model'"),
@@ -511,7 +511,7 @@ CASES: list[Case] = [
     Case("controls-loss-unknown-control", cmd(LOSS, variants="exact,zero"),
          match="--variants 'exact,zero' names unknown variant(s) ['zero']"),
     Case("controls-serve-serving-config-drop", cmd(SERVE, maps=None, serving_config="{in}/s.json"),
-         {"s.json": serving(variant="drop", maps=None)}, match="the vLLM plugin does not serve drop fill"),
+         {"s.json": serving(variant="drop", maps=None)}, match="the drop variant is not supported with --engine vllm: use"),
     # --- issue #27: the filled window below the split ---
     Case("window-calibrate-negative", cmd(CAL, filled_window=-4), match="--filled-window -4 must be an integer"),
     Case("window-calibrate-layers-at-the-split", cmd(CAL, filled_window=8, filled_window_layers="0-2"),
@@ -526,10 +526,10 @@ CASES: list[Case] = [
                                                         filled_window=32, filled_window_layers="1-3"),
          match="reaches layer 3, at or above the split 2"),
     Case("window-serve-identity", cmd(SERVE, maps=None, split=3, filled_window=64),
-         match="the vLLM plugin does not serve a filled window"),
+         match="--filled-window is not supported with --engine vllm: drop it"),
     Case("window-serve-serving-config", cmd(SERVE, maps=None, serving_config="{in}/s.json"),
          {"s.json": serving(variant="identity", maps=None, split=3, filled_window=64)},
-         match="the vLLM plugin does not serve a filled window"),
+         match="--filled-window is not supported with --engine vllm: drop it"),
 ]
 
 # a few cases again in a subprocess, through `python -m ridgefill`

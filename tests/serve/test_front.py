@@ -1,5 +1,5 @@
-"""serve/ as the engine-neutral front: an engine that cannot serve is refused by its capabilities in one line (serve
-and bench-serve, exit 2, before anything loads); the request guard follows the dialect of whatever engine it is given
+"""serve/ as the engine-neutral front: an engine without a server (backends.SERVERS) is refused in one line (serve
+and bench-serve, exit 2, before anything loads); every server overrides the seam (backends/serving.Server); the request guard follows the dialect of whatever engine it is given
 (not only vLLM's); serve/ imports no engine's module, and no module outside an engine's folder imports that engine's
 package; every string that names a module path of ours (entry point, guard, forkserver preload, the plugin's model
 classes and admission processor) names one that exists."""
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from helpers import run_captured
-from ridgefill.backends import ENGINES, SERVING_DEFAULT, backend_class
-from ridgefill.backends.serving import GuardDialect
+from ridgefill.backends import DEFAULT_ENGINE, ENGINES, SERVERS, SERVING_DEFAULT, server_of
+from ridgefill.backends.serving import GuardDialect, LogDialect, Server
 from ridgefill.serve import serve
 from ridgefill.serve.guard import RequestGuard
 
@@ -31,27 +31,26 @@ def main(monkeypatch, capfd, *args) -> tuple[int, str]:
 
 
 @pytest.mark.parametrize("command", [["serve", "--split", "3"], ["bench-serve", "--split", "3", "--out", "o.json"]])
-@pytest.mark.parametrize("engine", [name for name in ENGINES if not backend_class(name).caps.serving])
-def test_an_engine_that_cannot_serve_is_refused_by_its_capabilities_in_one_line(command, engine, monkeypatch, capfd,
-                                                                                tmp_path):
+@pytest.mark.parametrize("engine", [name for name in ENGINES if name not in SERVERS])
+def test_an_engine_without_a_server_is_refused_in_one_line(command, engine, monkeypatch, capfd, tmp_path):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(serve, "launch", lambda plan: pytest.fail(f"serve would start a server: {plan.argv}"))
     code, err = main(monkeypatch, capfd, *command, "--engine", engine)
-    assert code == 2 and err == (f"error: serving, which this command needs, is not supported with --engine {engine}: "
-                                 f"use --engine {SERVING_DEFAULT}\n"), err
+    assert code == 2 and err == (f"error: serving is not supported with --engine {engine}: use --engine "
+                                 f"{' or '.join(SERVERS)}\n"), err
     assert not list(tmp_path.iterdir())
 
 
-def test_every_engine_that_serves_says_how_and_the_default_is_one():
-    serving = [name for name in ENGINES if backend_class(name).caps.serving]
-    assert SERVING_DEFAULT in serving
-    for name in serving:
-        cls = backend_class(name)
-        assert isinstance(cls.guard, GuardDialect)
-        for method in ("check_serve", "served_dtype", "server", "stock_server", "drive"):
-            assert getattr(cls, method).__func__ is not getattr(backend_class("torchfill"), method).__func__, method
-    with pytest.raises(Exception, match="does not serve"):
-        RequestGuard(lambda *a: None, environ={"RIDGEFILL_GUARD_ENGINE": "torchfill"})
+def test_every_server_overrides_the_seam_and_the_default_engine_has_one():
+    assert SERVING_DEFAULT in SERVERS and set(SERVERS) <= set(ENGINES)
+    for name in SERVERS:
+        server = server_of(name)
+        assert isinstance(server, Server) and server.name == name and server.title
+        assert isinstance(server.guard, GuardDialect) and isinstance(server.log, LogDialect)
+        for method in ("served_dtype", "launch", "context_args", "drive"):
+            assert getattr(type(server), method) is not getattr(Server, method), (name, method)
+    with pytest.raises(ValueError, match="names no engine with a server"):
+        RequestGuard(lambda *a: None, environ={"RIDGEFILL_GUARD_ENGINE": DEFAULT_ENGINE})
 
 
 class Recorder:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 
-from ridgefill.backends import backend_class
+from ridgefill.backends import server_of
 from ridgefill.backends.serving import GuardDialect
 from ridgefill.serve.guard import RequestGuard, body_error, needs_parse
 from test_front import Recorder, ask
@@ -34,4 +34,4 @@ def test_top_level_options_are_checked_and_other_bodies_pass_unparsed():
 
 
 def test_llamacpps_dialect_is_top_level():
-    assert backend_class("llamacpp").guard.options_field == ""
+    assert server_of("llamacpp").guard.options_field == ""

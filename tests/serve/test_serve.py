@@ -56,7 +56,7 @@ def main(monkeypatch, capfd, *args) -> tuple[int, str]:
 
 
 def test_serve_runs_the_vllm_server_with_the_fill_and_hands_on_undeclared_options(
-        tiny_checkpoint, split3_maps, vllm_ok, monkeypatch, capfd):
+        tiny_checkpoint, split3_maps, vllm_ok, monkeypatch, capfd, tmp_path):
     monkeypatch.setattr(vserving, "on_cpu", lambda: True)
     for name in ("VLLM_CPU_KVCACHE_SPACE", "GLIBC_TUNABLES", "LD_PRELOAD", "VLLM_USE_AOT_COMPILE"):
         monkeypatch.delenv(name, raising=False)
@@ -68,7 +68,7 @@ def test_serve_runs_the_vllm_server_with_the_fill_and_hands_on_undeclared_option
     kv = 3 * 256 * 2 * 6 * 2 * 16 * 4  # 3 requests of 256 tokens, K and V of 6 layers x 2 KV heads x 16, fp32
     assert vllm_ok["argv"] == [
         sys.executable, "-m", vserving.VLLM_SERVER, "--model", folder, "--served-model-name", folder,
-        "--host", "127.0.0.1", "--port", "8123", "--dtype", "float32", "--middleware", serve.MIDDLEWARE,
+        "--host", "127.0.0.1", "--port", "8123", "--dtype", "float32", "--middleware", serve.GUARD,
         "--kv-cache-memory-bytes", str(kv),
         "--max-model-len", "256", "-tp", "1", "--max_num_seqs=4", "--seed", "3", "--no-enable-log-requests"]
     env = vllm_ok["env"]
@@ -79,8 +79,8 @@ def test_serve_runs_the_vllm_server_with_the_fill_and_hands_on_undeclared_option
     assert env["PATH"] == os.environ["PATH"]  # the rest of the environment is inherited
     assert env["GLIBC_TUNABLES"] == TUNABLES  # vLLM's processes keep freed memory (backends/vllm/malloc.py)
     assert env["VLLM_USE_AOT_COMPILE"] == "0"  # a compile cache that loads (vllm_config.compile_cache_env)
-    launched = serve.Launch(vllm_ok["argv"], env, vllm_ok["health"], vllm_ok["banner"], Path("serve.log"))
-    assert serve.stock_plan(launched, Path("stock.log")).env["GLIBC_TUNABLES"] == TUNABLES  # bench-serve's stock
+    stock = serve.ServeConfig(model=folder, maps=split3_maps, port=free_port(), server_args=["--max-model-len", "256"])
+    assert serve.stock_plan(stock, tmp_path, tmp_path / "stock.log").env["GLIBC_TUNABLES"] == TUNABLES  # bench-serve's
     assert vllm_ok["banner"].startswith("ridgefill serve: ") and "split 3 of 6 layers" in vllm_ok["banner"]
     assert "KV cache 0.00 GiB: 3 requests of 256 tokens" in vllm_ok["banner"]
     assert vllm_ok["health"] == "http://127.0.0.1:8123/health"
@@ -199,10 +199,10 @@ def missing(root: Path, tiny: dict) -> Path:
 BAD = [  # (id, model, maps, more arguments, the error names)
     ("maps-of-another-family", lambda root, t: t["qwen2"][0], lambda root, t: t["llama"][1], [],
      "fitted for another model"),
-    ("maps-for-another-layer-count", lambda root, t: t["llama"][0], maps_of_7_layers, [], "7-layer model"),
+    ("maps-for-another-layer-count", lambda root, t: t["llama"][0], maps_of_7_layers, [], "(split 2 of 7 layers, lookback 0): refit it"),
     ("maps-missing", lambda root, t: t["llama"][0], missing, [], "does not exist"),
     ("maps-corrupt", lambda root, t: t["llama"][0], corrupt, [], "corrupted or truncated"),
-    ("unsupported-family", unsupported_model, lambda root, t: t["llama"][1], [], "GPT2LMHeadModel"),
+    ("unsupported-family", unsupported_model, lambda root, t: t["llama"][1], [], "unsupported architecture 'gpt2'"),
     ("tail-zero", lambda root, t: t["llama"][0], lambda root, t: t["llama"][1], ["--tail", "0"], "tail 0"),
     ("maps-for-another-split", lambda root, t: t["llama"][0], lambda root, t: t["llama"][1], ["--split", "3"],
      "holds maps for split 2, not 3"),

@@ -77,13 +77,16 @@ BURST = 2 << 20  # 2 MiB: far past a pipe's 64 KiB
 
 
 def stand_in(tmp_path: Path, metrics: str = RIDGEFILL_METRICS, preamble: str = "", go: bool = False,
-             log: Path | None = None, marker: str | None = None, log_limit: int = server_log.LOG_LIMIT) -> Launch:
-    """A plan whose server is the stand-in child (CHILD)."""
+             log: Path | None = None, marker: str | None = None, log_limit: int = server_log.LOG_LIMIT,
+             server=None) -> Launch:
+    """A plan whose server is the stand-in child (CHILD), speaking as `server` (a Server: its title and log dialect)
+    where given."""
     port = free_port()
     args = {"port": port, "metrics": metrics, "preamble": preamble, "burst": BURST,
             "go": str(tmp_path / "go") if go else "", "drained": str(tmp_path / "drained")}
     return Launch([sys.executable, "-c", CHILD, json.dumps(args)], dict(os.environ),
-                  f"http://127.0.0.1:{port}/health", "up", log or tmp_path / "child.log", marker, log_limit)
+                  f"http://127.0.0.1:{port}/health", "up", log or tmp_path / "child.log", marker, log_limit,
+                  **({"title": server.title, "dialect": server.log} if server is not None else {}))
 
 
 def wait_for(path: Path, seconds: float = 60.0) -> bool:
@@ -377,12 +380,13 @@ def test_a_server_that_comes_up_without_the_plugin_is_stopped_with_one_line(tmp_
     it and says why in one line, with the reason vLLM logged."""
     preamble = ("ERROR 12-04 20:00:00 [__init__.py:1] Failed to load plugin ridgefill\nTraceback (most recent call "
                 "last):\nImportError: cannot import name 'register' from 'ridgefill.backends.vllm.plugin.entry'\n")
-    plan = stand_in(tmp_path, metrics=STOCK_METRICS, preamble=preamble, marker=vserving.MARKER)
+    plan = stand_in(tmp_path, metrics=STOCK_METRICS, preamble=preamble, marker=vserving.MARKER, server=vserving.SERVER)
     with pytest.raises(RidgefillError) as refused:
         launch(plan)
     line = str(refused.value)
-    assert line.startswith(f"vLLM's server came up without RidgeFill: its /metrics has no {vserving.MARKER}, so the "
-                           "plugin did not load in vLLM's processes (ImportError: cannot import name 'register'")
+    assert line.startswith(f"vLLM's server came up without RidgeFill: its /metrics has no {vserving.MARKER}, so "
+                           "RidgeFill did not load in it (ImportError: cannot import name 'register'")
+    assert "reinstall ridgefill (pip install -e '.[vllm]', or make install)" in line
     assert line.endswith(f"see the server's log, {plan.log}") and "\n" not in line
     assert not answers(plan.health)  # stopped
     with pytest.raises(RidgefillError, match="came up without RidgeFill"), running(plan):
@@ -392,7 +396,7 @@ def test_a_server_that_comes_up_without_the_plugin_is_stopped_with_one_line(tmp_
 def test_a_server_with_the_plugin_passes_and_stock_plans_are_not_checked(tmp_path):
     with running(stand_in(tmp_path, marker=vserving.MARKER)) as child:
         assert child.poll() is None
-    stock = serve.stock_plan(stand_in(tmp_path, metrics=STOCK_METRICS, marker=vserving.MARKER), tmp_path / "stock.log")
+    stock = stand_in(tmp_path, metrics=STOCK_METRICS)  # Server.launch without a fill: no marker looked for
     assert stock.marker is None
     with running(stock) as child:
         assert child.poll() is None
@@ -455,10 +459,10 @@ def plan_of(tiny_checkpoint, tmp_path, monkeypatch):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
 
-    def plan(*args: str) -> Launch:
-        c = serve.ServeConfig(model=str(tiny_checkpoint), split=3, port=free_port(), vllm_args=list(args))
+    def plan(*args: str, config: bool = False):
+        c = serve.ServeConfig(model=str(tiny_checkpoint), split=3, port=free_port(), server_args=list(args))
         c.check()
-        return serve.serve_plan(c, tmp_path)
+        return (serve.serve_plan(c, tmp_path), c) if config else serve.serve_plan(c, tmp_path)
 
     return plan
 
@@ -485,7 +489,7 @@ def test_serve_plans_a_private_log_and_looks_for_ridgefills_counter(plan_of, tmp
 ])
 def test_an_api_key_serve_cannot_hand_on_is_refused(args, match):
     with pytest.raises(RidgefillError, match=f"^{match}"):
-        serve.ServeConfig(maps="m.safetensors", vllm_args=args).check()
+        serve.ServeConfig(maps="m.safetensors", server_args=args).check()
     assert split_api_key(["--seed", "3", "--api-key", "k", "--enforce-eager"]) == (["--seed", "3", "--enforce-eager"],
                                                                                    "k")
 
@@ -530,18 +534,19 @@ def test_an_abbreviated_api_key_is_one_line_through_the_command(tmp_path, monkey
 
 
 def test_the_stock_baseline_is_plain_vllm(plan_of, tmp_path):
-    """bench-serve's "stock vLLM" runs the same command with nothing of RidgeFill's: no middleware (its request checks
-    and body parsing), no plugin (VLLM_PLUGINS empty: none of its refusals), no RIDGEFILL_* setting, no marker
-    looked for; the rest of the command line is the served one's."""
-    plan = plan_of("--max-model-len", "256", "--middleware", "my.Middleware")
-    stock = serve.stock_plan(plan, tmp_path / "stock.log")
-    ours = plan.argv.index(serve.MIDDLEWARE)
+    """bench-serve's "stock vLLM" (serve.stock_plan: VllmServer.launch without a fill) runs the same command with
+    nothing of RidgeFill's: no guard (its request checks and body parsing), no plugin (VLLM_PLUGINS empty: none of
+    its refusals), no RIDGEFILL_* setting, no marker looked for; the rest of the command line is the served one's."""
+    plan, c = plan_of("--max-model-len", "256", "--middleware", "my.Middleware", config=True)
+    stock = serve.stock_plan(c, tmp_path, tmp_path / "stock.log")
+    ours = plan.argv.index(serve.GUARD)
     assert plan.argv[ours - 1] == "--middleware"
     assert stock.argv == plan.argv[:ours - 1] + plan.argv[ours + 1:]  # the user's own middleware stays
     assert not any("ridgefill" in arg.lower() for arg in stock.argv[1:]), stock.argv
     assert stock.env["VLLM_PLUGINS"] == "" and not any(k.startswith("RIDGEFILL_") for k in stock.env)
     assert any(k.startswith("RIDGEFILL_") for k in plan.env) and stock.marker is None and stock.log == tmp_path / \
         "stock.log"
+    assert "stock vLLM" in stock.banner and "RidgeFill" not in stock.banner
 
 
 @pytest.mark.parametrize("cuda, native_bf16, want", [(False, False, "fp32"), (True, True, "bf16"),
@@ -578,7 +583,7 @@ def test_serve_defaults_to_dtype_auto_resolved_as_every_command(cuda, native_bf1
 ])
 def test_context_parallelism_and_weight_updates_are_refused(arg, match):
     with pytest.raises(RidgefillError) as refused:
-        serve.ServeConfig(maps="m.safetensors", vllm_args=["--max-model-len", "512", arg, "2"]).check()
+        serve.ServeConfig(maps="m.safetensors", server_args=["--max-model-len", "512", arg, "2"]).check()
     assert str(refused.value).startswith(f"{arg}: {match}"), refused.value
 
 

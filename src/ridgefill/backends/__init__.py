@@ -19,6 +19,12 @@ ENGINES = {
 }
 
 
+# the engines with an OpenAI-compatible server (`serve`, `bench-serve`): name -> the module holding its
+# backends/serving.Server as SERVER (imported only when that engine is asked for)
+SERVERS = {
+    "vllm": "ridgefill.backends.vllm.server",
+    "llamacpp": "ridgefill.backends.llamacpp.server",
+}
 # the engine `serve` and `bench-serve` run, and whose dialect a mounted request guard follows, unless told otherwise
 SERVING_DEFAULT = "vllm"
 
@@ -28,6 +34,15 @@ def backend_class(name: str):
     if name not in ENGINES:
         raise RidgefillError(f"unknown --engine '{name}': use one of {', '.join(ENGINES)}")
     return importlib.import_module(ENGINES[name][0]).BACKEND
+
+
+def server_of(name: str):
+    """The Server of engine `name`; an unknown engine, or one without a server, is one line."""
+    backend_class(name)  # an unknown name: one line
+    if name not in SERVERS:
+        raise RidgefillError(f"serving is not supported with --engine {name}: use --engine "
+                             f"{' or '.join(SERVERS)}")
+    return importlib.import_module(SERVERS[name]).SERVER
 
 
 def engine_help() -> str:

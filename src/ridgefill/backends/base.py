@@ -42,7 +42,6 @@ class Capabilities:
     projection: bool = False  # torchfill's fused fill projection (--projection) and its timed share
     reference_forward: bool = False  # bench-ttft also times transformers' forward beside exact
     first_token_latency: bool = False  # the engine reports its own first-token latency per request
-    serving: bool = False  # an OpenAI-compatible server with RidgeFill (serve, bench-serve: Backend's serving methods)
     devices: tuple[str, ...] = ("cpu", "cuda")
     dtypes: tuple[str, ...] = ("fp32", "bf16", "fp16")
 
@@ -70,8 +69,6 @@ class Backend:
     name: ClassVar[str]
     title: ClassVar[str] = ""  # how results printed to stderr name it ("vLLM"; "" for torchfill)
     caps: ClassVar[Capabilities]
-    guard: ClassVar = None  # caps.serving: how its server's requests carry what the request guard checks
-    # (backends/serving.GuardDialect)
 
     @classmethod
     def check_installed(cls) -> None:
@@ -81,49 +78,6 @@ class Backend:
     def cpu_only(cls) -> str | None:
         """Why this engine runs the model on the CPU alone whatever torch sees (None: it runs where torch does)."""
         return None
-
-    # --- serving (caps.serving): what the front, serve/, asks of an engine that serves -------------------------
-    @classmethod
-    def check_serve(cls, config, own: list[str]) -> None:
-        """The options of `serve` only this engine reads (config.vllm_args: its server's own), checked before
-        anything starts; `own`: serve's own options as written (an abbreviation of one is refused)."""
-
-    @classmethod
-    def served_dtype(cls, dtype: str, folder: str) -> str:
-        """serve's --dtype (auto resolved) as this engine serves the model in `folder`."""
-        raise NotImplementedError
-
-    @classmethod
-    def server(cls, config, scratch, log, guard: str, env: dict):
-        """Everything the server needs checked (one line each), then its start (backends/serving.Launch): command,
-        environment (with the front's `env`), health URL, banner, log (`log()`, asked for once the checks passed),
-        the /metrics marker of RidgeFill; the request guard (`guard`: its class's import path) mounted in it;
-        `scratch` lives as long as it runs."""
-        raise NotImplementedError
-
-    @classmethod
-    def stock_server(cls, plan, log, guard: str):
-        """The server of `plan` without RidgeFill, logging to `log` (bench-serve's baseline): no fill, no `guard`."""
-        raise NotImplementedError
-
-    @classmethod
-    def context_args(cls, tokens: int) -> list[str]:
-        """Server options (serve's extra arguments) that make its context hold `tokens` tokens (bench-serve's longest
-        request)."""
-        raise NotImplementedError
-
-    @classmethod
-    def bench_concurrency(cls, requests: int) -> int | None:
-        """serve's --concurrency for bench-serve's servers when a rate sends `requests` requests (None: serve's
-        default)."""
-        return None
-
-    @classmethod
-    def drive(cls, base: str, model: str, tokenizer, prompts: list[list[int]], rate: float, output_tokens: int,
-              seed: int, time_limit: float, salt: str = "") -> list[dict]:
-        """A seeded Poisson stream of `prompts` at `rate` requests/s against this engine's server at `base`: per
-        request its ttft, latency, output_tokens and start (bench-serve)."""
-        raise NotImplementedError
 
     @classmethod
     def provenance(cls) -> dict:
@@ -257,15 +211,38 @@ def check_filled(engine: str, name: str, filled: int, planned: int, detail: str 
 
 
 def check_plans(backend: Backend, plans: dict) -> None:
-    """Maps a backend cannot serve (lookback, key-scale), refused before anything runs."""
-    for plan in plans.values():
+    """Plans a backend cannot run (a variant it lacks, a filled window, lookback or key-scale maps), refused before
+    anything runs: the one check of what an engine runs, for every measuring command (Backend.use) and for serve
+    (check_fill)."""
+    for name, plan in plans.items():
         filler = getattr(plan, "filler", None)
         if filler is None:
             continue
+        if getattr(plan, "window", None) is not None and not backend.caps.filled_window:
+            raise refuse(backend, "a filled window (--filled-window, or one the maps carry)",
+                         "use maps calibrated without a window")
         if getattr(filler, "lookback", 0) and not backend.caps.lookback:
             raise refuse(backend, f"maps with lookback {filler.lookback}", "use maps fitted without --lookback")
         if getattr(filler, "key_scale", None) is not None and not backend.caps.key_scale:
             raise refuse(backend, "maps with a key-scale correction", "use the maps before ridgefill key-scale")
+
+
+def check_variants(backend, variants) -> None:
+    """Refuse a fill variant the backend does not run (exact runs everywhere)."""
+    cls = backend if isinstance(backend, type) else type(backend)
+    lacking = [v for v in variants if v != "exact" and v not in cls.caps.variants]
+    if lacking:
+        raise refuse(cls.name, f"the {lacking[0]} variant", f"use {', '.join(['exact', *cls.caps.variants])}")
+
+
+def check_fill(backend, fill, facts):
+    """The plan of `fill` (method/fill.FillSettings) on the model `facts` describes, refused in one line where the
+    backend cannot run it (check_variants, check_plans): serve's check, the same as the measuring commands'."""
+    check_variants(backend, [fill.variant])
+    check_options(backend if isinstance(backend, type) else type(backend), fill)
+    plan, _ = fill.plan(facts)
+    check_plans(backend, {fill.variant: plan})
+    return plan
 
 
 # --- the option the engine commands share ----------------------------------------------------------------
@@ -304,6 +281,13 @@ class EngineOptions(Config):
         return backend_class(self.engine)(self, projection)
 
 
+def check_options(cls, config) -> None:
+    """Refuse an option set in `config` (a command's options, or FillSettings) that needs a capability `cls` lacks."""
+    for name, is_set, capability, flag in OPTION_CAPABILITIES:
+        if hasattr(config, name) and is_set(getattr(config, name)) and not getattr(cls.caps, capability):
+            raise refuse(cls.name, flag)
+
+
 def check_engine_options(config, needs: tuple[str, ...] = (), variants: list[str] | None = None) -> None:
     """--engine names a known backend that can run here, and the options asked for are ones it serves."""
     from ridgefill.backends import backend_class
@@ -311,18 +295,12 @@ def check_engine_options(config, needs: tuple[str, ...] = (), variants: list[str
     cls = backend_class(config.engine)
     cls.check_installed()
     check_needs(cls, needs)
-    for name, is_set, capability, flag in OPTION_CAPABILITIES:
-        if hasattr(config, name) and is_set(getattr(config, name)) and not getattr(cls.caps, capability):
-            raise refuse(cls.name, flag)
+    check_options(cls, config)
     if variants is None and getattr(config, "variants", None) is not None:
         from ridgefill.method.fill import parse_variants
 
         variants = parse_variants(config.variants, config.maps)
-    asked = variants or []
-    lacking = [v for v in asked if v != "exact" and v not in cls.caps.variants]
-    if lacking:
-        raise refuse(cls.name, f"the {lacking[0]} variant",
-                     f"use {', '.join(['exact', *cls.caps.variants])}")
+    check_variants(cls, variants or [])
     if config.device not in cls.caps.devices or config.dtype not in cls.caps.dtypes:
         raise refuse(cls.name, f"--device {config.device} --dtype {config.dtype}",
                      f"use a device of {', '.join(cls.caps.devices)} and a dtype of {', '.join(cls.caps.dtypes)}")

@@ -1,27 +1,52 @@
 """The serving seam: what `ridgefill serve`'s front (serve/) and every engine that serves share, with no engine's
-import. An engine that serves (caps.serving) builds a `Launch` for its server (Backend.server); the front runs it
-(serve/process.py), relays its log (serve/log.py) and mounts the request guard (serve/guard.py) in it, which reads how
-the engine's requests carry RidgeFill's options from the engine's `GuardDialect`.
+import. An engine that serves has a `Server` (backends/<engine>/server.py, named in backends.SERVERS): it checks the
+options only its server reads, and builds a `Launch` of its OpenAI-compatible server with a fill or, for the stock
+baseline, with none. The front resolves the fill, checks that the engine runs it, checks the port, warns about
+exposure, runs the server (serve/process.py), relays its log (serve/log.py), mounts the request guard
+(serve/guard.py) and reports a failure in the engine's own words, read from its `LogDialect`; the guard reads how the
+engine's requests carry RidgeFill's options from its `GuardDialect`.
 
 - RidgeFill's per-request options (`REQUEST_ARGS`: a request's own tail and keep-first): the names a client sends,
   and `check_request_args`, the check of their values (at the guard, and where the engine admits a request);
-- the names of RidgeFill's counters on a server's /metrics (`COUNTERS`; `MARKER`: the line only a server running
-  RidgeFill shows);
+- RidgeFill's counters on a server's /metrics: method/tally.FillTally's fields (`MARKER`: the line only a server
+  running RidgeFill shows);
 - the server's start (`Launch`) and how this machine reaches it (`health_url`, `check_port`, `free_port`).
 """
 
 from __future__ import annotations
 
 import ipaddress
+import os
+import re
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import ClassVar, Mapping
 
 from ridgefill.torchfill.rows import MAX_ROWS, keep_first_ok, tail_ok
 from ridgefill.errors import RidgefillError
 
 LOG_LIMIT = 32 << 20  # bytes of a server's log in one file: past it the file moves to <log>.1 (the previous one dropped)
+
+
+# a line of a Python server's log that names an error: "(worker) ... package.SomeError: message"
+PYTHON_ERROR = re.compile(r"^(?:\([^)]*\)\s*)?(?:\S+\s+){0,6}?([A-Za-z_][\w.]*(?:Error|Exception|Exit)): (.+)$")
+UVICORN_ERROR = re.compile(r"^ERROR:\s+(.+)$")  # uvicorn's own error lines (a port taken at bind time)
+UVICORN_UP = b"Application startup complete"  # uvicorn's line once the server accepts requests
+PORT_FIX = (re.compile(r"address already in use|attempting to bind", re.I), "pick another --port, or stop what uses it")
+
+
+@dataclass(frozen=True)
+class LogDialect:
+    """How an engine's server says in its log that it is up, or why it failed (serve/process.py reads it)."""
+
+    up: bytes = UVICORN_UP  # a line that means it accepts requests
+    errors: tuple[re.Pattern, ...] = (PYTHON_ERROR, UVICORN_ERROR)  # lines naming an error: (type, message) or
+    # (message) groups
+    generic: tuple[str, ...] = ()  # error messages that say only that it failed (the root error is another line)
+    fixes: tuple[tuple[re.Pattern, str], ...] = (PORT_FIX,)  # (a pattern of the reason, the fix named with it)
+    fill_failed: str = ""  # the log line after which it says why RidgeFill did not load ("": it never says)
+    fill_fix: str = "reinstall ridgefill (make install)"  # what to do when it came up without RidgeFill
 
 
 @dataclass(frozen=True)
@@ -35,6 +60,8 @@ class Launch:
     log: Path
     marker: str | None = None  # a /metrics line starts with it only when RidgeFill runs (None: not checked)
     log_limit: int = LOG_LIMIT
+    title: str = "the server"  # how failures name it ("vLLM", "llama.cpp")
+    dialect: LogDialect = LogDialect()
 
 
 @dataclass(frozen=True)
@@ -45,6 +72,56 @@ class GuardDialect:
     # "": RidgeFill's options are top-level fields of the body (ridgefill_tail beside prompt and max_tokens)
     key_env: str  # the environment variable the server reads its API key from when none is given on its command line
     auth_middleware: str = ""  # the class name of the server's own API-key middleware, whose keys the guard checks
+
+
+class Server:
+    """One engine's OpenAI-compatible server, as `serve` and `bench-serve` run it. A subclass lives in its engine's
+    folder (backends/<engine>/server.py, exposed as SERVER and named in backends.SERVERS); the front calls, in this
+    order: `check` (with the command's other checks), `launch` (the fill resolved and checked by the front; None for
+    the stock baseline), then runs the Launch. Its texts name its engine; the front's never do."""
+
+    name: ClassVar[str]  # its --engine name
+    title: ClassVar[str]  # how texts name it ("vLLM", "llama.cpp")
+    guard: ClassVar[GuardDialect]  # how its requests carry what the request guard checks
+    log: ClassVar[LogDialect] = LogDialect()  # how its log says it is up, or why it failed
+    args_help: ClassVar[str] = ""  # what serve's --server-args hands on to it (serve's help)
+
+    def check(self, config, own: list[str]) -> None:
+        """The settings only this server reads (config.server_args, config.dtype, config.kv_cache_gib), checked
+        before anything starts; `own`: serve's own options as written (an abbreviation of one is refused)."""
+
+    def served_dtype(self, dtype: str, model: str) -> str:
+        """serve's --dtype (auto resolved) as this server serves `model`."""
+        raise NotImplementedError
+
+    def keyed(self, config) -> bool:
+        """Whether the server checks an API key (config.server_args or its key variable)."""
+        return bool(os.environ.get(self.guard.key_env))
+
+    def launch(self, config, fill, scratch: Path, guard: str | None, env: dict) -> "Launch":
+        """Everything only this engine checks (one line each), then its server's start: command, environment (with
+        the front's `env`), health URL, its share of the banner (`banner`: what the front's line does not say),
+        the /metrics marker of RidgeFill; `fill` (method/fill.FillSettings, checked against the model and this engine
+        by the front) served, or none (None: the stock server, bench-serve's baseline, without RidgeFill's counters);
+        `guard` (the front's request guard's import path, or None) mounted; `scratch` lives as long as it runs. The
+        log's path is the front's (Launch.log is replaced)."""
+        raise NotImplementedError
+
+    def context_args(self, tokens: int) -> list[str]:
+        """Server arguments (serve's --server-args) that make its context hold `tokens` tokens (bench-serve's
+        longest request)."""
+        raise NotImplementedError
+
+    def bench_concurrency(self, requests: int) -> int | None:
+        """serve's --concurrency for bench-serve's servers when a rate sends `requests` requests (None: serve's
+        default)."""
+        return None
+
+    def drive(self, base: str, model: str, tokenizer, prompts: list[list[int]], rate: float, output_tokens: int,
+              seed: int, time_limit: float, salt: str = "") -> list[dict]:
+        """A seeded Poisson stream of `prompts` at `rate` requests/s against this server at `base`: per request its
+        ttft, latency, output_tokens and start (bench-serve)."""
+        raise NotImplementedError
 
 
 # --- a request's own RidgeFill options ----------------------------------------------------------------------

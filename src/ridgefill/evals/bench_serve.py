@@ -1,9 +1,9 @@
 """`ridgefill bench-serve`: a load test of RidgeFill in an engine's server against the same engine stock, on loopback,
 bounded in time.
 
-It starts `ridgefill serve --engine E` (the fill) and then the same server stock (the same command line, context,
-threads and options, the fill off and no RidgeFill middleware: the backend's stock_server), one at a time, and drives
-each with the same seeded request stream (the backend's `drive`: vLLM's own benchmark client,
+It starts the engine's server stock (the same command line, context, threads and options as serve's, no fill and no
+request guard: Server.launch with no fill) and then as `ridgefill serve --engine E` runs it (the fill), one at a
+time, and drives each with the same seeded request stream (the server's `drive`: vLLM's own benchmark client,
 vllm.benchmarks.serve.benchmark; for llama.cpp ridgefill's client, backends/load.py): Poisson arrivals at each of
 `--rates` (requests/s), `--requests` prompts per rate of about `--prompt-tokens` tokens (each drawn uniformly within
 ±25 %) cut from evaluation documents of `--data`, `--output-tokens` greedy tokens each (end-of-sequence kept out).
@@ -14,8 +14,9 @@ rule, and consecutive prompts share no prefix). A rate's prompts are the same fo
 Per rate and variant: TTFT p50/p90/p99 each with a seeded bootstrap interval, mean TPOT ((latency − TTFT) / (output
 tokens − 1)), request throughput, and goodput (requests finished within the TTFT objective `--slo-ttft`, per
 second); per rate the fill/stock ratio of TTFT p50 with a seeded paired bootstrap interval (the same prompt under
-both variants is a pair). Writes --out (JSON: `results`, one entry per rate and variant; `ratios`, per rate), a PNG
-of TTFT percentiles against rate beside it (<out>.png), and prints a table. The servers' logs are in this user's
+both variants is a pair). Writes --out (JSON: `results`, one entry per rate and variant; `ratios`, per rate; `engine`,
+the engine's name and build as every result names it), a PNG of TTFT percentiles against rate beside it
+(<out>.png), and prints a table. The servers' logs are in this user's
 private log folder, serve's (named in the JSON).
 """
 
@@ -34,8 +35,8 @@ from ridgefill.evals.common import ResultWriter
 from ridgefill.runtime.console import note, table
 from ridgefill.runtime.paths import check_output
 from ridgefill.runtime.stats import percentile, ratio_of_medians
-from ridgefill.backends import SERVING_DEFAULT
-from ridgefill.serve.serve import SERVED_DTYPE_HELP, ServedFill, serving_backend
+from ridgefill.backends import SERVING_DEFAULT, backend_class, server_of
+from ridgefill.serve.serve import ENGINE_HELP, SERVED_DTYPE_HELP, ServedFill
 
 VARIANTS = ("exact", "ridge")  # the engine stock, then with RidgeFill (the fill of the fill options)
 SPREAD = 0.25  # prompt lengths are drawn uniformly within ±SPREAD of --prompt-tokens
@@ -54,13 +55,13 @@ class BenchServeConfig(ServedFill):
     dtype: str = option("auto", SERVED_DTYPE_HELP)
     seed: int = option(0, "Seed of the prompts, the arrivals and the bootstrap.")
     out: Path = option(REQUIRED, "Result JSON to write (and <out>.png beside it).")
-    engine: str = option(SERVING_DEFAULT, "Which engine's server runs both variants (one that serves: vllm or llamacpp).")
-    vllm_args: list[str] = option([], "options of the engine's server given to both servers (vLLM: `vllm serve`'s, "
-                                  "e.g. --max-num-seqs 8; llama.cpp: --n-ctx N).")
+    engine: str = option(SERVING_DEFAULT, ENGINE_HELP)
+    server_args: list[str] = option([], "Options handed on to both servers (vllm: `vllm serve`'s, e.g. --max-num-seqs "
+                                    "8; llamacpp: --n-ctx N).")
 
     def check(self) -> None:
         super().check()
-        serving_backend(self.engine)  # an engine that cannot serve: one line
+        server_of(self.engine)  # an engine without a server: one line
         self.rate_values()
         for flag, value in (("--requests", self.requests), ("--output-tokens", self.output_tokens),
                             ("--prompt-tokens", self.prompt_tokens)):
@@ -83,14 +84,16 @@ class BenchServeConfig(ServedFill):
 
 
 def run(c: BenchServeConfig) -> dict:
+    from ridgefill.backends.serving import free_port
     from ridgefill.runtime.models import model_folder
     from ridgefill.serve.log import log_folder
-    from ridgefill.serve.serve import ServeConfig, free_port, running, serve_plan, serving_backend, stock_plan
+    from ridgefill.serve.process import running
+    from ridgefill.serve.serve import ServeConfig, serve_plan, stock_plan
 
-    backend = serving_backend(c.engine)
+    server = server_of(c.engine)
     folder = model_folder(c.model)
     # recorded resolved (vLLM: fp32 or bf16; llama.cpp: the GGUF's own types); serve resolves --dtype alike
-    writer = ResultWriter("bench-serve", {**c.as_dict(), "dtype": backend.served_dtype(c.dtype, folder)}, c.seed)
+    writer = ResultWriter("bench-serve", {**c.as_dict(), "dtype": server.served_dtype(c.dtype, c.model)}, c.seed)
     tokenizer = _tokenizer(folder)
     # one more prompt than a rate sends: the warm-up's, so no timed prompt follows itself (llama.cpp keeps the
     # previous prompt's prefix; vLLM's requests carry cache salts)
@@ -100,39 +103,41 @@ def run(c: BenchServeConfig) -> dict:
     served = ServeConfig(model=c.model, maps=c.maps, split=c.split, tail=c.tail, keep_first=c.keep_first,
                          outlier_factor=c.outlier_factor, serving_config=c.serving_config, port=free_port(),
                          dtype=c.dtype, log_file=logs / "bench-serve-ridge.log", engine=c.engine,
-                         vllm_args=[*c.vllm_args, *backend.context_args(longest)],
-                         **admitted(backend.bench_concurrency(c.requests)))
+                         server_args=[*c.server_args, *server.context_args(longest)],
+                         **admitted(server.bench_concurrency(c.requests)))
     served.check()
     results, per_request = [], {}
     with tempfile.TemporaryDirectory(prefix="ridgefill-bench-serve-") as scratch:
-        ridge = serve_plan(served, Path(scratch))
-        plans = {"exact": stock_plan(ridge, logs / "bench-serve-exact.log", c.engine), "ridge": ridge}
+        plans = {"ridge": serve_plan(served, Path(scratch)),
+                 "exact": stock_plan(served, Path(scratch), logs / "bench-serve-exact.log")}
         for variant in VARIANTS:
             note(f"bench-serve: {variant}: starting the server (log: {plans[variant].log})")
             with running(plans[variant]):
                 base = plans[variant].health.removesuffix("/health")
-                backend.drive(base, c.model, tokenizer, [warm_up], math.inf, c.output_tokens, c.seed, c.time_limit,
+                server.drive(base, c.model, tokenizer, [warm_up], math.inf, c.output_tokens, c.seed, c.time_limit,
                       salt="warm-up")  # one untimed request: the first filled step's one-time costs
                 for rate in c.rate_values():
                     note(f"bench-serve: {variant} at {rate:g} requests/s ({c.requests} requests)")
-                    outputs = backend.drive(base, c.model, tokenizer, prompts, rate, c.output_tokens, c.seed,
+                    outputs = server.drive(base, c.model, tokenizer, prompts, rate, c.output_tokens, c.seed,
                                             c.time_limit)
                     per_request[(variant, rate)] = outputs
                     results.append(summary(variant, rate, outputs, c.slo_ttft, c.seed))
     ratios = [ttft_ratio(rate, per_request[("exact", rate)], per_request[("ridge", rate)], c.seed)
               for rate in c.rate_values()]
     figure = Path(f"{c.out}.png")
-    plot(results, figure, c.slo_ttft, backend.title)
+    plot(results, figure, c.slo_ttft, server.title)
+    build = backend_class(c.engine).provenance()
     doc = writer.write(c.out, {"id": c.model}, None, list(VARIANTS), results, {},
                        ratios=ratios, prompts={"count": len(prompts), "tokens": [len(p) for p in prompts]},
                        servers={v: {"argv": plans[v].argv[3:], "log": str(plans[v].log)} for v in VARIANTS},
-                       figure=str(figure), computed_by=backend.provenance())
-    print_table(doc, backend.title)
+                       figure=str(figure), engine={"name": c.engine, "build": build, "settings": {}},
+                       computed_by=build)
+    print_table(doc, server.title)
     return doc
 
 
 def admitted(concurrency: int | None) -> dict:
-    """serve's --concurrency as the backend asks for bench-serve ({}: serve's default)."""
+    """serve's --concurrency as the server asks for bench-serve ({}: serve's default)."""
     return {} if concurrency is None else {"concurrency": concurrency}
 
 
@@ -225,4 +230,4 @@ def print_table(doc: dict, title: str) -> None:
            "TTFT p50 fill/stock [95% CI]"], rows)
 
 
-COMMAND = Command("bench-serve", BenchServeConfig, run, extra_args="vllm_args")
+COMMAND = Command("bench-serve", BenchServeConfig, run, extra_args="server_args")

@@ -17,7 +17,7 @@ import sys
 import threading
 from pathlib import Path
 
-from ridgefill.backends.serving import LOG_LIMIT  # a log file's bound: the Launch it serves says it
+from ridgefill.backends.serving import LOG_LIMIT, UVICORN_UP  # a log file's bound, the line meaning up
 from ridgefill.errors import RidgefillError
 
 LINE_LIMIT = 1 << 16  # the longest piece of the server's output read at once (a longer line is copied in pieces)
@@ -229,11 +229,9 @@ class Relay(threading.Thread):
     """Reads the child's output until it ends, whatever happens to where it goes: into the log file, and to stderr
     (through Echo, which never blocks the reading) once `go_live` is called. A failing copy ends that copy only."""
 
-    STARTED = b"Application startup complete"  # uvicorn's line once the server accepts requests
-
-    def __init__(self, stream, log: LogFile) -> None:
+    def __init__(self, stream, log: LogFile, up: bytes = UVICORN_UP) -> None:
         super().__init__(daemon=True)
-        self.stream, self.log = stream, log
+        self.stream, self.log, self.up = stream, log, up  # up: the line that says the server accepts requests
         self.started = False
         self.echo: Echo | None = None
         self._live = threading.Event()
@@ -253,7 +251,7 @@ class Relay(threading.Thread):
     def run(self) -> None:
         try:
             for line in iter(lambda: self.stream.readline(LINE_LIMIT), b""):
-                self.started = self.started or self.STARTED in line
+                self.started = self.started or self.up in line
                 if self.log.ok and not self.log.write(line):
                     say(f"warning: the server's log {self.log.path} cannot be written any more: its output goes on to "
                         "stderr only\n")

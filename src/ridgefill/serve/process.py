@@ -1,7 +1,7 @@
 """The server as a child process (`ridgefill serve`, both servers of `bench-serve`): started in its own process group
 from a `Launch` plan, its output relayed into a private, bounded log file (and to stderr once it answers: serve/log.py),
-watched until it answers, checked to run RidgeFill (its marker on /metrics), signals forwarded, stopped. No engine
-import.
+watched until it answers, checked to run RidgeFill (its marker on /metrics), signals forwarded, stopped. Why it failed
+is read from its log in the engine's dialect (Launch.dialect: backends/serving.LogDialect). No engine import.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
-from ridgefill.backends.serving import Launch
+from ridgefill.backends.serving import Launch, LogDialect
 from ridgefill.errors import RidgefillError
 from ridgefill.serve.log import LogFile, Relay, say
 
@@ -56,7 +56,7 @@ def launch(plan: Launch) -> int:
         relay.finish()
     code = code if code >= 0 else 128 - code
     if not up and not signalled:
-        raise RidgefillError(startup_error(read_log(plan.log), code, plan.log))
+        raise RidgefillError(startup_error(read_log(plan.log), code, plan.log, plan.dialect))
     return code
 
 
@@ -70,7 +70,7 @@ def start(plan: Launch) -> tuple[subprocess.Popen, Relay]:
     except BaseException:
         log.close()
         raise
-    relay = Relay(child.stdout, log)
+    relay = Relay(child.stdout, log, plan.dialect.up)
     relay.start()
     return child, relay
 
@@ -84,7 +84,7 @@ def running(plan: Launch):
         if not (wait_until_up(child, plan.health, relay) and check_plugin(plan, child)):
             code = child.wait()
             relay.join()
-            raise RidgefillError(startup_error(read_log(plan.log), code, plan.log))
+            raise RidgefillError(startup_error(read_log(plan.log), code, plan.log, plan.dialect))
         yield child
     finally:
         if child.poll() is None:
@@ -131,7 +131,7 @@ def wait_until_up(child: subprocess.Popen, health: str, relay: Relay) -> bool:
 def _fetch(url: str) -> str | None:
     """The body of `url` if it answers 200, else None. Straight to the server, never through a proxy (http_proxy,
     https_proxy and all_proxy are ignored: the server is on this machine), and with no credentials: /health and
-    /metrics are open in vLLM's server, with or without --api-key."""
+    /metrics are open in every server, with or without an API key."""
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:
         with opener.open(urllib.request.Request(url), timeout=5) as r:
@@ -143,8 +143,8 @@ def _fetch(url: str) -> str | None:
 # --- is RidgeFill running in it? ---------------------------------------------------------------------------------
 def check_plugin(plan: Launch, child: subprocess.Popen) -> bool:
     """For a plan with a marker: wait until the server's /metrics answers and holds a line starting with it (only
-    RidgeFill's plugin, loaded in the engine, creates that counter). False if the child ended meanwhile; a
-    RidgefillError if it answers without the marker (vLLM logs a plugin that failed to load and serves stock)."""
+    RidgeFill, loaded in the engine, creates that counter). False if the child ended meanwhile; a RidgefillError if
+    it answers without the marker (vLLM, for one, logs a plugin that failed to load and serves stock)."""
     if plan.marker is None:
         return True
     url = plan.health.removesuffix("/health") + "/metrics"
@@ -154,31 +154,24 @@ def check_plugin(plan: Launch, child: subprocess.Popen) -> bool:
         if body is not None and any(line.startswith(plan.marker) for line in body.splitlines()):
             return True
         if body is not None or time.monotonic() > deadline:
-            raise RidgefillError(plugin_error(read_log(plan.log), plan.marker, plan.log))
+            raise RidgefillError(plugin_error(plan))
         time.sleep(0.5)
     return False
 
 
-def plugin_error(log: str, marker: str, path: Path) -> str:
-    """One line for a server that came up without RidgeFill: the reason vLLM logged for the plugin, if any."""
-    failed = log.find("Failed to load plugin")
-    errors = root_errors(log[failed:]) if failed >= 0 else []
+def plugin_error(plan: Launch) -> str:
+    """One line for a server that came up without RidgeFill: the reason its log gives (after the dialect's
+    fill_failed line), if any, and the engine's fix."""
+    log, dialect = read_log(plan.log), plan.dialect
+    failed = log.find(dialect.fill_failed) if dialect.fill_failed else -1
+    errors = root_errors(log[failed:], dialect) if failed >= 0 else []
     reason = f" ({errors[0][0].rsplit('.', 1)[-1]}: {_short(errors[0][1])})" if errors else ""
-    return (f"vLLM's server came up without RidgeFill: its /metrics has no {marker}, so the plugin did not load in "
-            f"vLLM's processes{reason} and every ridgefill_* option would be ignored; it was stopped: reinstall "
-            f"ridgefill (pip install -e '.[vllm]', or make install) and see the server's log, {path}")
+    return (f"{plan.title}'s server came up without RidgeFill: its /metrics has no {plan.marker}, so RidgeFill did "
+            f"not load in it{reason} and every ridgefill_* option would be ignored; it was stopped: "
+            f"{dialect.fill_fix}, and see the server's log, {plan.log}")
 
 
 # --- why it did not start -----------------------------------------------------------------------------------------
-ERROR_LINE = re.compile(r"^(?:\([^)]*\)\s*)?(?:\S+\s+){0,6}?([A-Za-z_][\w.]*(?:Error|Exception|Exit)): (.+)$")
-GENERIC = ("Engine core initialization failed", "Engine process failed to start", "EngineCore failed to start")
-FIXES = (  # (a pattern of the reason, the fix named with it)
-    (re.compile(r"memory|KV cache|kv cache", re.I), "lower --max-model-len or --kv-cache-gib, or free memory"),
-    (re.compile(r"address already in use", re.I), "pick another --port"),
-    (re.compile(r"max_model_len|max-model-len|maximum model length", re.I), "lower --max-model-len"),
-)
-
-
 def read_log(path: Path) -> str:
     """The log file's text ("" if it is no regular file or cannot be read)."""
     try:
@@ -187,32 +180,37 @@ def read_log(path: Path) -> str:
         return ""
 
 
-def root_errors(log: str) -> list[tuple[str, str]]:
-    """The (exception type, message) of every error line in a server's log (vLLM's form), but vLLM's generic start-up failures."""
+def root_errors(log: str, dialect: LogDialect = LogDialect()) -> list[tuple[str, str]]:
+    """The (error type, message) of every line of a server's log that names an error, in the dialect's forms (a
+    form without a type gives "error"), but the dialect's generic failures."""
     errors = []
     lines = log.splitlines()
     for i, line in enumerate(lines):
-        m = ERROR_LINE.match(line.strip())
-        if m and not any(g in m.group(2) for g in GENERIC):
-            message = m.group(2).strip()
-            if re.match(r"\d+ validation errors? for ", message) and i + 1 < len(lines):  # pydantic: the reason follows
-                message = lines[i + 1].strip().removeprefix("Value error, ").split(" [type=")[0]
-            errors.append((m.group(1), message))
+        m = next((m for pattern in dialect.errors if (m := pattern.match(line.strip()))), None)
+        if m is None:
+            continue
+        kind, message = (m.group(1), m.group(2).strip()) if m.re.groups > 1 else ("error", m.group(1).strip())
+        if any(g in message for g in dialect.generic):
+            continue
+        if re.match(r"\d+ validation errors? for ", message) and i + 1 < len(lines):  # pydantic: the reason follows
+            message = lines[i + 1].strip().removeprefix("Value error, ").split(" [type=")[0]
+        errors.append((kind, message))
     return errors
 
 
-def startup_error(log: str, code: int, path: Path) -> str:
+def startup_error(log: str, code: int, path: Path, dialect: LogDialect = LogDialect()) -> str:
     """One line for a server that ended before it was up: the root error in its log (RidgeFill's own refusal as it
-    is), the fix where it is known, and where the whole log is."""
-    errors = root_errors(log)
+    is), the fix where the engine's dialect knows it, and where the whole log is."""
+    errors = root_errors(log, dialect)
     ours = [message for kind, message in errors if kind.endswith("RidgefillError")]
     if ours:
         return f"{ours[0]} (the server's log: {path})"
     if not errors:
         return f"the server exited with code {code} before it answered: see its log, {path}"
-    kind, message = errors[0]
-    fix = next((f for pattern, f in FIXES if pattern.search(message)), "see the log")
-    return f"the server could not start ({kind.rsplit('.', 1)[-1]}: {_short(message)}): {fix} (the server's log: {path})"
+    kind, message = next(((k, m) for k, m in errors if any(p.search(m) for p, _ in dialect.fixes)), errors[0])
+    fix = next((f for pattern, f in dialect.fixes if pattern.search(message)), "see the log")
+    what = f"{kind.rsplit('.', 1)[-1]}: " if kind != "error" else ""
+    return f"the server could not start ({what}{_short(message)}): {fix} (the server's log: {path})"
 
 
 def _short(message: str) -> str:

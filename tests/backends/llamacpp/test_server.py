@@ -232,10 +232,10 @@ def test_bad_configurations_are_one_line_and_exit_2(served, tiny_ggufs, tiny_che
     assert refused(["--model", gguf, "--split", "3", "--max-model-len", "4096"], monkeypatch, capfd) == (
         "error: --max-model-len is not an option of --engine llamacpp's server, which takes --api-key KEY and "
         "--n-ctx N (vLLM's options need --engine vllm)")
-    from ridgefill.backends import backend_class
+    from ridgefill.backends import server_of
     from ridgefill.backends.llamacpp.server import split_args
 
-    assert split_args(backend_class("llamacpp").context_args(4096)) == {"--n-ctx": "4096"}  # bench-serve's sizing
+    assert split_args(server_of("llamacpp").context_args(4096)) == {"--n-ctx": "4096"}  # bench-serve's sizing
     assert refused(["--model", gguf, "--split", "3", "--n-ctx", "0"], monkeypatch, capfd) == (
         "error: --n-ctx '0' is not a number of tokens: give e.g. --n-ctx 4096")
     assert refused(["--model", gguf, "--split", "3", "--dtype", "bf16"], monkeypatch, capfd).startswith(
@@ -252,14 +252,15 @@ def test_bad_configurations_are_one_line_and_exit_2(served, tiny_ggufs, tiny_che
 
 def test_a_serving_config_and_the_stock_server_bench_serve_compares(served, tmp_path, monkeypatch, cache):
     """serve reads tune's serving config as vLLM's serve does (its fill pinned into the server's SPEC, the maps by
-    sha256); the same server with the fill off (Backend.stock_server: --stock, no guard, no RidgeFill counter)
+    sha256); the same server without a fill (serve.stock_plan: --stock, no guard, no RidgeFill counter)
     answers a prompt as the filled server answers it with a tail over the whole prompt (exact), and refuses
     RidgeFill's options."""
     from helpers import free_port
     from ridgefill.backends.llamacpp.server import KEY_ENV
     from ridgefill.method.fill import SERVING_KIND, FillSettings
     from ridgefill.runtime.models import model_identity
-    from ridgefill.serve.serve import ServeConfig, running, serve_plan, stock_plan
+    from ridgefill.serve.process import running
+    from ridgefill.serve.serve import ServeConfig, serve_plan, stock_plan
 
     monkeypatch.setenv("RIDGEFILL_CACHE", cache)
     weights = model_identity(str(served.gguf)).info["weights_hash"]
@@ -268,7 +269,7 @@ def test_a_serving_config_and_the_stock_server_bench_serve_compares(served, tmp_
     config.write_text(json.dumps({"kind": SERVING_KIND, "version": 2, "model": {"weights_hash": weights},
                                   **fill.to_serving()}))
     c = ServeConfig(model=str(served.gguf), serving_config=config, port=free_port(), engine="llamacpp",
-                    log_file=tmp_path / "filled.log", vllm_args=["--api-key", served.key])
+                    log_file=tmp_path / "filled.log", server_args=["--api-key", served.key])
     c.check()
     plan = serve_plan(c, tmp_path)
     spec = json.loads((tmp_path / "llamacpp-server.json").read_text())
@@ -276,7 +277,7 @@ def test_a_serving_config_and_the_stock_server_bench_serve_compares(served, tmp_
     assert spec["fill"]["maps_sha256"] == json.loads(config.read_text())["maps"]["sha256"]
     assert plan.env[KEY_ENV] == served.key and served.key not in " ".join(plan.argv)
     assert "--guard" in plan.argv and "tail 12" in plan.banner
-    stock = stock_plan(plan, tmp_path / "stock.log", "llamacpp")
+    stock = stock_plan(c, tmp_path, tmp_path / "stock.log")
     assert "--guard" not in stock.argv and stock.argv[-1] == "--stock" and stock.marker is None
     exact = served.complete(PROMPT, 6, ridgefill_tail=10_000)
     with running(stock):

@@ -129,7 +129,7 @@ CONFIG = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_head
 
 
 def plan(args=(), available=20 << 30, cpu=True, environ=None, **options):
-    c = serve.ServeConfig(maps="m.safetensors", vllm_args=list(args), **options)
+    c = serve.ServeConfig(maps="m.safetensors", server_args=list(args), **options)
     return kv_sizing.kv_cache_plan(c, CONFIG, available, cpu, environ or {})
 
 
@@ -177,19 +177,24 @@ ridgefill.errors.RidgefillError: LoRA is not supported with RidgeFill (filled ro
 
 
 def test_a_failed_start_is_one_line_with_its_root_cause_and_the_fix(tmp_path):
+    from ridgefill.serve.process import startup_error as front_error
+
+    def startup_error(text, code, path):  # as serve reads a vLLM server's log: in vLLM's dialect
+        return front_error(text, code, path, vserving.SERVER.log)
+
     log = tmp_path / "vllm.log"
-    line = serve.startup_error(VLLM_LOG, 1, log)
+    line = startup_error(VLLM_LOG, 1, log)
     assert line == ("the server could not start (ValueError: No available memory for the cache blocks. Try increasing "
                     "`gpu_memory_utilization`.): lower --max-model-len or --kv-cache-gib, or free memory (the server's log: "
                     f"{log})")
-    assert serve.startup_error(PYDANTIC_LOG, 1, log).startswith(
+    assert startup_error(PYDANTIC_LOG, 1, log).startswith(
         "the server could not start (ValidationError: User-specified max_model_len (100000) is greater than the derived "
         "max_model_len (8192).): lower --max-model-len (the server's log:")
-    assert serve.startup_error(OURS_LOG, 1, log) == (
+    assert startup_error(OURS_LOG, 1, log) == (
         f"LoRA is not supported with RidgeFill (filled rows ...): drop --enable-lora (the server's log: {log})")
-    assert serve.startup_error("INFO nothing useful\n", -9, log) == (
+    assert startup_error("INFO nothing useful\n", -9, log) == (
         f"the server exited with code -9 before it answered: see its log, {log}")
-    assert all("\n" not in serve.startup_error(text, 1, log) for text in (VLLM_LOG, PYDANTIC_LOG, OURS_LOG))
+    assert all("\n" not in startup_error(text, 1, log) for text in (VLLM_LOG, PYDANTIC_LOG, OURS_LOG))
 
 
 LORA = "LoRA is not supported with RidgeFill (filled rows would take the base model's K/V, full rows the adapter's)"
@@ -216,14 +221,15 @@ SPECULATIVE = "speculative decoding is not supported with RidgeFill: drop it"
 def test_vllm_options_that_break_the_fill_are_refused(arg, message):
     """Each option's own refusal, whole (every refusal names its option: matching the name alone tells nothing)."""
     with pytest.raises(RidgefillError, match=f"^{re.escape(message)}$"):
-        serve.ServeConfig(maps="m.safetensors", vllm_args=["--max-model-len", "512", arg, "1"]).check()
+        serve.ServeConfig(maps="m.safetensors", server_args=["--max-model-len", "512", arg, "1"]).check()
 
 
-def test_exposed_hosts_without_a_key_are_warned_about(capsys, monkeypatch):
+def test_exposed_hosts_without_a_key_are_warned_about(capsys, monkeypatch, tmp_path):
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    monkeypatch.setattr(serve, "check_port", lambda host, port: None)  # 10.1.2.3 is no address of this machine
     for host, args, warned in [("127.0.0.1", [], False), ("localhost", [], False), ("::1", [], False),
                                ("0.0.0.0", [], True), ("10.1.2.3", [], True), ("0.0.0.0", ["--api-key", "k"], False)]:
-        vserving.warn_if_exposed(serve.ServeConfig(maps="m", host=host, vllm_args=args))
+        serve.ready(serve.ServeConfig(maps="m", host=host, server_args=args), vserving.SERVER, tmp_path / "log")
         err = capsys.readouterr().err
         assert (err.startswith("warning: --host") and err.count("\n") == 1) == warned, (host, args, err)
     assert vserving.health_url("0.0.0.0", 8000) == "http://127.0.0.1:8000/health"
@@ -244,7 +250,7 @@ def test_a_hybrid_kv_cache_counts_attention_layers_per_token_and_linear_states_p
     conv, recurrent = (2 * 128 + 256) * 3, 4 * 64 * 64
     assert kv_sizing.state_bytes_per_request(HYBRID_CONFIG, "bf16") == 6 * (conv + recurrent) * 2
     assert kv_sizing.state_bytes_per_request(CONFIG, "fp32") == 0
-    c = serve.ServeConfig(maps="m.safetensors", dtype="bf16", vllm_args=["--max-model-len", "1000"])
+    c = serve.ServeConfig(maps="m.safetensors", dtype="bf16", server_args=["--max-model-len", "1000"])
     one = 1000 * kv_sizing.kv_bytes_per_token(HYBRID_CONFIG, "bf16") + kv_sizing.state_bytes_per_request(HYBRID_CONFIG,
                                                                                                 "bf16")
     assert kv_sizing.kv_cache_plan(c, HYBRID_CONFIG, 20 << 30, True, {}).args[1] == str(4 * one)
@@ -267,9 +273,9 @@ def test_a_hybrid_is_served_in_bf16_without_prefix_caching_on_a_cpu(tmp_path, mo
     for args in (["--enable-prefix-caching"], ["--no-enable-prefix-caching", "--enable-prefix-caching=true"]):
         with pytest.raises(RidgefillError, match="^--enable-prefix-caching: prefix caching is not supported with "
                                                  "RidgeFill on a hybrid model"):
-            vserving.check_hybrid(serve.ServeConfig(maps="m.safetensors", dtype="bf16", vllm_args=args), HYBRID_CONFIG)
+            vserving.check_hybrid(serve.ServeConfig(maps="m.safetensors", dtype="bf16", server_args=args), HYBRID_CONFIG)
     vserving.check_hybrid(serve.ServeConfig(maps="m.safetensors", dtype="bf16",
-                                         vllm_args=["--enable-prefix-caching", "--no-enable-prefix-caching"]),
+                                         server_args=["--enable-prefix-caching", "--no-enable-prefix-caching"]),
                        HYBRID_CONFIG)
     dense = {**CONFIG, "architectures": ["LlamaForCausalLM"]}
     (folder / "config.json").write_text(json.dumps(dense))

@@ -20,8 +20,6 @@ import torch
 from ridgefill.backends.base import Backend, Capabilities, Generation, Timed, refuse
 from ridgefill.torchfill.fill_plan import FillTally
 from ridgefill.backends.llamacpp import driver, library
-from ridgefill.backends.llamacpp.server import KEY_ENV
-from ridgefill.backends.serving import GuardDialect
 from ridgefill.errors import RidgefillError
 
 N_UBATCH = 512  # llama.cpp's default ubatch
@@ -31,10 +29,7 @@ class LlamaCppBackend(Backend):
     name = "llamacpp"
     title = "llama.cpp"
     caps = Capabilities(variants=("identity", "ridge", "mean"), keep_rows=True, key_scale=True, logprobs=True,
-                        serving=True, devices=("cpu",), dtypes=("fp32",))
-    # requests carry RidgeFill's options as top-level fields (ridgefill_tail beside prompt); the server reads its key
-    # from serving.KEY_ENV (serve moves --api-key there) and llama-cpp-python checks it after the guard
-    guard = GuardDialect(options_field="", key_env=KEY_ENV)
+                        devices=("cpu",), dtypes=("fp32",))
 
     @classmethod
     def check_installed(cls) -> None:
@@ -43,54 +38,6 @@ class LlamaCppBackend(Backend):
     @classmethod
     def cpu_only(cls) -> str | None:
         return "--engine llamacpp runs llama.cpp on the CPU (GPU offload is not supported)"
-
-    # --- serving: llama-cpp-python's OpenAI-compatible server with the fill (server.py, app.py) -------------------
-    @classmethod
-    def check_serve(cls, config, own: list[str]) -> None:
-        from ridgefill.backends.llamacpp.server import check_serve
-
-        check_serve(config, own)
-
-    @classmethod
-    def served_dtype(cls, dtype: str, folder: str) -> str:
-        return "gguf"  # the GGUF's own weight types (serve refuses any --dtype but auto)
-
-    @classmethod
-    def server(cls, config, scratch, log, guard: str, env: dict):
-        from ridgefill.backends.llamacpp.server import serve_plan
-
-        return serve_plan(cls, config, scratch, log, guard, env)
-
-    @classmethod
-    def stock_server(cls, plan, log, guard: str):
-        from ridgefill.backends.llamacpp.server import stock_plan
-
-        return stock_plan(plan, log, guard)
-
-    @classmethod
-    def context_args(cls, tokens: int) -> list[str]:
-        from ridgefill.backends.llamacpp.server import N_CTX
-
-        return [N_CTX, str(tokens)]  # the server's context (its K/V cache) holds `tokens` tokens
-
-    @classmethod
-    def bench_concurrency(cls, requests: int) -> int | None:
-        return requests  # every request of a rate admitted (one runs, the rest wait): none answered 503
-
-    @classmethod
-    def drive(cls, base: str, model: str, tokenizer, prompts: list[list[int]], rate: float, output_tokens: int,
-              seed: int, time_limit: float, salt: str = "") -> list[dict]:
-        """ridgefill's load client (backends/load.py): llama-cpp-python's server takes text, so each prompt is its
-        tokens decoded (the server tokenizes them again with the GGUF's own vocabulary); greedy with no repeat
-        penalty (llama-cpp-python's default is 1.1) and end-of-sequence kept out by a logit bias. `salt` is vLLM's
-        prefix-cache salt: consecutive prompts here share no prefix, so llama.cpp's prefix reuse has none to find."""
-        from ridgefill.backends.load import drive_completions
-
-        texts = [tokenizer.decode(p) for p in prompts]
-        extra = {"repeat_penalty": 1.0}
-        if tokenizer.eos_token_id is not None:
-            extra["logit_bias"] = {str(tokenizer.eos_token_id): -100.0}
-        return drive_completions(base, model, texts, rate, output_tokens, seed, time_limit, extra)
 
     @classmethod
     def provenance(cls) -> dict:

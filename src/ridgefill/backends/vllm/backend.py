@@ -25,7 +25,6 @@ from pathlib import Path
 
 from ridgefill.backends.base import Backend, Capabilities, Generation, Timed
 from ridgefill.torchfill.fill_plan import FillTally
-from ridgefill.backends.serving import GuardDialect
 
 KV_CACHE_GIB = 2
 
@@ -43,52 +42,13 @@ class VllmBackend(Backend):
     name = "vllm"
     title = "vLLM"
     caps = Capabilities(variants=("identity", "ridge", "mean"), lookback=True, key_scale=True, logprobs=True,
-                        batching=True, first_token_latency=True, serving=True)
-    # requests carry their options in vllm_xargs; vLLM reads its key from VLLM_API_KEY (args.API_KEY_ENV) and checks it
-    # in its AuthenticationMiddleware
-    guard = GuardDialect(options_field="vllm_xargs", key_env="VLLM_API_KEY", auth_middleware="AuthenticationMiddleware")
+                        batching=True, first_token_latency=True)
 
     @classmethod
     def check_installed(cls) -> None:
         from ridgefill.backends.vllm.server import check_vllm
 
         check_vllm()  # installed, the plugin's release, and its entry point (tensor-parallel workers load it)
-
-    # --- serving: vLLM's OpenAI-compatible server (backends/vllm/server.py) ---------------------------------------
-    @classmethod
-    def check_serve(cls, config, own: list[str]) -> None:
-        from ridgefill.backends.vllm.server import check_vllm_args
-
-        check_vllm_args(config.vllm_args, config.kv_cache_gib is not None, own)
-
-    @classmethod
-    def served_dtype(cls, dtype: str, folder: str) -> str:
-        from ridgefill.backends.vllm import server as serving
-        from ridgefill.backends.vllm.config import read_model_config, served_dtype
-
-        return served_dtype(dtype, read_model_config(folder), serving.on_cpu())
-
-    @classmethod
-    def server(cls, config, scratch, log, guard: str, env: dict):
-        from ridgefill.backends.vllm.server import serve_plan
-
-        return serve_plan(config, scratch, log, guard, env)
-
-    @classmethod
-    def stock_server(cls, plan, log, guard: str):
-        from ridgefill.backends.vllm.server import stock_plan
-
-        return stock_plan(plan, log, guard)
-
-    @classmethod
-    def context_args(cls, tokens: int) -> list[str]:
-        return ["--max-model-len", str(tokens)]
-
-    @classmethod
-    def drive(cls, *args, **kwargs) -> list[dict]:
-        from ridgefill.backends.vllm.load import drive
-
-        return drive(*args, **kwargs)
 
     @classmethod
     def cpu_only(cls) -> str | None:

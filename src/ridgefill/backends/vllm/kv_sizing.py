@@ -21,7 +21,7 @@ class KvOptions(Protocol):
     """The options the KV cache is sized from (serve's ServeConfig has them; serve.py imports this module, never the
     other way)."""
 
-    vllm_args: list[str]
+    server_args: list[str]
     dtype: str
     kv_cache_gib: float | None
     concurrency: int
@@ -38,10 +38,10 @@ def kv_cache_plan(c: KvOptions, config: dict, available: int, cpu: bool, environ
     or --gpu-memory-utilization, VLLM_CPU_KVCACHE_SPACE), vLLM's own rule. On a CPU build: --kv-cache-gib, else room
     for --concurrency requests of the longest length served, capped at half of `available` bytes; refused when not
     even one request of that length fits."""
-    length, context = served_length(c.vllm_args, config), model_context(config)
+    length, context = served_length(c.server_args, config), model_context(config)
     if length > context and not environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "").strip():
         raise RidgefillError(f"--max-model-len {length:,} exceeds the model's context of {context:,} tokens: lower it")
-    named = {option_name(a) for a in c.vllm_args}
+    named = {option_name(a) for a in c.server_args}
     if not cpu or named & set(KV_OPTIONS) or environ.get("VLLM_CPU_KVCACHE_SPACE", "").strip():
         return KvPlan([], "KV cache sized by vLLM")
     per_token = kv_bytes_per_token(config, c.dtype)
@@ -105,9 +105,9 @@ def _dtype_bytes(config: dict, dtype: str) -> int:
     return size
 
 
-def served_length(vllm_args: list[str], config: dict) -> int:
+def served_length(server_args: list[str], config: dict) -> int:
     """The longest request vLLM will take: --max-model-len if given (vLLM's 1k / 1K forms too), else the model's."""
-    given = option_value(vllm_args, "--max-model-len")
+    given = option_value(server_args, "--max-model-len")
     match = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmM]?)", (given or "").strip())
     if match:
         scale = {"": 1, "k": 1000, "K": 1024, "m": 10**6, "M": 1 << 20}[match.group(2)]

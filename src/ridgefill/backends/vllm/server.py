@@ -1,11 +1,11 @@
-"""How vLLM serves (VllmBackend's serving methods; the front, serve/, runs what this builds): vLLM's
+"""vLLM's server behind the serving seam (VllmServer; the front, serve/, runs what it builds): vLLM's
 OpenAI-compatible server (VLLM_SERVER) with RidgeFill's plugin configured by the fill in its environment
 (backends/vllm/fill.fill_env: every process vLLM starts reads it), a fresh PROMETHEUS_MULTIPROC_DIR (RidgeFill's
 counters on /metrics), the front's request guard mounted with vLLM's --middleware, and every argument serve does
 not declare handed on to vLLM (any `vllm serve` option but --api-key, whose key goes to vLLM through VLLM_API_KEY: a
 command line is readable by every local user). Before any vLLM process starts, the options, the model folder and the
-maps (backends/vllm/config.check_fill, which pins the maps' sha256), the plugin's entry point, the installed vLLM
-release and the port are checked: each problem is one line and exit code 2. On a CPU build the KV cache is sized here
+maps (backends/vllm/config.check_fill, which pins the maps' sha256), the plugin's entry point and the installed vLLM
+release are checked: each problem is one line and exit code 2. On a CPU build the KV cache is sized here
 (backends/vllm/kv_sizing.py), because vLLM's own CPU default reserves 92 % of the machine's memory. vLLM's own
 defaults stay on (compilation and CUDA graphs for steps without filled tokens, prefix caching made safe by the
 plugin: backends/vllm/plugin/prefix.py).
@@ -16,11 +16,12 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import os
+import re
 import sys
 from dataclasses import replace
 from pathlib import Path
 
-from ridgefill.backends.serving import MARKER, Launch, check_port, health_url, is_loopback
+from ridgefill.backends.serving import MARKER, PORT_FIX, GuardDialect, Launch, LogDialect, Server, health_url
 from ridgefill.backends.vllm.args import (API_KEY, API_KEY_ENV, option_flag, option_name, refuse_abbreviations,
                                           split_api_key)
 from ridgefill.backends.vllm.config import (PREFIX_CACHING_HYBRID, VLLM_DTYPES, VLLM_PIN, check_dev_mode, check_fill,
@@ -30,6 +31,7 @@ from ridgefill.backends.vllm.fill import V2_RUNNER, fill_env, pin
 from ridgefill.backends.vllm.kv_sizing import KV_OPTIONS, available_memory, kv_cache_plan, on_cpu
 from ridgefill.errors import RidgefillError
 from ridgefill.method.fill import FillSettings
+from ridgefill.runtime.models import checkpoint_fingerprint
 
 DTYPES = VLLM_DTYPES
 PLUGIN = "ridgefill"  # the plugin's name in the vllm.general_plugins entry points (and in VLLM_PLUGINS)
@@ -138,8 +140,8 @@ def vllm_command(c, folder: str, extra: list[str] = (), middleware: str | None =
     """The vLLM server's command line: the model folder, serve's settings, `extra` (the KV cache's size), then every
     argument of the user's (last, so vLLM reads them after serve's). The model is served under the name --model gave
     unless they name it. `middleware`: the front's request guard (its class's import path), mounted with --middleware.
-An API key is not among them: it goes by the environment (serve_plan)."""
-    args = split_api_key(c.vllm_args)[0]
+An API key is not among them: it goes by the environment (VllmServer.launch)."""
+    args = split_api_key(c.server_args)[0]
     named = {option_name(a) for a in args}
     name = [] if "--served-model-name" in named else ["--served-model-name", c.model]
     caching = [] if served_prefix_caching(read_model_config(folder)) else ["--no-enable-prefix-caching"]
@@ -148,84 +150,82 @@ An API key is not among them: it goes by the environment (serve_plan)."""
             *caching, *extra, *args]
 
 
-def serve_plan(c, scratch: Path, log, middleware: str | None = None, env: dict | None = None) -> Launch:
-    """Everything checked (the vLLM installation, the model, the fill, the KV cache, the port), the server's
-    command, environment (the fill, an API key given, the front's `env`), health URL, banner, log (`log()`, asked
-    for once everything else is checked: the default log folder is made only then) and the counter on /metrics
-    that says RidgeFill runs; `scratch` holds its identity maps and Prometheus files for as long as it runs;
-    `middleware` (the front's request guard) is mounted in it."""
-    from ridgefill.runtime.models import model_folder
+class VllmServer(Server):
+    """vLLM's OpenAI-compatible server, with RidgeFill's plugin configured by the fill, or stock (fill None: no plugin
+    loaded, no RidgeFill setting, no guard)."""
 
-    folder = model_folder(c.model)
-    check_vllm()
-    fill, meta = check_fill(served_fill(c, folder, scratch), folder)
-    config = read_model_config(folder)
-    c = replace(c, dtype=served_dtype(c.dtype, config, on_cpu()))
-    check_hybrid(c, config)
-    kv = kv_cache_plan(c, config, available_memory(), on_cpu())
-    check_port(c.host, c.port)
-    warn_if_exposed(c)
-    log = log()
-    metrics = scratch / "prometheus"
-    metrics.mkdir(exist_ok=True)
-    key = split_api_key(c.vllm_args)[1]
-    env = {**os.environ, **started_process_env(os.environ), **fill_env(fill), "PROMETHEUS_MULTIPROC_DIR": str(metrics),
-           **({API_KEY_ENV: key} if key is not None else {}), **(env or {})}
-    banner = (f"ridgefill serve: {c.model} through vLLM at http://{c.host}:{c.port}/v1 with RidgeFill: "
-              f"{fill.variant} fill, maps {c.maps or c.serving_config or 'identity'} (split {meta.get('split')} of "
-              f"{meta.get('n_layers')} layers), tail {fill.tail}, keep-first {fill.keep_first}, outlier factor "
-              f"{fill.outlier_factor:g}; dtype {c.dtype}; {kv.summary}; the server's log: {log}")
-    return Launch(vllm_command(c, folder, kv.args, middleware), env, health_url(c.host, c.port), banner, Path(log),
-                  MARKER)
+    name = "vllm"
+    title = "vLLM"
+    # requests carry their options in vllm_xargs; vLLM reads its key from VLLM_API_KEY (args.API_KEY_ENV) and checks it
+    # in its AuthenticationMiddleware
+    guard = GuardDialect(options_field="vllm_xargs", key_env=API_KEY_ENV, auth_middleware="AuthenticationMiddleware")
+    log = LogDialect(generic=("Engine core initialization failed", "Engine process failed to start",
+                              "EngineCore failed to start"),
+                     fixes=((re.compile(r"memory|KV cache|kv cache", re.I),
+                             "lower --max-model-len or --kv-cache-gib, or free memory"),
+                            PORT_FIX,
+                            (re.compile(r"max_model_len|max-model-len|maximum model length", re.I),
+                             "lower --max-model-len")),
+                     fill_failed="Failed to load plugin",
+                     fill_fix="reinstall ridgefill (pip install -e '.[vllm]', or make install)")
+    args_help = ("options of `vllm serve` (see `vllm serve --help=all`), e.g. --max-model-len 4096 "
+                 "--tensor-parallel-size 2 --api-key KEY --no-enable-prefix-caching --enforce-eager; a request sets "
+                 "its own tail in vllm_xargs: ridgefill_tail")
+
+    def check(self, config, own: list[str]) -> None:
+        check_vllm_args(config.server_args, config.kv_cache_gib is not None, own)
+
+    def served_dtype(self, dtype: str, model: str) -> str:
+        from ridgefill.runtime.models import model_folder
+
+        return served_dtype(dtype, read_model_config(model_folder(model)), on_cpu())
+
+    def keyed(self, config) -> bool:
+        return API_KEY in {option_name(a) for a in config.server_args} or bool(os.environ.get(API_KEY_ENV))
+
+    def launch(self, c, fill: FillSettings | None, scratch: Path, guard: str | None, env: dict) -> Launch:
+        """The vLLM installation, the model, the fill (pinned for the plugin: backends/vllm/fill.pin), a hybrid
+        model's dtype and prefix caching, and the KV cache checked; the server's command and environment (the fill,
+        a fresh PROMETHEUS_MULTIPROC_DIR for RidgeFill's counters, an API key given). Stock: the same command, KV
+        cache, threads and options, VLLM_PLUGINS empty."""
+        from ridgefill.runtime.models import model_folder
+
+        folder = model_folder(c.model)
+        check_vllm()
+        config = read_model_config(folder)
+        c = replace(c, dtype=served_dtype(c.dtype, config, on_cpu()))
+        served = {}
+        if fill is not None:
+            fill, meta = check_fill(pin(fill, config.get("num_hidden_layers"),
+                                        {"id": c.model, "weights_hash": checkpoint_fingerprint(folder)}, scratch),
+                                    folder)
+            metrics = scratch / "prometheus"
+            metrics.mkdir(exist_ok=True)
+            served = {**fill_env(fill), "PROMETHEUS_MULTIPROC_DIR": str(metrics)}
+        check_hybrid(c, config)
+        kv = kv_cache_plan(c, config, available_memory(), on_cpu())
+        key = split_api_key(c.server_args)[1]
+        base = {k: v for k, v in os.environ.items() if not k.startswith("RIDGEFILL_")} if fill is None else os.environ
+        env = {**base, **started_process_env(os.environ), **served, **({API_KEY_ENV: key} if key is not None else {}),
+               **({"VLLM_PLUGINS": ""} if fill is None else {}), **env}
+        return Launch(vllm_command(c, folder, kv.args, guard), env, health_url(c.host, c.port),
+                      f"dtype {c.dtype}; {kv.summary}", Path(), MARKER if fill is not None else None,
+                      title=self.title, dialect=self.log)
+
+    def context_args(self, tokens: int) -> list[str]:
+        return ["--max-model-len", str(tokens)]
+
+    def drive(self, *args, **kwargs) -> list[dict]:
+        from ridgefill.backends.vllm.load import drive
+
+        return drive(*args, **kwargs)
 
 
 def check_hybrid(c, config: dict) -> None:
     """A hybrid model is served in bf16 on a CPU, and without prefix caching (serve turns it off)."""
     check_hybrid_dtype(config, c.dtype, on_cpu())
-    if not served_prefix_caching(config) and option_flag(c.vllm_args, "--enable-prefix-caching"):
+    if not served_prefix_caching(config) and option_flag(c.server_args, "--enable-prefix-caching"):
         raise RidgefillError(f"--enable-prefix-caching: {PREFIX_CACHING_HYBRID}")
 
 
-def stock_plan(plan: Launch, log: Path, middleware: str | None = None) -> Launch:
-    """The same server as `plan` (command, KV cache, threads, options) as stock vLLM: no plugin loaded (and none
-    looked for on /metrics), no RidgeFill setting in its environment, and no RidgeFill middleware (its request
-    checks are RidgeFill's, not vLLM's: `middleware`, as serve_plan mounted it)."""
-    env = {k: v for k, v in plan.env.items() if not k.startswith("RIDGEFILL_")}
-    ours = [i for i in range(len(plan.argv) - 1) if plan.argv[i:i + 2] == ["--middleware", middleware]]
-    argv = [a for i, a in enumerate(plan.argv) if not any(i in (j, j + 1) for j in ours)]
-    return replace(plan, argv=argv, env={**env, "VLLM_PLUGINS": ""}, banner=plan.banner.split(" with RidgeFill")[0] +
-                   " (stock vLLM)", log=log, marker=None)
-
-
-def served_fill(c, folder: str, scratch: Path) -> FillSettings:
-    """The fill to serve, pinned for the plugin (backends/vllm/fill.pin): the fill options', or a serving config's
-    (checked against the model). Identity fill is served through an identity maps file in `scratch`."""
-    from ridgefill.method.fill import load_serving
-    from ridgefill.runtime.models import checkpoint_fingerprint
-
-    weights = checkpoint_fingerprint(folder)
-    if c.serving_config is None:
-        fill = c.fill()
-    else:
-        tuned = load_serving(c.serving_config)
-        tuned.check_model(weights, c.serving_config)
-        fill = tuned.fill
-    n_layers = read_model_config(folder).get("num_hidden_layers")
-    return pin(fill, n_layers, {"id": c.model, "weights_hash": weights}, scratch)
-
-
-def warn_if_exposed(c) -> None:
-    """A warning on stderr when the server listens beyond this machine without an API key."""
-    keyed = API_KEY in {option_name(a) for a in c.vllm_args} or os.environ.get(API_KEY_ENV)
-    if not keyed and not is_loopback(c.host):
-        say(f"warning: --host {c.host} accepts requests from other machines and no --api-key is set: anyone who "
-            "reaches this port can use the server\n")
-
-
-def say(text: str) -> None:
-    """`text` on stderr, if stderr is still there (the front's log relay says the same way)."""
-    try:
-        sys.stderr.write(text)
-        sys.stderr.flush()
-    except (OSError, ValueError, AttributeError):
-        pass
+SERVER = VllmServer()
