@@ -1,9 +1,9 @@
-"""Decode speed in vLLM with RidgeFill's plugin configured against stock vLLM, one engine of each alive and their runs
+"""Decode speed in vLLM with RidgeFill's plugin configured against stock vLLM, one worker of each alive and their runs
 interleaved (A B B A ...), so that a busy or drifting machine moves both alike (issue #25's decode bar).
 
 Usage: python scripts/bench_decode_vllm.py MAPS [--rounds 8] [--batch 8] [--prompt 100] [--tokens 256] [--out F]
-Both engines: the embedded SmolLM2 (fp32), compiled, prefix caching on, threads 0-1, as `ridgefill serve` runs them.
-The plugin's engine is configured with MAPS and tail 256; prompts of --prompt tokens (random ids) are shorter than
+Both workers: the embedded SmolLM2 (fp32), compiled, prefix caching on, threads 0-1, as `ridgefill serve` runs them.
+The plugin's worker is configured with MAPS and tail 256; prompts of --prompt tokens (random ids) are shorter than
 the tail, so nothing is filled and every step after the first is a decode step: what is measured is what loading
 the plugin costs decode. Each run generates --tokens tokens for --batch prompts at once (new salts: no cache hits).
 Prints per-round times and the plugin/stock tokens-per-second ratio of medians with its paired bootstrap interval;
@@ -19,7 +19,7 @@ from ridgefill.method.fill import FillSettings
 from ridgefill.runtime.models import model_folder
 from ridgefill.runtime.paths import file_sha256
 from ridgefill.runtime.stats import ratio_of_medians
-from ridgefill.backends.vllm.worker import EngineSettings, VllmWorker
+from ridgefill.backends.vllm.worker import WorkerSettings, VllmWorker
 
 
 def main() -> None:
@@ -36,24 +36,24 @@ def main() -> None:
     batch = [[rng.randrange(100, 40000) for _ in range(a.prompt)] for _ in range(a.batch)]
     fill = FillSettings("ridge", maps=a.maps, tail=256, maps_sha256=file_sha256(a.maps))  # pinned, as serve does
     common = dict(max_model_len=2048, kv_cache_gib=2, compiled=True, threads="0-1")
-    engines = {"stock": VllmWorker(EngineSettings(folder, None, plugin=False, **common)),
-               "plugin": VllmWorker(EngineSettings(folder, fill, **common))}
+    workers = {"stock": VllmWorker(WorkerSettings(folder, None, plugin=False, **common)),
+               "plugin": VllmWorker(WorkerSettings(folder, fill, **common))}
     try:
-        for name, engine in engines.items():  # warm-up: the first steps of a compiled engine
-            engine.generate(batch, 16, cache_salt=f"warm-{name}")
-        times = {name: [] for name in engines}
+        for name, worker in workers.items():  # warm-up: the first steps of a compiled worker
+            worker.generate(batch, 16, cache_salt=f"warm-{name}")
+        times = {name: [] for name in workers}
         for r in range(a.rounds):
-            order = list(engines) if r % 2 == 0 else list(engines)[::-1]
+            order = list(workers) if r % 2 == 0 else list(workers)[::-1]
             for name in order:
-                time.sleep(1.0)  # the other engine's threads go idle
+                time.sleep(1.0)  # the other worker's threads go idle
                 start = time.perf_counter()
-                engines[name].generate(batch, a.tokens, cache_salt=f"{name}-{r}")
+                workers[name].generate(batch, a.tokens, cache_salt=f"{name}-{r}")
                 times[name].append(time.perf_counter() - start)
-            print(f"round {r}: " + "  ".join(f"{n} {times[n][-1]:.3f} s" for n in engines), flush=True)
-        tally = engines["plugin"].tally()
+            print(f"round {r}: " + "  ".join(f"{n} {times[n][-1]:.3f} s" for n in workers), flush=True)
+        tally = workers["plugin"].tally()
     finally:
-        for engine in engines.values():
-            engine.close()
+        for worker in workers.values():
+            worker.close()
     ratio = ratio_of_medians(times["stock"], times["plugin"])  # plugin tokens/s over stock's
     tokens = a.batch * a.tokens
     doc = {"rounds": a.rounds, "batch": a.batch, "prompt_tokens": a.prompt, "generated_tokens": a.tokens,

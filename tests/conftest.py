@@ -36,7 +36,7 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
 
 # the vLLM tests' shared fixtures, registered here once: a session fixture imported into several test modules is a
 # fixture of each module, and was built once per module (the tiny checkpoints and their maps five times)
-from vllm_fixtures import (engines, smollm2_tuned, vllm_hybrid, vllm_lookback, vllm_tiny,  # noqa: E402,F401
+from vllm_fixtures import (workers, smollm2_tuned, vllm_hybrid, vllm_lookback, vllm_tiny,  # noqa: E402,F401
                            vllm_tuned)
 
 
@@ -92,18 +92,18 @@ def tiny_ggufs(tmp_path_factory):
 
 
 # --- running in parallel (pytest-xdist: `make test` runs two workers) ----------------------------------------------
-# The tests that start vLLM engines, or use the session fixtures that fit maps for them (tests/vllm_fixtures.py), go
-# to groups (`--dist loadgroup`), each run on one worker: the engine-pool tests (the pool's engines start once, in
+# The tests that start vLLM workers, or use the session fixtures that fit maps for them (tests/vllm_fixtures.py), go
+# to groups (`--dist loadgroup`), each run on one worker: the worker-pool tests (the pool's workers start once, in
 # one process) and, for each other module, its vLLM tests (a module fixture, such as test_vllm_server.py's server,
 # starts once). xdist sends the largest group first, the pool, and balances the rest over the workers. vLLM's
-# automatic CPU binding is deterministic (here: 2 cores, one kept for its scheduler), so two engines side by side got
-# the same core and ran slower than one group alone (measured); each xdist worker's engines and servers get cores of
+# automatic CPU binding is deterministic (here: 2 cores, one kept for its scheduler), so two workers side by side got
+# the same core and ran slower than one group alone (measured); each xdist worker's vLLM workers and servers get cores of
 # their own instead (vllm_cores), and torch in each worker runs on its share of the cores (pytest_configure). The
 # session fixtures are built once per run (vllm_fixtures.built_once). Measured on 2 cores (a fresh clone, cold
 # compile cache): one vLLM group 24 min 41 s of pytest; two groups, one core each, 21 min 49 s; the same after three
 # tests were trimmed (CHANGELOG), 15 min 39 s; with the pool's forkserver 13 min 1 s; with one torch thread per
 # worker 10 min 26 s (two threads per worker kept four spinning OpenMP threads on the two cores).
-VLLM_FIXTURES = {"vllm_tiny", "vllm_lookback", "vllm_hybrid", "smollm2_tuned", "engines", "vllm_tuned"}
+VLLM_FIXTURES = {"vllm_tiny", "vllm_lookback", "vllm_hybrid", "smollm2_tuned", "workers", "vllm_tuned"}
 
 
 def vllm_cores(worker: str, workers: int, cpus: list[int]) -> str | None:
@@ -118,7 +118,7 @@ def vllm_cores(worker: str, workers: int, cpus: list[int]) -> str | None:
 
 def pytest_configure(config):
     """In an xdist worker, torch runs on the worker's share of the cores (two workers on two cores each ran two
-    threads, four spinning threads on two cores), and vLLM engines and servers started from it bind to that
+    threads, four spinning threads on two cores), and vLLM workers and servers started from it bind to that
     worker's cores (unless the environment already says how: an operator's VLLM_CPU_OMP_THREADS_BIND wins)."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if worker is None:
@@ -133,7 +133,7 @@ def pytest_configure(config):
 
 
 # --- the fast tier (`make test-fast`, pytest --fast): what a developer runs first --------------------------------
-# Left out: every test that starts a vLLM engine or server or runs llama.cpp (their fixtures, their folders and
+# Left out: every test that starts a vLLM worker or server or runs llama.cpp (their fixtures, their folders and
 # modules), and the modules whose tests start ridgefill processes or whole pipelines (tens of seconds each).
 ENGINE_FIXTURES = VLLM_FIXTURES | {"tiny_ggufs"}
 SLOW_MODULES = {"test_serve", "test_serve_process", "test_processes", "test_recipes", "test_tune", "test_stock",
@@ -163,7 +163,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
         if VLLM_FIXTURES & fixtures:
-            group = "vllm-pool" if "engines" in fixtures else f"vllm-{item.path.stem}"
+            group = "vllm-pool" if "workers" in fixtures else f"vllm-{item.path.stem}"
             item.add_marker(pytest.mark.xdist_group(group))
 
 

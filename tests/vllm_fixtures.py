@@ -189,15 +189,15 @@ def smollm2_tuned(tmp_path_factory) -> tuple[Path, Path]:
     return built_once(tmp_path_factory, "smollm2-tuned", build)
 
 
-class EnginePool:
-    """vLLM engines shared by the tests of a session, keyed by their settings (model, fill, options): a test asks
-    for the engine it needs and gets a running one when an earlier test started it. At most `alive` engines run at
-    once (the least recently used is closed first), so the tests that share an engine sit next to each other.
-    Tests that share an engine read its tally as a difference (`tally_delta`): the engine has served others."""
+class WorkerPool:
+    """vLLM workers shared by the tests of a session, keyed by their settings (model, fill, options): a test asks
+    for the worker it needs and gets a running one when an earlier test started it. At most `alive` workers run at
+    once (the least recently used is closed first), so the tests that share a worker sit next to each other.
+    Tests that share a worker read its tally as a difference (`tally_delta`): the worker has served others."""
 
     def __init__(self, alive: int = 3) -> None:
         self.alive = alive
-        self.engines: dict[str, object] = {}  # key -> VllmWorker, least recently used first
+        self.workers: dict[str, object] = {}  # key -> VllmWorker, least recently used first
         self.started = 0
 
     def get(self, settings):
@@ -207,35 +207,35 @@ class EnginePool:
         from ridgefill.backends.vllm.worker import VllmWorker
 
         key = json.dumps(dataclasses.asdict(settings), sort_keys=True, default=str)
-        if key in self.engines:
-            self.engines[key] = self.engines.pop(key)  # most recently used
-            return self.engines[key]
-        while len(self.engines) >= self.alive:
-            self.engines.pop(next(iter(self.engines))).close()
-        self.engines[key] = VllmWorker(settings)  # forked from the process's vLLM forkserver (engine_context)
+        if key in self.workers:
+            self.workers[key] = self.workers.pop(key)  # most recently used
+            return self.workers[key]
+        while len(self.workers) >= self.alive:
+            self.workers.pop(next(iter(self.workers))).close()
+        self.workers[key] = VllmWorker(settings)  # forked from the process's vLLM forkserver (worker_context)
         self.started += 1
-        return self.engines[key]
+        return self.workers[key]
 
     def close(self) -> None:
-        for worker in self.engines.values():
+        for worker in self.workers.values():
             worker.close()
-        self.engines.clear()
+        self.workers.clear()
 
 
 @pytest.fixture(scope="session")
-def engines(request):
-    """The session's EnginePool; at the end, the number of engines it started is written to the terminal."""
+def workers(request):
+    """The session's WorkerPool; at the end, the number of workers it started is written to the terminal."""
     pytest.importorskip("vllm")
-    pool = EnginePool()
+    pool = WorkerPool()
     yield pool
     pool.close()
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
-        reporter.write_line(f"vLLM engines started by the engine pool: {pool.started}")
+        reporter.write_line(f"vLLM workers started by the worker pool: {pool.started}")
 
 
 def tally_delta(worker, run):
-    """(run(), what the engine's tally counted while it ran)."""
+    """(run(), what the worker's tally counted while it ran)."""
     before = worker.tally()
     out = run()
     after = worker.tally()

@@ -1,5 +1,5 @@
 """The vLLM backend's own logic that needs no vLLM engine: the model read without its weights, and the prompts
-whose prompt log-probs give every scored target (loss's exact rows), the cores its engines bind to."""
+whose prompt log-probs give every scored target (loss's exact rows), the cores its workers bind to."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from ridgefill.backends.vllm.backend import VllmBackend, covering_prompts, engine_threads
+from ridgefill.backends.vllm.backend import VllmBackend, covering_prompts, worker_threads
 from ridgefill.commands import command
 
 
@@ -53,8 +53,8 @@ def test_the_vllm_backend_reads_the_model_without_its_weights(tiny_checkpoint, m
 
 def test_the_engines_bind_to_threads_else_the_operators_binding_else_every_core(monkeypatch):
     """--threads N binds cores 0..N-1; without it an operator's VLLM_CPU_OMP_THREADS_BIND is kept (it was overridden
-    with every core, so two engines side by side spun on the same cores); else every core."""
+    with every core, so two workers side by side spun on the same cores); else every core."""
     monkeypatch.setattr(os, "cpu_count", lambda: 4)
-    assert engine_threads(2, {"VLLM_CPU_OMP_THREADS_BIND": "3"}) == "0-1"
-    assert engine_threads(0, {"VLLM_CPU_OMP_THREADS_BIND": "2,3"}) == "2,3"
-    assert engine_threads(0, {}) == engine_threads(0, {"VLLM_CPU_OMP_THREADS_BIND": ""}) == "0-3"
+    assert worker_threads(2, {"VLLM_CPU_OMP_THREADS_BIND": "3"}) == "0-1"
+    assert worker_threads(0, {"VLLM_CPU_OMP_THREADS_BIND": "2,3"}) == "2,3"
+    assert worker_threads(0, {}) == worker_threads(0, {"VLLM_CPU_OMP_THREADS_BIND": ""}) == "0-3"

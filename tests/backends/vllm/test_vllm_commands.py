@@ -47,11 +47,11 @@ def test_bench_ttft_in_vllm_takes_tunes_ridge_config_and_writes_the_same_documen
     assert json.loads(out.read_text())["results"] == json.loads(json.dumps(doc["results"]))
     assert doc["config"]["engine"] == "vllm" and doc["variants"] == ["exact", "ridge"]
     assert doc["engine"]["name"] == "vllm" and doc["engine"]["build"] == doc["computed_by"]
-    engines = doc["engine"]["settings"]
-    assert engines["exact"]["plugin"] is False and engines["exact"]["fill"] is None
-    assert engines["ridge"]["fill"]["tail"] == fill.tail == 32
-    assert engines["ridge"]["enable_prefix_caching"] is True and engines["ridge"]["enforce_eager"] is False
-    assert engines["ridge"]["fill"]["maps_sha256"] == fill.maps_sha256
+    settings = doc["engine"]["settings"]
+    assert settings["exact"]["plugin"] is False and settings["exact"]["fill"] is None
+    assert settings["ridge"]["fill"]["tail"] == fill.tail == 32
+    assert settings["ridge"]["enable_prefix_caching"] is True and settings["ridge"]["enforce_eager"] is False
+    assert settings["ridge"]["fill"]["maps_sha256"] == fill.maps_sha256
     session = open_session(str(folder))
     vocab = session.shape.vocab
     plans = {"exact": None, "ridge": fill.plan(session)[0]}
@@ -70,7 +70,7 @@ def test_bench_ttft_in_vllm_takes_tunes_ridge_config_and_writes_the_same_documen
             assert entry["first_token"][name] == want, (n, name)
     expected = runs * sum(e["length"] - 33 for e in doc["results"])
     assert doc["fill_rows"]["ridge"]["filled_rows"] + doc["fill_rows"]["ridge"]["outlier_rows_run_full"] == expected
-    tally = engines["ridge"]["tally"]
+    tally = settings["ridge"]["tally"]
     assert {k: tally[k] for k in doc["fill_rows"]["ridge"]} == doc["fill_rows"]["ridge"]
     assert tally["stock_steps"] == 0 and tally["full_prompt_rows"] == runs * 33 * len(doc["results"]) + \
         tally["outlier_rows_run_full"]
@@ -139,7 +139,7 @@ def test_loss_in_vllm_equals_ridgefills_engine(vllm_tiny, tmp_path):
         assert per["distant_tokens"] == theirs_per["distant_tokens"]
         for key, counts in (("tail_nll_sum", [47] * 2), ("distant_nll_sum", per["distant_tokens"])):
             found = [abs(a - b) / max(1, n) for a, b, n in zip(per[key], theirs_per[key], counts)]
-            print(f"loss {name} {key}: largest per-token gap between the engines {max(found):.2e}")
+            print(f"loss {name} {key}: largest per-token gap between the two {max(found):.2e}")
             assert max(found) < LOGPROB_TOL, (name, key, found)
     exact, ridge = (ours["results"][v]["per_passage"]["tail_nll_sum"] for v in ("exact", "ridge"))
     assert max(abs(a - b) for a, b in zip(exact, ridge)) / 47 > 10 * LOGPROB_TOL  # a fill vLLM skipped would show

@@ -3,10 +3,10 @@ layers, MoE MLPs), in bf16, the only dtype of vLLM's CPU Gated DeltaNet kernel. 
 (vllm_fixtures.vllm_hybrid) against stock vLLM and against torchfill in bf16.
 
 The tolerances are bf16's, measured (issue 39, 2026-12-04). What the two fill is the same: after the prompt, vLLM's
-conv and recurrent states (read from its GDN caches) and the engine's in bf16 are as far from the engine's fp32
+conv and recurrent states (read from its GDN caches) and torchfill's in bf16 are as far from torchfill's fp32
 states as each other, in every linear layer, filled (4-6) or not (0-2): relative errors 0.2-5 %, the ratio vLLM /
-engine 0.8-1.3 on all 8 prompts of test 2 at tail 24. The log-prob gaps are bf16 rounding compounding over the
-layers and steps: vLLM against the engine teacher-forced (`forced`) is as far apart with exact prefill as with the
+torchfill 0.8-1.3 on all 8 prompts of test 2 at tail 24. The log-prob gaps are bf16 rounding compounding over the
+layers and steps: vLLM against torchfill teacher-forced (`forced`) is as far apart with exact prefill as with the
 fill, and the greedy continuations part only at near-ties (vLLM's top-2 gap there at most 0.19 nats, while bf16
 moves log-probs by up to 0.4). So test 2 bounds log-prob gaps on one token path instead of counting equal greedy
 tokens, each bar about 1.5 times the largest gap measured over many prompt sets (test 2 lists them).
@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 
 from ridgefill.method.fill import FillSettings
-from ridgefill.backends.vllm.worker import EngineSettings
+from ridgefill.backends.vllm.worker import WorkerSettings
 from vllm_fixtures import prompts, tally_delta, vocab_of
 
 pytest.importorskip("vllm")
@@ -25,28 +25,28 @@ pytest.importorskip("vllm")
 MAX_LEN = 2048
 NEW = 160  # tokens generated per request in test 3 (long enough that running requests outgrow the KV budget)
 HELD = 16  # test 3: the tokens of each batched request checked against the same request run alone
-STEPPED_MAX_LEN = 1536  # test 3's engine: its longest request is 1,200 + 160 tokens
+STEPPED_MAX_LEN = 1536  # test 3's worker: its longest request is 1,200 + 160 tokens
 TAIL = 24
 SHORT_TAIL = 4  # test 2: the last rows see the filled rows' K/V and states closely (with 24 the states forget them)
-BF16_LOGPROB_TOL = 0.35  # nats, test 3: first-token top-5 (bf16: engine vs itself in fp32 0.28, vLLM vs engine 0.29)
+BF16_LOGPROB_TOL = 0.35  # nats, test 3: first-token top-5 (bf16: torchfill vs its fp32 0.28, vLLM vs torchfill 0.29)
 FORCED_STEPS = 8  # test 2 at tail 24: the teacher-forced steps compared (bf16's gaps grow past them: see test 2)
 FORCED_TOL = 1.0  # nats, test 2 at tail 24: top-5 log-probs over FORCED_STEPS steps (largest measured 0.68)
 FILL_DOMINATED_TOL = 0.6  # nats, test 2 at tail 4: the first token's top-5 log-probs (largest measured 0.40)
 
 
 def settings(folder, fill: FillSettings | None = None, plugin: bool = True, max_model_len: int = MAX_LEN,
-             **engine_args) -> EngineSettings:
-    """An engine as `ridgefill serve` runs a hybrid: bf16, prefix caching off (vllm_config.PREFIX_CACHING_HYBRID);
+             **llm_args) -> WorkerSettings:
+    """A worker as `ridgefill serve` runs a hybrid: bf16, prefix caching off (vllm_config.PREFIX_CACHING_HYBRID);
     eager (compiling costs minutes here)."""
-    return EngineSettings(str(folder), fill, plugin=plugin, dtype="bfloat16", max_model_len=max_model_len,
-                          kv_cache_gib=1, compiled=False, engine_args=engine_args)
+    return WorkerSettings(str(folder), fill, plugin=plugin, dtype="bfloat16", max_model_len=max_model_len,
+                          kv_cache_gib=1, compiled=False, llm_args=llm_args)
 
 
-def filled(folder, maps) -> EngineSettings:
+def filled(folder, maps) -> WorkerSettings:
     return settings(folder, FillSettings("ridge", maps=maps, tail=TAIL))
 
 
-def stepped(folder, maps) -> EngineSettings:
+def stepped(folder, maps) -> WorkerSettings:
     """The fill over 128-token steps (chunked prefill beside other requests' decode steps), 8
     requests at once, KV blocks for one request of the longest length test 3 needs (1,536 tokens: 12 attention
     blocks of 128 tokens, one state block for each of the 3 Gated DeltaNet groups, and the null block vLLM 0.32
@@ -65,13 +65,13 @@ def max_gap(got, want) -> float:
     return max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g.logprobs, w.logprobs))
 
 
-def test_hybrid_tail_covering_the_prompt_is_stock_vllm(vllm_hybrid, engines):
+def test_hybrid_tail_covering_the_prompt_is_stock_vllm(vllm_hybrid, workers):
     """Test 1: with tail >= every prompt the plugin fills nothing and runs vLLM's own forward: greedy tokens and
     log-probs identical to stock vLLM (no plugin loaded) on 8 prompts."""
     folder, maps = vllm_hybrid
     batch = prompts(8, [40, 300, 120, 700], vocab_of(folder), seed=1)
-    want = engines.get(settings(folder, plugin=False)).generate(batch, 16, logprobs=2)
-    worker = engines.get(filled(folder, maps))
+    want = workers.get(settings(folder, plugin=False)).generate(batch, 16, logprobs=2)
+    worker = workers.get(filled(folder, maps))
     got, counted = tally_delta(worker, lambda: worker.generate(batch, 16, logprobs=2, tails=[MAX_LEN] * 8))
     assert counted["filled_rows"] == 0 and counted["full_prompt_rows"] == sum(map(len, batch))
     assert [c.tokens for c in got] == [c.tokens for c in want]
@@ -91,7 +91,7 @@ def agree(got, tokens, n: int) -> int:
 def forced(folder, maps, tail: int, batch: list[list[int]], completions) -> list:
     """torchfill in bf16 (maps None: exact prefill) teacher-forced on each vLLM completion's tokens: per
     completion its log-probs [k, V], row t the distribution token t was drawn from. Both implementations are read on
-    one token path, so a near-tie that bf16 breaks one way in vLLM and the other in the engine cannot end the
+    one token path, so a near-tie that bf16 breaks one way in vLLM and the other in torchfill cannot end the
     comparison (greedy continuations part there and are no longer comparable)."""
     import torch
 
@@ -110,24 +110,24 @@ def forced(folder, maps, tail: int, batch: list[list[int]], completions) -> list
 
 
 def forced_gap(completion, logprobs) -> float:
-    """Largest |log p| difference between a vLLM completion's top-k and the engine's teacher-forced log-probs
+    """Largest |log p| difference between a vLLM completion's top-k and torchfill's teacher-forced log-probs
     [k, V], over every step."""
     return max(abs(lp - float(logprobs[s, t])) for s, top in enumerate(completion.top) for t, lp in top.items())
 
 
 def parting(completion, logprobs) -> int:
-    """The first step where the engine's teacher-forced argmax is not vLLM's greedy token (-1: none), i.e. where
+    """The first step where torchfill's teacher-forced argmax is not vLLM's greedy token (-1: none), i.e. where
     the two greedy continuations would part."""
     return next((s for s, t in enumerate(completion.tokens) if int(logprobs[s].argmax()) != t), -1)
 
 
-def test_hybrid_filled_prefill_matches_ridgefills_engine_in_bf16(vllm_hybrid, engines):
+def test_hybrid_filled_prefill_matches_torchfill_in_bf16(vllm_hybrid, workers):
     """Test 2 (and 4: the continuation runs on the recurrent and conv states the filled rows left), against
-    torchfill in bf16 on 8 prompts (seed 3), the engine teacher-forced on vLLM's greedy tokens (`forced`):
+    torchfill in bf16 on 8 prompts (seed 3), torchfill teacher-forced on vLLM's greedy tokens (`forced`):
     - tail 24 (every row but the first and the last 24 filled): vLLM's top-5 log-probs at each of FORCED_STEPS
-      steps within FORCED_TOL of the engine's;
-    - tail 4, where the fill dominates: the first token's top-5 log-probs within FILL_DOMINATED_TOL of the engine's,
-      and the fill moves them (against the engine's exact prefill) by more than that on at least 6 of 8 prompts
+      steps within FORCED_TOL of torchfill's;
+    - tail 4, where the fill dominates: the first token's top-5 log-probs within FILL_DOMINATED_TOL of torchfill's,
+      and the fill moves them (against torchfill's exact prefill) by more than that on at least 6 of 8 prompts
       (measured: 8, by 0.99-2.20 nats), so a wrong fill (rows, states, K/V) would miss by about its own effect.
     Greedy tokens are only printed. Measured on the 8-prompt sets of other seeds, the largest gap of each set
     (issue 39, this CPU; seed 3 gives the same numbers run to run):
@@ -135,18 +135,18 @@ def test_hybrid_filled_prefill_matches_ridgefills_engine_in_bf16(vllm_hybrid, en
       on 11 of 176 prompts, each where vLLM's top-2 gap is at most 0.19, so "7 of 8 equal" fails for ~8 % of sets;
     - tail 24, seeds 0, 3, 10-16 (72 prompts): over 8 steps 0.25-0.68 (0.68: seed 12, a low-ranked token one step
       after a near-tie; the others at most 0.46), over 16 steps 0.30-0.68; exact prefill (stock vLLM against the
-      engine's), seeds 0, 10, 11: over 8 steps 0.22-0.25, over 16 steps 0.38-0.84 (bf16 compounds over the steps,
+      torchfill's), seeds 0, 10, 11: over 8 steps 0.22-0.25, over 16 steps 0.38-0.84 (bf16 compounds over the steps,
       fill or not: hence FORCED_STEPS); four-token greedy continuations equal on 6, 7, 7, 7, 5, 5, 6, 8, 7 of 8 (four
       sets fail the old "at least 7", as issue 39's clean clone did), every parting at a top-2 gap of at most 0.19.
     A fill that feeds late linear layers the split state instead of the prediction (tried in vllm_model.py) fails
     here: tail 4 gap 2.66 (tail 24: 0.42)."""
     folder, maps = vllm_hybrid
     batch = prompts(8, [200, 333, 90, 512], vocab_of(folder), seed=3)
-    worker = engines.get(filled(folder, maps))
+    worker = workers.get(filled(folder, maps))
     got, counted = tally_delta(worker, lambda: worker.generate(batch, FORCED_STEPS, logprobs=5))
     assert counted["filled_rows"] == sum(len(p) - TAIL - 1 for p in batch) - counted["outlier_rows_run_full"]
     assert counted["filled_rows"] > 0
-    stock = engines.get(settings(folder, plugin=False)).generate(batch, FORCED_STEPS, logprobs=5)
+    stock = workers.get(settings(folder, plugin=False)).generate(batch, FORCED_STEPS, logprobs=5)
     fill_lp, exact_lp = forced(folder, maps, TAIL, batch, got), forced(folder, None, TAIL, batch, stock)
     gaps = [forced_gap(c, lp) for c, lp in zip(got, fill_lp)]
     exact_gaps = [forced_gap(c, lp) for c, lp in zip(stock, exact_lp)]
@@ -157,13 +157,13 @@ def test_hybrid_filled_prefill_matches_ridgefills_engine_in_bf16(vllm_hybrid, en
 
     short = worker.generate(batch, 1, logprobs=5, tails=[SHORT_TAIL] * 8)
     gaps = [forced_gap(c, lp) for c, lp in zip(short, forced(folder, maps, SHORT_TAIL, batch, short))]
-    moved = [first_gap(c, lp[0]) for c, lp in zip(short, exact_lp)]  # against the engine's exact prefill
+    moved = [first_gap(c, lp[0]) for c, lp in zip(short, exact_lp)]  # against torchfill's exact prefill
     print(f"tail 4: first-token gap {max(gaps):.3f}; the fill's own effect {min(moved):.2f}..{max(moved):.2f}")
     assert max(gaps) < FILL_DOMINATED_TOL, gaps
     assert sum(m > FILL_DOMINATED_TOL for m in moved) >= 6  # the fill, not rounding, decides these tokens
 
 
-def test_hybrid_chunked_batched_and_preempted_requests(vllm_hybrid, engines):
+def test_hybrid_chunked_batched_and_preempted_requests(vllm_hybrid, workers):
     """Test 3: the fill over 128-token steps (the states carried from step to step) gives exactly what one
     unchunked prefill gives. 8 concurrent mixed requests (some shorter than the tail, one with its own tail) in
     128-token steps with KV blocks for one 1,536-token request, 160 new tokens each (vLLM preempts and recomputes
@@ -175,9 +175,9 @@ def test_hybrid_chunked_batched_and_preempted_requests(vllm_hybrid, engines):
     folder, maps = vllm_hybrid
     batch = prompts(8, [900, 20, 800, 48, 1000, 33, 700, 1200], vocab_of(folder), seed=5)
     tails = [None] * 7 + [100]
-    whole = engines.get(filled(folder, maps))
+    whole = workers.get(filled(folder, maps))
     want = [whole.generate([p], HELD, logprobs=1, tails=[t])[0] for p, t in zip(batch, tails)]
-    worker = engines.get(stepped(folder, maps))
+    worker = workers.get(stepped(folder, maps))
     alone = [worker.generate([p], HELD, logprobs=1, tails=[t])[0] for p, t in zip(batch, tails)]
     assert [c.tokens for c in alone] == [c.tokens for c in want]
     assert max_gap(alone, want) < BF16_LOGPROB_TOL  # over the first HELD tokens (zip stops there)

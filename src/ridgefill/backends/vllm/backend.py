@@ -1,12 +1,12 @@
 """vLLM behind the seam: exact is stock vLLM (no plugin loaded), each fill variant vLLM with ridgefill's plugin
-configured for it (identity and mean fills through maps files written for the run). Each variant is one engine in
-its own process (backends/vllm/worker.VllmWorker), all alive from `start` to `close`, built alike:
+configured for it (identity and mean fills through maps files written for the run). Each variant is one vLLM worker
+in its own process (backends/vllm/worker.VllmWorker), all alive from `start` to `close`, built alike:
 - as `ridgefill serve` runs them: vLLM's default compilation (CUDA graphs on a GPU) and prefix caching on (every
   timed run gets a cache salt of its own, so a repeated prompt never hits the cache);
 - on the CPU vLLM's threads are bound to --threads cores with none reserved (without --threads: the binding an
-  operator set in VLLM_CPU_OMP_THREADS_BIND, else all cores); on a GPU the engines split vLLM's memory budget
+  operator set in VLLM_CPU_OMP_THREADS_BIND, else all cores); on a GPU the workers split vLLM's memory budget
   (gpu_memory_utilization 0.85 / variants);
-- a timed run is one request for one greedy token: the wall time of vLLM's generate call in the engine's process
+- a timed run is one request for one greedy token: the wall time of vLLM's generate call in the worker's process
   (scheduling, prefill, sampling; no tokenization, no IPC); vLLM's own first-token latency is kept beside it.
 The model is read here without its weights (runtime/session.model_facts): its identity, shape and tokenizer.
 
@@ -29,9 +29,9 @@ from ridgefill.torchfill.fill_plan import FillTally
 KV_CACHE_GIB = 2
 
 
-def engine_threads(threads: int, environ) -> str:
-    """The cores the engines' OpenMP threads are bound to (VLLM_CPU_OMP_THREADS_BIND): --threads N binds 0..N-1;
-    without it an operator's VLLM_CPU_OMP_THREADS_BIND is kept (two engines sharing cores spin against each other),
+def worker_threads(threads: int, environ) -> str:
+    """The cores the workers' OpenMP threads are bound to (VLLM_CPU_OMP_THREADS_BIND): --threads N binds 0..N-1;
+    without it an operator's VLLM_CPU_OMP_THREADS_BIND is kept (two workers sharing cores spin against each other),
     else every core."""
     if threads:
         return f"0-{threads - 1}"
@@ -91,14 +91,14 @@ class VllmBackend(Backend):
     def start(self, max_len: int) -> "VllmBackend":
         import torch
 
-        from ridgefill.backends.vllm.worker import EngineSettings, VllmWorker, vllm_dtype
+        from ridgefill.backends.vllm.worker import VllmWorker, WorkerSettings, vllm_dtype
         from ridgefill.backends.vllm.fill import pin
 
         c, fills = self.config, self.fills
         scratch = Path(self._stack.enter_context(tempfile.TemporaryDirectory(prefix="ridgefill-vllm-")))
-        threads = engine_threads(c.threads, os.environ)  # EngineOptions.threads
+        threads = worker_threads(c.threads, os.environ)  # EngineOptions.threads
         args = {"max_num_batched_tokens": max(c.chunk, 256), "enable_chunked_prefill": True}
-        if torch.cuda.is_available():  # the engines share one GPU: split vLLM's memory budget between them
+        if torch.cuda.is_available():  # the workers share one GPU: split vLLM's memory budget between them
             args["gpu_memory_utilization"] = round(0.85 / len(fills), 3)
         # vLLM wants room for the generated token; a prompt of the model's whole context computes no position past
         # it, so the longer limit is allowed for the run (VLLM_ALLOW_LONG_MAX_MODEL_LEN)
@@ -107,17 +107,17 @@ class VllmBackend(Backend):
         info = self.model.model_info
         for name, fill in fills.items():
             pinned = None if fill is None else pin(fill, self.model.shape.layers, info, scratch)
-            self.settings[name] = EngineSettings(self.folder, pinned, plugin=fill is not None,
+            self.settings[name] = WorkerSettings(self.folder, pinned, plugin=fill is not None,
                                                  dtype=vllm_dtype(c.dtype), max_model_len=max_len,
                                                  threads=threads, kv_cache_gib=KV_CACHE_GIB,
-                                                 engine_args=args, env=env)
+                                                 llm_args=args, env=env)
         for name, settings in self.settings.items():
             self.workers[name] = self._stack.enter_context(VllmWorker(settings))
             self._base[name] = self.workers[name].tally() if fills[name] is not None else None
         return self
 
     def close(self) -> None:
-        """Stop the engines, keeping what each filled (tally and counters stay readable)."""
+        """Stop the workers, keeping what each filled (tally and counters stay readable)."""
         if self.workers:
             self._final = {name: self.workers[name].tally() for name in self.workers if self._base.get(name)}
         self._stack.close()
@@ -176,7 +176,7 @@ class VllmBackend(Backend):
 
     def describe(self) -> dict:
         return {name: {"plugin": s.plugin, "fill": s.fill.describe() if s.fill else None, "dtype": s.dtype,
-                       "threads_bind": s.threads, "max_model_len": s.max_model_len, **s.engine_args,
+                       "threads_bind": s.threads, "max_model_len": s.max_model_len, **s.llm_args,
                        "enforce_eager": not s.compiled, "enable_prefix_caching": s.enable_prefix_caching,
                        "env": s.env, **({"tally": self.counters(name)} if self._base.get(name) else {})}
                 for name, s in self.settings.items()}

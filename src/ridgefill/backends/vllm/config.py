@@ -106,7 +106,7 @@ def is_hybrid(architectures) -> bool:
 
 
 def served_prefix_caching(config: dict) -> bool:
-    """Whether RidgeFill's engines run with prefix caching (config: the checkpoint's config.json): on, as vLLM's
+    """Whether RidgeFill's vLLM runs with prefix caching (config: the checkpoint's config.json): on, as vLLM's
     default, except for hybrid models (PREFIX_CACHING_HYBRID)."""
     return not is_hybrid(config.get("architectures"))
 

@@ -3,7 +3,7 @@
 The plugin is configured by environment variables (method/fill_fields.ENV, one per FillField), which reach every
 process vLLM starts. `pin` makes settings servable (identity fill through an identity maps file, the mean control
 through a mean maps file, the maps pinned to their bytes), `fill_env` writes them as that environment and
-`fill_from_env` reads them back inside vLLM's processes. Used by `ridgefill serve`, the engines of --engine vllm
+`fill_from_env` reads them back inside vLLM's processes. Used by `ridgefill serve`, the workers of --engine vllm
 (backends/vllm/backend.py through backends/vllm/worker.py) and the plugin itself (backends/vllm/plugin/).
 """
 

@@ -6,7 +6,7 @@ and frees activations of tens of MB. glibc hands freed memory at the top of its 
 past its trim threshold, serves every block over its mmap threshold with a fresh mapping, and takes the pages back
 one fault at a time: about 100,000 page faults per filled 4,096-token prefill of SmolLM2 on this machine's CPU,
 against about 20,000 for the compiled stock forward. vLLM's CPU guide preloads tcmalloc, which keeps freed memory;
-without a preloaded allocator, ridgefill's vLLM engines and servers (stock and RidgeFill alike, so that benchmarks
+without a preloaded allocator, ridgefill's vLLM workers and servers (stock and RidgeFill alike, so that benchmarks
 compare like with like) run with glibc told to keep it too: no mmap'd blocks, and no trimming below KEEP_BYTES of
 free memory. docs/performance.md has the measurements.
 """

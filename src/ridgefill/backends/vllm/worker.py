@@ -1,10 +1,10 @@
-"""A vLLM engine in a child process, stock or with RidgeFill: what `generate --engine vllm`, `bench-ttft --engine
-vllm` and the tests drive.
+"""A vLLM worker (one `vllm.LLM` in a child process), stock or with RidgeFill: what `generate --engine vllm`,
+`bench-ttft --engine vllm` and the tests drive.
 
 Each VllmWorker is one Python process of its own holding one `vllm.LLM` (its engine core in the same process:
-VLLM_ENABLE_V1_MULTIPROCESSING=0), so a stock engine and a RidgeFill engine can live side by side, each with
+VLLM_ENABLE_V1_MULTIPROCESSING=0), so a stock worker and a RidgeFill worker can live side by side, each with
 the plugin configured or not from its own environment, and this process never imports vLLM. On a CPU build the
-engines fork from a server that has imported vLLM once (engine_context): a command's second and third engines do
+workers fork from a server that has imported vLLM once (worker_context): a command's second and third workers do
 not import it again (8 s each on 2 idle cores, about 20 s beside other work). Requests are
 token ids; replies are token ids, the log-probs of the chosen tokens (and top-k), and the wall time of the
 `generate` call. The child writes nothing to standard output (a command's stdout carries its results alone):
@@ -31,8 +31,8 @@ def vllm_dtype(name: str) -> str:
 
 
 @dataclass(frozen=True)
-class EngineSettings:
-    """How one vLLM engine is built (vLLM's own LLM(...) arguments, plus the fill and the CPU threads)."""
+class WorkerSettings:
+    """How one vLLM worker is built (vLLM's own LLM(...) arguments, plus the fill and the CPU threads)."""
 
     model: str  # a local checkpoint folder
     fill: FillSettings | None = None  # None: stock vLLM (pinned with backends/vllm/fill.pin otherwise)
@@ -43,12 +43,12 @@ class EngineSettings:
     kv_cache_gib: int = 2  # VLLM_CPU_KVCACHE_SPACE
     compiled: bool = True  # vLLM's default compilation (CUDA graphs on a GPU); False: enforce_eager, as tests do
     prefix_caching: bool | None = None  # None: as `ridgefill serve` runs it (on; off for a hybrid model)
-    engine_args: dict = field(default_factory=dict)  # more LLM(...) keyword arguments
-    env: dict = field(default_factory=dict)  # more environment variables of the engine's process
+    llm_args: dict = field(default_factory=dict)  # more LLM(...) keyword arguments
+    env: dict = field(default_factory=dict)  # more environment variables of the worker's process
 
     @property
     def enable_prefix_caching(self) -> bool:
-        """Prefix caching as the engine runs it (the plugin makes it safe for dense models; vllm_config says why
+        """Prefix caching as the worker runs it (the plugin makes it safe for dense models; vllm_config says why
         hybrids run without it)."""
         if self.prefix_caching is not None:
             return self.prefix_caching
@@ -56,14 +56,14 @@ class EngineSettings:
 
     def environment(self) -> dict[str, str]:
         env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
-               "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": engine_log_level(os.environ)}
+               "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": worker_log_level(os.environ)}
         if self.threads is not None:
             env.update(VLLM_CPU_OMP_THREADS_BIND=self.threads, VLLM_CPU_NUM_OF_RESERVED_CPU="0")
         if self.fill is not None:
             env.update(fill_env(self.fill))
         if not self.plugin:
             env["VLLM_PLUGINS"] = ""  # an allow-list that names no plugin
-        env.update(started_process_env({**os.environ, **self.env}))  # the engine's and the processes it starts
+        env.update(started_process_env({**os.environ, **self.env}))  # the worker's and the processes it starts
         return {**env, **self.env}
 
 
@@ -77,22 +77,22 @@ class Completion:
     preemptions: int = 0  # times vLLM preempted (and later recomputed) this request
 
 
-def engine_log_level(environ) -> str:
-    """vLLM's log level in an engine: the operator's VLLM_LOGGING_LEVEL, else warnings and errors only."""
+def worker_log_level(environ) -> str:
+    """vLLM's log level in a worker: the operator's VLLM_LOGGING_LEVEL, else warnings and errors only."""
     return environ.get("VLLM_LOGGING_LEVEL", "WARNING")
 
 
-# What the forkserver imports once for all its engines: vLLM's offline entry point and this module, and the CPU
-# worker and its model runner, which every CPU engine imports as it starts (0.9 s each, on an idle core).
+# What the forkserver imports once for all its workers: vLLM's offline entry point and this module, and the CPU
+# worker and its model runner, which every CPU worker imports as it starts (0.9 s each, on an idle core).
 FORKSERVER_PRELOAD = ("vllm.entrypoints.llm", "vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner",
                       "ridgefill.backends.vllm.worker")
 
 
-def engine_context():
-    """The multiprocessing context engines start from. On a CPU build: a forkserver (one per process, started at
-    the first call) that has imported vLLM with the engines' log level (vLLM configures its logger at import); each
-    engine still gets this process's environment as it is when the engine starts (_serve). Where CUDA is visible:
-    spawn, so that no engine inherits a process that may have touched CUDA."""
+def worker_context():
+    """The multiprocessing context workers start from. On a CPU build: a forkserver (one per process, started at
+    the first call) that has imported vLLM with the workers' log level (vLLM configures its logger at import); each
+    worker still gets this process's environment as it is when it starts (_serve). Where CUDA is visible:
+    spawn, so that no worker inherits a process that may have touched CUDA."""
     import torch
     from multiprocessing import forkserver
 
@@ -101,7 +101,7 @@ def engine_context():
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
     level = os.environ.get("VLLM_LOGGING_LEVEL")
-    os.environ["VLLM_LOGGING_LEVEL"] = engine_log_level(os.environ)
+    os.environ["VLLM_LOGGING_LEVEL"] = worker_log_level(os.environ)
     try:
         forkserver.ensure_running()
     finally:
@@ -111,12 +111,12 @@ def engine_context():
 
 
 class VllmWorker:
-    """One vLLM engine in a process of its own, started from engine_context(). Use as a context manager; every
-    call blocks until the reply. The engine's process sees this process's environment as it is now."""
+    """One vLLM worker in a process of its own, started from worker_context(). Use as a context manager; every
+    call blocks until the reply. The worker's process sees this process's environment as it is now."""
 
-    def __init__(self, settings: EngineSettings, start_timeout: float = 600.0) -> None:
+    def __init__(self, settings: WorkerSettings, start_timeout: float = 600.0) -> None:
         self.settings = settings
-        ctx = engine_context()
+        ctx = worker_context()
         self._conn, child = ctx.Pipe()
         # not daemonic: TP workers are its children
         self._proc = ctx.Process(target=_serve, args=(child, settings, dict(os.environ)))
@@ -147,7 +147,7 @@ class VllmWorker:
         return self._reply(timeout)
 
     def tally(self) -> dict:
-        """What the plugin did since the engine started (backends/vllm/plugin/metrics.FillCounters; zeros for stock vLLM)."""
+        """What the plugin did since the worker started (backends/vllm/plugin/metrics.FillCounters; zeros for stock vLLM)."""
         self._conn.send(("tally",))
         return self._reply(60.0)
 
@@ -157,7 +157,7 @@ class VllmWorker:
         return self._reply(60.0)
 
     def counters(self) -> dict[str, float]:
-        """vLLM's counter metrics (e.g. vllm:num_preemptions); needs engine_args disable_log_stats=False."""
+        """vLLM's counter metrics (e.g. vllm:num_preemptions); needs llm_args disable_log_stats=False."""
         self._conn.send(("counters",))
         return self._reply(60.0)
 
@@ -179,16 +179,16 @@ class VllmWorker:
         self.close()
 
     def _reply(self, timeout: float, fatal: bool = False):
-        """The engine's answer; its error as a RidgefillError (the engine is closed first when `fatal`: a start-up
+        """The worker's answer; its error as a RidgefillError (the worker is closed first when `fatal`: a start-up
         error; a request's error leaves it serving)."""
         if not self._conn.poll(timeout):
             self.close()
-            raise RidgefillError(f"the vLLM engine did not answer within {timeout:.0f} s: see its log above")
+            raise RidgefillError(f"the vLLM worker did not answer within {timeout:.0f} s: see its log above")
         try:
             status, value = self._conn.recv()
         except EOFError:
             self.close()
-            raise RidgefillError(f"the vLLM engine process ended (exit code {self._proc.exitcode}): see its log "
+            raise RidgefillError(f"the vLLM worker process ended (exit code {self._proc.exitcode}): see its log "
                                  "above") from None
         if status == "error":
             if fatal:
@@ -197,7 +197,7 @@ class VllmWorker:
         return value
 
 
-def _serve(conn, settings: EngineSettings, environ: dict[str, str]) -> None:  # runs in the child process
+def _serve(conn, settings: WorkerSettings, environ: dict[str, str]) -> None:  # runs in the child process
     os.dup2(2, 1)  # nothing on the parent's stdout: vLLM's log lines (and any print) go to stderr
     os.environ.clear()  # the parent's environment (a forkserver's child would otherwise have the server's)
     os.environ.update(environ)
@@ -236,9 +236,9 @@ def _serve(conn, settings: EngineSettings, environ: dict[str, str]) -> None:  # 
 
 
 def _stop(llm) -> None:
-    """Shut the engine down (its executor and any tensor-parallel workers) and run the exit handlers (which unlink
+    """Shut the LLM down (its executor and any tensor-parallel workers) and run the exit handlers (which unlink
     the process's semaphores), then end the process without the interpreter's teardown of vLLM and torch, which
-    took 2 s of a 2.8 s stop (measured on a tiny engine; the handlers 16 ms)."""
+    took 2 s of a 2.8 s stop (measured on a tiny worker; the handlers 16 ms)."""
     import atexit
     import sys
 
@@ -253,7 +253,7 @@ def _first_line(exc: Exception) -> str:
     return (str(exc).strip().splitlines() or [""])[0][:300]
 
 
-def _build(settings: EngineSettings):
+def _build(settings: WorkerSettings):
     if settings.plugin:
         from ridgefill.backends.vllm.plugin.entry import register
 
@@ -264,7 +264,7 @@ def _build(settings: EngineSettings):
 
     return LLM(model=settings.model, dtype=settings.dtype, max_model_len=settings.max_model_len,
                enforce_eager=not settings.compiled, enable_prefix_caching=settings.enable_prefix_caching, seed=0,
-               **{"disable_log_stats": False, **settings.engine_args})
+               **{"disable_log_stats": False, **settings.llm_args})
 
 
 def _generate(llm, prompts, max_tokens, logprobs, tails, stop_at_eos, cache_salt) -> list[Completion]:
