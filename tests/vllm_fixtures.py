@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -240,6 +241,50 @@ def tally_delta(worker, run):
     out = run()
     after = worker.tally()
     return out, {k: after[k] - before[k] for k in after}
+
+
+# --- comparing completions where arithmetic is not invariant ---------------------------------------------------
+def diverge(a, b) -> int:
+    """The index of the first token where two completions differ (-1: none)."""
+    return next((i for i, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y), -1)
+
+
+def reference_parting(got, want) -> tuple[int, float] | None:
+    """Where `got` (anything with tokens) first leaves the completion `want` (None: never, over the shorter of the
+    two) and how near a tie `want` was there: its best log-prob minus its log-prob of the token `got` took (inf where
+    that token is not among its top tokens; `want` needs logprobs >= 2)."""
+    step = diverge(got, want)
+    if step < 0:
+        return None
+    top = want.top[step]
+    taken = top.get(got.tokens[step])
+    return step, math.inf if taken is None else max(top.values()) - taken
+
+
+def top2_gap(completion, step: int = 0) -> float:
+    """The gap between the two best log-probs of a completion's step (inf with one)."""
+    best = sorted(completion.top[step].values(), reverse=True)
+    return best[0] - best[1] if len(best) > 1 else math.inf
+
+
+def assert_parts_only_at_near_ties(what: str, got, want, near_tie: float) -> list:
+    """Each completion equals its reference, or parts from it only where the reference's log-probs make the two tokens
+    a near tie (top-2 gap under `near_tie`): what arithmetic that is not invariant (bf16 batching, chunking, another
+    implementation) may swap on another CPU, while a wrong fill moves the tokens far from any tie. Returns the
+    partings (step, gap) by request, None where none."""
+    partings = [reference_parting(g, w) for g, w in zip(got, want)]
+    far = [(i, p) for i, p in enumerate(partings) if p is not None and p[1] >= near_tie]
+    assert not far, f"{what}: requests part from the reference away from a near tie (request, (step, gap)): {far}"
+    return partings
+
+
+def gap_before_parting(got, want) -> float:
+    """Largest |log p| difference of the chosen tokens over the steps before each pair parts."""
+    gaps = []
+    for g, w in zip(got, want):
+        step, pairs = diverge(g, w), list(zip(g.logprobs, w.logprobs))
+        gaps += [abs(a - b) for a, b in (pairs if step < 0 else pairs[:step])]
+    return max(gaps, default=0.0)
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,8 @@ import pytest
 
 from ridgefill.method.fill import FillSettings
 from ridgefill.backends.vllm.worker import WorkerSettings
-from vllm_fixtures import prompts, tally_delta, vocab_of
+from vllm_fixtures import (assert_parts_only_at_near_ties, gap_before_parting, prompts, tally_delta, top2_gap,
+                           vocab_of)
 
 pytest.importorskip("vllm")
 
@@ -32,6 +33,9 @@ BF16_LOGPROB_TOL = 0.35  # nats, test 3: first-token top-5 (bf16: torchfill vs i
 FORCED_STEPS = 8  # test 2 at tail 24: the teacher-forced steps compared (bf16's gaps grow past them: see test 2)
 FORCED_TOL = 1.0  # nats, test 2 at tail 24: top-5 log-probs over FORCED_STEPS steps (largest measured 0.68)
 FILL_DOMINATED_TOL = 0.6  # nats, test 2 at tail 4: the first token's top-5 log-probs (largest measured 0.40)
+NEAR_TIE = 0.2  # nats, test 3: a reference's top-2 gap under which bf16 arithmetic that is not invariant (batching,
+# chunking) may swap its two top tokens: one batched request's first token swapped at a gap of 0.0655 on an Intel Xeon
+# (AVX-512), not on an AMD EPYC; where test 2's bf16 continuations part, vLLM's top-2 gap was at most 0.19
 
 
 def settings(folder, fill: FillSettings | None = None, plugin: bool = True, max_model_len: int = MAX_LEN,
@@ -76,16 +80,6 @@ def test_hybrid_tail_covering_the_prompt_is_stock_vllm(vllm_hybrid, workers):
     assert counted["filled_rows"] == 0 and counted["full_prompt_rows"] == sum(map(len, batch))
     assert [c.tokens for c in got] == [c.tokens for c in want]
     assert max_gap(got, want) == 0.0
-
-
-def diverge(a, b) -> int:
-    """The index of the first token where two completions differ (-1: none)."""
-    return next((i for i, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y), -1)
-
-
-def agree(got, tokens, n: int) -> int:
-    """How many completions equal the reference's first n tokens."""
-    return sum(c.tokens[:n] == t[:n] for c, t in zip(got, tokens))
 
 
 def forced(folder, maps, tail: int, batch: list[list[int]], completions) -> list:
@@ -169,24 +163,26 @@ def test_hybrid_chunked_batched_and_preempted_requests(vllm_hybrid, workers):
     128-token steps with KV blocks for one 1,536-token request, 160 new tokens each (vLLM preempts and recomputes
     some): stock vLLM itself is not batch-invariant on this model in bf16 (measured on these requests: 6 of 8
     decode the same 160 tokens batched as alone, the others part at tokens 39 and 45; with the fill 4 of 8, parting
-    at tokens 8, 22, 110 and 116), so every request's first token and its log-probs must be as alone (within
-    BF16_LOGPROB_TOL) and its first 4 tokens equal; the counts are printed. Alone, each request runs HELD = 16 tokens
-    (what the batch is held to; the 160 are what makes the batch outgrow its KV blocks)."""
+    at tokens 8, 22, 110 and 116; on an Intel Xeon one request's first token swapped at a top-2 gap of 0.0655). So
+    over the first HELD = 16 tokens each request, chunked against whole and batched against alone, equals its
+    reference or parts from it only at a near tie of the reference (NEAR_TIE), and its chosen tokens' log-probs before
+    it parts are within BF16_LOGPROB_TOL; the partings are printed. A wrong fill of the prefill shows from the start,
+    far from a tie. Alone, each request runs HELD tokens (what the batch is held to; the 160 are what makes the batch
+    outgrow its KV blocks)."""
     folder, maps = vllm_hybrid
     batch = prompts(8, [900, 20, 800, 48, 1000, 33, 700, 1200], vocab_of(folder), seed=5)
     tails = [None] * 7 + [100]
     whole = workers.get(filled(folder, maps))
-    want = [whole.generate([p], HELD, logprobs=1, tails=[t])[0] for p, t in zip(batch, tails)]
+    want = [whole.generate([p], HELD, logprobs=2, tails=[t])[0] for p, t in zip(batch, tails)]
     worker = workers.get(stepped(folder, maps))
-    alone = [worker.generate([p], HELD, logprobs=1, tails=[t])[0] for p, t in zip(batch, tails)]
-    assert [c.tokens for c in alone] == [c.tokens for c in want]
-    assert max_gap(alone, want) < BF16_LOGPROB_TOL  # over the first HELD tokens (zip stops there)
+    alone = [worker.generate([p], HELD, logprobs=2, tails=[t])[0] for p, t in zip(batch, tails)]
+    chunked = assert_parts_only_at_near_ties("chunked vs whole", alone, want, NEAR_TIE)
     together = worker.generate(batch, NEW, logprobs=1, tails=tails)
     preempted = sum(c.preemptions for c in together)
-    first = max(abs(a.logprobs[0] - b.logprobs[0]) for a, b in zip(together, alone))
-    print(f"qwen3_next bf16: chunked vs whole max log-prob gap {max_gap(alone, want):.3g}; batched vs alone: "
-          f"{preempted} preemptions, first-token gap {first:.3g}, first differing token of {HELD} per request "
-          f"(-1: none) {[diverge(a, b) for a, b in zip(together, alone)]}")
+    batched = assert_parts_only_at_near_ties("batched vs alone", together, alone, NEAR_TIE)  # the first HELD tokens
+    print(f"qwen3_next bf16: chunked vs whole: log-prob gap {gap_before_parting(alone, want):.3g}, partings "
+          f"(step, gap) {chunked}; batched vs alone: {preempted} preemptions, log-prob gap "
+          f"{gap_before_parting(together, alone):.3g}, partings {batched}; the first-token top-2 gaps alone "
+          f"{[round(top2_gap(w), 3) for w in alone]}")
     assert preempted > 0, "the KV budget did not force a preemption"
-    assert [c.tokens[0] for c in together] == [c.tokens[0] for c in alone] and first < BF16_LOGPROB_TOL
-    assert agree(together, [c.tokens for c in alone], 4) == 8  # a wrong fill of the prefill shows from the start
+    assert gap_before_parting(alone, want) < BF16_LOGPROB_TOL and gap_before_parting(together, alone) < BF16_LOGPROB_TOL

@@ -7,6 +7,7 @@ set their tail per request. The tests are ordered so that those sharing a worker
 from __future__ import annotations
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ import torch
 from ridgefill.errors import RidgefillError
 from ridgefill.method.fill import FillSettings
 from ridgefill.backends.vllm.worker import WorkerSettings
-from vllm_fixtures import prompts, reference, tally_delta, vocab_of
+from vllm_fixtures import assert_parts_only_at_near_ties, prompts, reference, tally_delta, vocab_of
 
 pytest.importorskip("vllm")
 
@@ -22,6 +23,7 @@ FAMILIES = ("qwen2", "qwen3", "llama")  # llama last: the tests after the family
 MAX_LEN = 2048
 SERVED_TAIL = 24  # the filled workers' own tail; tests set theirs per request
 BF16_DENSE_TOL = 0.15  # nats, bf16 first-token log-probs against torchfill (measured: 0.087 filled, 0.084 exact)
+BF16_NEAR_TIE = 2 * BF16_DENSE_TOL  # nats: a top-2 gap two log-probs each within BF16_DENSE_TOL of torchfill's can swap
 
 
 def settings(folder, fill: FillSettings | None = None, plugin: bool = True, threads: str | None = None,
@@ -353,8 +355,10 @@ def test_filled_prefill_in_bf16_matches_torchfill_in_bf16(vllm_tiny, workers, fa
     (qwen2: K/V biases; qwen3: k-norm; llama's is qwen2's without the bias; it passed too, 2026-12-03, and runs here
     no more to keep CI under 25 minutes): the filled worker against torchfill in
     bf16 on 8 prompts: first-token top-5 log-probs within BF16_DENSE_TOL (bf16 rounding: stock vLLM's exact
-    prefill against torchfill's differs by 0.084 on qwen3, measured) and at least 7 of 8 greedy 16-token
-    continuations equal."""
+    prefill against torchfill's differs by 0.084 on qwen3, measured), and each greedy 16-token continuation
+    torchfill's or parting from it only at a near tie of vLLM's own log-probs (BF16_NEAR_TIE: bf16 in two
+    implementations may swap two tokens there, on any CPU; a count of equal continuations measured on one CPU is no
+    bar on another)."""
     folder, maps = vllm_tiny[family]
     batch = prompts(8, [200, 333, 90, 512], vocab_of(folder), seed=3)
     worker = workers.get(replace(filled(folder, maps), dtype="bfloat16"))
@@ -362,7 +366,8 @@ def test_filled_prefill_in_bf16_matches_torchfill_in_bf16(vllm_tiny, workers, fa
     assert counted["filled_rows"] > 0
     tokens, first = reference(folder, maps, SERVED_TAIL, batch, 16, dtype="bf16")
     gaps = [max_logprob_gap(c, f) for c, f in zip(got, first)]
-    same = sum(c.tokens == t for c, t in zip(got, tokens))
-    print(f"{family} bf16 against torchfill: first-token gap {max(gaps):.3g}, {same} of 8 continuations equal")
+    print(f"{family} bf16 against torchfill: first-token gap {max(gaps):.3g}")
     assert max(gaps) < BF16_DENSE_TOL, gaps
-    assert same >= 7
+    partings = assert_parts_only_at_near_ties(f"{family} bf16, torchfill against vLLM",
+                                              [SimpleNamespace(tokens=t) for t in tokens], got, BF16_NEAR_TIE)
+    print(f"{partings.count(None)} of 8 continuations equal; the others part at (step, vLLM's gap) {partings}")
