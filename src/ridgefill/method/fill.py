@@ -238,7 +238,7 @@ def load_serving(path: str | Path) -> Tuned:
             raise RidgefillError(f"--serving-config {path}: its maps {maps_path} do not exist: rerun `ridgefill tune` "
                                  "or restore the file")
         sha = maps.get("sha256")
-        if not is_sha256(sha):  # a prefix (an empty one, or tune's 16-digit `hash` of old) would match other bytes
+        if not is_sha256(sha):  # a prefix (an empty one, or 16 digits) would match other bytes
             raise RidgefillError(f"--serving-config {path}: its maps' sha256 {repr(sha)[:80]} is not a whole sha256 "
                                  "(64 hex digits): rerun `ridgefill tune` to pin the maps by their full sha256")
         found = file_sha256(maps_path)
