@@ -268,11 +268,13 @@ def top2_gap(completion, step: int = 0) -> float:
 
 
 def assert_parts_only_at_near_ties(what: str, got, want, near_tie: float) -> list:
-    """Each completion equals its reference, or parts from it only where the reference's log-probs make the two tokens
-    a near tie (top-2 gap under `near_tie`): what arithmetic that is not invariant (bf16 batching, chunking, another
-    implementation) may swap on another CPU, while a wrong fill moves the tokens far from any tie. Returns the
-    partings (step, gap) by request, None where none."""
+    """Each completion equals its reference, or parts from it only where the reference's log-probs make the token it
+    took a near tie with the reference's own (a gap under `near_tie`): what arithmetic that is not invariant (bf16
+    batching, chunking, another implementation) may swap on another CPU, while a wrong fill moves the tokens far from
+    any tie. The partings (step, gap) by request (None where none) are printed and returned."""
     partings = [reference_parting(g, w) for g, w in zip(got, want)]
+    print(f"{what}: {partings.count(None)} of {len(partings)} equal; partings (request, (step, gap)): "
+          f"{[(i, p) for i, p in enumerate(partings) if p is not None]}")
     far = [(i, p) for i, p in enumerate(partings) if p is not None and p[1] >= near_tie]
     assert not far, f"{what}: requests part from the reference away from a near tie (request, (step, gap)): {far}"
     return partings

@@ -166,16 +166,17 @@ def test_hybrid_chunked_batched_and_preempted_requests(vllm_hybrid, workers):
     at tokens 8, 22, 110 and 116; on an Intel Xeon one request's first token swapped at a top-2 gap of 0.0655). So
     over the first HELD = 16 tokens each request, chunked against whole and batched against alone, equals its
     reference or parts from it only at a near tie of the reference (NEAR_TIE), and its chosen tokens' log-probs before
-    it parts are within BF16_LOGPROB_TOL; the partings are printed. A wrong fill of the prefill shows from the start,
-    far from a tie. Alone, each request runs HELD tokens (what the batch is held to; the 160 are what makes the batch
-    outgrow its KV blocks)."""
+    it parts are within BF16_LOGPROB_TOL; the partings are printed (measured on an AMD EPYC: chunked equal to whole on
+    all 8; batched, one request parts at token 8 where alone's two best were 0.0625 apart). A wrong fill of the
+    prefill shows from the start, far from a tie. Alone, each request runs HELD tokens (what the batch is held to;
+    the 160 are what makes the batch outgrow its KV blocks)."""
     folder, maps = vllm_hybrid
     batch = prompts(8, [900, 20, 800, 48, 1000, 33, 700, 1200], vocab_of(folder), seed=5)
     tails = [None] * 7 + [100]
     whole = workers.get(filled(folder, maps))
-    want = [whole.generate([p], HELD, logprobs=2, tails=[t])[0] for p, t in zip(batch, tails)]
+    want = [whole.generate([p], HELD, logprobs=5, tails=[t])[0] for p, t in zip(batch, tails)]
     worker = workers.get(stepped(folder, maps))
-    alone = [worker.generate([p], HELD, logprobs=2, tails=[t])[0] for p, t in zip(batch, tails)]
+    alone = [worker.generate([p], HELD, logprobs=5, tails=[t])[0] for p, t in zip(batch, tails)]
     chunked = assert_parts_only_at_near_ties("chunked vs whole", alone, want, NEAR_TIE)
     together = worker.generate(batch, NEW, logprobs=1, tails=tails)
     preempted = sum(c.preemptions for c in together)
@@ -186,3 +187,5 @@ def test_hybrid_chunked_batched_and_preempted_requests(vllm_hybrid, workers):
           f"{[round(top2_gap(w), 3) for w in alone]}")
     assert preempted > 0, "the KV budget did not force a preemption"
     assert gap_before_parting(alone, want) < BF16_LOGPROB_TOL and gap_before_parting(together, alone) < BF16_LOGPROB_TOL
+    # most first tokens are no near tie (measured: 5 of 8, 0.34-1.47 nats; the others 0.0-0.125), so the check bites
+    assert sum(top2_gap(w) >= NEAR_TIE for w in alone) >= 4

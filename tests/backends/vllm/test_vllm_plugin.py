@@ -368,6 +368,6 @@ def test_filled_prefill_in_bf16_matches_torchfill_in_bf16(vllm_tiny, workers, fa
     gaps = [max_logprob_gap(c, f) for c, f in zip(got, first)]
     print(f"{family} bf16 against torchfill: first-token gap {max(gaps):.3g}")
     assert max(gaps) < BF16_DENSE_TOL, gaps
-    partings = assert_parts_only_at_near_ties(f"{family} bf16, torchfill against vLLM",
-                                              [SimpleNamespace(tokens=t) for t in tokens], got, BF16_NEAR_TIE)
-    print(f"{partings.count(None)} of 8 continuations equal; the others part at (step, vLLM's gap) {partings}")
+    reference_tokens = [SimpleNamespace(tokens=t) for t in tokens]
+    assert_parts_only_at_near_ties(f"{family} bf16, torchfill against vLLM", reference_tokens, got,
+                                   BF16_NEAR_TIE)  # measured: qwen2 8 of 8 equal; qwen3 7, one parting at 0.031
