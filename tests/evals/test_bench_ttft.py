@@ -63,7 +63,7 @@ def test_row_flops_are_twice_the_layer_weights(family):
     assert sum(row_flops(shape).values()) == 2 * weights
 
 
-def test_options_and_defaults_are_those_of_the_command_line_before_the_registry():
+def test_options_and_defaults_are_those_of_the_command_line():
     defaults = {flag: o.default for flag, o in bench_ttft_command.options.items()}
     assert defaults == {
         "model": "smollm2-135m", "maps": None, "split": None, "tail": 256, "lengths": "1024,2048,4096,8192",

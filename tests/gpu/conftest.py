@@ -1,5 +1,5 @@
-"""tests/gpu: the engine on a CUDA GPU against float32 references (bf16 error bounds, not equality). Every test in
-this folder is marked to skip unless torch sees a CUDA GPU, so CI (CPU only) collects and skips them, visibly
+"""tests/gpu: torchfill's runner on a CUDA GPU against float32 references (bf16 error bounds, not equality). Every
+test in this folder is marked to skip unless torch sees a CUDA GPU, so CI (CPU only) collects and skips them, visibly
 (`pytest -rs` names the reason). scripts/gpu_check.sh runs them on a GPU machine.
 
 The folder is a package (tests/gpu/__init__.py) so that this conftest is `gpu.conftest`, beside tests/conftest.py."""
