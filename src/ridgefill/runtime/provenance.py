@@ -31,12 +31,12 @@ def versions(packages=PACKAGES) -> dict:
     return out
 
 
-def result_versions(engine: dict) -> dict:
+def result_versions(computed_by: dict) -> dict:
     """Everything beside a result's inputs that can change it: ridgefill's version and source hash, the maps and
-    statistics format, and `engine`: what computes the results, as the engine that runs them reports it
+    statistics format, and `computed_by`: what computes the results, as the engine that runs them reports it
     (Backend.provenance: its name, and e.g. torch and transformers for torchfill, vLLM's version, the llama.cpp
     build's version, patch and instruction sets)."""
-    return {"ridgefill": __version__, "code": code_hash(), "format": ARTIFACT_FORMAT, **engine}
+    return {"ridgefill": __version__, "code": code_hash(), "format": ARTIFACT_FORMAT, **computed_by}
 
 
 def code_hash() -> str:
