@@ -24,7 +24,7 @@ from vllm.engine.arg_utils import EngineArgs
 
 vllm_config_module.HAS_TRITON = True  # as on a CUDA install: vLLM would pick Model Runner V2
 from ridgefill.backends.vllm.fill import fill_from_env
-from ridgefill.backends.vllm.config import check_engine_config
+from ridgefill.backends.vllm.config import check_vllm_config
 from ridgefill.backends.vllm.plugin.entry import register
 
 
@@ -35,7 +35,7 @@ def make(env=None, after=None, **kwargs):
         config = EngineArgs(model=sys.argv[1], max_model_len=512, **kwargs).create_engine_config()
         if after is not None:
             after(config)
-            check_engine_config(config, fill_from_env())
+            check_vllm_config(config, fill_from_env())
         return {"v2": config.use_v2_model_runner, "processors": config.model_config.logits_processors,
                 "prefix_caching": config.cache_config.enable_prefix_caching}
     except Exception as exc:

@@ -79,11 +79,11 @@ class VllmBackend(Backend):
     def __init__(self, config, projection: str = "auto") -> None:
         from ridgefill.runtime.models import model_folder
         from ridgefill.runtime.session import model_facts
-        from ridgefill.backends.vllm.config import check_engine_dtype
+        from ridgefill.backends.vllm.config import check_worker_dtype
 
         super().__init__(config, projection)
         self.folder = model_folder(config.model)
-        check_engine_dtype(self.folder, config.dtype)
+        check_worker_dtype(self.folder, config.dtype)
         self.model = model_facts(config.model)
         self._stack = ExitStack()
         self.workers, self.settings, self._base, self._final = {}, {}, {}, {}

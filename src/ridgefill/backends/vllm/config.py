@@ -134,8 +134,8 @@ def check_hybrid_dtype(config: dict, dtype: str, cpu: bool) -> None:
                          f"only (vLLM's CPU Gated DeltaNet kernel), not {dtype}: pass --dtype bf16")
 
 
-def check_engine_dtype(model_folder: str | Path, dtype: str) -> None:
-    """check_hybrid_dtype for the checkpoint folder an engine will load, on this machine's device."""
+def check_worker_dtype(model_folder: str | Path, dtype: str) -> None:
+    """check_hybrid_dtype for the checkpoint folder a vLLM worker will load, on this machine's device."""
     import torch
 
     check_hybrid_dtype(read_model_config(model_folder), dtype, not torch.cuda.is_available())
@@ -193,8 +193,8 @@ def check_dev_mode(environ: Mapping[str, str]) -> None:
                              f"maps are pinned to the checkpoint's: unset {DEV_MODE}")
 
 
-def check_engine_config(vllm_config, fill: FillSettings, environ: Mapping[str, str] = os.environ) -> None:
-    """Refuse, with one line, an engine configuration the fill cannot run under (vLLM's VllmConfig, read only, and
+def check_vllm_config(vllm_config, fill: FillSettings, environ: Mapping[str, str] = os.environ) -> None:
+    """Refuse, with one line, a vLLM configuration the fill cannot run under (its VllmConfig, read only, and
     the environment of vLLM's server: its dev mode)."""
     model = vllm_config.model_config
     check_architecture(list(getattr(model.hf_config, "architectures", None) or []),

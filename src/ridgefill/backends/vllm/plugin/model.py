@@ -53,7 +53,7 @@ from ridgefill.method.maps import load_filler
 from ridgefill.runtime.models import checkpoint_fingerprint
 from ridgefill.method.fill import FillSettings
 from ridgefill.backends.vllm.fill import fill_from_env
-from ridgefill.backends.vllm.config import check_engine_config
+from ridgefill.backends.vllm.config import check_vllm_config
 from ridgefill.backends.vllm.plugin.metrics import FillCounters
 from ridgefill.backends.vllm.plugin.private import (cpu_gemm, decoder_layers, embed, final_norm, gdn_core, gdn_core_inputs,
                                           gdn_mixer, gdn_output, gdn_split_forward, kv_layout, layer_mlp,
@@ -134,7 +134,7 @@ class RidgeFillMixin:
         super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)  # the stock model's __init__ (next in MRO)
         fill = fill_from_env()
         if fill is not None:
-            check_engine_config(vllm_config, fill)
+            check_vllm_config(vllm_config, fill)
         self._ridgefill_fill = fill
         self._ridgefill_folder = vllm_config.model_config.model
         self.ridgefill: FillState | None = None

@@ -7,7 +7,7 @@ from __future__ import annotations
 from ridgefill.method.fill import FillSettings
 from ridgefill.backends.vllm.fill import fill_from_env
 from ridgefill.backends.vllm.plugin.patch import Patch
-from ridgefill.backends.vllm.config import check_engine_config
+from ridgefill.backends.vllm.config import check_vllm_config
 from ridgefill.backends.vllm.plugin.prefix import cut_cache_hit, salted_request
 from ridgefill.backends.vllm.plugin.runner import model_forward
 
@@ -28,7 +28,7 @@ class EngineConfigPatch(Patch):
             config = original(engine_args, *args, **kwargs)
             fill = fill_from_env()
             if fill is not None:
-                check_engine_config(config, fill)
+                check_vllm_config(config, fill)
             return config
 
         return create_engine_config
