@@ -60,7 +60,7 @@ def main() -> None:
            "times_s": times, "tokens_per_s": {n: tokens / statistics.median(t) for n, t in times.items()},
            "plugin_over_stock": ratio.to_dict(), "plugin_tally": tally}
     print(f"decode tokens/s, plugin / stock (median of {a.rounds}): {ratio.estimate:.3f} "
-          f"[{ratio.low:.3f}, {ratio.high:.3f}]; filled rows {tally.get('filled_rows')}")
+          f"[{ratio.low:.3f}, {ratio.high:.3f}]; filled rows {tally.get('filled_tokens')}")
     if a.out:
         a.out.write_text(json.dumps(doc, indent=2))
 

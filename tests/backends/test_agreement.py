@@ -93,8 +93,8 @@ def test_every_engine_agrees_with_the_own_engine(engine, served, own, tmp_path, 
     for name in ("exact", "filled"):
         got, want = gen["results"][name], want_gen["results"][name]
         assert got["tokens"] == want["tokens"], (name, got["tokens"], want["tokens"])
-        assert got["filled_rows"] == want["filled_rows"] and got["prompt_tokens"] == want["prompt_tokens"]
-    assert gen["results"]["filled"]["filled_rows"] > 0 and gen["results"]["exact"]["filled_rows"] == 0
+        assert got["filled_tokens"] == want["filled_tokens"] and got["prompt_tokens"] == want["prompt_tokens"]
+    assert gen["results"]["filled"]["filled_tokens"] > 0 and gen["results"]["exact"]["filled_tokens"] == 0
     for name in ("exact", "ridge"):  # exact and ridge only: each variant is one more engine start in vLLM
         got, want = loss["results"][name], want_loss["results"][name]
         assert got["tail_tokens"] == want["tail_tokens"] > 0

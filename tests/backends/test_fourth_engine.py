@@ -71,9 +71,9 @@ def test_a_fourth_engine_runs_generate_bench_ttft_ruler_and_loss(fourth, tiny_ch
                                                       "fill": True}
     for name in ("exact", "filled"):
         assert theirs["results"][name]["tokens"] == own["results"][name]["tokens"]
-        assert theirs["results"][name]["filled_rows"] == own["results"][name]["filled_rows"]
+        assert theirs["results"][name]["filled_tokens"] == own["results"][name]["filled_tokens"]
         assert theirs["results"][name]["ttft_s"] > 0
-    assert theirs["results"]["filled"]["filled_rows"] > 0
+    assert theirs["results"]["filled"]["filled_tokens"] > 0
 
     doc = bench(model, "fourth", tmp_path / "ttft.json")
     assert doc["engine"]["name"] == "fourth" and doc["config"]["engine"] == "fourth"

@@ -168,9 +168,9 @@ def test_outlier_rows_are_counted_in_the_result(tiny_checkpoint, long_docs, tmp_
     off = loss_command(**options(model=str(tiny_checkpoint), data=str(long_docs), out=tmp_path / "off.json",
                                  outlier_factor=0.0))
     rows = low["fill_rows"]["identity"]
-    assert rows["outlier_rows_run_full"] > 0
-    assert off["fill_rows"]["identity"] == {"filled_rows": rows["filled_rows"] + rows["outlier_rows_run_full"],
-                                            "outlier_rows_run_full": 0, "lookback_rows_run_full": 0}
+    assert rows["outlier_tokens"] > 0
+    assert off["fill_rows"]["identity"] == {**rows, "filled_tokens": rows["filled_tokens"] + rows["outlier_tokens"],
+                                            "outlier_tokens": 0, "lookback_full_tokens": 0}
     assert low["results"]["exact"] == off["results"]["exact"]
     with pytest.raises(RidgefillError, match="--outlier-factor -1 must be 0"):
         loss_command(**options(model=str(tiny_checkpoint), data=str(long_docs), out=tmp_path / "x.json",

@@ -199,7 +199,8 @@ def missing(root: Path, tiny: dict) -> Path:
 BAD = [  # (id, model, maps, more arguments, the error names)
     ("maps-of-another-family", lambda root, t: t["qwen2"][0], lambda root, t: t["llama"][1], [],
      "fitted for another model"),
-    ("maps-for-another-layer-count", lambda root, t: t["llama"][0], maps_of_7_layers, [], "(split 2 of 7 layers, lookback 0): refit it"),
+    ("maps-for-another-layer-count", lambda root, t: t["llama"][0], maps_of_7_layers, [],
+     "holds maps for a 7-layer model"),
     ("maps-missing", lambda root, t: t["llama"][0], missing, [], "does not exist"),
     ("maps-corrupt", lambda root, t: t["llama"][0], corrupt, [], "corrupted or truncated"),
     ("unsupported-family", unsupported_model, lambda root, t: t["llama"][1], [], "unsupported architecture 'gpt2'"),

@@ -112,7 +112,7 @@ def test_lookback_fill_equals_oracle_fill_with_the_unwindowed_rows_kept(dense_mo
     unwindowed = sorted({r for c in chunk_starts for r in range(c, c + k)} | set(range(start + k)))
     unwindowed = [r for r in unwindowed if r < n - tail]
     assert got.n_unwindowed == len(unwindowed) and got.n_filled == n - tail - len(unwindowed)
-    assert plan.tally.to_dict()["lookback_rows_run_full"] == len(unwindowed)
+    assert plan.tally.to_dict()["lookback_full_tokens"] == len(unwindowed)
     oracle = FillPlan(OracleFiller(split, predicted_hidden(dense_model, ids, split, weights, bias, k)), tail=tail,
                       keep_rows=tuple(unwindowed))
     ref = eng.prefill(ids, fill=oracle, logits_at=got.rows.tolist())  # the tail: rows run in full have no logits

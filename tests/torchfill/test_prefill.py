@@ -7,6 +7,7 @@ import torch
 from tiny_models import random_ids, tiny_model
 from helpers import TOL, assert_caches_equal, runner_for, hf_hidden
 from ridgefill.torchfill import FillPlan, IdentityFiller, adapter_for
+from ridgefill.torchfill.fill_plan import FillTally
 from ridgefill.errors import RidgefillError
 
 
@@ -83,8 +84,7 @@ def test_outlier_rows_run_in_full_like_keep_rows(dense_model, chunk):
     assert got.n_outliers == len(expected) and got.n_filled == kept.n_filled
     assert (got.logits - kept.logits).abs().max() <= TOL
     assert_caches_equal(got.cache, kept.cache)
-    assert plan.tally.to_dict() == {"filled_rows": got.n_filled, "outlier_rows_run_full": len(expected),
-                                    "lookback_rows_run_full": 0}
+    assert plan.tally == FillTally(filled_tokens=got.n_filled, outlier_tokens=len(expected))
 
 
 def test_outlier_factor_zero_or_huge_changes_nothing(dense_model):

@@ -8,8 +8,8 @@ engine's requests carry RidgeFill's options from its `GuardDialect`.
 
 - RidgeFill's per-request options (`REQUEST_ARGS`: a request's own tail and keep-first): the names a client sends,
   and `check_request_args`, the check of their values (at the guard, and where the engine admits a request);
-- RidgeFill's counters on a server's /metrics: method/tally.FillTally's fields (`MARKER`: the line only a server
-  running RidgeFill shows);
+- RidgeFill's counters on a server's /metrics (`MARKER`, the line only a server running RidgeFill shows):
+  backends/counters.py;
 - the server's start (`Launch`) and how this machine reaches it (`health_url`, `check_port`, `free_port`).
 """
 
@@ -146,27 +146,6 @@ def check_request_args(extra: Mapping | None) -> None:
         if not ok(value, LARGEST):
             shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
             raise ValueError(f"{key}={shown} is not valid: give an integer in {least}..{LARGEST} ({what})")
-
-
-# --- RidgeFill's counters on a server's /metrics --------------------------------------------------------------
-COUNTERS = {  # tally key -> (Prometheus name without _total, help)
-    "filled": ("ridgefill_filled_tokens", "Prompt tokens RidgeFill filled (late layers' K/V from the maps)"),
-    "full": ("ridgefill_full_tokens", "Prompt tokens run through every layer"),
-    "cached": ("ridgefill_cached_prompt_tokens",
-               "Prompt tokens served from vLLM's prefix cache (neither filled nor run: each prompt token is counted "
-               "once, in filled, full or cached)"),
-    "recomputed": ("ridgefill_recomputed_prompt_tokens",
-                   "Prompt tokens computed again after vLLM preempted their request (not counted again in filled, "
-                   "full or cached)"),
-    "outliers": ("ridgefill_outlier_tokens", "Tokens the fill rule fills that ran in full: split-state outliers"),
-    "unwindowed": ("ridgefill_lookback_full_tokens",
-                   "Tokens the fill rule fills that ran in full: their lookback window was not in the step"),
-    "run_bound": ("ridgefill_run_bound_full_tokens",
-                  "Tokens the fill rule fills that ran in full: their step had more runs of full tokens than the "
-                  "attention backend's metadata holds (max_num_seqs)"),
-    "stock_steps": ("ridgefill_stock_steps", "Steps run stock (exact) because their fill could not be planned"),
-}
-MARKER = COUNTERS["filled"][0] + "_total"  # on /metrics only where RidgeFill runs in the engine
 
 
 # --- where the server answers --------------------------------------------------------------------------------

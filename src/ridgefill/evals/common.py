@@ -115,8 +115,8 @@ class Measurement:
         or their maps' lookback window was not whole (summed over every prompt); says so on stderr when there were
         any."""
         tallies = {name: self.backend.tally(name).to_dict() for name, plan in self.plans.items() if plan is not None}
-        why = {"outlier_rows_run_full": f"as split-state outliers (--outlier-factor {self.config.outlier_factor:g})",
-               "lookback_rows_run_full": "without a whole lookback window (the first rows of a chunk)"}
+        why = {"outlier_tokens": f"as split-state outliers (--outlier-factor {self.config.outlier_factor:g})",
+               "lookback_full_tokens": "without a whole lookback window (the first rows of a chunk)"}
         for field, reason in why.items():
             counts = {name: t[field] for name, t in tallies.items() if t[field]}
             if counts:

@@ -124,9 +124,10 @@ class Run:
 
     def summary(self, n: int) -> str:
         t = self.tally
-        text = f"ttft {self.ttft_s * 1000:.0f} ms, {t.filled / max(1, n):.0%} of {n} prompt rows filled"
-        text += f" ({t.outliers} outlier rows ran in full)" if t.outliers else ""
-        return text + (f" ({t.unwindowed} rows without a lookback window ran in full)" if t.unwindowed else "")
+        text = f"ttft {self.ttft_s * 1000:.0f} ms, {t.filled_tokens / max(1, n):.0%} of {n} prompt rows filled"
+        text += f" ({t.outlier_tokens} outlier rows ran in full)" if t.outlier_tokens else ""
+        return text + (f" ({t.lookback_full_tokens} rows without a lookback window ran in full)"
+                       if t.lookback_full_tokens else "")
 
 
 def keep_rows(c: GenerateConfig, tokenizer, prompt: str, n: int) -> list[int]:

@@ -97,11 +97,11 @@ class FillSettings:
         meta, split = None, self.split
         if self.variant in FROM_MAPS:
             filler, meta = load_filler(self.maps, model.model_info, self.split, model.dtype, model.device,
-                                       self.maps_sha256, mean=self.variant == "mean")
+                                       self.maps_sha256, mean=self.variant == "mean", n_layers=n_layers)
             split = meta["split"]
         elif self.maps is not None:  # identity or drop at the maps' split: their metadata is enough
             meta = {**read_meta(self.maps, "maps"), "sha256": file_sha256(self.maps)}
-            check_for_model(self.maps, meta, model.model_info, self.split)
+            check_for_model(self.maps, meta, model.model_info, self.split, n_layers)
             split = meta["split"]
         if not 1 <= split <= n_layers:
             raise RidgefillError(f"split {split} is out of range: use 1..{n_layers} for this model")

@@ -37,20 +37,20 @@ def save_maps(path: str | Path, split: int, n_layers: int, fits: list[LayerFit],
 
 def load_filler(path: str | Path, model_info: dict, split: int | None = None,
                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                sha256: str | None = None, mean: bool = False) -> tuple[Filler, dict]:
+                sha256: str | None = None, mean: bool = False, n_layers: int | None = None) -> tuple[Filler, dict]:
     """The filler stored in a maps file, checked against the model it will run on (mean: the `mean` control from
     the file's calibration means instead). The file is read whole into private memory (its tensors are no view of it:
     changing the file later changes nothing); with `sha256`, it must be the file that was checked. The metadata
     returned carries the file's `sha256`."""
     tensors, meta, digest = load_private(path, "maps", sha256)
-    return filler_of(path, tensors, {**meta, "sha256": digest}, model_info, split, dtype, device, mean)
+    return filler_of(path, tensors, {**meta, "sha256": digest}, model_info, split, dtype, device, mean, n_layers)
 
 
 def filler_of(path: str | Path, tensors: dict[str, torch.Tensor], meta: dict, model_info: dict,
               split: int | None = None, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-              mean: bool = False) -> tuple[Filler, dict]:
+              mean: bool = False, n_layers: int | None = None) -> tuple[Filler, dict]:
     """The filler of a maps file's `tensors` and `meta` as read (load_private), checked as load_filler checks it."""
-    check_for_model(path, meta, model_info, split)
+    check_for_model(path, meta, model_info, split, n_layers)
     check_maps(path, tensors, meta, model_info.get("hidden_size"), model_info.get("kv_heads"))
     n_layers, s = meta["n_layers"], meta["split"]
     key_scale = tensors.get("key_scale")
@@ -82,9 +82,10 @@ def calibration_means(path: str | Path, tensors: dict[str, torch.Tensor], meta: 
 META_KEYS = {"kind": str, "split": int, "n_layers": int, "model": dict}  # what a maps file's metadata must hold
 
 
-def check_for_model(path: str | Path, meta: dict, model_info: dict, split: int | None = None) -> None:
+def check_for_model(path: str | Path, meta: dict, model_info: dict, split: int | None = None,
+                    n_layers: int | None = None) -> None:
     """Refuse maps whose metadata lacks what a filler needs, fitted for another checkpoint (its hash) or, given
-    `split`, for another split."""
+    `split` and `n_layers`, for another split or layer count."""
     for key, kind in META_KEYS.items():
         if not isinstance(meta.get(key), kind) or isinstance(meta.get(key), bool):
             raise RidgefillError(f"{path} has no valid `{key}` in its ridgefill metadata (found {meta.get(key)!r}): "
@@ -97,6 +98,9 @@ def check_for_model(path: str | Path, meta: dict, model_info: dict, split: int |
         raise RidgefillError(f"{path} was fitted for another model ({fitted.get('id')}, weights "
                              f"{fitted.get('weights_hash')}); this model's weights are {model_info['weights_hash']}: "
                              "calibrate and fit for this model")
+    if n_layers is not None and meta["n_layers"] != n_layers:
+        raise RidgefillError(f"{path} holds maps for a {meta['n_layers']}-layer model, this model has {n_layers} "
+                             "layers: fit maps for this model")
     if split is not None and split != meta["split"]:
         raise RidgefillError(f"{path} holds maps for split {meta['split']}, not {split}: pass --split "
                              f"{meta['split']} or fit maps for split {split}")

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
 import torch
@@ -16,15 +16,22 @@ from ridgefill.errors import RidgefillError
 
 @dataclass
 class FillTally:
-    """What a plan's prefills did, summed over every prompt they filled."""
+    """What a fill did to prompt tokens, summed over every prompt: the one tally of every engine, in result documents
+    (`to_dict`) and, by the same names, on a server's /metrics (ridgefill_<field>_total: backends/counters.py).
+    A count an engine does not keep is None. Each prompt token is counted once, in filled, full or cached."""
 
-    filled: int = 0  # rows filled
-    outliers: int = 0  # rows that would have been filled but ran in full: their split state is an outlier
-    unwindowed: int = 0  # ... ran in full: their maps' lookback window was not whole (torchfill/lookback.py)
+    filled_tokens: int = 0  # prompt tokens filled: their late layers' K/V written from the maps
+    outlier_tokens: int = 0  # tokens the rule fills that ran in full: their split state is an outlier
+    lookback_full_tokens: int = 0  # ... ran in full: their maps' lookback window was not whole (torchfill/lookback.py)
+    full_tokens: int | None = None  # prompt tokens run through every layer (the tail, keep-first, and the above)
+    cached_prompt_tokens: int | None = None  # prompt tokens a server's prefix cache served (neither filled nor run)
+    recomputed_prompt_tokens: int | None = None  # computed again after a server preempted their request
+    run_bound_full_tokens: int | None = None  # ran in full: their step had more runs of full tokens than the
+    # attention backend's metadata holds
+    stock_steps: int | None = None  # a server's steps run stock (exact) because their fill could not be planned
 
     def to_dict(self) -> dict:
-        return {"filled_rows": self.filled, "outlier_rows_run_full": self.outliers,
-                "lookback_rows_run_full": self.unwindowed}
+        return asdict(self)
 
 
 @dataclass(frozen=True)

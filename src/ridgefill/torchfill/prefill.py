@@ -189,9 +189,9 @@ class Runner:
         rows_t = torch.cat(rows) if rows else torch.empty(0, dtype=torch.long)
         n_filled = int((~full).sum()) - promoted.total
         if fill is not None:
-            fill.tally.filled += n_filled
-            fill.tally.outliers += promoted.outliers
-            fill.tally.unwindowed += promoted.unwindowed
+            fill.tally.filled_tokens += n_filled
+            fill.tally.outlier_tokens += promoted.outliers
+            fill.tally.lookback_full_tokens += promoted.unwindowed
         return PrefillResult(cache, logits, rows_t, n_rows, n_filled, promoted.outliers, promoted.unwindowed)
 
     @torch.inference_mode()

@@ -65,7 +65,7 @@ def build(spec: dict, guard: str | None):
         return JSONResponse({"status": "ok"})
 
     async def metrics(request):
-        filled = backend.tally("served").filled
+        filled = backend.tally("served").filled_tokens
         counted = spec["fill"] is not None and not os.environ.get("FOURTH_NO_COUNTERS")
         return PlainTextResponse(f"ridgefill_filled_tokens_total {filled}\n" if counted else "fourth_up 1\n")
 

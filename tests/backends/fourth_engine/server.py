@@ -11,7 +11,8 @@ import re
 import sys
 from pathlib import Path
 
-from ridgefill.backends.serving import MARKER, GuardDialect, Launch, LogDialect, Server, health_url
+from ridgefill.backends.counters import MARKER
+from ridgefill.backends.serving import GuardDialect, Launch, LogDialect, Server, health_url
 from ridgefill.errors import RidgefillError
 
 KEY_ENV = "FOURTH_API_KEY"

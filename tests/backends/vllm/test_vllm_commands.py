@@ -69,11 +69,11 @@ def test_bench_ttft_in_vllm_takes_tunes_ridge_config_and_writes_the_same_documen
             want = int(session.runner.prefill(ids, plan).logits[0, -1].argmax())
             assert entry["first_token"][name] == want, (n, name)
     expected = runs * sum(e["length"] - 33 for e in doc["results"])
-    assert doc["fill_rows"]["ridge"]["filled_rows"] + doc["fill_rows"]["ridge"]["outlier_rows_run_full"] == expected
+    assert doc["fill_rows"]["ridge"]["filled_tokens"] + doc["fill_rows"]["ridge"]["outlier_tokens"] == expected
     tally = settings["ridge"]["tally"]
     assert {k: tally[k] for k in doc["fill_rows"]["ridge"]} == doc["fill_rows"]["ridge"]
-    assert tally["stock_steps"] == 0 and tally["full_prompt_rows"] == runs * 33 * len(doc["results"]) + \
-        tally["outlier_rows_run_full"]
+    assert tally["stock_steps"] == 0 and tally["full_tokens"] == runs * 33 * len(doc["results"]) + \
+        tally["outlier_tokens"]
 
 
 def test_bench_ttft_refuses_timings_of_a_fill_that_filled_nothing():
@@ -81,14 +81,14 @@ def test_bench_ttft_refuses_timings_of_a_fill_that_filled_nothing():
     from ridgefill.backends.vllm.backend import unfilled_detail
 
     def check(tally: dict, planned: int) -> None:  # as VllmBackend.check_filled reads the plugin's counters
-        check_filled("vLLM", "ridge", tally["filled_rows"], planned, *unfilled_detail(tally))
+        check_filled("vLLM", "ridge", tally["filled_tokens"], planned, *unfilled_detail(tally))
 
-    tally = {"filled_rows": 0, "full_prompt_rows": 600, "stock_steps": 3}
+    tally = {"filled_tokens": 0, "full_tokens": 600, "stock_steps": 3}
     with pytest.raises(RidgefillError, match="ridge filled none of the 525 prompt rows it should have filled in vLLM "
                                              r"\(600 ran in full, 3 steps ran stock\)"):
         check(tally, 525)
     check(tally, 0)  # nothing to fill (tail over the prompts): nothing to refuse
-    check({**tally, "filled_rows": 1}, 525)
+    check({**tally, "filled_tokens": 1}, 525)
 
 
 @pytest.mark.parametrize("options, message", [
@@ -143,7 +143,7 @@ def test_loss_in_vllm_equals_ridgefills_engine(vllm_tiny, tmp_path):
             assert max(found) < LOGPROB_TOL, (name, key, found)
     exact, ridge = (ours["results"][v]["per_passage"]["tail_nll_sum"] for v in ("exact", "ridge"))
     assert max(abs(a - b) for a, b in zip(exact, ridge)) / 47 > 10 * LOGPROB_TOL  # a fill vLLM skipped would show
-    assert theirs["fill_rows"]["ridge"]["filled_rows"] > 0
+    assert theirs["fill_rows"]["ridge"]["filled_tokens"] > 0
 
 
 def test_ruler_in_vllm_equals_ridgefills_engine(vllm_tiny, tmp_path):
@@ -162,8 +162,8 @@ def test_ruler_in_vllm_equals_ridgefills_engine(vllm_tiny, tmp_path):
         assert same >= len(ours["samples"]) - 1, (name, same)
     # the same rows are to be filled; vLLM serves some of them from its prefix cache (RULER prompts of a task share
     # their start), filled by an earlier request with the same maps
-    planned = ours["fill_rows"]["ridge"]["filled_rows"] + ours["fill_rows"]["ridge"]["outlier_rows_run_full"]
+    planned = ours["fill_rows"]["ridge"]["filled_tokens"] + ours["fill_rows"]["ridge"]["outlier_tokens"]
     tally = theirs["engine"]["settings"]["ridge"]["tally"]
-    served = tally["filled_rows"] + tally["outlier_rows_run_full"]
-    assert theirs["fill_rows"]["ridge"]["filled_rows"] == tally["filled_rows"] > 0
-    assert served <= planned <= served + tally["cached_prompt_rows"], (tally, planned)
+    served = tally["filled_tokens"] + tally["outlier_tokens"]
+    assert theirs["fill_rows"]["ridge"]["filled_tokens"] == tally["filled_tokens"] > 0
+    assert served <= planned <= served + tally["cached_prompt_tokens"], (tally, planned)

@@ -84,7 +84,7 @@ def test_tail_covering_the_prompt_is_stock_vllm(vllm_tiny, workers, family):
     worker = workers.get(filled(folder, maps))
     got, counted = tally_delta(worker, lambda: worker.generate(batch, 16, logprobs=2,
                                                                tails=[MAX_LEN, 2**31 - 1] * 4))
-    assert counted["filled_rows"] == 0 and counted["full_prompt_rows"] == sum(map(len, batch))
+    assert counted["filled_tokens"] == 0 and counted["full_tokens"] == sum(map(len, batch))
     assert [c.tokens for c in got] == [c.tokens for c in want]
     assert max_gap(got, want) < 1e-5
 
@@ -97,8 +97,8 @@ def test_filled_prefill_matches_torchfill(vllm_tiny, workers, family):
     batch = prompts(8, [200, 333, 90, 512], vocab_of(folder), seed=3)
     worker = workers.get(filled(folder, maps))
     got, counted = tally_delta(worker, lambda: worker.generate(batch, 32, logprobs=5))
-    assert counted["filled_rows"] == sum(len(p) - SERVED_TAIL - 1 for p in batch) - counted["outlier_rows_run_full"]
-    assert counted["full_prompt_rows"] == sum(map(len, batch)) - counted["filled_rows"]
+    assert counted["filled_tokens"] == sum(len(p) - SERVED_TAIL - 1 for p in batch) - counted["outlier_tokens"]
+    assert counted["full_tokens"] == sum(map(len, batch)) - counted["filled_tokens"]
     assert_agrees(family, got, *reference(folder, maps, SERVED_TAIL, batch, 32))
 
 
@@ -150,13 +150,13 @@ def test_a_repeated_filled_request_hits_the_cache_before_its_tail_and_answers_th
     hit = hits(worker) - before
     assert hit == (600 - SERVED_TAIL) // block * block > 0
     assert second[0].tokens == first[0].tokens and max_gap(second, first) < 1e-6
-    assert again["filled_rows"] + again["outlier_rows_run_full"] == 600 - SERVED_TAIL - hit
-    assert again["full_prompt_rows"] - again["outlier_rows_run_full"] == SERVED_TAIL
+    assert again["filled_tokens"] + again["outlier_tokens"] == 600 - SERVED_TAIL - hit
+    assert again["full_tokens"] - again["outlier_tokens"] == SERVED_TAIL
     # /metrics counts each prompt token once: the hit in its own counter, none recomputed
-    assert again["cached_prompt_rows"] == hit and counted["cached_prompt_rows"] == 0
+    assert again["cached_prompt_tokens"] == hit and counted["cached_prompt_tokens"] == 0
     for tally in (counted, again):
-        assert tally["filled_rows"] + tally["full_prompt_rows"] + tally["cached_prompt_rows"] == 600
-        assert tally["recomputed_prompt_rows"] == 0
+        assert tally["filled_tokens"] + tally["full_tokens"] + tally["cached_prompt_tokens"] == 600
+        assert tally["recomputed_prompt_tokens"] == 0
 
 
 def test_a_second_chat_turn_reuses_the_first_and_equals_torchfill(vllm_tiny, workers):
@@ -181,7 +181,7 @@ def test_a_second_chat_turn_reuses_the_first_and_equals_torchfill(vllm_tiny, wor
     computed_one = len(turn_one) + len(answer.tokens) - 1  # turn one's last token was sampled, never run
     assert hit == min(computed_one // block, (len(turn_two) - SERVED_TAIL) // block) * block
     assert hit > len(turn_one) - SERVED_TAIL  # turn one's tail is read from the cache
-    assert counted_one["outlier_rows_run_full"] == counted_two["outlier_rows_run_full"] == 0
+    assert counted_one["outlier_tokens"] == counted_two["outlier_tokens"] == 0
     kept = [*range(len(turn_one) - SERVED_TAIL, hit)]  # exact in the cache: turn one's tail and answer
     session = open_session(str(folder))
     plan, _ = Fill("ridge", None, maps, SERVED_TAIL, 1, 0.0).plan(session, kept)
@@ -255,8 +255,8 @@ def test_preempted_requests_are_recomputed_with_the_same_fill(vllm_tiny, workers
     # /metrics counts each prompt token once: a prompt recomputed after preemption only as recomputed
     print(f"preemption: {tally['recomputed_prompt_rows']} prompt tokens recomputed, "
           f"{tally['cached_prompt_rows']} served from the cache")
-    assert tally["recomputed_prompt_rows"] > 0
-    assert tally["filled_rows"] + tally["full_prompt_rows"] + tally["cached_prompt_rows"] == sum(map(len, batch))
+    assert tally["recomputed_prompt_tokens"] > 0
+    assert tally["filled_tokens"] + tally["full_tokens"] + tally["cached_prompt_tokens"] == sum(map(len, batch))
 
 
 def test_a_step_with_more_runs_than_max_num_seqs_serves_its_shortest_filled_stretches_exact(vllm_tiny, workers):
@@ -269,8 +269,8 @@ def test_a_step_with_more_runs_than_max_num_seqs_serves_its_shortest_filled_stre
     worker = workers.get(stepped(folder, maps))
     together, counted = tally_delta(worker, lambda: worker.generate(batch, 8, logprobs=1,
                                                                     tails=[4, 4, 4, 4, MAX_LEN, MAX_LEN]))
-    assert counted["run_bound_rows_run_full"] == 15 + 17
-    assert counted["filled_rows"] + counted["outlier_rows_run_full"] + counted["lookback_rows_run_full"] == 21 + 23
+    assert counted["run_bound_full_tokens"] == 15 + 17
+    assert counted["filled_tokens"] + counted["outlier_tokens"] + counted["lookback_full_tokens"] == 21 + 23
     tails = [MAX_LEN, MAX_LEN, 4, 4, MAX_LEN, MAX_LEN]  # the first two exact
     alone = [worker.generate([p], 8, logprobs=1, tails=[t], cache_salt="alone")[0] for p, t in zip(batch, tails)]
     assert [c.tokens for c in together] == [c.tokens for c in alone]
@@ -311,7 +311,7 @@ def assert_served_as_engine(label, worker, folder, served, other, batch, tail=24
     torchfill with the same file; the first token's log-probs differ from those of the maps `other` (what
     is served is applied at all)."""
     got, counted = tally_delta(worker, lambda: worker.generate(batch, 32, logprobs=5))
-    assert counted["filled_rows"] == sum(len(p) - tail - 1 for p in batch) - counted["outlier_rows_run_full"]
+    assert counted["filled_tokens"] == sum(len(p) - tail - 1 for p in batch) - counted["outlier_tokens"]
     tokens, first = reference(folder, served, tail, batch, 32)
     assert_agrees(label, got, tokens, first)
     _, plain = reference(folder, other, tail, batch[:2], 1)
@@ -330,9 +330,9 @@ def test_lookback_maps_match_torchfill_in_steps(vllm_lookback, workers):
                                   enable_chunked_prefill=True))
     got, counted = tally_delta(worker, lambda: [worker.generate([p], 32, logprobs=5)[0] for p in batch])
     later_chunks = sum((len(p) - 24 - 1) // 128 for p in batch)  # chunks after the first that start on a filled row
-    assert counted["lookback_rows_run_full"] == len(batch) + later_chunks
-    assert counted["filled_rows"] == (sum(len(p) - 24 - 1 for p in batch) - counted["lookback_rows_run_full"]
-                                      - counted["outlier_rows_run_full"])
+    assert counted["lookback_full_tokens"] == len(batch) + later_chunks
+    assert counted["filled_tokens"] == (sum(len(p) - 24 - 1 for p in batch) - counted["lookback_full_tokens"]
+                                      - counted["outlier_tokens"])
     assert_agrees("llama lookback", got, *reference(folder, maps, 24, batch, 32, chunk=128))
 
 
@@ -363,7 +363,7 @@ def test_filled_prefill_in_bf16_matches_torchfill_in_bf16(vllm_tiny, workers, fa
     batch = prompts(8, [200, 333, 90, 512], vocab_of(folder), seed=3)
     worker = workers.get(replace(filled(folder, maps), dtype="bfloat16"))
     got, counted = tally_delta(worker, lambda: worker.generate(batch, 16, logprobs=5))
-    assert counted["filled_rows"] > 0
+    assert counted["filled_tokens"] > 0
     tokens, first = reference(folder, maps, SERVED_TAIL, batch, 16, dtype="bf16")
     gaps = [max_logprob_gap(c, f) for c, f in zip(got, first)]
     print(f"{family} bf16 against torchfill: first-token gap {max(gaps):.3g}")

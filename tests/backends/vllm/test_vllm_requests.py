@@ -1,6 +1,6 @@
 """A request's RidgeFill options (backends/serving.py, backends/vllm/requests.py; the request guard's own checks are in
 tests/serve/test_guard.py), what a step's accounting counts and warns about (backends/vllm/plugin/runner.account,
-backends/vllm/plugin/metrics.py), and serve's
+backends/counters.py), and serve's
 start-up pieces that need no server: the KV cache plan and the one line a failed start becomes (no vLLM needed)."""
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from ridgefill.errors import RidgefillError
 from ridgefill.serve import serve
 from ridgefill.backends.vllm import kv_sizing
 from ridgefill.backends.vllm import server as vserving
-from ridgefill.backends.vllm.plugin.metrics import FillCounters
+from ridgefill.backends.counters import FillCounters
+from ridgefill.torchfill.fill_plan import FillTally
 from ridgefill.backends.vllm.requests import LARGEST, check_request_args, request_rule
 from ridgefill.backends.vllm.plugin.runner import Step, StepLog, account
 
@@ -99,8 +100,8 @@ def test_account_counts_and_warns_for_a_request_that_filled_nothing(caplog):
     batch = SimpleNamespace(filled=filled, outliers=torch.zeros_like(filled), unwindowed=torch.zeros_like(filled))
     with caplog.at_level(logging.WARNING, logger="ridgefill.vllm"):
         account(state, step, batch, book)
-    assert state.counters.totals == {"filled": 59, "full": 51, "cached": 0, "recomputed": 0, "outliers": 0,
-                                     "unwindowed": 0, "run_bound": 0, "stock_steps": 0}
+    assert state.counters.tally() == FillTally(filled_tokens=59, full_tokens=51, cached_prompt_tokens=0,
+                                               recomputed_prompt_tokens=0, run_bound_full_tokens=0, stock_steps=0)
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1 and "request b (50 prompt tokens, tail 10, keep-first 1) filled none of its 39" in \
         warnings[0]
@@ -111,15 +112,15 @@ def test_account_counts_and_warns_for_a_request_that_filled_nothing(caplog):
     with caplog.at_level(logging.WARNING, logger="ridgefill.vllm"):
         account(state, rest, SimpleNamespace(filled=filled, outliers=None, unwindowed=None), book)
     assert not caplog.records and book.requests["a"].filled == 89  # a filled 89 rows: no warning
-    assert state.counters.to_dict()["filled_rows"] == 59 + 30  # a's positions 60..89
-    assert state.counters.to_dict()["full_prompt_rows"] == 51 + 10  # a's tail (b's token is a decode token)
+    assert state.counters.to_dict()["filled_tokens"] == 59 + 30  # a's positions 60..89
+    assert state.counters.to_dict()["full_tokens"] == 51 + 10  # a's tail (b's token is a decode token)
 
 
 def test_a_step_the_model_did_not_fill_counts_its_prompt_tokens_as_full():
     state, book = FakeState(), StepLog()
     step = two_requests(30, 20, 0, 30, 0, 20, tail=64)  # every row in the tail: nothing to fill
     account(state, step, None, book)
-    assert state.counters.totals["full"] == 50 and state.counters.totals["filled"] == 0
+    assert state.counters.totals["full_tokens"] == 50 and state.counters.totals["filled_tokens"] == 0
     assert book.requests["a"].rule == book.requests["b"].rule == 0
 
 

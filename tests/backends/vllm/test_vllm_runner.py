@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from ridgefill.backends.vllm.plugin.metrics import FillCounters
+from ridgefill.backends.counters import FillCounters
 from ridgefill.backends.vllm.plugin.runner import StepLog, account, max_runs, plan_step
 
 
@@ -119,12 +119,14 @@ def test_every_prompt_token_is_counted_once_through_cache_hits_chunks_and_preemp
     for computed, scheduled in ((32, 40), (72, 28)):
         run_step(state, book, runner([100], [computed], [scheduled], sampling=True), [computed], [scheduled])
     first = dict(state.counters.totals)
-    assert first["cached"] == 32 and first["filled"] == 60 and first["full"] == 8 and first["recomputed"] == 0
+    assert (first["cached_prompt_tokens"], first["filled_tokens"], first["full_tokens"]) == (32, 60, 8)
+    assert first["recomputed_prompt_tokens"] == 0
     run_step(state, book, runner([100], [16], [87], sampling=True), [16], [87], live={"r0"})  # the recomputation
     again = state.counters.totals
-    assert again["recomputed"] == 84
-    assert {k: again[k] for k in ("filled", "full", "cached")} == {k: first[k] for k in ("filled", "full", "cached")}
-    assert again["filled"] + again["full"] + again["cached"] == 100
+    assert again["recomputed_prompt_tokens"] == 84
+    once = ("filled_tokens", "full_tokens", "cached_prompt_tokens")
+    assert {k: again[k] for k in once} == {k: first[k] for k in once}
+    assert again["filled_tokens"] + again["full_tokens"] + again["cached_prompt_tokens"] == 100
 
 
 def test_finished_requests_are_forgotten_and_each_counted_once():
@@ -132,8 +134,8 @@ def test_finished_requests_are_forgotten_and_each_counted_once():
     for n in range(300):  # 300 finished one-step requests: the log keeps at most 2 x live + 256 of them
         ids = [f"q{n}"]
         run_step(state, book, runner([20], [0], [20], sampling=True, ids=ids), [0], [20], live=set(ids))
-    assert len(book.requests) <= 2 + 256 + 1 and state.counters.totals["recomputed"] == 0
-    assert state.counters.totals["filled"] + state.counters.totals["full"] == 300 * 20
+    assert len(book.requests) <= 2 + 256 + 1 and state.counters.totals["recomputed_prompt_tokens"] == 0
+    assert state.counters.totals["filled_tokens"] + state.counters.totals["full_tokens"] == 300 * 20
 
 
 def test_a_request_keep_first_past_its_prompt_runs_it_exact_as_the_engine_does():

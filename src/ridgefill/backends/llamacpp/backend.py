@@ -102,8 +102,8 @@ class LlamaCppBackend(Backend):
         done = self.lc.prefill(prompt, full=full, outputs=outputs, outlier_factor=plan.outlier_factor,
                                chunk=self.config.chunk)
         tally = self._tallies[name]
-        tally.filled += done.filled
-        tally.outliers += done.outliers
+        tally.filled_tokens += done.filled
+        tally.outlier_tokens += done.outliers
         return done
 
     def generate(self, name: str, prompt: list[int], max_new_tokens: int, eos: int | None) -> Generation:

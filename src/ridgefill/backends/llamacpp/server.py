@@ -16,7 +16,8 @@ import os
 import sys
 from pathlib import Path
 
-from ridgefill.backends.serving import MARKER, GuardDialect, Launch, LogDialect, Server, health_url
+from ridgefill.backends.counters import MARKER
+from ridgefill.backends.serving import GuardDialect, Launch, LogDialect, Server, health_url
 from ridgefill.defaults import DEFAULT_CHUNK
 from ridgefill.errors import RidgefillError
 

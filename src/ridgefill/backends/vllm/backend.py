@@ -164,12 +164,11 @@ class VllmBackend(Backend):
     def tally(self, name: str) -> FillTally:
         if self._base.get(name) is None:
             return FillTally()
-        now = self.counters(name)
-        return FillTally(*(now[k] for k in ("filled_rows", "outlier_rows_run_full", "lookback_rows_run_full")))
+        return FillTally(**self.counters(name))
 
     def counters(self, name: str) -> dict:
-        """The plugin's own counters of variant `name` since `start` (more than the FillTally: rows run in full,
-        steps run stock); after `close`, as they were then."""
+        """The plugin's counters of variant `name` since `start` (a FillTally's fields); after `close`, as they were
+        then."""
         now = self.workers[name].tally() if name in self.workers else self._final[name]
         base = self._base[name]
         return {k: now[k] - base[k] for k in now}
@@ -196,7 +195,7 @@ class VllmBackend(Backend):
 
 def unfilled_detail(tally: dict) -> tuple[str, str]:
     """What ran instead of an unfilled variant (the plugin's counters), and what to check."""
-    return (f" ({tally['full_prompt_rows']} ran in full, {tally['stock_steps']} steps ran stock)",
+    return (f" ({tally['full_tokens']} ran in full, {tally['stock_steps']} steps ran stock)",
             "check that ridgefill's vLLM plugin loads (VLLM_PLUGINS, VLLM_USE_V2_MODEL_RUNNER)")
 
 

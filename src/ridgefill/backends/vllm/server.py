@@ -21,7 +21,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from ridgefill.backends.serving import MARKER, PORT_FIX, GuardDialect, Launch, LogDialect, Server, health_url
+from ridgefill.backends.counters import MARKER
+from ridgefill.backends.serving import PORT_FIX, GuardDialect, Launch, LogDialect, Server, health_url
 from ridgefill.backends.vllm.args import (API_KEY, API_KEY_ENV, option_flag, option_name, refuse_abbreviations,
                                           split_api_key)
 from ridgefill.backends.vllm.config import (PREFIX_CACHING_HYBRID, VLLM_DTYPES, VLLM_PIN, check_dev_mode, check_fill,

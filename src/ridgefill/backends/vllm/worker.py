@@ -147,7 +147,8 @@ class VllmWorker:
         return self._reply(timeout)
 
     def tally(self) -> dict:
-        """What the plugin did since the worker started (backends/vllm/plugin/metrics.FillCounters; zeros for stock vLLM)."""
+        """What the plugin did since the worker started (a FillTally as a dict: backends/counters.py; zeros for stock
+        vLLM)."""
         self._conn.send(("tally",))
         return self._reply(60.0)
 
@@ -322,7 +323,7 @@ def _tally(llm) -> dict:
 
 def model_tally(model) -> dict:
     """What the plugin did in one model (a module-level function: vLLM pickles it to its tensor-parallel workers)."""
-    from ridgefill.backends.vllm.plugin.metrics import FillCounters
+    from ridgefill.backends.counters import FillCounters
 
     state = getattr(model, "ridgefill", None)
     return (FillCounters() if state is None else state.counters).to_dict()

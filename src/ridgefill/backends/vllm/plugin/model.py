@@ -54,7 +54,7 @@ from ridgefill.runtime.models import checkpoint_fingerprint
 from ridgefill.method.fill import FillSettings
 from ridgefill.backends.vllm.fill import fill_from_env
 from ridgefill.backends.vllm.config import check_vllm_config
-from ridgefill.backends.vllm.plugin.metrics import FillCounters
+from ridgefill.backends.counters import FillCounters
 from ridgefill.backends.vllm.plugin.private import (cpu_gemm, decoder_layers, embed, final_norm, gdn_core, gdn_core_inputs,
                                           gdn_mixer, gdn_output, gdn_split_forward, kv_layout, layer_mlp,
                                           layer_norms, layer_scales, layer_type, norm_params, paged_attention,

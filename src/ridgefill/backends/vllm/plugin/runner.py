@@ -21,11 +21,12 @@ The model reports back which rows it filled (`FillBatch.filled`, `.outliers`, `.
 `attend` builds one pseudo-request per run of full rows; vLLM's CUDA backends size some metadata buffers by
 max_num_seqs (and the CUDA graph capture size), so a step's runs are bounded (`max_runs`, rows.bound_runs: beyond
 the bound the shortest stretches of filled rows between two runs of one request run in full, counted as
-`run_bound`). The bound is applied once, by the model (`FillBatch.bounded`), to every row it runs in full: the
+`run_bound_full_tokens`). The bound is applied once, by the model (`FillBatch.bounded`), to every row it runs in full: the
 rule's, and the outlier and lookback rows only the model can find; the plan carries the bound, not its result.
 
-Every prompt token is counted once (`account`): filled or full when its position is first computed, `cached` when
-the prefix cache served it; a prompt computed again after vLLM preempted its request counts as `recomputed`.
+Every prompt token is counted once (`account`, in the one tally's names: backends/counters.py): filled or full when
+its position is first computed, cached when the prefix cache served it; a prompt computed again after vLLM
+preempted its request counts as recomputed.
 
 Only V1's model runner is hooked: the plugin makes vLLM use it (backends/vllm/plugin/entry.py) and refuses to start where
 vLLM would still pick Model Runner V2, whose runner calls the model itself.
@@ -202,10 +203,10 @@ def account(state, step: Step, batch: FillBatch | None, book: StepLog, live=None
     first = torch.full((n,), big, dtype=torch.long).scatter_reduce(0, mine[step.in_prompt],
                                                                    step.positions[step.in_prompt], "amin")
     cached = sum(max(0, int(first[i]) - seen[i].counted) for i in prefilling)
-    state.count(filled=int((fresh & filled).sum()), full=int((fresh & ~filled).sum()), cached=cached,
-                recomputed=int((step.in_prompt & ~fresh).sum()), outliers=int((fresh & outliers).sum()),
-                unwindowed=int((fresh & unwindowed).sum()),
-                run_bound=int((fresh & bound).sum()))
+    state.count(filled_tokens=int((fresh & filled).sum()), full_tokens=int((fresh & ~filled).sum()),
+                cached_prompt_tokens=cached, recomputed_prompt_tokens=int((step.in_prompt & ~fresh).sum()),
+                outlier_tokens=int((fresh & outliers).sum()), lookback_full_tokens=int((fresh & unwindowed).sum()),
+                run_bound_full_tokens=int((fresh & bound).sum()))
     rule = torch.bincount(mine[fresh & ~step.full], minlength=n)  # [R]
     got = torch.bincount(mine[fresh & filled], minlength=n)  # [R]
     reached = torch.zeros(n, dtype=torch.long).scatter_reduce(0, mine[step.in_prompt],
