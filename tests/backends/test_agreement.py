@@ -83,7 +83,7 @@ def own(served, tmp_path_factory):
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-def test_every_engine_agrees_with_the_own_engine(engine, served, own, tmp_path, capfd, monkeypatch):
+def test_every_engine_agrees_with_torchfill(engine, served, own, tmp_path, capfd, monkeypatch):
     why = installed(engine)
     if why is not None:
         pytest.skip(f"--engine {engine} cannot run here: {why}")
@@ -95,7 +95,7 @@ def test_every_engine_agrees_with_the_own_engine(engine, served, own, tmp_path, 
         assert got["tokens"] == want["tokens"], (name, got["tokens"], want["tokens"])
         assert got["filled_tokens"] == want["filled_tokens"] and got["prompt_tokens"] == want["prompt_tokens"]
     assert gen["results"]["filled"]["filled_tokens"] > 0 and gen["results"]["exact"]["filled_tokens"] == 0
-    for name in ("exact", "ridge"):  # exact and ridge only: each variant is one more engine start in vLLM
+    for name in ("exact", "ridge"):  # exact and ridge only: each variant is one more vLLM worker
         got, want = loss["results"][name], want_loss["results"][name]
         assert got["tail_tokens"] == want["tail_tokens"] > 0
         assert abs(got["tail_nll"] - want["tail_nll"]) <= NLL_TOLERANCE[engine], (name, got["tail_nll"],

@@ -94,7 +94,7 @@ def test_a_config_is_built_resolved_and_records_what_it_runs(monkeypatch, tmp_pa
 
 def test_the_vllm_engine_runs_where_the_installed_vllm_runs(monkeypatch):
     """--engine vllm with a CPU build of vLLM: auto is the CPU even beside a GPU, and cuda is refused before any
-    work; with the ridgefill engine (or a vLLM that is not a CPU build) auto is torch's device."""
+    work; with torchfill (or a vLLM that is not a CPU build) auto is torch's device."""
     import importlib.metadata
 
     from ridgefill.backends.vllm import backend as vllm_backend

@@ -54,9 +54,9 @@ def test_bench_ttft(tiny_ggufs, tmp_path):
         assert entry["flops"]["exact"] > entry["flops"]["identity"] and entry["limit_speedup"] > 1
         assert entry["achieved_over_limit"] == pytest.approx(entry["speedup"] / entry["limit_speedup"])
     assert doc["engine"]["name"] == "llamacpp" and doc["engine"]["build"] == doc["computed_by"]
-    engines = doc["engine"]["settings"]
-    assert engines["identity"]["fill"] == {"split": 3, "rank": None} and engines["exact"]["fill"] is None
-    assert engines["exact"]["gguf"] == str(path.resolve()) and engines["exact"]["n_batch"] == 2048
+    settings = doc["engine"]["settings"]
+    assert settings["identity"]["fill"] == {"split": 3, "rank": None} and settings["exact"]["fill"] is None
+    assert settings["exact"]["gguf"] == str(path.resolve()) and settings["exact"]["n_batch"] == 2048
 
 
 def test_loss_agrees_with_the_own_engine(tiny_ggufs, long_docs, tmp_path):
