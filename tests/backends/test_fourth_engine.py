@@ -150,7 +150,7 @@ def test_bench_ttft_and_generate_write_the_same_keys_for_every_engine(name, sett
             assert timing is None or not any(key.startswith(name) for key in timing)
 
 
-def test_an_engine_in_another_process_describes_the_model_as_the_own_engine(tiny_checkpoint):
+def test_an_engine_in_another_process_describes_the_model_as_torchfill(tiny_checkpoint):
     """vLLM and llama.cpp read the model without its weights (runtime/session.model_facts): the result's `model`
     is what torchfill's loaded model gives."""
     from ridgefill.runtime.session import model_facts, open_session

@@ -24,7 +24,7 @@ def built(monkeypatch):
     monkeypatch.setattr(library, "build_info", lambda: dict(BUILD))
 
 
-def test_the_own_engine_names_torch_transformers_and_triton_where_installed(monkeypatch):
+def test_torchfill_names_torch_transformers_and_triton_where_installed(monkeypatch):
     found = provenance.versions(("torch", "transformers", "triton"))
     own = backend_class("torchfill").provenance()
     assert own == {"engine": "torchfill", "torch": found["torch"], "transformers": found["transformers"],

@@ -59,7 +59,7 @@ def test_bench_ttft(tiny_ggufs, tmp_path):
     assert settings["exact"]["gguf"] == str(path.resolve()) and settings["exact"]["n_batch"] == 2048
 
 
-def test_loss_agrees_with_the_own_engine(tiny_ggufs, long_docs, tmp_path):
+def test_loss_agrees_with_torchfill(tiny_ggufs, long_docs, tmp_path):
     """loss --engine llamacpp (the tail's next-token NLL from llama.cpp's logits) equals torchfill's on the same
     GGUF (its conversion) within llama.cpp's rounding, exact and filled."""
     _, path = tiny_ggufs["qwen3"]
