@@ -35,7 +35,7 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
     return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "llama")
 
 # the vLLM tests' shared fixtures, registered here once: a session fixture imported into several test modules is a
-# fixture of each module, and was built once per module (the tiny checkpoints and their maps five times)
+# fixture of each module, built once per module
 from vllm_fixtures import (workers, smollm2_tuned, vllm_hybrid, vllm_lookback, vllm_tiny,  # noqa: E402,F401
                            vllm_tuned)
 
@@ -96,13 +96,11 @@ def tiny_ggufs(tmp_path_factory):
 # to groups (`--dist loadgroup`), each run on one worker: the worker-pool tests (the pool's workers start once, in
 # one process) and, for each other module, its vLLM tests (a module fixture, such as test_vllm_server.py's server,
 # starts once). xdist sends the largest group first, the pool, and balances the rest over the workers. vLLM's
-# automatic CPU binding is deterministic (here: 2 cores, one kept for its scheduler), so two workers side by side got
-# the same core and ran slower than one group alone (measured); each xdist worker's vLLM workers and servers get cores of
-# their own instead (vllm_cores), and torch in each worker runs on its share of the cores (pytest_configure). The
-# session fixtures are built once per run (vllm_fixtures.built_once). Measured on 2 cores (a fresh clone, cold
-# compile cache): one vLLM group 24 min 41 s of pytest; two groups, one core each, 21 min 49 s; the same after three
-# tests were trimmed (CHANGELOG), 15 min 39 s; with the pool's forkserver 13 min 1 s; with one torch thread per
-# worker 10 min 26 s (two threads per worker kept four spinning OpenMP threads on the two cores).
+# automatic CPU binding is deterministic (here: 2 cores, one kept for its scheduler), so two vLLM workers side by side
+# would get the same core and run slower than one group alone (measured); each xdist worker's vLLM workers and servers
+# get cores of their own instead (vllm_cores), and torch in each xdist worker runs on its share of the cores
+# (pytest_configure: two threads per worker kept four spinning OpenMP threads on the two cores). The session fixtures
+# are built once per run (vllm_fixtures.built_once).
 VLLM_FIXTURES = {"vllm_tiny", "vllm_lookback", "vllm_hybrid", "smollm2_tuned", "workers", "vllm_tuned"}
 
 
