@@ -53,15 +53,15 @@ REGISTRY: dict[str, Entry] = {
     "fit": Entry("ridgefill.method.fit", "Fit per-layer maps in closed form; held-out error vs identity fill.", True),
     "key-scale": Entry("ridgefill.method.key_scale", "Refine maps: per-layer, per-KV-head scale of the filled keys."),
     "generate": Entry("ridgefill.evals.generate", "Generate greedily after exact or filled prefill (text on stdout)."),
-    "serve": Entry("ridgefill.serve.serve", "Serve a model with RidgeFill through vLLM's OpenAI-compatible server."),
+    "serve": Entry("ridgefill.serve.serve", "Serve a model with RidgeFill through an engine's OpenAI-compatible server."),
     "ruler": Entry("ridgefill.evals.ruler", "RULER tasks with needles in filled rows: exact, identity, ridge.", True),
     "loss": Entry("ridgefill.evals.loss", "Teacher-forced tail NLL per variant, on all and distant tokens.", True),
     "splice": Entry("ridgefill.evals.splice", "Swap exact cache parts into the filled cache: what carries the error.",
                     True),
     "longbench": Entry("ridgefill.evals.longbench", "LongBench v2 accuracy for exact, identity and ridge prefill.", True),
     "bench-ttft": Entry("ridgefill.evals.bench_ttft", "Time to first token: exact vs filled vs transformers.", True),
-    "bench-serve": Entry("ridgefill.evals.bench_serve", "Load test: RidgeFill in vLLM against stock vLLM under "
-                         "Poisson arrivals (loopback)."),
+    "bench-serve": Entry("ridgefill.evals.bench_serve", "Load test: RidgeFill in an engine's server against the "
+                         "same server stock, under Poisson arrivals (loopback)."),
     "lm-eval": Entry("ridgefill.evals.lm_eval_cli", "lm-evaluation-harness with the `ridgefill` model registered."),
     "run": Entry("ridgefill.pipeline.run", "Run a recipe: calibrate → fit → evaluations, cached, with a report."),
     "tune": Entry("ridgefill.pipeline.tune", "Search the split to serve with: fewest exact layers within tolerance."),

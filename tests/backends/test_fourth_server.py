@@ -30,14 +30,14 @@ PROMPT = "the grass is green and the sky is blue, here we go there and back agai
 # `ridgefill serve` with the fourth engine in the registry, as a new engine's one line would put it there
 LAUNCHER = ("import sys; from ridgefill import backends; "
             "backends.ENGINES['fourth'] = ('fourth_engine.backend', 'a test engine'); "
-            "backends.SERVERS['fourth'] = 'fourth_engine.server'; "
+            "backends.SERVERS['fourth'] = ('fourth_engine.server', '--context N'); "
             "from ridgefill.cli import main; sys.argv[0] = 'ridgefill'; main()")
 
 
 @pytest.fixture
 def fourth(monkeypatch):
     monkeypatch.setitem(backends.ENGINES, "fourth", ("fourth_engine.backend", "a test's fourth engine"))
-    monkeypatch.setitem(backends.SERVERS, "fourth", "fourth_engine.server")
+    monkeypatch.setitem(backends.SERVERS, "fourth", ("fourth_engine.server", "--context N"))
     return backends.server_of("fourth")
 
 

@@ -274,7 +274,7 @@ def test_log_file_as_a_folder_is_refused_by_the_command_before_anything(tmp_path
     with pytest.raises(SystemExit) as exited:
         cli.main()
     assert exited.value.code == 2 and capfd.readouterr().err == (f"error: --log-file {tmp_path} is a folder: give a "
-                                                                 f"file, e.g. {tmp_path}/vllm.log\n")
+                                                                 f"file, e.g. {tmp_path}/serve.log\n")
     assert not any(tmp_path.iterdir())
 
 

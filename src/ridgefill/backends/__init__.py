@@ -19,11 +19,13 @@ ENGINES = {
 }
 
 
-# the engines with an OpenAI-compatible server (`serve`, `bench-serve`): name -> the module holding its
-# backends/serving.Server as SERVER (imported only when that engine is asked for)
+# the engines with an OpenAI-compatible server (`serve`, `bench-serve`): name -> (the module holding its
+# backends/serving.Server as SERVER, imported only when that engine is asked for; what serve hands on to it)
 SERVERS = {
-    "vllm": "ridgefill.backends.vllm.server",
-    "llamacpp": "ridgefill.backends.llamacpp.server",
+    "vllm": ("ridgefill.backends.vllm.server", "any option of `vllm serve` (`vllm serve --help=all`), e.g. "
+             "--max-model-len 4096 --api-key KEY; a request sets its own tail in vllm_xargs: ridgefill_tail"),
+    "llamacpp": ("ridgefill.backends.llamacpp.server", "--api-key KEY and --n-ctx N (its context in tokens); a "
+                 "request sets its own tail as a top-level ridgefill_tail"),
 }
 # the engine `serve` and `bench-serve` run, and whose dialect a mounted request guard follows, unless told otherwise
 SERVING_DEFAULT = "vllm"
@@ -42,9 +44,15 @@ def server_of(name: str):
     if name not in SERVERS:
         raise RidgefillError(f"serving is not supported with --engine {name}: use --engine "
                              f"{' or '.join(SERVERS)}")
-    return importlib.import_module(SERVERS[name]).SERVER
+    return importlib.import_module(SERVERS[name][0]).SERVER
 
 
 def engine_help() -> str:
     """--engine's help, from the registry."""
     return "Which engine runs the model: " + "; ".join(f"{name} ({what})" for name, (_, what) in ENGINES.items()) + "."
+
+
+def server_args_help() -> str:
+    """What serve hands on to each engine's server (the help of its --server-args), from the registry."""
+    return "Options handed on to the engine's server: " + "; ".join(f"{name}: {what}" for name, (_, what) in
+                                                                     SERVERS.items()) + "."

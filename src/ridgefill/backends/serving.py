@@ -84,7 +84,6 @@ class Server:
     title: ClassVar[str]  # how texts name it ("vLLM", "llama.cpp")
     guard: ClassVar[GuardDialect]  # how its requests carry what the request guard checks
     log: ClassVar[LogDialect] = LogDialect()  # how its log says it is up, or why it failed
-    args_help: ClassVar[str] = ""  # what serve's --server-args hands on to it (serve's help)
 
     def check(self, config, own: list[str]) -> None:
         """The settings only this server reads (config.server_args, config.dtype, config.kv_cache_gib), checked

@@ -35,7 +35,7 @@ from ridgefill.evals.common import ResultWriter
 from ridgefill.runtime.console import note, table
 from ridgefill.runtime.paths import check_output
 from ridgefill.runtime.stats import percentile, ratio_of_medians
-from ridgefill.backends import SERVING_DEFAULT, backend_class, server_of
+from ridgefill.backends import SERVING_DEFAULT, backend_class, server_args_help, server_of
 from ridgefill.serve.serve import ENGINE_HELP, SERVED_DTYPE_HELP, ServedFill
 
 VARIANTS = ("exact", "ridge")  # the engine stock, then with RidgeFill (the fill of the fill options)
@@ -56,8 +56,7 @@ class BenchServeConfig(ServedFill):
     seed: int = option(0, "Seed of the prompts, the arrivals and the bootstrap.")
     out: Path = option(REQUIRED, "Result JSON to write (and <out>.png beside it).")
     engine: str = option(SERVING_DEFAULT, ENGINE_HELP)
-    server_args: list[str] = option([], "Options handed on to both servers (vllm: `vllm serve`'s, e.g. --max-num-seqs "
-                                    "8; llamacpp: --n-ctx N).")
+    server_args: list[str] = option([], server_args_help() + " Both servers get them.")
 
     def check(self) -> None:
         super().check()

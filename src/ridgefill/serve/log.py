@@ -103,7 +103,7 @@ def check_log_file(path: Path) -> None:
     except OSError:
         return  # missing (created later), or unreadable: open_log says why, before the server starts
     if stat.S_ISDIR(info.st_mode):
-        raise RidgefillError(f"--log-file {path} is a folder: give a file, e.g. {path}/vllm.log")
+        raise RidgefillError(f"--log-file {path} is a folder: give a file, e.g. {path}/serve.log")
     if not stat.S_ISREG(info.st_mode):
         raise RidgefillError(f"--log-file {path} is not a regular file (a FIFO, a socket or a device; a FIFO would "
                              "block serve until something reads it): give a file's path")

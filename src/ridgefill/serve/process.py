@@ -144,7 +144,7 @@ def _fetch(url: str) -> str | None:
 def check_plugin(plan: Launch, child: subprocess.Popen) -> bool:
     """For a plan with a marker: wait until the server's /metrics answers and holds a line starting with it (only
     RidgeFill, loaded in the engine, creates that counter). False if the child ended meanwhile; a RidgefillError if
-    it answers without the marker (vLLM, for one, logs a plugin that failed to load and serves stock)."""
+    it answers without the marker (a server may log that RidgeFill failed to load and serve stock)."""
     if plan.marker is None:
         return True
     url = plan.health.removesuffix("/health") + "/metrics"

@@ -24,7 +24,7 @@ import tempfile
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
-from ridgefill.backends import SERVING_DEFAULT, SERVERS, backend_class, server_of
+from ridgefill.backends import SERVING_DEFAULT, SERVERS, backend_class, server_args_help, server_of
 from ridgefill.backends.serving import Launch, check_port, is_loopback
 from ridgefill.commands import Command, option
 from ridgefill.errors import RidgefillError
@@ -34,10 +34,11 @@ from ridgefill.serve.log import check_log_file, default_log, say
 from ridgefill.serve.process import launch
 
 DTYPES = ("fp32", "bf16", "fp16", "auto")  # serve's --dtype (an engine maps each to its own name)
-SERVED_DTYPE_HELP = ("auto (vLLM: bf16 on a CUDA GPU, fp32 on a CPU build, bf16 there for a hybrid model; llama.cpp: "
-                     "the GGUF's own types), fp32, bf16 or fp16; recorded resolved.")
+SERVED_DTYPE_HELP = ("auto (the engine's choice for this machine and model: bf16 on a CUDA GPU, fp32 on a CPU, or the "
+                     "model file's own types), fp32, bf16 or fp16 (an engine that serves its model's own types only "
+                     "refuses them); recorded resolved.")
 GUARD = "ridgefill.serve.guard.RequestGuard"  # the request guard every server mounts (its class's import path)
-ENGINE_HELP = f"Which engine's server runs the model: {' or '.join(SERVERS)} (llama.cpp on a GGUF file)."
+ENGINE_HELP = f"Which engine's server runs the model: {' or '.join(SERVERS)}."
 
 
 @dataclass
@@ -45,8 +46,8 @@ class ServedFill(ServedOptions):
     """What a server serves (`serve`, and the filled server of `bench-serve`): a model and its fill, from the fill
     options or a serving config (one of the two)."""
 
-    model: str = option("smollm2-135m", "Local HF folder, GGUF file (--engine llamacpp), Hub id, or alias "
-                        "'smollm2-135m' (the model the maps were fitted for).")
+    model: str = option("smollm2-135m", "Local HF folder, GGUF file (for an engine that runs GGUF files), Hub id, "
+                        "or alias 'smollm2-135m' (the model the maps were fitted for).")
 
     def source_rule(self):
         return (), ""  # one of --maps, --split and --serving-config is needed
@@ -78,20 +79,18 @@ class ServeConfig(ServedFill):
     host: str = option("127.0.0.1", "Address the server listens on.")
     port: int = option(8000, "Port the server listens on.")
     dtype: str = option("auto", SERVED_DTYPE_HELP)
-    kv_cache_gib: float | None = option(None, "KV cache memory in GiB, on a CPU build of vLLM (default: room for "
-                                        "--concurrency requests of the longest length served, at most half the "
-                                        "memory free at start-up).")
-    concurrency: int = option(4, "Requests of the longest length served that the default CPU KV cache holds at "
-                              "once (vLLM); requests admitted at once, one running and the rest waiting, past them a "
-                              "503 (llama.cpp: one model, one context).")
+    kv_cache_gib: float | None = option(None, "KV cache memory in GiB, for an engine whose server sizes its cache by "
+                                        "memory on a CPU (default: room for --concurrency requests of the longest "
+                                        "length served, at most half the memory free at start-up); an engine that "
+                                        "sizes it otherwise refuses it.")
+    concurrency: int = option(4, "Requests of the longest length served at once: room for them in a KV cache sized "
+                              "by memory, or, for a server that runs one request at a time, requests admitted at "
+                              "once (one running, the rest waiting; past them a 503).")
     log_file: Path | None = option(None, "Where the server's log goes (default: serve-<port>.log in "
                                    "~/.local/state/ridgefill, a folder only you can enter); at 32 MiB it moves to "
                                    "<log>.1. Once the server answers, its log is also on stderr.", keyed=False)
     engine: str = option(SERVING_DEFAULT, ENGINE_HELP)
-    server_args: list[str] = option([], "Options handed on to the engine's server (vllm: any option of `vllm "
-                                    "serve`, e.g. --max-model-len 4096 --api-key KEY; llamacpp: --api-key KEY and "
-                                    "--n-ctx N). A request sets its own tail: vllm_xargs ridgefill_tail (vllm), a "
-                                    "top-level ridgefill_tail (llamacpp).")
+    server_args: list[str] = option([], server_args_help())
 
     def check(self) -> None:
         super().check()

@@ -18,7 +18,7 @@ from ridgefill import backends
 
 # this process's registry knows the fourth engine, as the test's does (the guard finds its dialect through it)
 backends.ENGINES["fourth"] = ("fourth_engine.backend", "a test's fourth engine")
-backends.SERVERS["fourth"] = "fourth_engine.server"
+backends.SERVERS["fourth"] = ("fourth_engine.server", "--context N")
 
 
 def runner(spec: dict):

@@ -26,7 +26,6 @@ class FourthServer(Server):
     guard = GuardDialect(options_field="", key_env=KEY_ENV)
     log = LogDialect(fixes=((re.compile(r"no room for the model"), "give the fourth engine more room"),),
                      fill_fix="install the fourth engine's RidgeFill")
-    args_help = f"{CONTEXT} N"
 
     def check(self, c, own: list[str]) -> None:
         context_of(c.server_args)

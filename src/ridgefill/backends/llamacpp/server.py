@@ -64,8 +64,6 @@ class LlamaCppServer(Server):
     # from KEY_ENV (serve moves --api-key there) and llama-cpp-python checks it after the guard
     guard = GuardDialect(options_field="", key_env=KEY_ENV)
     log = LogDialect(fill_fix="rebuild ridgefill's llama.cpp (make install)")
-    args_help = f"{API_KEY} KEY and {N_CTX} N (its context in tokens); a request sets its own tail as a top-level " \
-                "ridgefill_tail"
 
     def check(self, c, own: list[str]) -> None:
         from ridgefill.backends.llamacpp import library

@@ -169,9 +169,6 @@ class VllmServer(Server):
                              "lower --max-model-len")),
                      fill_failed="Failed to load plugin",
                      fill_fix="reinstall ridgefill (pip install -e '.[vllm]', or make install)")
-    args_help = ("options of `vllm serve` (see `vllm serve --help=all`), e.g. --max-model-len 4096 "
-                 "--tensor-parallel-size 2 --api-key KEY --no-enable-prefix-caching --enforce-eager; a request sets "
-                 "its own tail in vllm_xargs: ridgefill_tail")
 
     def check(self, config, own: list[str]) -> None:
         check_vllm_args(config.server_args, config.kv_cache_gib is not None, own)
