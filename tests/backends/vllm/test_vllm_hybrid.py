@@ -77,7 +77,7 @@ def test_hybrid_tail_covering_the_prompt_is_stock_vllm(vllm_hybrid, workers):
     want = workers.get(settings(folder, plugin=False)).generate(batch, 16, logprobs=2)
     worker = workers.get(filled(folder, maps))
     got, counted = tally_delta(worker, lambda: worker.generate(batch, 16, logprobs=2, tails=[MAX_LEN] * 8))
-    assert counted["filled_rows"] == 0 and counted["full_prompt_rows"] == sum(map(len, batch))
+    assert counted["filled_tokens"] == 0 and counted["full_tokens"] == sum(map(len, batch))
     assert [c.tokens for c in got] == [c.tokens for c in want]
     assert max_gap(got, want) == 0.0
 
@@ -138,8 +138,8 @@ def test_hybrid_filled_prefill_matches_torchfill_in_bf16(vllm_hybrid, workers):
     batch = prompts(8, [200, 333, 90, 512], vocab_of(folder), seed=3)
     worker = workers.get(filled(folder, maps))
     got, counted = tally_delta(worker, lambda: worker.generate(batch, FORCED_STEPS, logprobs=5))
-    assert counted["filled_rows"] == sum(len(p) - TAIL - 1 for p in batch) - counted["outlier_rows_run_full"]
-    assert counted["filled_rows"] > 0
+    assert counted["filled_tokens"] == sum(len(p) - TAIL - 1 for p in batch) - counted["outlier_tokens"]
+    assert counted["filled_tokens"] > 0
     stock = workers.get(settings(folder, plugin=False)).generate(batch, FORCED_STEPS, logprobs=5)
     fill_lp, exact_lp = forced(folder, maps, TAIL, batch, got), forced(folder, None, TAIL, batch, stock)
     gaps = [forced_gap(c, lp) for c, lp in zip(got, fill_lp)]
