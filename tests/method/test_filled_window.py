@@ -14,7 +14,7 @@ from ridgefill.method.fill import FillOptions, FillSettings, load_serving
 from ridgefill.method.fit import COMMAND as FIT
 from ridgefill.runtime.artifacts import load_artifact, read_meta
 from ridgefill.runtime.session import open_session
-from ridgefill.backends.vllm.fill import fill_from_env, pin
+from ridgefill.backends.vllm.fill import fill_from_env
 
 
 @pytest.fixture(scope="module")
@@ -87,13 +87,21 @@ def test_bad_window_settings_are_one_line(kwargs, match):
         FillOptions(split=3, **kwargs).check()
 
 
-def test_the_vllm_plugin_refuses_a_window_in_one_line(windowed, tmp_path):
+def test_vllm_refuses_a_window_in_one_line(windowed, tmp_path):
+    """The one fill check (serve's and every measuring command's) refuses a window asked for or carried by the maps
+    for an engine without filled windows; the plugin refuses maps that carry one when vLLM is started by hand."""
+    from ridgefill.backends import backend_class
+    from ridgefill.backends.base import check_fill
+
     session, maps, _ = windowed
-    info, n = session.loaded.info(), session.runner.n_layers
-    with pytest.raises(RidgefillError, match="does not serve a filled window .*carried by"):
-        pin(FillSettings("ridge", None, maps["windowed"]), n, info, tmp_path)
-    with pytest.raises(RidgefillError, match="does not serve a filled window \\(--filled-window 32\\)"):
-        pin(FillSettings("identity", 3, filled_window=32), n, info, tmp_path)
+    vllm = backend_class("vllm")
+    with pytest.raises(RidgefillError, match="^a filled window \\(--filled-window, or one the maps carry\\) is not "
+                                             "supported with --engine vllm: use maps calibrated without a window$"):
+        check_fill(vllm, FillSettings("ridge", None, maps["windowed"]), session.facts())
+    with pytest.raises(RidgefillError, match="^--filled-window is not supported with --engine vllm: drop it$"):
+        check_fill(vllm, FillSettings("identity", 3, filled_window=32), session.facts())
+    assert check_fill(backend_class("torchfill"), FillSettings("ridge", None, maps["windowed"]),
+                      session.facts()).window is not None
     with pytest.raises(RidgefillError, match="does not serve a filled window"):
         fill_from_env({"RIDGEFILL_MAPS": str(maps["windowed"])})
     assert fill_from_env({"RIDGEFILL_MAPS": str(maps["plain"])}).variant == "ridge"

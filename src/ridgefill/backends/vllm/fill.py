@@ -24,15 +24,14 @@ V2_RUNNER = "VLLM_USE_V2_MODEL_RUNNER"  # vLLM's switch between its model runner
 def pin(fill: FillSettings, n_layers: int, model_info: dict, scratch: Path) -> FillSettings:
     """`fill` as the vLLM plugin serves it: identity fill through an identity maps file written into `scratch` for
     this model, the mean control through a mean maps file written there from the maps' calibration means, and the
-    maps pinned to their bytes as they are now (maps_sha256). Drop fill is not served."""
+    maps pinned to their bytes as they are now (maps_sha256). The fill is one vLLM runs (backends/base.check_fill,
+    Backend.use: no drop fill, no filled window); drop, which has no maps, is a ValueError here."""
     from ridgefill.method.maps import save_maps
     from ridgefill.runtime.artifacts import load_private, read_meta
 
     maps = fill.maps
     if fill.variant == "drop":
-        raise RidgefillError("the vLLM plugin does not serve drop fill (a null control for measurements): "
-                             "measure it with --engine torchfill, or serve identity, mean or ridge")
-    refuse_windowed(fill.filled_window, fill.maps)
+        raise ValueError("drop fill has no maps to pin: check the fill with backends/base.check_fill first")
     if fill.variant == "identity":
         split = fill.split if fill.split is not None else read_meta(fill.maps, "maps")["split"]
         maps = Path(scratch) / "identity.maps.safetensors"
