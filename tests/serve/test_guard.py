@@ -114,9 +114,7 @@ def test_with_the_key_or_off_the_guarded_paths_the_request_goes_on():
     assert Client(ok, headers={"Authorization": f"bearer {KEY}"}).run(environ).reached == ok  # the scheme's case
     assert Client(b"", method="GET", path="/health").run(environ).reached == b""  # vLLM leaves these open
     assert Client(ok, path="/tokenize").run(environ).reached == ok
-    preflight = {"Origin": "http://page.example", "Access-Control-Request-Method": "POST"}
-    assert Client(b"", method="OPTIONS", headers=preflight).run(environ).reached == b""  # CORS preflight
-    assert Client(b"", method="OPTIONS").run(environ).status == 401  # no preflight: stricter than vLLM
+    assert Client(b"", method="OPTIONS").run(environ).status == 401  # stricter than vLLM
     assert Client(ok, path="/api/v1/completions", headers=keyed()).run(environ).reached == ok
     rooted = Client(BAD_XARGS, path="/api/v1/completions")
     rooted.scope["root_path"] = "/api"  # the path vLLM checks is under the root path
@@ -126,6 +124,26 @@ def test_with_the_key_or_off_the_guarded_paths_the_request_goes_on():
 
 
 OPEN_PATHS = ["/health", "/ping", "/metrics", "/tokenize", "/detokenize"]  # documented in docs/serving.md
+
+
+@pytest.mark.parametrize("method", ["OPTIONS", "GET", "HEAD"])
+def test_a_preflight_or_a_bodyless_method_needs_the_key_and_its_body_is_bounded(method):
+    """A CORS preflight (it may declare a body it never sends) is 401 without the key like any request; with the
+    key, a GET, HEAD or OPTIONS body is read whole and bounded before the server sees the request: a declared body
+    that never comes never reaches it, one over the bound is 413."""
+    environ = {"VLLM_API_KEY": KEY, "RIDGEFILL_MAX_REQUEST_BYTES": "100"}
+    preflight = {"Origin": "http://page.example", "Access-Control-Request-Method": "POST", "Content-Length": "50"}
+    c = Client([b"x" * 10, b"x" * 10], method=method, headers=preflight).run(environ)
+    assert c.status == 401 and c.taken == 0 and c.reached is None
+    over = Client(b"x" * 10, method=method, headers=keyed(**{"Content-Length": "1000"})).run(environ)
+    assert over.status == 413 and over.reached is None
+    streamed = Client([b"x" * 60, b"x" * 60], method=method, headers=keyed()).run(environ)
+    assert streamed.status == 413 and streamed.reached is None
+    unfinished = Client([b"x" * 10, b"x" * 10], method=method, headers=keyed(**{"Content-Length": "50"}),
+                        disconnect=True).run(environ)
+    assert unfinished.reached == {"type": "http.disconnect"}  # the app sees only the client's going away
+    whole = Client([b"x" * 10, b"x" * 10], method=method, headers=keyed(**{"Content-Length": "20"})).run(environ)
+    assert whole.reached == b"x" * 20 and whole.taken == 2
 
 
 @pytest.mark.parametrize("path", [
@@ -503,3 +521,29 @@ def test_a_refusal_goes_out_through_vllms_cors_middleware_as_vllms_own_errors_do
         assert allowed == (b"http://page.example" if b"page" in client.scope["headers"][0][1] else None)
     alone = Client(BAD_XARGS, headers={"Origin": "http://page.example"}).run()  # no CORS middleware: no CORS headers
     assert [name for name, _ in alone.sent[0]["headers"]] == [b"content-length", b"content-type"]
+
+
+def test_a_servers_refusal_in_many_lines_or_with_the_values_sent_goes_back_as_one_line():
+    """vLLM's validation errors ("1 validation error:" then pydantic's dicts with the `input` sent): one line of the
+    fields and problems, Content-Length updated; a one-line refusal and a 200 pass as they came."""
+    vllms = {"error": {"message": "2 validation errors:\n  {'type': 'model_attributes_type', 'loc': 'body', 'msg': "
+                                  "'Input should be an object', 'input': \"['echo-me']\"}\n  {'type': 'x', 'loc': "
+                                  "('body', 'prompt'), 'msg': \"it's bad\", 'input': 5}", "code": 400}}
+
+    def answering(status: int, doc: dict):
+        async def app(scope, receive, send):
+            payload = json.dumps(doc).encode()
+            await send({"type": "http.response.start", "status": status,
+                        "headers": [(b"content-length", b"%d" % len(payload)), (b"content-type", b"application/json")]})
+            await send({"type": "http.response.body", "body": payload})
+        return app
+
+    c = Client(b"{}", headers=keyed()).run({"VLLM_API_KEY": KEY}, app=answering(400, vllms))
+    assert c.error() == "2 validation errors: body: Input should be an object; body.prompt: it's bad"
+    assert dict(c.sent[0]["headers"])[b"content-length"] == str(len(c.answer)).encode()
+    plain = {"error": {"message": "prompt is too long", "code": 400}}
+    assert json.loads(Client(b"{}", headers=keyed()).run({"VLLM_API_KEY": KEY}, app=answering(400, plain)).answer) \
+        == plain
+    ok = {"text": "a\nb 'input': x"}
+    assert json.loads(Client(b"{}", headers=keyed()).run({"VLLM_API_KEY": KEY}, app=answering(200, ok)).answer) == ok
+

@@ -18,18 +18,22 @@ vLLM adds its --middleware classes last, and Starlette runs the last one added f
 API-key check. So it authenticates first itself, with vLLM's keys, status and body, but stricter than vLLM 0.32's
 AuthenticationMiddleware: vLLM guards four path prefixes (/v1, /v2, /inference, /cohere) and leaves every other
 route open, /invocations (SageMaker's: full chat and completion generation) among them; here every path needs the
-key except those in OPEN and CORS preflights, so a route vLLM adds later is guarded too. An unauthenticated request
-gets vLLM's 401 before a byte of its body is read. (vLLM's 401 comes without CORS headers: its key check runs outside
+key except those in OPEN, with every method (CORS preflights included: a browser's cross-origin client needs a
+same-origin proxy that adds the key), so a route vLLM adds later is guarded too. An unauthenticated request gets
+vLLM's 401 before a byte of its body is read. (vLLM's 401 comes without CORS headers: its key check runs outside
 its CORS middleware. The 400 and 413 below go out through that middleware, as vLLM's own 400s do.)
 Then the request's framing: a Content-Length that is not one plain number of at most LENGTH_DIGITS digits (repeated,
 negative, a list, or thousands of digits, which int() refuses past Python's digit limit) is 400 and the connection
-is closed. Then the body is bounded: over BODY_LIMIT bytes (RIDGEFILL_MAX_REQUEST_BYTES overrides it) it is 413 and
-the connection is closed, by its Content-Length, else as soon as the bytes read pass the bound; no byte past the
-bound is kept (see DRAIN_FACTOR). Only a body that can set a RidgeFill option (it holds `xargs` or a backslash, or is
-no UTF-8) or that json.loads could raise on (deep nesting, a huge integer: judged on its bytes) is parsed
-(needs_parse), at most PARSES at a time off the event loop (others wait their turn); there JSON nested too deeply
-for the parser, an integer past Python's digit limit and a `vllm_xargs` over XARGS_LIMIT bytes are 400. Everything
-else is passed on, the body replayed unchanged (a body that is no JSON object is vLLM's to answer).
+is closed. Then the body is bounded, whatever the method (a GET, HEAD or OPTIONS body is read and bounded as a
+POST's: no request reaches the server before its whole body has come within the bound): over BODY_LIMIT bytes
+(RIDGEFILL_MAX_REQUEST_BYTES overrides it) it is 413 and the connection is closed, by its Content-Length, else as
+soon as the bytes read pass the bound; no byte past the bound is kept (see DRAIN_FACTOR). Only a body that can set
+a RidgeFill option (it holds `xargs` or a backslash, or is no UTF-8) or that json.loads could raise on (deep nesting,
+a huge integer: judged on its bytes) is parsed (needs_parse), at most PARSES at a time off the event loop (others wait
+their turn); there JSON nested too deeply for the parser, an integer past Python's digit limit and a `vllm_xargs` over
+XARGS_LIMIT bytes are 400. Everything else is passed on, the body replayed unchanged (a body that is no JSON object is
+vLLM's to answer); the server's own 4xx refusal in many lines, or echoing what the client sent, goes back as one line
+(serve/refusals.py).
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from typing import Mapping
 import numpy as np
 
 from ridgefill.backends.serving import PREFIX, GuardDialect, check_request_args
+from ridgefill.serve.refusals import one_line_errors
 
 ENGINE_ENV = "RIDGEFILL_GUARD_ENGINE"  # the engine whose GuardDialect the guard follows (when not given one)
 BODY_LIMIT_ENV = "RIDGEFILL_MAX_REQUEST_BYTES"
@@ -78,7 +83,6 @@ STRING = re.compile(rb'"[^"]*"')
 DIGITS = bytes.maketrans(bytes(range(256)), bytes(48 if 48 <= b <= 57 else 32 for b in range(256)))  # digit -> "0"
 BRACKETS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff"), bytes(set(range(256)) - set(b"[{]}"))
 UNAUTHORIZED = b'{"error":"Unauthorized"}'  # vLLM's JSONResponse({"error": "Unauthorized"}, 401), byte for byte
-UNREAD = ("GET", "HEAD", "OPTIONS")  # methods whose body nothing reads: passed on as they came
 NESTED = ("the request body's JSON nests too deeply to be read: send {field} and the request's other fields "
           "as a flat object")  # .format(field=the dialect's options field)
 
@@ -94,15 +98,15 @@ def inner(app, name: str):
 
 
 def dialect_of(environ: Mapping[str, str]) -> GuardDialect:
-    """The GuardDialect of the engine RIDGEFILL_GUARD_ENGINE names, else of the engine serve runs by default (through
-    the registry: the guard imports no engine)."""
-    from ridgefill.backends import SERVING_DEFAULT, backend_class
+    """The GuardDialect of the server of the engine RIDGEFILL_GUARD_ENGINE names, else of the engine serve runs by
+    default (through the registry: the guard imports no engine)."""
+    from ridgefill.backends import SERVERS, SERVING_DEFAULT, server_of
 
     name = environ.get(ENGINE_ENV, "").strip() or SERVING_DEFAULT
-    dialect = backend_class(name).guard
-    if dialect is None:
-        raise ValueError(f"{ENGINE_ENV}={name!r} names an engine that does not serve: unset it or name one that does")
-    return dialect
+    if name not in SERVERS:
+        raise ValueError(f"{ENGINE_ENV}={name!r} names no engine with a server: unset it or name one of "
+                         f"{', '.join(SERVERS)}")
+    return server_of(name).guard
 
 
 def api_tokens(app, environ: Mapping[str, str], dialect: GuardDialect) -> list[bytes]:
@@ -128,12 +132,11 @@ def route_path(scope) -> str:
 
 
 def authorized(scope, tokens: list[bytes]) -> bool:
-    """Whether a request may go on: no key set; a path in OPEN; a CORS preflight (OPTIONS asking
-    Access-Control-Request-Method, which vLLM's CORS middleware answers itself); else an `Authorization: Bearer KEY`
-    header with one of the keys, checked as vLLM 0.32's AuthenticationMiddleware checks it."""
+    """Whether a request may go on: no key set; a path in OPEN; else an `Authorization: Bearer KEY` header with one of
+    the keys, checked as vLLM 0.32's AuthenticationMiddleware checks it, for every method: a CORS preflight (OPTIONS
+    asking Access-Control-Request-Method) too, which may declare a body it never sends and would hold a connection
+    and a server's admission place without the key."""
     if not tokens or route_path(scope) in OPEN:
-        return True
-    if scope.get("method") == "OPTIONS" and header(scope, b"access-control-request-method") is not None:
         return True
     value = (header(scope, b"authorization") or b"").decode("latin-1")
     scheme, _, param = value.partition(" ")
@@ -280,9 +283,6 @@ class RequestGuard:
         except ValueError as exc:  # the body's end is unknown: nothing more is read on this connection
             await self.refuse(scope, send, 400, str(exc), close=True)
             return
-        if scope.get("method") in UNREAD:
-            await self.app(scope, receive, send)
-            return
         if declared is not None and declared > self.limit:
             waits = (header(scope, b"expect") or b"").lower() == b"100-continue"  # sends nothing unless asked
             if declared <= DRAIN_FACTOR * self.limit and not waits:
@@ -298,7 +298,7 @@ class RequestGuard:
             await self.refuse(scope, send, 400, error)
             return
         await self.app(scope, replayed(receive, first or {"type": "http.request", "body": body, "more_body": False}),
-                       send)
+                       one_line_errors(send))
 
     async def checked(self, body: bytes) -> str | None:
         """body_error for a body that needs it (needs_parse; else None, unparsed). A large body is screened and
