@@ -12,91 +12,42 @@ rows then go to driver.LlamaCpp.prefill with `reuse` that prefix, and the driver
 of the new prompt would compute the same way (driver.LlamaCpp.reusable), so an answer never depends on what was
 asked before.
 
-Around the app: `Admission` (one model, one context: at most `queue` requests admitted at once, one running and the
-rest waiting for llama-cpp-python's lock; past that a 503 with Retry-After; a client that goes away frees its place
-and stops its generation, also mid-prefill), the request's checks before llama-cpp-python's (its body as the route's
-model reads it, else 400, not llama-cpp-python's 500; logprobs refused: filled rows have no logits; RidgeFill's own
-options, top-level `ridgefill_tail` / `ridgefill_keep_first`, by backends/serving.check_request_args), and, outermost,
-the front's request guard (`--guard`: the API key before any body, body limits). /health answers once the model is
-loaded; /metrics gives RidgeFill's counters (serving.COUNTERS: filled, full, cached and outlier prompt tokens, each
-prompt token counted once in filled, full or cached). `--stock`: the same server with the fill off (plain
-llama-cpp-python prefill, no guard, no RidgeFill counter): bench-serve's baseline.
+Around the app: `Admission` (admission.py: a request admitted once its whole body has come and passed its checks,
+requests.py, at most `queue` at once; a client that goes away stops its request, whose place and the model lock are
+held until its worker thread has returned) and, outermost, the front's request guard (`--guard`: the API key before
+any body, body limits). The served name (`model` in answers, /v1/models) is serve's --model, or the GGUF's stem when
+that is a path. /health answers once the model is loaded; /metrics gives RidgeFill's counters (backends/counters.py:
+filled, full, cached and outlier prompt tokens, each prompt token counted once in filled, full or cached). `--stock`:
+the same server with the fill off (plain llama-cpp-python prefill, no guard, no RidgeFill counter): bench-serve's
+baseline. The port is bound before the model loads: one taken is one line (RidgefillError's, which serve prints as its
+reason), not uvicorn's exit code 3.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextvars
+import contextlib
 import dataclasses
 import importlib
 import json
 import os
+import socket
 import sys
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from ridgefill.backends.llamacpp import requests
+from ridgefill.backends.llamacpp.admission import (REQUEST, Admission, Queue, RequestState, body_limit,
+                                                    hold_the_model_lock, stop_requested)
 from ridgefill.backends.llamacpp.server import KEY_ENV, model_of
-from ridgefill.backends.serving import (COUNTERS, KEEP_FIRST_ARG, PREFIX, TAIL_ARG, check_request_args)
+from ridgefill.backends.counters import FillCounters
+from ridgefill.backends.serving import KEEP_FIRST_ARG, TAIL_ARG
 from ridgefill.errors import RidgefillError
 
-MODEL_PATHS = ("/v1/", "/extras/")  # the routes that wait for the model (llama-cpp-python's lock): admitted
-CHECKED = {"/v1/completions": "CreateCompletionRequest", "/v1/engines/copilot-codex/completions":
-           "CreateCompletionRequest", "/v1/chat/completions": "CreateChatCompletionRequest",
-           "/v1/embeddings": "CreateEmbeddingRequest"}
-RETRY_AFTER_S = 1  # what a 503 asks the client to wait
-SERVED = ("filled", "full", "cached", "outliers")  # the counters this server shows (serving.COUNTERS' names)
-ADMITTED = "ridgefill_admitted_requests"  # the gauge of the requests admitted now
-# serving.COUNTERS' help, where llama.cpp's counter means something of its own
-HELP = {"cached": "Prompt tokens kept from the context's previous prompt (llama-cpp-python's prefix match, cut where a "
-                  "fresh prefill would compute a row otherwise): each prompt token is counted once, in filled, full or "
-                  "cached"}
-
-
-@dataclass
-class RequestState:
-    """A request as the Llama sees it in its worker thread: RidgeFill's options the client gave, and whether it went
-    away (set by Admission; the generation stops at its next step)."""
-
-    options: dict = field(default_factory=dict)
-    gone: threading.Event = field(default_factory=threading.Event)
-
-
-REQUEST: contextvars.ContextVar[RequestState] = contextvars.ContextVar("ridgefill_request")
-
-
-class Counters:
-    """RidgeFill's prompt-token counters (COUNTERS' names), shared by the worker threads."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.values = dict.fromkeys(SERVED, 0)
-
-    def add(self, **counts: int) -> None:
-        with self.lock:
-            for k, v in counts.items():
-                self.values[k] += v
-
-    def text(self) -> str:
-        """The Prometheus text exposition of the counters."""
-        with self.lock:
-            values = dict(self.values)
-        lines = []
-        for key in SERVED:
-            name, help_ = COUNTERS[key][0], HELP.get(key, COUNTERS[key][1])
-            lines += [f"# HELP {name}_total {help_}", f"# TYPE {name}_total counter", f"{name}_total {values[key]}"]
-        return "\n".join(lines) + "\n"
-
-
-@dataclass
-class Queue:
-    """The requests admitted for the model (Admission's), at most `bound`: a gauge on /metrics."""
-
-    bound: int
-    active: int = 0
-
-    def text(self) -> str:
-        return (f"# HELP {ADMITTED} Requests running or waiting for the model (at most {self.bound})\n"
-                f"# TYPE {ADMITTED} gauge\n{ADMITTED} {self.active}\n")
+GRACE_S = 5  # seconds SIGTERM waits for running requests (each told to stop) before the server closes them
+# the counters this server keeps (backends/counters.py; each prompt token once: filled, full, or cached, the rows
+# kept from the context's previous prompt by llama-cpp-python's prefix match, cut where a fresh prefill would compute
+# a row otherwise)
+SERVED = ("filled_tokens", "full_tokens", "cached_prompt_tokens", "outlier_tokens")
 
 
 @dataclass
@@ -107,7 +58,7 @@ class Fill:
     plan: object  # torchfill.FillPlan
     maps: object  # driver.Maps
     chunk: int
-    counters: Counters
+    counters: FillCounters
     arch: str  # the GGUF's architecture (serve checked it: driver.check_family)
 
     def plan_for(self, options: dict):
@@ -135,14 +86,13 @@ def filled_llama_class():
                 self.driver = driver.LlamaCpp.attach(fill.arch, self.model, self.ctx, self.n_ctx(), self.n_batch)
                 self._stack.callback(self.driver.close)
                 self.driver.set_maps(fill.maps)
+                self.driver.stop = stop_requested
 
         def generate(self, tokens, *args, **kwargs):
             request = REQUEST.get(None) or RequestState()
             # never sample from a cached prompt's last logits: its rows may have run another request's plan
             self._requires_eval = True
             self._prompt = self.driver is not None
-            if self.driver is not None:
-                self.driver.stop = request.gone.is_set
             inner = super().generate(tokens, *args, **kwargs)
             try:
                 for token in inner:
@@ -154,8 +104,6 @@ def filled_llama_class():
                 self.driver.clear()
             finally:
                 inner.close()
-                if self.driver is not None and self.driver.stop == request.gone.is_set:  # (not a later request's)
-                    self.driver.stop = None
 
         def eval(self, tokens) -> None:
             if not self._prompt:
@@ -171,8 +119,8 @@ def filled_llama_class():
             self.input_ids[:n] = prompt
             self.n_tokens = n
             self._requires_eval = False
-            self.fill.counters.add(filled=done.filled, full=n - done.reused - done.filled, cached=done.reused,
-                                   outliers=done.outliers)
+            self.fill.counters.count(filled_tokens=done.filled, full_tokens=n - done.reused - done.filled,
+                                     cached_prompt_tokens=done.reused, outlier_tokens=done.outliers)
 
     return FilledLlama
 
@@ -199,10 +147,14 @@ def build_app(spec: dict, key: str | None, guard: str | None, stock: bool):
 
     server = ServerSettings(host=spec["host"], port=spec["port"], api_key=key, interrupt_requests=False,
                             disable_ping_events=False, root_path="", ssl_keyfile=None, ssl_certfile=None)
-    models = [ModelSettings(model=spec["gguf"], model_alias=spec["name"])]
+    name = requests.served_name(spec["name"])
+    models = [ModelSettings(model=spec["gguf"], model_alias=name)]
     lapp.set_llama_proxy = lambda model_settings: setattr(lapp, "_llama_proxy", Proxy(models=model_settings))
     app = lapp.create_app(server_settings=server, model_settings=models)
+    hold_the_model_lock(lapp)
     counters, queue = fill.counters if fill is not None else None, Queue(spec["queue"])
+    llama = lapp._llama_proxy(name)
+    model = requests.Model(llama.n_vocab(), lambda text: grammar_parses(llama, text), name)
 
     @app.get("/health", include_in_schema=False)
     async def health():
@@ -210,13 +162,33 @@ def build_app(spec: dict, key: str | None, guard: str | None, stock: bool):
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics():
-        return PlainTextResponse((counters.text() if counters is not None else "") + queue.text())
+        from prometheus_client import generate_latest
 
-    app.add_middleware(Admission, queue=queue, fill_on=fill is not None)
+        ours = generate_latest(counters.registry).decode() if counters is not None else ""
+        return PlainTextResponse(ours + queue.text())
+
+    app.state.queue = queue
+    app.add_middleware(Admission, queue=queue, fill_on=fill is not None, model=model, limit=body_limit())
     if guard:
-        module, _, name = guard.rpartition(".")
-        app.add_middleware(getattr(importlib.import_module(module), name))
+        module, _, middleware = guard.rpartition(".")
+        app.add_middleware(getattr(importlib.import_module(module), middleware))
     return app
+
+
+def grammar_parses(llama, text: str) -> bool:
+    """Whether llama.cpp's grammar parser takes `text` (root rule "root") on this model's vocabulary: the sampler it
+    builds, freed at once (llama-cpp-python would add a NULL one to its chain, and the process ends)."""
+    import llama_cpp
+
+    try:
+        data = text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate from a JSON escape
+        return False
+    sampler = llama_cpp.llama_sampler_init_grammar(llama._model.vocab, data, b"root")
+    if not sampler:
+        return False
+    llama_cpp.llama_sampler_free(sampler)
+    return True
 
 
 def served_fill(spec: dict) -> Fill:
@@ -233,133 +205,10 @@ def served_fill(spec: dict) -> Fill:
     torch.set_num_threads(1)
     settings = FillSettings(**spec["fill"])
     plan, _ = settings.plan(model_of(spec["model"]))
-    return Fill(plan, driver.maps_of(plan.filler), spec["chunk"], Counters(), spec["arch"])
+    from prometheus_client import CollectorRegistry
 
-
-# --- admission -----------------------------------------------------------------------------------------------------
-class Admission:
-    """Pure ASGI middleware around llama-cpp-python's app: the bounded queue of requests for the model, each
-    request's checks (request_error) and its RequestState, and its client's going away."""
-
-    def __init__(self, app, queue: Queue, fill_on: bool) -> None:
-        self.app, self.queue, self.fill_on = app, queue, fill_on
-
-    async def __call__(self, scope, receive, send) -> None:
-        path, queue = scope.get("path", ""), self.queue
-        if scope.get("type") != "http" or not path.startswith(MODEL_PATHS):
-            await self.app(scope, receive, send)
-            return
-        if queue.active >= queue.bound:
-            await answer(send, 503, f"the server is busy: {queue.bound} requests are running or waiting for the "
-                         f"model (the most it admits); retry after {RETRY_AFTER_S} s",
-                         [(b"retry-after", b"%d" % RETRY_AFTER_S)])
-            return
-        queue.active += 1
-        try:
-            await self.admitted(scope, receive, send, path)
-        finally:
-            queue.active -= 1
-
-    async def admitted(self, scope, receive, send, path: str) -> None:
-        body, ended = b"", None
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client went away before its body ended
-            body += message.get("body", b"")
-            if not message.get("more_body", False):
-                break
-        state = RequestState()
-        if scope.get("method") == "POST" and path in CHECKED:
-            error, state.options = request_error(body, CHECKED[path], self.fill_on)
-            if error is not None:
-                await answer(send, 400, error)
-                return
-        gone = asyncio.Event()
-
-        async def replay():
-            nonlocal ended
-            if ended is None:
-                ended = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            if not gone.is_set():
-                await gone.wait()
-            return {"type": "http.disconnect"}
-
-        async def watch():
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            state.gone.set()
-            gone.set()
-
-        token = REQUEST.set(state)
-        try:
-            task = asyncio.ensure_future(self.app(scope, replay, send))
-        finally:
-            REQUEST.reset(token)
-        watcher = asyncio.ensure_future(watch())
-        try:
-            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            if not task.done():  # the client went away: its place is free now, its generation stops at its next step
-                task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                if not watcher.done():
-                    raise
-        finally:
-            watcher.cancel()
-
-
-def request_error(body: bytes, model: str, fill_on: bool) -> tuple[str | None, dict]:
-    """(one line refusing the request, or None; RidgeFill's options it gives): its body as llama-cpp-python's request
-    model `model` reads it, no logprobs (llama-cpp-python computes them from every prompt row's logits), and
-    RidgeFill's options (backends/serving.check_request_args; with the fill off they are refused, not ignored)."""
-    import pydantic
-    from llama_cpp.server import types
-
-    try:
-        doc = json.loads(body)
-    except RecursionError:
-        return "the request body's JSON nests too deeply to be read: send a flat object", {}
-    except ValueError as exc:
-        return f"the request body is not JSON ({str(exc).splitlines()[0][:200]}): send a JSON object", {}
-    if not isinstance(doc, dict):
-        return "the request body is not a JSON object: send one", {}
-    options = {k: v for k, v in doc.items() if isinstance(k, str) and k.startswith(PREFIX)}
-    try:
-        check_request_args(options)
-    except ValueError as exc:
-        return str(exc), {}
-    if options and not fill_on:
-        return f"{next(iter(options))}: this server runs without RidgeFill (its fill is off): drop it", {}
-    try:
-        request = getattr(types, model).model_validate(doc)
-    except pydantic.ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ())) or "the body"
-        return f"{where}: {first.get('msg', 'invalid')} (the request's {model})", {}
-    except (RecursionError, ValueError) as exc:
-        return f"the request body cannot be read ({type(exc).__name__}): send a flat JSON object", {}
-    if model == "CreateEmbeddingRequest":  # llama-cpp-python would fail on a generation context (a 500)
-        return ("embeddings are not served by this server (a generation context, prompts filled): use a server "
-                "started for embeddings"), {}
-    if getattr(request, "logprobs", None) not in (None, False) or getattr(request, "top_logprobs", None):
-        return ("logprobs are not served with --engine llamacpp (llama-cpp-python computes them from every prompt "
-                "row's logits; filled rows have none): drop logprobs"), {}
-    return None, options
-
-
-async def answer(send, status: int, message: str, headers: list = ()) -> None:
-    """An error in the OpenAI format (message, type, param, code), one line."""
-    from http import HTTPStatus
-
-    kind = HTTPStatus(status).phrase.replace(" ", "") + "Error"
-    payload = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": status}}).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(payload)),
-                            *headers]})
-    await send({"type": "http.response.body", "body": payload})
+    counters = FillCounters(publish=True, registry=CollectorRegistry(), kept=SERVED)  # this server's own /metrics
+    return Fill(plan, driver.maps_of(plan.filler), spec["chunk"], counters, spec["arch"])
 
 
 # --- the process ---------------------------------------------------------------------------------------------------
@@ -375,14 +224,51 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with open(args.spec) as f:
             spec = json.load(f)
+        sock = listening(spec["host"], spec["port"])  # before the model loads: a taken port ends the start at once
         app = build_app(spec, os.environ.get(KEY_ENV) or None, args.guard, args.stock)
     except RidgefillError as exc:  # the front prints it as serve's one line (serve/process.startup_error)
         print(f"ridgefill.errors.RidgefillError: {exc}", flush=True)
         return 2
     import uvicorn
 
-    uvicorn.run(app, host=spec["host"], port=spec["port"], log_level="info", timeout_keep_alive=5)
-    return 0
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:  # SIGTERM, SIGINT: every admitted request stops at its next step
+            for state in list(app.state.queue.running):
+                state.gone.set()
+            super().handle_exit(sig, frame)
+
+        @contextlib.contextmanager
+        def capture_signals(self):  # a stop asked for is a clean exit (0), not uvicorn's signal raised again (143)
+            with super().capture_signals():
+                try:
+                    yield
+                finally:
+                    self._captured_signals.clear()
+
+    config = uvicorn.Config(app, log_level="info", timeout_keep_alive=5, timeout_graceful_shutdown=GRACE_S)
+    Server(config).run(sockets=[sock])
+    # stopped: nothing is left to write, and tearing down the model, llama.cpp and torch took seconds on a busy
+    # machine (SIGTERM's answer must not wait for them)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def listening(host: str, port: int) -> socket.socket:
+    """The server's socket, bound and listening (as uvicorn binds it); RidgefillError, one line, when the port is
+    taken (something took it after serve's check: uvicorn would log it and exit with code 3, the reason lost)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise RidgefillError(f"cannot listen on {host}:{port} ({exc.strerror or exc}): pick another --port, or stop "
+                             "what uses it") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 if __name__ == "__main__":
