@@ -38,6 +38,7 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
 # fixture of each module, built once per module
 from vllm_fixtures import (workers, smollm2_tuned, vllm_hybrid, vllm_lookback, vllm_tiny,  # noqa: E402,F401
                            vllm_tuned)
+from served_vllm import vllm_server  # noqa: E402,F401  (one vLLM server for its tests and the conformance suite)
 
 
 @dataclass(frozen=True)
@@ -135,7 +136,8 @@ def pytest_configure(config):
 # modules), and the modules whose tests start ridgefill processes or whole pipelines (tens of seconds each).
 ENGINE_FIXTURES = VLLM_FIXTURES | {"tiny_ggufs"}
 SLOW_MODULES = {"test_serve", "test_serve_process", "test_processes", "test_recipes", "test_tune", "test_stock",
-                "test_cli", "test_fourth_engine", "test_lm_eval_model", "test_longbench", "test_splice"}
+                "test_cli", "test_fourth_engine", "test_fourth_server", "test_lm_eval_model", "test_longbench",
+                "test_splice"}
 
 
 def pytest_addoption(parser):
@@ -161,7 +163,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
         if VLLM_FIXTURES & fixtures:
-            group = "vllm-pool" if "workers" in fixtures else f"vllm-{item.path.stem}"
+            group = "vllm-pool" if "workers" in fixtures else "vllm-server" if "vllm_server" in fixtures else \
+                f"vllm-{item.path.stem}"
             item.add_marker(pytest.mark.xdist_group(group))
 
 

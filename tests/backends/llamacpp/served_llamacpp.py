@@ -4,7 +4,6 @@ output), requests over loopback, stopped with SIGTERM; perturbed maps for the ti
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import signal
@@ -48,7 +47,7 @@ class Served:
     key: str
     log: Path
     banner: str
-    name: str  # the model name it serves under (serve's --model)
+    name: str  # the model name it serves under (serve's --model, a path's stem)
 
     def request(self, method: str, path: str, body: dict | bytes | None = None, key: str | None = "",
                 timeout: float = 120.0) -> tuple[int, dict, bytes]:
@@ -106,8 +105,10 @@ def start(args: list[str], root: Path, key: str, env: dict | None = None, name: 
     if not lines or not lines[-1].startswith("ridgefill serve: "):
         stop(proc)
         raise AssertionError(f"serve did not come up ({proc.poll()}):\n{''.join(lines)[-3000:]}\n{tail(log)}")
+    from ridgefill.backends.llamacpp.requests import served_name
+
     model = args[args.index("--model") + 1]
-    return Served(proc, f"http://127.0.0.1:{port}", key, log, lines[-1], name or model)
+    return Served(proc, f"http://127.0.0.1:{port}", key, log, lines[-1], name or served_name(model))
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -122,21 +123,6 @@ def stop(proc: subprocess.Popen) -> None:
 
 def tail(log: Path, lines: int = 40) -> str:
     return "\n".join(log.read_text(errors="replace").splitlines()[-lines:]) if log.is_file() else ""
-
-
-def unfinished(server: Served, path: str, length: int, key: str | None = None) -> tuple[int, dict]:
-    """A POST that declares a `length`-byte body, sends its first bytes and waits for the answer."""
-    conn = http.client.HTTPConnection("127.0.0.1", server.port(), timeout=60)
-    try:
-        conn.putrequest("POST", path)
-        for name, value in [("Content-Type", "application/json"), ("Content-Length", str(length))] + (
-                [("Authorization", f"Bearer {key}")] if key else []):
-            conn.putheader(name, value)
-        conn.endheaders(b'{"ridgefill_tail": 0, "prompt": "')
-        r = conn.getresponse()
-        return r.status, json.loads(r.read() or b"{}")
-    finally:
-        conn.close()
 
 
 def stream_open(server: Served, body: dict) -> tuple[socket.socket, bytes]:

@@ -1,8 +1,9 @@
 """`ridgefill serve --engine llamacpp` as a user runs it, on the tiny Llama GGUF with perturbed ridge maps (split 3 of
 6, tail 8; a wrong fill shows): the OpenAI client's completion, chat completion and stream; greedy tokens equal to
 `ridgefill generate --engine llamacpp`; prefix reuse equal to a fresh prefill; /metrics counting each prompt token
-once; the API key before any body; hostile bodies 400/413, never 500; a stderr nobody reads; bad configurations one
-line and exit 2. The driver's reuse rule alone: test_server_prefix.py; the queue bound: test_server_queue.py."""
+once; what llama.cpp cannot serve refused in one line; bad configurations one line and exit 2. The driver's reuse rule
+alone: test_server_prefix.py; the queue bound: test_server_queue.py; the key, hostile bodies, clients that go away,
+SIGTERM and the rest every server must do: the conformance suite (tests/serve/conformance)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 
 import tiny_gguf
 from helpers import refused_line
-from served_llamacpp import perturbed_maps, start, stop, tail, unfinished
+from served_llamacpp import perturbed_maps, start, stop
 
 MISSING = tiny_gguf.missing_build()
 # one worker runs the module (pytest-xdist --dist loadgroup): its server starts once
@@ -153,66 +154,17 @@ def test_metrics_count_each_prompt_token_once(served):
     assert again["ridgefill_full_tokens_total"] - mid["ridgefill_full_tokens_total"] == 1
 
 
-GENERATING = ["/v1/completions", "/v1/chat/completions", "/v1/engines/copilot-codex/completions", "/v1/embeddings",
-              "/extras/tokenize", "/extras/tokenize/count", "/extras/detokenize"]
-
-
-def test_without_the_key_every_route_that_reads_the_model_is_401_before_its_body(served):
-    """A bad option, a declared 1 GiB body of which a few bytes come, /v1/models: 401 without the key (the guard's,
-    before any body is read); /health and /metrics are open."""
-    for path in GENERATING:
-        assert served.post(path, {"prompt": "x", "ridgefill_tail": 0}, key=None) == (401, {"error": "Unauthorized"})
-        assert served.post(path, {"prompt": "x"}, key="not-" + served.key)[0] == 401
-        assert unfinished(served, path, 1 << 30) == (401, {"error": "Unauthorized"}), path
-    assert served.request("GET", "/v1/models", key=None)[0] == 401
-    assert served.request("GET", "/health", key=None)[0] == 200
-    assert served.request("GET", "/metrics", key=None)[0] == 200
-    status, body = served.post("/v1/completions", {"prompt": "x", "ridgefill_tail": 0})
-    assert status == 400 and body["error"]["message"].startswith("ridgefill_tail=0 is not valid"), body
-
-
-def test_hostile_bodies_are_400_or_413_never_500_and_the_server_serves_on(served):
-    """With the key: JSON nested 100,000 deep, an option behind an escape, a huge integer, a body over 8 MiB
-    (declared, or sent), malformed JSON, a body that is no object, fields of the wrong type, an unknown ridgefill_*
-    option, logprobs: each one line, 400 or 413; no traceback in the server's log; the same answer after."""
-    before = served.complete(PROMPT, 4)
-    tracebacks = served.log.read_text(errors="replace").count("Traceback")
-    cases = [(b'{"prompt": "x", "pad": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, "the request body's JSON nests"),
-             (b'{"prompt": "x", "ridgefill\\u005ftail": true}', 400, "ridgefill_tail=True is not valid"),
-             (b'{"prompt": "x", "ridgefill_tail": 1' + b"0" * 5000 + b"}", 400, "the request body holds an integer"),
-             (json.dumps({"prompt": "p" * (9 << 20)}).encode(), 413, "the request body is over 8,388,608 bytes"),
-             (b'{"prompt": "x", ', 400, "the request body is not JSON"),
-             (b'["prompt"]', 400, "the request body is not a JSON object"),
-             (b'{"prompt": 5, "max_tokens": "many"}', 400, "prompt"),
-             (b'{"prompt": "x", "ridgefill_split": 3}', 400, "unknown RidgeFill request option 'ridgefill_split'"),
-             (b'{"prompt": "x", "ridgefill_keep_first": -1}', 400, "ridgefill_keep_first=-1 is not valid"),
-             (b'{"prompt": "x", "logprobs": 2}', 400, "logprobs are not served with --engine llamacpp")]
-    chat = {b'{"prompt": 5, "max_tokens": "many"}': "max_tokens",  # (the chat request's first wrong field)
-            b'{"prompt": "x", "logprobs": 2}': b'{"messages": [{"role": "user", "content": "x"}], "logprobs": true}'}
-    for path in ("/v1/completions", "/v1/chat/completions"):
-        for body, status, message in cases:
-            if path.endswith("chat/completions") and body in chat:
-                body, message = (chat[body], message) if isinstance(chat[body], bytes) else (body, chat[body])
-            got, answered = served.post(path, body)
-            assert got == status and answered["error"]["message"].startswith(message), (path, got, answered, body[:60])
-            assert "\n" not in answered["error"]["message"]
-    assert unfinished(served, "/v1/completions", 1 << 30, served.key)[0] == 413
-    status, answered = served.post("/v1/embeddings", {"input": "x"})
-    assert status == 400 and answered["error"]["message"].startswith("embeddings are not served"), answered
-    assert served.request("GET", "/health", key=None)[0] == 200
-    assert served.complete(PROMPT, 4)["choices"] == before["choices"]
-    assert served.log.read_text(errors="replace").count("Traceback") == tracebacks, tail(served.log)
-
-
-def test_a_server_whose_stderr_nobody_reads_keeps_answering(served):
-    """Every request is a line of uvicorn's log; the relay keeps reading it though serve's stderr is a pipe nobody
-    has read since the banner: twice two pipes' worth of log lines later the server still answers."""
-    pad = "x" * 4096
-    start, answered = served.log.stat().st_size, 0
-    while served.log.stat().st_size - start < 4 * (64 << 10):
-        assert served.request("GET", f"/health?pad={pad}", key=None)[0] == 200, answered
-        answered += 1
-    assert served.proc.poll() is None
+def test_what_llamacpp_cannot_serve_is_refused_in_one_line(served):
+    """llama.cpp's own refusals (the conformance suite checks that every refusal is one clean 4xx line):
+    embeddings (a generation context), logprobs (filled rows have no logits), several choices."""
+    cases = [("/v1/embeddings", {"input": "x"}, "embeddings are not served"),
+             ("/v1/completions", {"prompt": "x", "logprobs": 2}, "logprobs are not served with --engine llamacpp"),
+             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True},
+              "logprobs are not served with --engine llamacpp"),
+             ("/v1/completions", {"prompt": "x", "n": 2}, "n=2: this server answers one choice per request")]
+    for path, body, message in cases:
+        status, answered = served.post(path, body)
+        assert status == 400 and answered["error"]["message"].startswith(message), (path, answered)
 
 
 def refused(args: list[str], monkeypatch, capfd) -> str:
