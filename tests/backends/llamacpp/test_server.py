@@ -2,8 +2,8 @@
 6, tail 8; a wrong fill shows): the OpenAI client's completion, chat completion and stream; greedy tokens equal to
 `ridgefill generate --engine llamacpp`; prefix reuse equal to a fresh prefill; /metrics counting each prompt token
 once; what llama.cpp cannot serve refused in one line; bad configurations one line and exit 2. The driver's reuse rule
-alone: test_server_prefix.py; the queue bound: test_server_queue.py; the key, hostile bodies, clients that go away,
-SIGTERM and the rest every server must do: the conformance suite (tests/serve/conformance)."""
+alone: test_server_prefix.py; the queue bound, the key, hostile bodies, clients that go away, SIGTERM and the rest
+every server must do: the conformance suite (tests/serve/conformance)."""
 
 from __future__ import annotations
 

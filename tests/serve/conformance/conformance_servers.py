@@ -81,6 +81,13 @@ class Served:
         metrics = self.metrics()
         return sum(metrics.get(name, 0.0) for name in PROMPT_COUNTERS)
 
+    def admitted(self, count: int) -> None:
+        """Wait until the server's gauge shows `count` requests admitted (running or waiting for the model)."""
+        deadline = time.monotonic() + 60
+        while self.metrics()[self.kind.admitted] != count:
+            assert time.monotonic() < deadline, self.metrics()
+            time.sleep(0.1)
+
     def tracebacks(self) -> int:
         return self.log.read_text(errors="replace").count("Traceback")
 
@@ -100,6 +107,7 @@ class Kind:
     bad_grammar: dict  # completion fields with a grammar the server's grammar engine cannot parse
     bad_schema: dict  # chat completion fields with a JSON schema that gives no usable grammar
     bound: int  # the requests the server admits at once (serve --concurrency)
+    admitted: str | None  # the /metrics gauge of the requests admitted now, where past `bound` the server answers 503
     abandoned_tokens: int  # a prompt this long prefills for seconds on 2 cores
     known: dict = field(default_factory=dict)  # test -> a defect of this server not fixed yet (a strict xfail)
 
@@ -171,7 +179,7 @@ LLAMACPP = Kind(
     options=lambda options: dict(options),
     bad_grammar={"grammar": 'root ::= ("a"'},
     bad_schema={"response_format": {"type": "json_object", "schema": {"enum": []}}},
-    bound=2, abandoned_tokens=5000)
+    bound=2, admitted="ridgefill_admitted_requests", abandoned_tokens=5000)
 
 
 # --- vLLM --------------------------------------------------------------------------------------------------------
@@ -192,7 +200,7 @@ VLLM = Kind(
     options=lambda options: {"vllm_xargs": dict(options)},
     bad_grammar={"structured_outputs": {"grammar": 'root ::= ("a"'}},
     bad_schema={"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"enum": []}}}},
-    bound=2, abandoned_tokens=7000,
+    bound=2, admitted=None, abandoned_tokens=7000,  # vLLM queues every request: no 503
     known={"detokenize": "vLLM 0.32 detokenizes ids outside the vocabulary to '' (200): not refused yet"})
 
 SERVERS = [LLAMACPP, VLLM]  # a later server: one more Kind here

@@ -31,6 +31,7 @@ from conformance_servers import (GROUPS, RIDGEFILL, SERVERS, answer_of, closed_w
 PATH = re.compile(r"(?:/[\w.+-]+){2,}\.(?:py|gguf|safetensors|json|so)\b|site-packages|Traceback")
 GREEDY_PROMPT = "The cat sat on the mat. The cat sat on the mat. The cat sat on the mat. The cat"
 SHORT = "Once upon a time, in a small village by the sea, there lived"
+LONG = 4000  # tokens a request would generate (over a minute on 2 cores) unless it stops
 pytestmark = pytest.mark.slow  # servers in processes: not the fast tier
 
 
@@ -276,6 +277,40 @@ def test_a_client_gone_mid_prefill_stops_its_work_and_the_next_is_answered_as_al
     assert again["choices"][0]["text"] == alone["choices"][0]["text"]
     counted = served.prompt_tokens() - before
     assert counted < served.kind.abandoned_tokens, (counted, served.kind.abandoned_tokens)
+    alive(served)
+
+
+def test_past_its_bound_a_quick_503_and_a_client_that_goes_away_frees_its_place(served):
+    """Where a server bounds admission (llama.cpp's: one model, one context), with its bound of 2: one request
+    generating and one waiting for the model, a third gets a quick 503 with Retry-After; a waiting client that goes
+    away frees its place; a generating client that goes away stops its generation, so the next one is answered long
+    before the generating request's LONG tokens would have ended."""
+    if served.kind.admitted is None:
+        pytest.skip(f"{served.kind.name} admits every request (no bound, no 503)")
+    body = json.dumps({"model": served.name, "prompt": SHORT, "max_tokens": 2, "temperature": 0}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\nHost: x\nAuthorization: Bearer {served.key}\n"
+            "Content-Type: application/json\nContent-Length: ")
+    long = json.dumps({"model": served.name, "prompt": SHORT, "max_tokens": LONG, "temperature": 0,
+                       "stream": True}).encode()
+    generating = raw(served, head + str(len(long)), long)
+    generating.settimeout(60)
+    assert generating.recv(65536).startswith(b"HTTP/1.1 200")  # its stream has begun
+    queued = raw(served, head + str(len(body)), body)
+    served.admitted(2)  # one generating, one waiting for the model
+    status, headers, answer = served.request("POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+    assert status == 503 and headers.get("retry-after") == "1", (status, headers, answer)
+    assert json.loads(answer)["error"]["message"].startswith("the server is busy: 2 requests are running or waiting")
+    queued.close()  # the waiting client goes away: its place is free
+    served.admitted(1)
+    replacement = raw(served, head + str(len(body)), body)
+    served.admitted(2)
+    assert answer_of(replacement, 1.0) is None  # admitted (no 503), waiting behind the generating request
+    generating.close()  # the generating client goes away: its generation stops at its next token
+    got = answer_of(replacement, 60.0)
+    assert got is not None and got[0] == 200, got
+    served.admitted(0)
+    replacement.close()
+    assert served.complete(SHORT, 3)["usage"]["completion_tokens"] == 3
     alive(served)
 
 
