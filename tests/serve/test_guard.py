@@ -541,6 +541,10 @@ def test_a_servers_refusal_in_many_lines_or_with_the_values_sent_goes_back_as_on
     c = Client(b"{}", headers=keyed()).run({"VLLM_API_KEY": KEY}, app=answering(400, vllms))
     assert c.error() == "2 validation errors: body: Input should be an object; body.prompt: it's bad"
     assert dict(c.sent[0]["headers"])[b"content-length"] == str(len(c.answer)).encode()
+    media = {"error": {"message": "1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed",
+                       "code": 400}}
+    c = Client(b"{}", headers=keyed()).run({"VLLM_API_KEY": KEY}, app=answering(400, media))
+    assert c.error() == "1 validation error: Unsupported Media Type: Only 'application/json' is allowed"
     plain = {"error": {"message": "prompt is too long", "code": 400}}
     assert json.loads(Client(b"{}", headers=keyed()).run({"VLLM_API_KEY": KEY}, app=answering(400, plain)).answer) \
         == plain

@@ -27,8 +27,9 @@ def one_line(message: str) -> str:
         if loc and msg:
             where = loc.group(1) or ".".join(p.strip().strip("'\"") for p in loc.group(2).split(",") if p.strip())
             parts.append(f"{where or 'the body'}: {msg.group(1) or msg.group(2)}")
-    if not parts:
-        return lines[0].split(", 'input':")[0]
+    if not parts:  # lines of its own: the first, then the rest (at most three), each without a value sent
+        rest = [line.split(", 'input':")[0] for line in lines[1:4]]
+        return f"{lines[0].rstrip(':')}: {'; '.join(rest)}" if rest else lines[0].split(", 'input':")[0]
     head = lines[0].rstrip(":") if not LOC.search(lines[0]) else "the request is not valid"
     return f"{head}: {'; '.join(parts[:3])}"
 
