@@ -162,7 +162,8 @@ def test_hostile_bodies_are_a_4xx_with_one_line_never_a_5xx(served):
     for what, path, body, headers, marker in hostile(served):
         status, answer = served.post(path, body, headers=headers)
         try:
-            clean_refusal(status, answer, marker)
+            message = clean_refusal(status, answer, marker)
+            assert "content-type" not in {k.lower() for k in headers} or "json" in message.lower(), message
         except AssertionError as exc:
             raise AssertionError(f"{what}: {exc}") from None
         assert served.proc.poll() is None, what
