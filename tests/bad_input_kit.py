@@ -306,3 +306,59 @@ def maps_cases(name: str, base: list[str]) -> list[Case]:
     ]
 
 
+
+
+# --- maps as a GGUF adapter (issue 57) ------------------------------------------------------------------------------
+def gguf_rewritten(source: Path, keys: dict | None = None, drop: tuple[str, ...] = (), tensors: dict | None = None,
+                   arch: str | None = None) -> bytes:
+    """The bytes of GGUF file `source` written again with some keys' values replaced (their GGUF type kept; a new
+    key: a string), keys and tensors in `drop` left out and `tensors` (name -> array) added: a file ridgefill's
+    writer would not write."""
+    import tempfile
+
+    import numpy as np
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    keys, reader = dict(keys or {}), GGUFReader(source)
+    arch = arch or reader.fields["general.architecture"].contents()
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "rewritten.gguf"
+        writer = GGUFWriter(str(out), arch)
+        for name, f in reader.fields.items():
+            if name.startswith("GGUF.") or name == "general.architecture" or name in drop:
+                continue
+            sub = f.types[-1] if f.types[0] == GGUFValueType.ARRAY else None
+            writer.add_key_value(name, keys.pop(name, f.contents()), f.types[0], sub)
+        for name, value in keys.items():
+            writer.add_string(name, value)
+        for t in reader.tensors:
+            if t.name not in drop:
+                writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+        for name, array in (tensors or {}).items():
+            writer.add_tensor(name, array)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        return out.read_bytes()
+
+
+def gguf_maps(edit: Callable[[dict, dict], None] | None = None, model: str | None = None,
+              **rewrite) -> Callable[[Inputs], bytes]:
+    """The fixture's maps as a GGUF adapter (F32; `edit(tensors, meta)` first changes what is written, `model`: where
+    its model is, checkpoint A by default), then rewritten (gguf_rewritten's keys, drop, tensors, arch)."""
+
+    def written(found: Inputs) -> bytes:
+        import tempfile
+
+        from ridgefill.method.maps import load_maps, write_maps
+
+        tensors, meta, _ = load_maps(found.maps)
+        if edit is not None:
+            edit(tensors, meta)
+        with tempfile.TemporaryDirectory() as folder:
+            path = Path(folder) / "maps.gguf"
+            write_maps(path, tensors, meta, "f32", model=str(model or found.A))
+            return gguf_rewritten(path, **rewrite) if rewrite else path.read_bytes()
+
+    return written

@@ -52,6 +52,7 @@ REGISTRY: dict[str, Entry] = {
     "calibrate": Entry("ridgefill.method.calibrate", "One pass over calibration text: float64 statistics.", True),
     "fit": Entry("ridgefill.method.fit", "Fit per-layer maps in closed form; held-out error vs identity fill.", True),
     "key-scale": Entry("ridgefill.method.key_scale", "Refine maps: per-layer, per-KV-head scale of the filled keys."),
+    "convert-maps": Entry("ridgefill.method.convert_maps", "Rewrite maps: safetensors ↔ a GGUF adapter (llama.cpp)."),
     "generate": Entry("ridgefill.evals.generate", "Generate greedily after exact or filled prefill (text on stdout)."),
     "serve": Entry("ridgefill.serve.serve", "Serve a model with RidgeFill through an engine's OpenAI-compatible server."),
     "ruler": Entry("ridgefill.evals.ruler", "RULER tasks with needles in filled rows: exact, identity, ridge.", True),

@@ -196,15 +196,14 @@ def model_settings(fill=None, chunk=DEFAULT_CHUNK, max_gen_toks=256,
 def preflight(model_args: dict) -> None:
     """What `ridgefill lm-eval` checks before lm-eval starts: the model_args (model_settings), the model's identity
     (read without its weights) and that the maps were fitted for it."""
-    from ridgefill.method.maps import check_for_model
-    from ridgefill.runtime.artifacts import read_meta
+    from ridgefill.method.maps import check_for_model, read_maps_meta
     from ridgefill.runtime.models import model_identity
 
     settings, *_ = model_settings(**{k: v for k, v in model_args.items() if k not in IGNORED_ARGS})
     resolve_device(AUTO, str(model_args.get("dtype", AUTO)))  # a known dtype name
     identity = model_identity(str(model_args.get("pretrained", "smollm2-135m")))
     if settings is not None and settings.maps is not None:
-        check_for_model(settings.maps, read_meta(settings.maps, "maps"), identity.info, settings.split)
+        check_for_model(settings.maps, read_maps_meta(settings.maps), identity.info, settings.split)
 
 
 def _fill_arg(name: str, value):

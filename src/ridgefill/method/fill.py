@@ -88,8 +88,7 @@ class FillSettings:
         it) and the maps' metadata (None for identity fill). keep_rows: rows run in full besides the first
         keep_first and the tail."""
         from ridgefill.torchfill import DropFiller, FillPlan, IdentityFiller
-        from ridgefill.method.maps import check_for_model, load_filler
-        from ridgefill.runtime.artifacts import read_meta
+        from ridgefill.method.maps import check_for_model, load_filler, read_maps_meta
         from ridgefill.runtime.paths import file_sha256
 
         n_layers = model.shape.layers
@@ -100,7 +99,7 @@ class FillSettings:
                                        self.maps_sha256, mean=self.variant == "mean", n_layers=n_layers)
             split = meta["split"]
         elif self.maps is not None:  # identity or drop at the maps' split: their metadata is enough
-            meta = {**read_meta(self.maps, "maps"), "sha256": file_sha256(self.maps)}
+            meta = {**read_maps_meta(self.maps), "sha256": file_sha256(self.maps)}
             check_for_model(self.maps, meta, model.model_info, self.split, n_layers)
             split = meta["split"]
         if not 1 <= split <= n_layers:
@@ -115,10 +114,10 @@ class FillSettings:
     def window(self, split: int, meta: dict | None = None):
         """The filled rows' window at `split` (torchfill.FilledWindow, None: full attention); `meta`: the maps'
         metadata (read from --maps when not given)."""
-        from ridgefill.runtime.artifacts import read_meta
+        from ridgefill.method.maps import read_maps_meta
 
         if meta is None and self.maps is not None:
-            meta = read_meta(self.maps, "maps")
+            meta = read_maps_meta(self.maps)
         return resolve_window(self.filled_window, self.filled_window_layers, split, self.keep_first, meta, self.maps)
 
     # --- serving configs -----------------------------------------------------------------------------------------
@@ -182,9 +181,9 @@ def variant_plans(model, options, variants=VARIANTS) -> tuple[dict, dict | None]
 
 
 def read_kind(maps) -> str | None:
-    from ridgefill.runtime.artifacts import read_meta
+    from ridgefill.method.maps import read_maps_meta
 
-    return read_meta(maps, "maps").get("kind")
+    return read_maps_meta(maps).get("kind")
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from ridgefill.errors import RidgefillError
 from ridgefill.runtime.stats import mean
 from ridgefill.method.statistics import PARTS, Calibration, SplitStats, check_fittable
 from ridgefill.method.maps import KINDS, save_maps
+from ridgefill.method.maps_gguf import check_gguf_type, gguf_type_option
 from ridgefill.method.ridge import RANK_BASES, fit_split, mean_split
 from ridgefill.runtime.artifacts import load_artifact, read_meta
 from ridgefill.runtime.console import note, progress_bar, table
@@ -25,7 +26,8 @@ from ridgefill.runtime.paths import check_output, write_json
 @dataclass
 class FitConfig(Config):
     stats: Path = option(REQUIRED, "Statistics from `ridgefill calibrate`.", role="input")
-    out: Path = option(REQUIRED, "Maps file (.safetensors) to write; a JSON summary goes beside it.", role="output")
+    out: Path = option(REQUIRED, "Maps file to write: .safetensors, or .gguf (the maps as a llama.cpp adapter); a JSON "
+                       "summary goes beside it.", role="output")
     split: int | None = option(None, "Which split to fit (needed if the stats hold several).", top="splits")
     lam: str = option("auto", "'auto' (per layer, chosen on the validation rows) or a λ relative to "
                       "trace(Pxx)/H (Pxx: the centred XᵀX).", top="lam")
@@ -38,6 +40,7 @@ class FitConfig(Config):
     targets: str = option("raw", "raw (each late layer's input y) or normalized (y/rms(y) rescaled to the mean "
                           "norm: every row weighs the same, as the layer's input norm sees it; needs "
                           "`calibrate --normalized-targets`).")
+    gguf_type: str | None = gguf_type_option()
 
     def check(self) -> None:
         if self.kind not in KINDS:
@@ -47,6 +50,7 @@ class FitConfig(Config):
         if self.targets not in TARGETS:
             raise RidgefillError(f"unknown --targets '{self.targets}': use {' or '.join(TARGETS)}")
         _parse_lam(self.lam)
+        check_gguf_type(self.out, self.gguf_type)
         check_output(self, beside=(".json",))
 
 
@@ -116,7 +120,7 @@ def _fit(c: FitConfig) -> dict:
     save_maps(out, split, meta["n_layers"], fits, {**base, "stats": str(stats), "rank": rank,
                                                    "rank_basis": c.rank_basis if rank else None,
                                                    "targets": c.targets, "errors_on": errors_on, **window}, kind,
-              means=means)
+              means=means, gguf_type=c.gguf_type)
     rows = [[f.layer, f.lam, f.error_identity, f.error_map] for f in fits]
     label = {"ridge": "ridge", "identity": "identity (stored)", "mean": "mean (control)"}[kind]
     chosen = ", λ chosen on the validation rows" if lam_value == "auto" else ""

@@ -26,8 +26,7 @@ from ridgefill.commands import REQUIRED, Command, option
 from ridgefill.torchfill import Runner, FillPlan
 from ridgefill.errors import RidgefillError
 from ridgefill.method.calibrate import calibration_sequences
-from ridgefill.method.maps import filler_of
-from ridgefill.runtime.artifacts import load_private, save_artifact
+from ridgefill.method.maps import filler_of, load_maps, write_maps
 from ridgefill.runtime.console import progress_bar, table
 from ridgefill.runtime.data import sequence_budget
 from ridgefill.runtime.device import check_device
@@ -113,7 +112,7 @@ def run(c: KeyScaleConfig) -> dict:
     runner = session.runner
     # Read once, into private memory: the maps measured are the maps written (pinned by their sha256), whatever
     # happens to the file during the pass (a refit).
-    tensors, stored, digest = load_private(c.maps, "maps")
+    tensors, stored, digest = load_maps(c.maps)
     filler, meta = filler_of(c.maps, tensors, {**stored, "sha256": digest}, session.loaded.info(), dtype=runner.dtype,
                              device=runner.device)
     if meta["n_layers"] != runner.n_layers:
@@ -136,8 +135,8 @@ def run(c: KeyScaleConfig) -> dict:
     scale = scale.cpu()
     info = {"data": c.data, "tokens": done * c.seq_len, "sequences": done, "filled_rows": sums.rows,
             "skip_first": c.skip_first, "maps_sha256": digest}
-    save_artifact(c.out, {**tensors, "key_scale": scale.float()}, {**stored, "key_scale": info},
-                  fix=f"the maps {c.maps} fill keys the scale cannot reach in fp32: refit them (a larger --lam), then "
+    write_maps(c.out, {**tensors, "key_scale": scale.float()}, {**stored, "key_scale": info},
+               fix=f"the maps {c.maps} fill keys the scale cannot reach in fp32: refit them (a larger --lam), then "
                   "rerun key-scale")
     attention = [i for i in range(1, len(scale)) if runner.layer_kinds[split + i] == "attention"]
     rows = [[split + i, float(scale[i].min()), float(scale[i].median()), float(scale[i].max()), float(before[i]),

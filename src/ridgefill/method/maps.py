@@ -6,7 +6,8 @@ from pathlib import Path
 
 import torch
 
-from ridgefill.runtime.artifacts import load_private, save_artifact
+from ridgefill.method import maps_gguf
+from ridgefill.runtime.artifacts import load_private, read_meta, save_artifact
 from ridgefill.torchfill import Filler, IdentityFiller, MapFiller, MeanFiller
 from ridgefill.errors import RidgefillError
 from ridgefill.method.ridge import LayerFit
@@ -16,9 +17,11 @@ KINDS = ("ridge", "identity", "mean")  # mean: the null control's maps (zero wei
 
 
 def save_maps(path: str | Path, split: int, n_layers: int, fits: list[LayerFit], meta: dict, kind: str,
-              key_scale: torch.Tensor | None = None, means: torch.Tensor | None = None) -> None:
+              key_scale: torch.Tensor | None = None, means: torch.Tensor | None = None,
+              gguf_type: str | None = None) -> None:
     """key_scale [L-S, Hkv]: a key-scale correction to store with the maps (method/key_scale.py). means [L-S-1, H]:
-    the calibration mean of each late layer's input, stored so that the `mean` control runs from any maps file."""
+    the calibration mean of each late layer's input, stored so that the `mean` control runs from any maps file.
+    A .gguf path is written as a GGUF adapter with its matrices in `gguf_type` (write_maps)."""
     tensors = {} if key_scale is None else {"key_scale": key_scale.float()}
     if means is not None:
         tensors["mean"] = means.float()
@@ -31,8 +34,32 @@ def save_maps(path: str | Path, split: int, n_layers: int, fits: list[LayerFit],
             tensors["weight"] = torch.stack([f.weight for f in fits]).float()
     layers = [{"layer": f.layer, "lam": f.lam, "error_identity": f.error_identity, "error_map": f.error_map,
                "error_full_rank": f.error_full_rank} for f in fits]
-    save_artifact(path, tensors, {**meta, "artifact": "maps", "kind": kind, "split": split,
-                                  "n_layers": n_layers, "layers": layers})
+    write_maps(path, tensors, {**meta, "artifact": "maps", "kind": kind, "split": split, "n_layers": n_layers,
+                               "layers": layers}, gguf_type)
+
+
+def write_maps(path: str | Path, tensors: dict[str, torch.Tensor], meta: dict, gguf_type: str | None = None,
+               fix: str | None = None, model: str | None = None) -> None:
+    """Write a maps file's tensors and metadata, atomically: a GGUF adapter when `path` ends in .gguf (method/
+    maps_gguf.py: its matrices in `gguf_type`, default f16; `model`: where the maps' model is, when not at their
+    id), else safetensors (fp32 as given)."""
+    if maps_gguf.is_gguf_path(path):
+        maps_gguf.write(path, tensors, meta, gguf_type, fix, model)
+    else:
+        save_artifact(path, tensors, {k: v for k, v in meta.items() if k != "gguf"}, fix)
+
+
+def load_maps(path: str | Path, sha256: str | None = None) -> tuple[dict[str, torch.Tensor], dict, str]:
+    """(tensors, metadata, sha256 of the file's bytes) of a maps file, safetensors or a GGUF adapter (by its first
+    bytes), read whole into private memory (runtime/artifacts.load_private); with `sha256` the bytes must hash so."""
+    if maps_gguf.is_gguf(path):
+        return maps_gguf.read(path, sha256)
+    return load_private(path, "maps", sha256)
+
+
+def read_maps_meta(path: str | Path) -> dict:
+    """The metadata of a maps file, safetensors or a GGUF adapter, without its tensors."""
+    return maps_gguf.read_meta(path) if maps_gguf.is_gguf(path) else read_meta(path, "maps")
 
 
 def load_filler(path: str | Path, model_info: dict, split: int | None = None,
@@ -42,7 +69,7 @@ def load_filler(path: str | Path, model_info: dict, split: int | None = None,
     the file's calibration means instead). The file is read whole into private memory (its tensors are no view of it:
     changing the file later changes nothing); with `sha256`, it must be the file that was checked. The metadata
     returned carries the file's `sha256`."""
-    tensors, meta, digest = load_private(path, "maps", sha256)
+    tensors, meta, digest = load_maps(path, sha256)
     return filler_of(path, tensors, {**meta, "sha256": digest}, model_info, split, dtype, device, mean, n_layers)
 
 
@@ -82,10 +109,8 @@ def calibration_means(path: str | Path, tensors: dict[str, torch.Tensor], meta: 
 META_KEYS = {"kind": str, "split": int, "n_layers": int, "model": dict}  # what a maps file's metadata must hold
 
 
-def check_for_model(path: str | Path, meta: dict, model_info: dict, split: int | None = None,
-                    n_layers: int | None = None) -> None:
-    """Refuse maps whose metadata lacks what a filler needs, fitted for another checkpoint (its hash) or, given
-    `split` and `n_layers`, for another split or layer count."""
+def check_meta(path: str | Path, meta: dict) -> None:
+    """Refuse maps whose metadata lacks what a filler needs (META_KEYS), or holds a split or kind no filler runs."""
     for key, kind in META_KEYS.items():
         if not isinstance(meta.get(key), kind) or isinstance(meta.get(key), bool):
             raise RidgefillError(f"{path} has no valid `{key}` in its ridgefill metadata (found {meta.get(key)!r}): "
@@ -93,6 +118,15 @@ def check_for_model(path: str | Path, meta: dict, model_info: dict, split: int |
     if not 1 <= meta["split"] < meta["n_layers"] + 1 or meta["kind"] not in KINDS:
         raise RidgefillError(f"{path} holds split {meta['split']} of {meta['n_layers']} layers, kind "
                              f"{meta['kind']!r}: refit it with ridgefill fit")
+
+
+def check_for_model(path: str | Path, meta: dict, model_info: dict, split: int | None = None,
+                    n_layers: int | None = None) -> None:
+    """Refuse maps whose metadata lacks what a filler needs, fitted for another checkpoint (its hash) or, given
+    `split` and `n_layers`, for another split or layer count."""
+    check_meta(path, meta)
+    if "gguf" in meta:  # a GGUF adapter: its architecture, layer count, width and KV heads first
+        maps_gguf.check_for_model(path, meta, model_info, n_layers)
     fitted = meta["model"]
     if fitted.get("weights_hash") != model_info["weights_hash"]:
         raise RidgefillError(f"{path} was fitted for another model ({fitted.get('id')}, weights "

@@ -111,6 +111,21 @@ def load_private(path: str | Path, kind: str, sha256: str | None = None) -> tupl
     memory (no view of a mapping of the file). With `sha256`, bytes that hash otherwise are a one-line error (the
     file changed since it was checked)."""
     path = Path(path)
+    data, digest = read_private(path, kind, sha256)
+    try:
+        size = int.from_bytes(data[:8], "little")
+        meta = json.loads(json.loads(data[8 : 8 + size]).get("__metadata__", {}).get(META_KEY, "null"))
+        tensors = load_safetensors_bytes(data) if isinstance(meta, dict) and meta.get("artifact") == kind else {}
+    except Exception as exc:
+        raise corrupt(path, kind, exc) from None
+    return tensors, _checked(path, kind, meta), digest
+
+
+def read_private(path: str | Path, kind: str, sha256: str | None = None) -> tuple[bytes, str]:
+    """(the bytes of an artifact file of `kind`, read whole into memory once, their sha256); with `sha256`, bytes
+    that hash otherwise are a one-line error (the file changed since it was checked). Any format: load_private parses
+    safetensors from them, method/maps_gguf.py a GGUF adapter."""
+    path = Path(path)
     if sha256 is not None and not is_sha256(sha256):
         raise RidgefillError(f"the sha256 pin of {kind} file {path} ({sha256!r}) is not a whole sha256 (64 hex "
                              "digits): pin the file by its full sha256")
@@ -123,13 +138,7 @@ def load_private(path: str | Path, kind: str, sha256: str | None = None) -> tupl
     if sha256 is not None and digest != sha256.lower():
         raise RidgefillError(f"{kind} file {path} changed since it was checked (sha256 {digest[:16]}, expected "
                              f"{sha256[:16]}): leave it in place while it is served, and restart")
-    try:
-        size = int.from_bytes(data[:8], "little")
-        meta = json.loads(json.loads(data[8 : 8 + size]).get("__metadata__", {}).get(META_KEY, "null"))
-        tensors = load_safetensors_bytes(data) if isinstance(meta, dict) and meta.get("artifact") == kind else {}
-    except Exception as exc:
-        raise _corrupt(path, kind, exc) from None
-    return tensors, _checked(path, kind, meta), digest
+    return data, digest
 
 
 def read_meta(path: str | Path, kind: str) -> dict:
@@ -150,7 +159,7 @@ def _read(path: str | Path, kind: str, wanted: Callable[[str], bool]) -> tuple[d
     except OSError as exc:
         raise RidgefillError(f"cannot read {kind} file {path}: {exc.strerror or exc}") from None
     except Exception as exc:
-        raise _corrupt(path, kind, exc) from None
+        raise corrupt(path, kind, exc) from None
     return tensors, _checked(path, kind, meta)
 
 
@@ -212,7 +221,7 @@ def _exists(path: Path, kind: str) -> None:
                              f"{_maker(kind)})")
 
 
-def _corrupt(path: Path, kind: str, exc: Exception) -> RidgefillError:
+def corrupt(path: Path, kind: str, exc: Exception) -> RidgefillError:
     return RidgefillError(f"cannot read {kind} file {path}: it is corrupted or truncated ({type(exc).__name__}); "
                           f"recreate it with ridgefill {_maker(kind)}")
 

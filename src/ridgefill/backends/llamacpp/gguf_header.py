@@ -7,8 +7,9 @@ import struct
 from pathlib import Path
 
 from ridgefill.errors import RidgefillError
+from ridgefill.method.maps_gguf import LLAMACPP_ARCH
 
-FAMILIES = ("llama", "qwen2", "qwen3")  # GGUF general.architecture values the patch fills
+FAMILIES = tuple(LLAMACPP_ARCH.values())  # GGUF general.architecture values the patch fills
 # GGUF's metadata value types: their struct formats (8: string, 9: array)
 GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 

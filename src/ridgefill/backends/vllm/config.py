@@ -17,8 +17,7 @@ from ridgefill.errors import RidgefillError
 from ridgefill.method.fill import FillSettings
 from ridgefill.method.fill_fields import ENV
 from ridgefill.backends.vllm.fill import V2_RUNNER
-from ridgefill.method.maps import check_for_model, check_maps
-from ridgefill.runtime.artifacts import load_private
+from ridgefill.method.maps import check_for_model, check_maps, load_maps
 from ridgefill.runtime.device import resolve_device
 from ridgefill.runtime.models import checkpoint_fingerprint
 from ridgefill.backends.vllm.malloc import malloc_env
@@ -76,7 +75,7 @@ def check_fill(fill: FillSettings, model_folder: str | Path) -> tuple[FillSettin
     config = read_model_config(folder)
     check_architecture(config.get("architectures") or [], config.get("model_type"), folder,
                        (config.get("text_config") or config).get("layer_types"))
-    tensors, meta, digest = load_private(fill.maps, "maps", fill.maps_sha256)
+    tensors, meta, digest = load_maps(fill.maps, fill.maps_sha256)
     check_for_model(fill.maps, meta, {"weights_hash": checkpoint_fingerprint(folder)}, fill.split)
     layers = config.get("num_hidden_layers")
     if meta.get("n_layers") != layers:

@@ -26,19 +26,18 @@ def pin(fill: FillSettings, n_layers: int, model_info: dict, scratch: Path) -> F
     this model, the mean control through a mean maps file written there from the maps' calibration means, and the
     maps pinned to their bytes as they are now (maps_sha256). The fill is one vLLM runs (backends/base.check_fill,
     Backend.use: no drop fill, no filled window); drop, which has no maps, is a ValueError here."""
-    from ridgefill.method.maps import save_maps
-    from ridgefill.runtime.artifacts import load_private, read_meta
+    from ridgefill.method.maps import load_maps, read_maps_meta, save_maps
 
     maps = fill.maps
     if fill.variant == "drop":
         raise ValueError("drop fill has no maps to pin: check the fill with backends/base.check_fill first")
     if fill.variant == "identity":
-        split = fill.split if fill.split is not None else read_meta(fill.maps, "maps")["split"]
+        split = fill.split if fill.split is not None else read_maps_meta(fill.maps)["split"]
         maps = Path(scratch) / "identity.maps.safetensors"
         save_maps(maps, split, n_layers, [], {"model": model_info}, "identity")
     elif fill.variant == "mean" and read_kind(fill.maps) != "mean":
         maps = mean_maps(fill.maps, Path(scratch) / "mean.maps.safetensors", fill.maps_sha256)
-    _, meta, digest = load_private(maps, "maps", None if maps != fill.maps else fill.maps_sha256)
+    _, meta, digest = load_maps(maps, None if maps != fill.maps else fill.maps_sha256)
     if fill.split is not None and fill.split != meta["split"]:
         raise RidgefillError(f"{maps} holds maps for split {meta['split']}, not {fill.split}: pass --split "
                              f"{meta['split']} or fit maps for split {fill.split}")
@@ -60,7 +59,7 @@ def fill_env(fill: FillSettings) -> dict[str, str]:
 def fill_from_env(env: Mapping[str, str] = os.environ) -> FillSettings | None:
     """The plugin's settings in `env`, or None when RIDGEFILL_MAPS is unset (vLLM then runs as stock). The variant
     is the maps file's kind (identity maps serve identity fill)."""
-    from ridgefill.runtime.artifacts import read_meta
+    from ridgefill.method.maps import read_maps_meta
     from ridgefill.runtime.paths import is_sha256
 
     maps = env.get(ENV["maps"], "").strip()
@@ -70,7 +69,7 @@ def fill_from_env(env: Mapping[str, str] = os.environ) -> FillSettings | None:
     if pinned is not None and not is_sha256(pinned):
         raise RidgefillError(f"{ENV['maps_sha256']}={repr(pinned)[:80]} is not a whole sha256 (64 hex digits): set "
                              "it to the maps file's full sha256, or leave it unset")
-    meta = read_meta(maps, "maps")
+    meta = read_maps_meta(maps)
     refuse_windowed(0, maps, meta)
     variant = meta.get("kind") if meta.get("kind") in ("identity", "mean") else "ridge"
     numbers = {n: env_number(env, FIELD[n]) for n in ENV if FIELD[n].kind in (int, float)}
@@ -80,10 +79,10 @@ def fill_from_env(env: Mapping[str, str] = os.environ) -> FillSettings | None:
 def refuse_windowed(window: int, maps, meta: dict | None = None) -> None:
     """The vLLM plugin serves filled rows with full attention below the split: a window, asked or carried by the
     maps, is refused in one line."""
-    from ridgefill.runtime.artifacts import read_meta
+    from ridgefill.method.maps import read_maps_meta
 
     if meta is None and maps is not None:
-        meta = read_meta(maps, "maps")
+        meta = read_maps_meta(maps)
     stored = (meta or {}).get("filled_window")
     if window or stored:
         size = window or stored["size"]
@@ -94,10 +93,10 @@ def refuse_windowed(window: int, maps, meta: dict | None = None) -> None:
 
 def mean_maps(maps: Path, out: Path, sha256: str | None = None) -> Path:
     """Write the mean control of `maps` (their calibration means as a mean maps file, for the vLLM plugin) to `out`."""
-    from ridgefill.method.maps import calibration_means
-    from ridgefill.runtime.artifacts import load_private, save_artifact
+    from ridgefill.method.maps import calibration_means, load_maps
+    from ridgefill.runtime.artifacts import save_artifact
 
-    tensors, meta, _ = load_private(maps, "maps", sha256)
+    tensors, meta, _ = load_maps(maps, sha256)
     bias = calibration_means(maps, tensors, meta)
     keep = {k: meta[k] for k in ("model", "split", "n_layers", "data", "tokens", "seq_len") if k in meta}
     save_artifact(out, {"bias": bias}, {**keep, "artifact": "maps", "kind": "mean", "layers": [],
