@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bad_input_kit import (BASES, BINARY, CAL, CALIBRATION_DATA_EMPTY, Case, EMPTY, EVALUATION_DATA_EMPTY, FIT, GEN,
-                           KS, LATIN1, LATIN1_JSONL, LB, LM_EVAL, LOSS, MAPS_CORRUPT, NESTED, NOT_AN_OBJECT, NOT_JSON,
-                           RECIPE, REPORT, RULER, RUN, SERVE, SPLICE, STATS_CORRUPT, TTFT, TUNE, changed_tensor, cmd,
-                           copy_of, cut, data_cases, first_set, maps_cases, maps_with, model_folder,
-                           partial_of_this_code, result_with, serving, with_key_scale, without)
+from bad_input_kit import (BASES, BINARY, CAL, CALIBRATION_DATA_EMPTY, CONVERT, Case, EMPTY, EVALUATION_DATA_EMPTY,
+                           FIT, GEN, KS, LATIN1, LATIN1_JSONL, LB, LM_EVAL, LOSS, MAPS_CORRUPT, NESTED, NOT_AN_OBJECT,
+                           NOT_JSON, RECIPE, REPORT, RULER, RUN, SERVE, SPLICE, STATS_CORRUPT, TTFT, TUNE,
+                           changed_tensor, cmd, copy_of, cut, data_cases, first_set, gguf_maps, lookback_maps,
+                           maps_cases, maps_with, model_folder, one_layer_more, partial_of_this_code, result_with,
+                           serving, with_key_scale, without)
 
 
 CASES: list[Case] = [
@@ -530,10 +531,59 @@ CASES: list[Case] = [
     Case("window-serve-serving-config", cmd(SERVE, maps=None, serving_config="{in}/s.json"),
          {"s.json": serving(variant="identity", maps=None, split=3, filled_window=64)},
          match="--filled-window is not supported with --engine vllm: drop it"),
+    # --- issue 57: maps as a GGUF adapter (checkpoint A: a llama of 6 layers, width 64, 2 KV heads) ---
+    Case("gguf-generate-maps-is-a-model", cmd(GEN, maps="{in}/m.gguf"),
+         {"m.gguf": gguf_maps(keys={"general.type": "model"}, drop=("adapter.type",))},
+         match="{in}/m.gguf is not a ridgefill maps file (found: a GGUF model of architecture llama)"),
+    Case("gguf-generate-maps-is-a-lora", cmd(GEN, maps="{in}/m.gguf"),
+         {"m.gguf": gguf_maps(keys={"adapter.type": "lora"})},
+         match="{in}/m.gguf is not a ridgefill maps file (found: a lora adapter)"),
+    Case("gguf-generate-maps-other-architecture", cmd(GEN, maps="{in}/m.gguf"), {"m.gguf": gguf_maps(arch="qwen2")},
+         match="{in}/m.gguf holds maps for a qwen2 model, this model is llama: fit maps for this model"),
+    Case("gguf-loss-maps-other-width", cmd(LOSS, maps="{in}/m.gguf"),
+         {"m.gguf": gguf_maps(keys={"ridgefill.embedding_length": 128})},
+         match="{in}/m.gguf holds maps for a model of width 128, this model's is 64"),
+    Case("gguf-ruler-maps-other-kv-heads", cmd(RULER, maps="{in}/m.gguf"),
+         {"m.gguf": gguf_maps(keys={"ridgefill.attention.head_count_kv": 4})},
+         match="{in}/m.gguf holds maps for a model with 4 KV heads, this model has 2"),
+    Case("gguf-generate-maps-other-layer-count", cmd(GEN, maps="{in}/m.gguf"),
+         {"m.gguf": gguf_maps(one_layer_more)},
+         match="{in}/m.gguf holds maps for a 7-layer model, this model has 6 layers"),
+    Case("gguf-generate-maps-other-model", cmd(GEN, model="{B}", maps="{in}/m.gguf"), {"m.gguf": gguf_maps()},
+         match="{in}/m.gguf was fitted for another model"),
+    Case("gguf-bench-ttft-maps-truncated", cmd(TTFT, maps="{in}/m.gguf"),
+         {"m.gguf": lambda found: gguf_maps()(found)[:-100]},
+         match="cannot read maps file {in}/m.gguf: it is corrupted or truncated"),
+    Case("gguf-generate-maps-layer-missing", cmd(GEN, maps="{in}/m.gguf"),
+         {"m.gguf": gguf_maps(drop=("blk.5.ridgefill.weight",))},
+         match="{in}/m.gguf has weight for layers [4], not [4, 5] (split 3 of 6 layers)"),
+    Case("gguf-generate-maps-newer-format", cmd(GEN, maps="{in}/m.gguf"),
+         {"m.gguf": gguf_maps(keys={"ridgefill.format_version": 2})},
+         match="is a ridgefill adapter of format 2, which this ridgefill (format 1) cannot read"),
+    Case("gguf-fit-type-unknown", cmd(FIT, out="{out}/maps.gguf", gguf_type="q8_0"),
+         match="unknown --gguf-type 'q8_0': use f16 or f32"),
+    Case("gguf-fit-type-for-safetensors", cmd(FIT, gguf_type="f32"),
+         match="--gguf-type sets the type of a .gguf --out, and {out}/maps.safetensors is safetensors"),
+    Case("gguf-convert-maps-missing", cmd(CONVERT, maps="{in}/missing.safetensors"),
+         match="maps file {in}/missing.safetensors does not exist"),
+    Case("gguf-convert-maps-is-stats", cmd(CONVERT, maps="{stats}"),
+         match="{stats} is not a ridgefill maps file (found: stats)"),
+    Case("gguf-convert-maps-out-is-the-input", cmd(CONVERT, out="{maps}"),
+         match="--out {maps} is the file --maps reads"),
+    Case("gguf-convert-maps-model-not-the-maps", cmd(CONVERT, model="{B}"),
+         match="not written: {B} is not the model the maps were fitted for"),
+    Case("gguf-convert-maps-model-missing", cmd(CONVERT, model="{in}/no-model"),
+         match="the model the maps were fitted for cannot be read at {in}/no-model"),
+    Case("gguf-convert-maps-lookback", cmd(CONVERT, maps="{in}/m.safetensors"), {"m.safetensors": lookback_maps()},
+         match="not written: maps with lookback have no llama.cpp form"),
+    Case("gguf-convert-maps-past-f16", cmd(CONVERT, maps="{in}/m.safetensors"),
+         {"m.safetensors": changed_tensor("maps", "weight", lambda t: t * 1e6)},
+         match="weight holds a NaN or an infinity as fp16: write them as f32 (--gguf-type f32)"),
 ]
 
 # a few cases again in a subprocess, through `python -m ridgefill`
 END_TO_END = ["fit-stats-truncated-data", "generate-prompt-file-binary", "loss-maps-other-model",
-              "serve-maps-other-model", "run-recipe-unknown-step", "report-manifest-not-an-object"]
+              "serve-maps-other-model", "run-recipe-unknown-step", "report-manifest-not-an-object",
+              "gguf-generate-maps-other-architecture"]
 
 

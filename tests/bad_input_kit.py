@@ -250,10 +250,11 @@ TTFT = ["bench-ttft", "--model", "{A}", "--maps", "{maps}", "--lengths", "32", "
         "--data", "random", "--tail", "8", "--out", "{out}/ttft.json"]
 KS = ["key-scale", "--model", "{A}", "--maps", "{maps}", "--data", "{text}", "--tokens", "256", "--seq-len", "128",
       "--out", "{out}/maps-ks.safetensors"]
+CONVERT = ["convert-maps", "--maps", "{maps}", "--out", "{out}/maps.gguf"]
 RUN = ["run", "{in}/recipe.toml", "--out-dir", "{out}/run"]
 REPORT = ["report", "{in}/results"]
 BASES = {"calibrate": CAL, "fit": FIT, "generate": GEN, "ruler": RULER, "loss": LOSS, "splice": SPLICE,
-         "longbench": LB, "bench-ttft": TTFT, "key-scale": KS}
+         "longbench": LB, "bench-ttft": TTFT, "key-scale": KS, "convert-maps": CONVERT}
 
 def data_cases(name: str, base: list[str], empty: str) -> list[Case]:
     """--data of the text commands (calibrate, key-scale, loss, splice): missing, a folder of no text, empty (`empty`:
@@ -362,3 +363,24 @@ def gguf_maps(edit: Callable[[dict, dict], None] | None = None, model: str | Non
             return gguf_rewritten(path, **rewrite) if rewrite else path.read_bytes()
 
     return written
+
+
+def one_layer_more(tensors: dict, meta: dict) -> None:
+    """An edit of gguf_maps: the maps of a 7-layer model like checkpoint A (the last map repeated)."""
+    import torch
+
+    for name, t in tensors.items():
+        tensors[name] = torch.cat([t, t[-1:]])
+    meta.update(n_layers=7, model={**meta["model"], "family": "llama", "hidden_size": 64, "kv_heads": 2})
+
+
+def lookback_maps() -> Callable[[Inputs], bytes]:
+    """The fixture's maps as lookback-1 maps (zero weights on the row before), shaped as their metadata says."""
+
+    def edit(tensors: dict, meta: dict) -> None:
+        import torch
+
+        tensors["weight"] = torch.cat([tensors["weight"], torch.zeros_like(tensors["weight"])], dim=1)
+        meta.update(lookback=1, lookback_start=1)
+
+    return rewritten("maps", edit)

@@ -135,7 +135,7 @@ def test_cases_cover_every_command_and_ids_are_unique():
     assert set(END_TO_END) <= {c.id for c in CASES}
     commands = {c.args[0] for c in CASES}
     assert commands >= {"calibrate", "fit", "key-scale", "generate", "serve", "ruler", "loss", "splice", "longbench",
-                        "bench-ttft",
+                        "bench-ttft", "convert-maps",
                         "run", "report"}
 
 
