@@ -2,8 +2,9 @@
 embedded SmolLM2 from the serving config `ridgefill tune` wrote, serve's defaults otherwise (compiled, prefix caching
 on), its API key in VLLM_API_KEY, its stderr a pipe read up to serve's line and never again. Its tests
 (tests/backends/vllm/test_vllm_server.py, then the conformance suite's vLLM cases, tests/serve/conformance) share one
-pytest-xdist group, `vllm-server` (conftest.py), so the server starts once; the conformance suite's last test stops
-it with SIGTERM."""
+pytest-xdist group, `vllm-server` (conftest.py), so the server starts once; the conformance suite's last vLLM test
+stops it with SIGTERM, and a test that runs after that (the order within a group follows the command line) gets a new
+one (`Servers.get`)."""
 
 from __future__ import annotations
 
@@ -96,8 +97,24 @@ def stop(proc: subprocess.Popen) -> None:
                 pass
 
 
-@pytest.fixture(scope="session")
-def vllm_server(smollm2_tuned, tmp_path_factory):
+class Servers:
+    """The session's vLLM server: `get()` gives the running one, or starts one (the first time, or after a test
+    stopped it)."""
+
+    def __init__(self, smollm2_tuned, tmp_path_factory) -> None:
+        self.tuned, self.tmp_path_factory, self.server = smollm2_tuned, tmp_path_factory, None
+
+    def get(self) -> Server:
+        if self.server is None or self.server.proc.poll() is not None:
+            self.server = start(*self.tuned, self.tmp_path_factory.mktemp("server"))
+        return self.server
+
+    def close(self) -> None:
+        if self.server is not None:
+            stop(self.server.proc)
+
+
+def start(folder: Path, config: Path, root: Path) -> Server:
     """`ridgefill serve --model smollm2-135m --serving-config S --port P`, S the serving config `ridgefill tune` wrote
     (ridge, split 15, tail 64): nothing else, no KV cache setting in the environment either (serve's defaults must
     start on this machine), and an API key in VLLM_API_KEY. Where vLLM is installed and the plugin's entry point is
@@ -108,8 +125,6 @@ def vllm_server(smollm2_tuned, tmp_path_factory):
 
     assert vserving.plugin_installed(), ("ridgefill's vllm.general_plugins entry point is not installed beside vLLM: "
                                          "reinstall ridgefill (pip install -e '.[vllm]')")
-    folder, config = smollm2_tuned
-    root = tmp_path_factory.mktemp("server")
     port, log = free_port(), root / "vllm.log"
     env = {k: v for k, v in os.environ.items() if k not in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_PLUGINS")}
     key = secrets.token_hex(16)
@@ -125,6 +140,17 @@ def vllm_server(smollm2_tuned, tmp_path_factory):
         wait_until_up(proc, f"{base}/health", log)
         reader.join(30)  # serve prints its line just after vLLM answers
         assert stderr and stderr[-1].startswith("ridgefill serve: "), "".join(stderr)[-3000:] + tail(log)
-        yield Server(proc, base, log, stderr[-1], load_serving(config).fill.maps, folder, key, config)
-    finally:
+    except BaseException:
         stop(proc)
+        raise
+    return Server(proc, base, log, stderr[-1], load_serving(config).fill.maps, folder, key, config)
+
+
+@pytest.fixture(scope="session")
+def vllm_server(smollm2_tuned, tmp_path_factory):
+    """The session's vLLM server (Servers: `.get()`), stopped at the end."""
+    servers = Servers(smollm2_tuned, tmp_path_factory)
+    try:
+        yield servers
+    finally:
+        servers.close()

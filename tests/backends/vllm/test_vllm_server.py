@@ -54,9 +54,8 @@ def exact_logprobs(folder: Path, prompt: list[int], tokens: list[int]) -> tuple[
 # --- one server from tune's serving config (SmolLM2, split 15, tail 64): tests/served_vllm.py's, for the session --
 @pytest.fixture
 def server(vllm_server):
-    """The session's vLLM server (tests/served_vllm.py), shared with the conformance suite (tests/serve/conformance),
-    which stops it last."""
-    return vllm_server
+    """The session's vLLM server (tests/served_vllm.py), shared with the conformance suite (tests/serve/conformance)."""
+    return vllm_server.get()
 
 
 def complete(server: Server, prompt, **options) -> tuple[int, dict]:

@@ -185,7 +185,7 @@ LLAMACPP = Kind(
 # --- vLLM --------------------------------------------------------------------------------------------------------
 def start_vllm(request, tmp_path_factory) -> Served:
     pytest.importorskip("vllm")
-    server = request.getfixturevalue("vllm_server")  # tests/served_vllm.py: the session's, shared
+    server = request.getfixturevalue("vllm_server").get()  # tests/served_vllm.py: the session's, shared
     return Served(VLLM, server.proc, server.base, server.key, server.log, "smollm2-135m",
                   ["--engine", "vllm", "--model", "smollm2-135m", "--serving-config", str(server.config)])
 
