@@ -26,7 +26,9 @@ import json
 import os
 import re
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -213,22 +215,15 @@ def read_meta(path) -> dict:
     return _parse(path, str(path), with_tensors=False)[1]
 
 
-class _private_file:
-    """An anonymous file holding `data` (memory, no name: nobody else can change it), for gguf's reader, which maps
-    a file."""
-
-    def __init__(self, data: bytes) -> None:
-        self.data = data
-
-    def __enter__(self):
-        fd = os.memfd_create("ridgefill-maps") if hasattr(os, "memfd_create") else None
-        self.file = os.fdopen(fd, "w+b") if fd is not None else tempfile.TemporaryFile()
-        self.file.write(self.data)
-        self.file.flush()
-        return self.file
-
-    def __exit__(self, *exc) -> None:
-        self.file.close()
+@contextmanager
+def _private_file(data: bytes) -> Iterator:
+    """An open anonymous file holding `data` (memory where the system has memfd, else an unlinked temporary file: no
+    name, so nobody else can change it), for gguf's reader, which maps a file."""
+    fd = os.memfd_create("ridgefill-maps") if hasattr(os, "memfd_create") else None
+    with os.fdopen(fd, "w+b") if fd is not None else tempfile.TemporaryFile() as f:
+        f.write(data)
+        f.flush()
+        yield f
 
 
 def _parse(path, source, with_tensors: bool) -> tuple[dict[str, torch.Tensor], dict]:
