@@ -239,3 +239,18 @@ def test_check_for_model_without_the_models_facts_checks_the_fingerprint_alone(f
     meta = read_maps_meta(files["f16"])
     check_for_model(files["f16"], meta, {"weights_hash": info["weights_hash"]}, 3)  # as vLLM's check passes it
     _refused("was fitted for another model", check_for_model, files["f16"], meta, {"weights_hash": "other"})
+
+
+def test_every_fill_plans_from_gguf_maps_as_from_safetensors(fitted, tiny_checkpoint):
+    from ridgefill.method.fill import FillSettings, read_kind
+    from ridgefill.runtime.session import model_facts
+
+    files, _ = fitted
+    model = model_facts(str(tiny_checkpoint))
+    x = torch.randn(1, 6, model.shape.hidden, generator=torch.Generator().manual_seed(1))
+    for variant in ("ridge", "identity", "mean"):
+        plans = {k: FillSettings(variant, maps=files[k], tail=4).plan(model) for k in ("safetensors", "f32")}
+        (want, meta_st), (got, meta) = plans["safetensors"], plans["f32"]
+        assert meta["split"] == meta_st["split"] == 3 and meta["sha256"] == file_sha256(files["f32"])
+        assert torch.equal(got.filler.late_inputs(x, torch.arange(6)), want.filler.late_inputs(x, torch.arange(6)))
+    assert read_kind(files["f16"]) == "ridge" and FillSettings("ridge", maps=files["f16"]).window(3) is None
