@@ -126,8 +126,8 @@ def write(path, tensors: dict[str, torch.Tensor], meta: dict, gguf_type: str | N
 
 def model_facts(path, fitted: dict, n_layers: int | None, where: str | None = None) -> dict:
     """The maps' model record (id, weights_hash) with the family, width, KV heads and layers an adapter records:
-    as stored (maps written by this ridgefill's fit), else read from the model (runtime/models.model_identity, no
-    weights loaded) at `where` or at the id it was fitted as, which must be that model (its fingerprint)."""
+    as the metadata holds them (maps read from an adapter), else read from the model (runtime/models.model_identity,
+    its config, no weights) at `where` or at the id it was fitted as, which must be that model (its fingerprint)."""
     if all(fitted.get(k) is not None for k in ("family", "hidden_size", "kv_heads")):
         return fitted
     from ridgefill.runtime.models import model_identity
