@@ -67,7 +67,7 @@ def test_serve_runs_the_vllm_server_with_the_fill_and_hands_on_undeclared_option
     folder = str(tiny_checkpoint)
     kv = 3 * 256 * 2 * 6 * 2 * 16 * 4  # 3 requests of 256 tokens, K and V of 6 layers x 2 KV heads x 16, fp32
     assert vllm_ok["argv"] == [
-        sys.executable, "-m", vserving.VLLM_SERVER, "--model", folder, "--served-model-name", folder,
+        sys.executable, "-m", vserving.VLLM_SERVER, "--model", folder, "--served-model-name", "llama",
         "--host", "127.0.0.1", "--port", "8123", "--dtype", "float32", "--middleware", serve.GUARD,
         "--kv-cache-memory-bytes", str(kv),
         "--max-model-len", "256", "-tp", "1", "--max_num_seqs=4", "--seed", "3", "--no-enable-log-requests"]

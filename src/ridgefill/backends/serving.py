@@ -33,7 +33,9 @@ LOG_LIMIT = 32 << 20  # bytes of a server's log in one file: past it the file mo
 PYTHON_ERROR = re.compile(r"^(?:\([^)]*\)\s*)?(?:\S+\s+){0,6}?([A-Za-z_][\w.]*(?:Error|Exception|Exit)): (.+)$")
 UVICORN_ERROR = re.compile(r"^ERROR:\s+(.+)$")  # uvicorn's own error lines (a port taken at bind time)
 UVICORN_UP = b"Application startup complete"  # uvicorn's line once the server accepts requests
-PORT_FIX = (re.compile(r"address already in use|attempting to bind", re.I), "pick another --port, or stop what uses it")
+# a port taken after serve's check, at the server's own bind ({port}: the port it was to listen on)
+PORT_FIX = (re.compile(r"address already in use|attempting to bind", re.I),
+            "port {port} is taken: pick another --port, or stop what uses it")
 
 
 @dataclass(frozen=True)
@@ -145,6 +147,17 @@ def check_request_args(extra: Mapping | None) -> None:
         if not ok(value, LARGEST):
             shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
             raise ValueError(f"{key}={shown} is not valid: give an integer in {least}..{LARGEST} ({what})")
+
+
+# --- the name a server answers under ---------------------------------------------------------------------------
+def served_name(model: str) -> str:
+    """The name a server answers under (each response's `model`, /v1/models): serve's --model when it names a model
+    (an alias, a Hub id), the name of the file (without .gguf) or folder when it is a local path: a response never
+    shows a path of this machine."""
+    path = Path(model).expanduser()
+    if not (model.startswith(("/", ".", "~")) or model.endswith(".gguf") or path.exists()):
+        return model
+    return path.resolve().name.removesuffix(".gguf")
 
 
 # --- where the server answers --------------------------------------------------------------------------------

@@ -83,7 +83,7 @@ class BenchServeConfig(ServedFill):
 
 
 def run(c: BenchServeConfig) -> dict:
-    from ridgefill.backends.serving import free_port
+    from ridgefill.backends.serving import free_port, served_name
     from ridgefill.runtime.models import model_folder
     from ridgefill.serve.log import log_folder
     from ridgefill.serve.process import running
@@ -112,13 +112,12 @@ def run(c: BenchServeConfig) -> dict:
         for variant in VARIANTS:
             note(f"bench-serve: {variant}: starting the server (log: {plans[variant].log})")
             with running(plans[variant]):
-                base = plans[variant].health.removesuffix("/health")
-                server.drive(base, c.model, tokenizer, [warm_up], math.inf, c.output_tokens, c.seed, c.time_limit,
-                      salt="warm-up")  # one untimed request: the first filled step's one-time costs
+                base, name = plans[variant].health.removesuffix("/health"), served_name(c.model)
+                server.drive(base, name, tokenizer, [warm_up], math.inf, c.output_tokens, c.seed, c.time_limit,
+                             salt="warm-up")  # one untimed request: the first filled step's one-time costs
                 for rate in c.rate_values():
                     note(f"bench-serve: {variant} at {rate:g} requests/s ({c.requests} requests)")
-                    outputs = server.drive(base, c.model, tokenizer, prompts, rate, c.output_tokens, c.seed,
-                                            c.time_limit)
+                    outputs = server.drive(base, name, tokenizer, prompts, rate, c.output_tokens, c.seed, c.time_limit)
                     per_request[(variant, rate)] = outputs
                     results.append(summary(variant, rate, outputs, c.slo_ttft, c.seed))
     ratios = [ttft_ratio(rate, per_request[("exact", rate)], per_request[("ridge", rate)], c.seed)

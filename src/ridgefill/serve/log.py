@@ -241,7 +241,7 @@ class Relay(threading.Thread):
         self.echo.start()
         self._live.set()
 
-    def finish(self, timeout: float = 5.0) -> None:
+    def finish(self, timeout: float = 1.0) -> None:
         """After the child ended: let the echo write what waits (and the count of dropped lines), for at most
         `timeout` seconds (a stderr nobody reads never takes them)."""
         self.join()

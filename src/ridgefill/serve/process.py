@@ -56,7 +56,7 @@ def launch(plan: Launch) -> int:
         relay.finish()
     code = code if code >= 0 else 128 - code
     if not up and not signalled:
-        raise RidgefillError(startup_error(read_log(plan.log), code, plan.log, plan.dialect))
+        raise RidgefillError(startup_error(read_log(plan.log), code, plan.log, plan.dialect, port_of(plan)))
     return code
 
 
@@ -84,7 +84,7 @@ def running(plan: Launch):
         if not (wait_until_up(child, plan.health, relay) and check_plugin(plan, child)):
             code = child.wait()
             relay.join()
-            raise RidgefillError(startup_error(read_log(plan.log), code, plan.log, plan.dialect))
+            raise RidgefillError(startup_error(read_log(plan.log), code, plan.log, plan.dialect, port_of(plan)))
         yield child
     finally:
         if child.poll() is None:
@@ -198,9 +198,16 @@ def root_errors(log: str, dialect: LogDialect = LogDialect()) -> list[tuple[str,
     return errors
 
 
-def startup_error(log: str, code: int, path: Path, dialect: LogDialect = LogDialect()) -> str:
+def port_of(plan: Launch) -> int | None:
+    """The port the server was to listen on (its health URL's)."""
+    from urllib.parse import urlparse
+
+    return urlparse(plan.health).port
+
+
+def startup_error(log: str, code: int, path: Path, dialect: LogDialect = LogDialect(), port: int | None = None) -> str:
     """One line for a server that ended before it was up: the root error in its log (RidgeFill's own refusal as it
-    is), the fix where the engine's dialect knows it, and where the whole log is."""
+    is), the fix where the engine's dialect knows it (`port` named in it), and where the whole log is."""
     errors = root_errors(log, dialect)
     ours = [message for kind, message in errors if kind.endswith("RidgefillError")]
     if ours:
@@ -209,6 +216,7 @@ def startup_error(log: str, code: int, path: Path, dialect: LogDialect = LogDial
         return f"the server exited with code {code} before it answered: see its log, {path}"
     kind, message = next(((k, m) for k, m in errors if any(p.search(m) for p, _ in dialect.fixes)), errors[0])
     fix = next((f for pattern, f in dialect.fixes if pattern.search(message)), "see the log")
+    fix = fix.format(port=port if port is not None else "?")
     what = f"{kind.rsplit('.', 1)[-1]}: " if kind != "error" else ""
     return f"the server could not start ({what}{_short(message)}): {fix} (the server's log: {path})"
 

@@ -105,7 +105,7 @@ def start(args: list[str], root: Path, key: str, env: dict | None = None, name: 
     if not lines or not lines[-1].startswith("ridgefill serve: "):
         stop(proc)
         raise AssertionError(f"serve did not come up ({proc.poll()}):\n{''.join(lines)[-3000:]}\n{tail(log)}")
-    from ridgefill.backends.llamacpp.requests import served_name
+    from ridgefill.backends.serving import served_name
 
     model = args[args.index("--model") + 1]
     return Served(proc, f"http://127.0.0.1:{port}", key, log, lines[-1], name or served_name(model))

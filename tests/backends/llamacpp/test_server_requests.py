@@ -85,10 +85,15 @@ def test_a_good_body_gets_no_repeat_penalty_and_the_served_name_unless_it_says_o
         "ridgefill_tail: this server runs without RidgeFill")
 
 
-def test_the_served_name_is_never_a_path():
-    assert requests.served_name("smollm2-135m") == "smollm2-135m"
-    assert requests.served_name("/models/tiny-llama.gguf") == "tiny-llama"
-    assert requests.served_name("rel/dir/m.gguf") == "m" and requests.served_name("m.gguf") == "m"
+def test_the_served_name_is_never_a_path(tmp_path):
+    from ridgefill.backends.serving import served_name
+
+    assert served_name("smollm2-135m") == "smollm2-135m" and served_name("HuggingFaceTB/SmolLM2-135M") == \
+        "HuggingFaceTB/SmolLM2-135M"  # an alias and a Hub id are names
+    assert served_name("/models/tiny-llama.gguf") == "tiny-llama"
+    assert served_name("rel/dir/m.gguf") == "m" and served_name("m.gguf") == "m"
+    (tmp_path / "llama").mkdir()
+    assert served_name(str(tmp_path / "llama")) == "llama" and served_name(f"{tmp_path}/llama/") == "llama"
 
 
 # --- admission -----------------------------------------------------------------------------------------------------

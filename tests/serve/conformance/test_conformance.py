@@ -347,7 +347,8 @@ def test_a_port_taken_at_bind_time_is_named_as_the_reason(kind, tmp_path):
         stop(proc)
     assert proc.returncode == 2, err
     line = err.strip().splitlines()[-1]
-    assert line.startswith("error: ") and "already in use" in line.lower() and "--port" in line, err
+    assert line.startswith("error: ") and "already in use" in line.lower(), err
+    assert str(port) in line and "pick another --port" in line, err  # the taken port named, and the fix
 
 
 def test_sigterm_exits_within_10_s_with_idle_and_keyless_connections_open(served):

@@ -40,7 +40,7 @@ from ridgefill.backends.llamacpp.admission import (REQUEST, Admission, Queue, Re
                                                     hold_the_model_lock, stop_requested)
 from ridgefill.backends.llamacpp.server import KEY_ENV, model_of
 from ridgefill.backends.counters import FillCounters
-from ridgefill.backends.serving import KEEP_FIRST_ARG, TAIL_ARG
+from ridgefill.backends.serving import KEEP_FIRST_ARG, TAIL_ARG, served_name
 from ridgefill.errors import RidgefillError
 
 GRACE_S = 5  # seconds SIGTERM waits for running requests (each told to stop) before the server closes them
@@ -147,7 +147,7 @@ def build_app(spec: dict, key: str | None, guard: str | None, stock: bool):
 
     server = ServerSettings(host=spec["host"], port=spec["port"], api_key=key, interrupt_requests=False,
                             disable_ping_events=False, root_path="", ssl_keyfile=None, ssl_certfile=None)
-    name = requests.served_name(spec["name"])
+    name = served_name(spec["name"])
     models = [ModelSettings(model=spec["gguf"], model_alias=name)]
     lapp.set_llama_proxy = lambda model_settings: setattr(lapp, "_llama_proxy", Proxy(models=model_settings))
     app = lapp.create_app(server_settings=server, model_settings=models)

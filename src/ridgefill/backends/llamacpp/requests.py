@@ -212,13 +212,3 @@ def schema_error(request, model: Model) -> str | None:
         if error:
             return f"{where} gives a grammar llama.cpp cannot use ({error}): send a simpler JSON schema"
     return None
-
-
-def served_name(model: str) -> str:
-    """The name the server answers under (`model` in each response, /v1/models): serve's --model when it is a name,
-    the file's stem when it is a path (a response never shows a local path)."""
-    from pathlib import PurePath
-
-    if "/" in model or "\\" in model or model.endswith(".gguf"):
-        return PurePath(model).stem
-    return model

@@ -22,7 +22,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from ridgefill.backends.counters import MARKER
-from ridgefill.backends.serving import PORT_FIX, GuardDialect, Launch, LogDialect, Server, health_url
+from ridgefill.backends.serving import (PORT_FIX, GuardDialect, Launch, LogDialect, Server, health_url,
+                                       served_name)
 from ridgefill.backends.vllm.args import (API_KEY, API_KEY_ENV, option_flag, option_name, refuse_abbreviations,
                                           split_api_key)
 from ridgefill.backends.vllm.config import (PREFIX_CACHING_HYBRID, VLLM_DTYPES, VLLM_PIN, check_dev_mode, check_fill,
@@ -140,11 +141,11 @@ def check_vllm(environ=os.environ) -> str:
 def vllm_command(c, folder: str, extra: list[str] = (), middleware: str | None = None) -> list[str]:
     """The vLLM server's command line: the model folder, serve's settings, `extra` (the KV cache's size), then every
     argument of the user's (last, so vLLM reads them after serve's). The model is served under the name --model gave
-    unless they name it. `middleware`: the front's request guard (its class's import path), mounted with --middleware.
+    unless they name it (a folder by its name: backends/serving.served_name). `middleware`: the front's request guard (its class's import path), mounted with --middleware.
 An API key is not among them: it goes by the environment (VllmServer.launch)."""
     args = split_api_key(c.server_args)[0]
     named = {option_name(a) for a in args}
-    name = [] if "--served-model-name" in named else ["--served-model-name", c.model]
+    name = [] if "--served-model-name" in named else ["--served-model-name", served_name(c.model)]
     caching = [] if served_prefix_caching(read_model_config(folder)) else ["--no-enable-prefix-caching"]
     return [sys.executable, "-m", VLLM_SERVER, "--model", folder, *name, "--host", c.host, "--port", str(c.port),
             "--dtype", DTYPES[c.dtype], *(["--middleware", middleware] if middleware else []),
