@@ -72,7 +72,7 @@ def test_loss_agrees_with_torchfill(tiny_ggufs, long_docs, tmp_path):
         assert r.exit_code == 0, r.output
         docs[engine] = json.loads(out.read_text())
     for variant in ("exact", "identity"):
-        ours, theirs = docs["llamacpp"]["results"][variant], docs["ridgefill"]["results"][variant]
+        ours, theirs = docs["llamacpp"]["results"][variant], docs["torchfill"]["results"][variant]
         assert ours["tail_tokens"] == theirs["tail_tokens"]
         assert ours["tail_nll"] == pytest.approx(theirs["tail_nll"], abs=2e-3)
     assert docs["llamacpp"]["results"]["identity"]["tail_nll"] != docs["llamacpp"]["results"]["exact"]["tail_nll"]
