@@ -1,5 +1,6 @@
-"""Maps as a GGUF adapter in `--engine llamacpp`: `generate` with the .gguf maps gives the tokens it gives with the
-safetensors maps (F32; F16 measured, not required), and an adapter for another architecture is one line."""
+"""Maps as a GGUF adapter in `--engine llamacpp`: `generate` and `serve` with the .gguf maps give the tokens they give
+with the safetensors maps (F32; F16's tokens may part at a near tie: docs/llamacpp.md), and an adapter for another
+architecture is one line."""
 
 from __future__ import annotations
 
@@ -62,3 +63,26 @@ def test_an_adapter_for_another_architecture_is_refused(tiny_ggufs, tmp_path, mo
                         "mat", "--tail", "1", "--maps", str(tmp_path / "maps.gguf")], monkeypatch, capfd)
     assert err == (f"error: {tmp_path / 'maps.gguf'} holds maps for a llama model, this model is qwen2: fit maps for "
                    "this model (ridgefill calibrate, then ridgefill fit --out maps.gguf)")
+
+
+def test_serve_serves_gguf_maps_as_the_safetensors_maps(tiny_ggufs, tmp_path):
+    """`serve --engine llamacpp --maps maps.gguf` (F32): its greedy answer is `generate`'s with the safetensors maps,
+    and /metrics counts the rows it filled."""
+    import os
+    import secrets
+
+    from served_llamacpp import start, stop
+
+    _, gguf = tiny_ggufs["llama"]
+    maps = perturbed_maps(gguf, tmp_path / "maps.safetensors", split=3)
+    run(["convert-maps", "--maps", str(maps), "--out", str(tmp_path / "maps.gguf"), "--gguf-type", "f32"])
+    want = generate(gguf, maps, PROMPTS[0], tmp_path / "generate.json")
+    server = start(["--model", str(gguf), "--maps", str(tmp_path / "maps.gguf"), "--tail", "6"], tmp_path,
+                   secrets.token_hex(8), {"RIDGEFILL_CACHE": os.environ["RIDGEFILL_CACHE"]})
+    try:
+        got = server.complete(PROMPTS[0], 8)
+        assert got["usage"]["prompt_tokens"] == want["prompt_tokens"]
+        assert got["choices"][0]["text"] == want["text"]
+        assert server.metrics()["ridgefill_filled_tokens_total"] == want["filled_tokens"]
+    finally:
+        stop(server.proc)
