@@ -313,8 +313,8 @@ def maps_cases(name: str, base: list[str]) -> list[Case]:
 def gguf_rewritten(source: Path, keys: dict | None = None, drop: tuple[str, ...] = (), tensors: dict | None = None,
                    arch: str | None = None) -> bytes:
     """The bytes of GGUF file `source` written again with some keys' values replaced (their GGUF type kept; a new
-    key: a string), keys and tensors in `drop` left out and `tensors` (name -> array) added: a file ridgefill's
-    writer would not write."""
+    key: a string), keys and tensors in `drop` left out and `tensors` (name -> array, or (bytes, GGML type)) added: a
+    file ridgefill's writer would not write."""
     import tempfile
 
     import numpy as np
@@ -335,8 +335,9 @@ def gguf_rewritten(source: Path, keys: dict | None = None, drop: tuple[str, ...]
         for t in reader.tensors:
             if t.name not in drop:
                 writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
-        for name, array in (tensors or {}).items():
-            writer.add_tensor(name, array)
+        for name, array in (tensors or {}).items():  # an array, or (its bytes, their GGML type)
+            data, kind = array if isinstance(array, tuple) else (array, None)
+            writer.add_tensor(name, data, raw_dtype=kind)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()

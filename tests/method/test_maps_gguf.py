@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGUFReader, GGUFWriter
+from gguf.constants import GGMLQuantizationType
+from gguf.quants import quantize
 
 from bad_input_kit import gguf_rewritten
 from ridgefill.commands import command
@@ -20,6 +22,7 @@ from ridgefill.runtime.paths import file_sha256
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 FIT, CONVERT = command("fit"), command("convert-maps")
+Q8_0 = GGMLQuantizationType.Q8_0
 KEPT = ("kind", "split", "n_layers", "data", "tokens", "seq_len", "rank", "targets", "errors_on", "layers")
 
 
@@ -206,6 +209,10 @@ def test_an_adapter_for_another_layer_count_or_with_a_layer_missing_is_refused(f
     _refused("has weight for layers \\[4\\], not \\[4, 5\\]", load_maps, gap)
     odd = _written(tmp_path, gguf_rewritten(files["f32"], tensors={"blk.4.ridgefill.extra": np.zeros(4, np.float32)}))
     _refused("holds a tensor blk.4.ridgefill.extra, which is no ridgefill map's", load_maps, odd)
+    q8 = (quantize(np.ones(64, np.float32), Q8_0), Q8_0)
+    quantized = _written(tmp_path, gguf_rewritten(files["f32"], drop=("blk.4.ridgefill.bias",),
+                                                  tensors={"blk.4.ridgefill.bias": q8}))
+    _refused("holds blk.4.ridgefill.bias as Q8_0; ridgefill maps are F16 or F32", load_maps, quantized)
 
 
 def test_maps_llamacpp_cannot_run_are_not_written_as_gguf(fitted, tmp_path):
