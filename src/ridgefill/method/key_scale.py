@@ -43,8 +43,8 @@ class KeyScaleConfig(ModelConfig):
     tokens: int = option(16384, "Tokens of calibration text to run (each sequence twice: exact and filled).")
     seq_len: int = option(1024, "Tokens per sequence.")
     skip_first: int = option(1, "Leading rows of each sequence that run in full and are not counted (sinks).")
-    out: Path = option(REQUIRED, "Maps file (.safetensors) to write: the same maps with the key scale; a JSON "
-                       "summary goes beside it.", role="output")
+    out: Path = option(REQUIRED, "Maps file to write (.safetensors, or .gguf: a GGUF adapter, F16): the same maps "
+                       "with the key scale; a JSON summary goes beside it.", role="output")
 
     def check(self) -> None:
         if self.tokens < 1 or self.seq_len < 2:
