@@ -176,6 +176,8 @@ def test_a_gguf_that_is_no_ridgefill_adapter_is_refused(fitted, tmp_path):
     _refused("is not a ridgefill maps file \\(found: a GGUF model of architecture llama\\)", load_maps, model)
     lora = _written(tmp_path, gguf_rewritten(files["f32"], {"adapter.type": "lora"}))
     _refused("is not a ridgefill maps file \\(found: a lora adapter\\)", load_filler, lora, info)
+    no_split = _written(tmp_path, gguf_rewritten(files["f32"], drop=("ridgefill.split",)))
+    _refused("has no valid ridgefill.split and ridgefill.block_count \\(found None, 6\\)", load_maps, no_split)
     newer = _written(tmp_path, gguf_rewritten(files["f32"], {"ridgefill.format_version": 9}))
     _refused("of format 9, which this ridgefill \\(format 1\\) cannot read", read_maps_meta, newer)
     cut = _written(tmp_path, files["f32"].read_bytes()[:-100])

@@ -297,6 +297,9 @@ def _stacked(path, found: dict[str, torch.Tensor], meta: dict) -> dict[str, torc
     """The safetensors maps' stacked tensors of an adapter's per-layer ones (matrices back to [in, out]): every
     name for every late layer it belongs to, nothing else."""
     split, n_layers = meta["split"], meta["n_layers"]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (split, n_layers)):
+        raise RidgefillError(f"{path} has no valid ridgefill.split and ridgefill.block_count (found {split!r}, "
+                             f"{n_layers!r}): {FIX}")
     by_name: dict[str, dict[int, torch.Tensor]] = {}
     for name, t in found.items():
         match = TENSOR.fullmatch(name)
@@ -305,8 +308,7 @@ def _stacked(path, found: dict[str, torch.Tensor], meta: dict) -> dict[str, torc
         by_name.setdefault(match[2], {})[int(match[1])] = t.T if match[2] in MATRICES else t
     tensors = {}
     for name, layers in by_name.items():
-        want = list(range(split if name == "key_scale" else split + 1, n_layers)) if isinstance(split, int) and \
-            isinstance(n_layers, int) else None
+        want = list(range(split if name == "key_scale" else split + 1, n_layers))
         if sorted(layers) != want:
             raise RidgefillError(f"{path} has {name} for layers {sorted(layers)}, not {want} (split {split} of "
                                  f"{n_layers} layers): {FIX}")
@@ -325,12 +327,11 @@ def check_for_model(path, meta: dict, model_info: dict, n_layers: int | None = N
     found = meta["gguf"]
     arch = LLAMACPP_ARCH.get(model_info.get("family"), model_info.get("family"))
     layers = n_layers or model_info.get("layers")
-    checks = [("architecture", found["architecture"], arch, "a {} model", "this model is {}"),
-              ("layers", meta["n_layers"], layers, "a {}-layer model", "this model has {} layers"),
-              ("width", found["n_embd"], model_info.get("hidden_size"), "a model of width {}", "this model's is {}"),
-              ("KV heads", found["n_head_kv"], model_info.get("kv_heads"), "a model with {} KV heads",
-               "this model has {}")]
-    for _, theirs, ours, fitted, this in checks:
+    checks = [(found["architecture"], arch, "a {} model", "this model is {}"),
+              (meta["n_layers"], layers, "a {}-layer model", "this model has {} layers"),
+              (found["n_embd"], model_info.get("hidden_size"), "a model of width {}", "this model's is {}"),
+              (found["n_head_kv"], model_info.get("kv_heads"), "a model with {} KV heads", "this model has {}")]
+    for theirs, ours, fitted, this in checks:
         if ours is not None and theirs != ours:
             raise RidgefillError(f"{path} holds maps for {fitted.format(theirs)}, {this.format(ours)}: fit maps for "
                                  f"this model (ridgefill calibrate, then ridgefill fit --out maps{SUFFIX})")
