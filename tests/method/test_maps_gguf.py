@@ -263,3 +263,19 @@ def test_every_fill_plans_from_gguf_maps_as_from_safetensors(fitted, tiny_checkp
         assert meta["split"] == meta_st["split"] == 3 and meta["sha256"] == file_sha256(files["f32"])
         assert torch.equal(got.filler.late_inputs(x, torch.arange(6)), want.filler.late_inputs(x, torch.arange(6)))
     assert read_kind(files["f16"]) == "ridge" and FillSettings("ridge", maps=files["f16"]).window(3) is None
+
+
+def test_key_scale_reads_and_writes_gguf_maps(fitted, tiny_fitted, tiny_checkpoint, tmp_path):
+    """`key-scale --maps maps.gguf --out ks.gguf` (F32 maps): the key scale of the safetensors maps, per layer S..L-1
+    in the adapter, the maps themselves unchanged."""
+    files, _ = fitted
+    scaled = {}
+    for name, maps in (("safetensors", files["safetensors"]), ("gguf", files["f32"])):
+        out = tmp_path / f"ks.{name}"
+        command("key-scale")(model=str(tiny_checkpoint), maps=maps, data=str(tiny_fitted.text), tokens=256,
+                             seq_len=128, out=out)
+        scaled[name] = load_maps(out)[0]
+    names = {t.name for t in GGUFReader(tmp_path / "ks.gguf").tensors}
+    assert {f"blk.{l}.ridgefill.key_scale" for l in (3, 4, 5)} <= names
+    assert torch.equal(scaled["gguf"]["key_scale"], scaled["safetensors"]["key_scale"])
+    assert_f16_rounded(scaled["gguf"]["weight"], scaled["safetensors"]["weight"])  # written F16 (the default)

@@ -137,7 +137,7 @@ def run(c: KeyScaleConfig) -> dict:
             "skip_first": c.skip_first, "maps_sha256": digest}
     write_maps(c.out, {**tensors, "key_scale": scale.float()}, {**stored, "key_scale": info},
                fix=f"the maps {c.maps} fill keys the scale cannot reach in fp32: refit them (a larger --lam), then "
-                  "rerun key-scale")
+                   "rerun key-scale", model=c.model)
     attention = [i for i in range(1, len(scale)) if runner.layer_kinds[split + i] == "attention"]
     rows = [[split + i, float(scale[i].min()), float(scale[i].median()), float(scale[i].max()), float(before[i]),
              float(after[i])] for i in attention]
