@@ -157,7 +157,7 @@ def test_every_patch_target_of_the_plugin_is_in_the_installed_vllm_as_expected()
 
     assert vllm.__version__ == VLLM_VERSION
     patches = plugin_patches(None)
-    assert len({p.target for p in patches}) == len(PATCHES) == 4
+    assert len({p.target for p in patches}) == len(PATCHES) == 5
     for patch in patches:
         assert callable(patch.original()) and patch.why and not patch.applied()
 

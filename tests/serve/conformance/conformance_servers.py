@@ -15,7 +15,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -109,7 +109,6 @@ class Kind:
     bound: int  # the requests the server admits at once (serve --concurrency)
     admitted: str | None  # the /metrics gauge of the requests admitted now, where past `bound` the server answers 503
     abandoned_tokens: int  # a prompt this long prefills for seconds on 2 cores
-    known: dict = field(default_factory=dict)  # test -> a defect of this server not fixed yet (a strict xfail)
 
 
 def start_serve(engine: str, args: list[str], root: Path, key: str, env: dict) -> tuple[subprocess.Popen, str, Path]:
@@ -200,8 +199,7 @@ VLLM = Kind(
     options=lambda options: {"vllm_xargs": dict(options)},
     bad_grammar={"structured_outputs": {"grammar": 'root ::= ("a"'}},
     bad_schema={"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"enum": []}}}},
-    bound=2, admitted=None, abandoned_tokens=7000,  # vLLM queues every request: no 503
-    known={"detokenize": "vLLM 0.32 detokenizes ids outside the vocabulary to '' (200): not refused yet"})
+    bound=2, admitted=None, abandoned_tokens=7000)  # vLLM queues every request: no 503
 
 SERVERS = [LLAMACPP, VLLM]  # a later server: one more Kind here
 GROUPS = {"llamacpp": "conformance-llamacpp", "vllm": "vllm-server"}  # pytest-xdist groups: each server starts once

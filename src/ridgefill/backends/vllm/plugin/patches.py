@@ -1,6 +1,7 @@
 """Every vLLM attribute ridgefill's vLLM plugin patches, one checked class each (backends/vllm/plugin/patch.Patch), and the one
 list the plugin applies (`PATCHES`; docs/serving.md lists the surface). The wrappers' bodies live with the code
-they serve: the model runner's in backends/vllm/plugin/runner.py, the prefix cache's in backends/vllm/plugin/prefix.py."""
+they serve: the model runner's in backends/vllm/plugin/runner.py, the prefix cache's in backends/vllm/plugin/prefix.py,
+detokenize's in backends/vllm/plugin/tokens.py."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from ridgefill.backends.vllm.plugin.patch import Patch
 from ridgefill.backends.vllm.config import check_vllm_config
 from ridgefill.backends.vllm.plugin.prefix import cut_cache_hit, salted_request
 from ridgefill.backends.vllm.plugin.runner import model_forward
+from ridgefill.backends.vllm.plugin.tokens import checked_detokenize
 
 
 class EngineConfigPatch(Patch):
@@ -75,7 +77,19 @@ class CacheHitPatch(Patch):
         return get_computed_blocks
 
 
-PATCHES = (EngineConfigPatch, ModelForwardPatch, RequestSaltPatch, CacheHitPatch)
+class DetokenizePatch(Patch):
+    module, owner, attribute = "vllm.entrypoints.serve.tokenize.serving", "ServingTokenization", "create_detokenize"
+    params = ("self", "request", "raw_request")
+    why = "refuses token ids outside the vocabulary with a 400 (vLLM detokenizes them to an empty text)"
+
+    def wrap(self, original):
+        async def create_detokenize(serving, request, raw_request):
+            return await checked_detokenize(original, serving, request, raw_request)
+
+        return create_detokenize
+
+
+PATCHES = (EngineConfigPatch, ModelForwardPatch, RequestSaltPatch, CacheHitPatch, DetokenizePatch)
 
 
 def plugin_patches(fill: FillSettings) -> list[Patch]:

@@ -108,6 +108,10 @@ READS = (
          "a Gated DeltaNet mixer's gated norm and output projection, for the full rows only", ("gdn_output",)),
     Call("vllm.model_executor.layers.utils", None, "dispatch_cpu_unquantized_gemm", ("layer", "remove_weight"),
          "runs the maps as vLLM runs a linear layer on a CPU (its `cpu_linear`)", ("cpu_gemm",)),
+    Read("vllm.entrypoints.serve.engine.serving", "BaseServing", ("model_config", "create_error_response"),
+         "a serving handler's model and its 400 (detokenize's ids checked)", ("vocab_size", "bad_request")),
+    Call("vllm.config.model", "ModelConfig", "get_vocab_size", ("self",), "the model's vocabulary size",
+         ("vocab_size",)),
 )
 
 
@@ -155,6 +159,16 @@ def attention_groups(runner) -> list:
 def runner_config(runner):
     """The runner's VllmConfig."""
     return runner.vllm_config
+
+
+def vocab_size(serving) -> int:
+    """The vocabulary size of the model a serving handler (the API server's) serves."""
+    return serving.model_config.get_vocab_size()
+
+
+def bad_request(serving, message: str):
+    """vLLM's 400 ErrorResponse saying `message`."""
+    return serving.create_error_response(message)
 
 
 def runner_model(runner):
