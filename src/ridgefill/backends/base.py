@@ -168,7 +168,8 @@ class Backend:
     def check_filled(self, name: str, planned: int) -> None:
         """Refuse timings of variant `name` when it filled none of the `planned` rows it should have filled: they
         timed the engine's exact path (a fill that silently did not run: a plugin that did not load)."""
-        check_filled(self.title or self.name, name, self.tally(name).filled_tokens, planned, *self.unfilled_detail(name))
+        filled = self.tally(name).filled_tokens
+        check_filled(self.title or self.name, name, filled, planned, *self.unfilled_detail(name))
 
     def unfilled_detail(self, name: str) -> tuple[str, str]:
         """What the refusal of an unfilled variant adds: what ran instead (" (...)"), and what to check."""

@@ -1,41 +1,33 @@
-"""The request guard: one pure ASGI middleware any server can mount (`ridgefill serve` mounts it in the engine's
-server: vLLM's --middleware), engine-neutral, with no engine's import. It checks the API key before any byte of a
-body is read, bounds the body, and checks RidgeFill's own options of a request (backends/serving.REQUEST_ARGS) in the
-JSON as the client sent it, before the server's request models read it. What differs between servers is the
-engine's `GuardDialect` (backends/serving.py): the body's field that holds a request's engine options (vLLM:
-`vllm_xargs`; none for llama-cpp-python's server, whose requests carry `ridgefill_tail` as a top-level field), the
-environment variable of the server's API key, and the server's own key middleware. The guard
-takes it as `dialect`, else from the engine named by RIDGEFILL_GUARD_ENGINE (`ridgefill serve` sets it), else from
-the engine serve runs by default (backends.SERVING_DEFAULT).
+"""The request guard: one pure ASGI middleware any server can mount (`ridgefill serve` mounts it outermost in the
+engine's server), engine-neutral, with no engine's import. It checks the API key before any byte of a body is read,
+bounds the body, and checks RidgeFill's own options of a request (backends/serving.REQUEST_ARGS) in the JSON as the
+client sent it, before the server's request models read (and may coerce) it: `{"ridgefill_tail": true}` is refused
+like any other non-integer. What differs between servers is the engine's `GuardDialect` (backends/serving.py): the
+body's field that holds a request's engine options ("" where they are top-level fields), the environment variable
+of the server's API key, and the server's own key middleware, whose keys the guard checks. The guard takes it as
+`dialect`, else from the engine named by RIDGEFILL_GUARD_ENGINE (`ridgefill serve` sets it), else from the engine
+serve runs by default (backends.SERVING_DEFAULT).
 
-(Below, for vLLM.) vLLM's admission check (backends/vllm/plugin/admission.py) sees `vllm_xargs` after pydantic has
-coerced it: a JSON `true` has become the integer 1 there. This middleware reads the body of every request that may
-carry one and answers 400 in vLLM's error format for a bad `ridgefill_*` key (serving.check_request_args on the
-values as the client wrote them, escapes decoded), so `{"ridgefill_tail": true}` is refused like any other
-non-integer.
-
-vLLM adds its --middleware classes last, and Starlette runs the last one added first: this check runs before vLLM's
-API-key check. So it authenticates first itself, with vLLM's keys, status and body, but stricter than vLLM 0.32's
-AuthenticationMiddleware: vLLM guards four path prefixes (/v1, /v2, /inference, /cohere) and leaves every other
-route open, /invocations (SageMaker's: full chat and completion generation) among them; here every path needs the
-key except those in OPEN, with every method (CORS preflights included: a browser's cross-origin client needs a
-same-origin proxy that adds the key), so a route vLLM adds later is guarded too. An unauthenticated request gets
-vLLM's 401 before a byte of its body is read. (vLLM's 401 comes without CORS headers: its key check runs outside
-its CORS middleware. The 400 and 413 below go out through that middleware, as vLLM's own 400s do.)
+A server adds its middleware inside its own, so this check runs before the server's API-key check: it authenticates
+first itself, with the server's keys, in the OpenAI-compatible servers' 401, and stricter than a server that guards
+some path prefixes only: every path needs the key except those in OPEN, with every method (CORS preflights included:
+a browser's cross-origin client needs a same-origin proxy that adds the key), so a route a server adds later is
+guarded too. An unauthenticated request gets the 401 before a byte of its body is read. (The 401 comes without CORS
+headers; the 400 and 413 below go out through the server's CORS middleware when it has one, as its own 400s do.)
 Then the request's framing: a Content-Length that is not one plain number of at most LENGTH_DIGITS digits (repeated,
 negative, a list, or thousands of digits, which int() refuses past Python's digit limit) is 400 and the connection
 is closed. Then the body is bounded, whatever the method (a GET, HEAD or OPTIONS body is read and bounded as a
 POST's: no request reaches the server before its whole body has come within the bound): over BODY_LIMIT bytes
 (RIDGEFILL_MAX_REQUEST_BYTES overrides it) it is 413 and the connection is closed, by its Content-Length, else as
 soon as the bytes read pass the bound; no byte past the bound is kept (see DRAIN_FACTOR). Only a body that can set
-a RidgeFill option (it holds `xargs` or a backslash, or is no UTF-8) or that json.loads could raise on (deep nesting,
-a huge integer: judged on its bytes) is parsed (needs_parse), at most PARSES at a time off the event loop (others wait
-their turn); there JSON nested too deeply for the parser, an integer past Python's digit limit and a `vllm_xargs` over
-XARGS_LIMIT bytes are 400. Everything else is passed on, the body replayed unchanged (a body that is no JSON object is
-vLLM's to answer); the server's own 4xx refusal in many lines, or echoing what the client sent, goes back as one line
+a RidgeFill option (it holds the dialect's options field, `ridgefill_` where options are top-level, or a backslash,
+or is no UTF-8) or that json.loads could raise on (deep nesting, a huge integer: judged on its bytes) is parsed
+(needs_parse), at most PARSES at a time off the event loop (others wait their turn); there JSON nested too deeply
+for the parser, an integer past Python's digit limit and an options field over XARGS_LIMIT bytes are 400.
+Everything else is passed on, the body replayed unchanged (a body that is no JSON object is the server's to
+answer); the server's own 4xx refusal in many lines, or echoing what the client sent, goes back as one line
 (serve/refusals.py).
 """
-
 from __future__ import annotations
 
 import asyncio
@@ -62,18 +54,18 @@ BODY_LIMIT = 8 << 20
 # that sends its whole body before it reads (urllib, requests, httpx) then gets the 413; past that the server closes
 # the connection under it. A client that asks `Expect: 100-continue` is answered before it sends the body.
 DRAIN_FACTOR = 8
-XARGS_LIMIT = 64 << 10  # bytes of JSON in vllm_xargs (RidgeFill's own options take a few dozen)
+XARGS_LIMIT = 64 << 10  # bytes of JSON in the dialect's options field (RidgeFill's own options take a few dozen)
 THREAD_PARSE = 64 << 10  # bodies over this many bytes are parsed in a worker thread, not in the event loop
 # Bodies parsed in worker threads at once (json's parser holds the GIL: a second thread would parse no faster, and
 # each parse holds up to ~25 bytes of objects per byte of JSON); the next waits for its turn.
 PARSES = 1
 # The only paths open without the key (under --root-path when one is set; the method is the route's business):
-# health probes (vLLM's and SageMaker's GET or POST /ping), Prometheus' counters and the tokenizer. Every other
+# health probes (GET or POST /health and /ping), Prometheus' counters and the tokenizer. Every other
 # path needs it, including /invocations, /version, /load and /v1/models.
 OPEN = frozenset({"/health", "/ping", "/metrics", "/tokenize", "/detokenize"})
 LENGTH_DIGITS = 18  # the most digits of a Content-Length (up to 10^18 - 1 bytes; int() refuses over 4,300)
 # A body json.loads reads as UTF-8 (others are always parsed) can set a RidgeFill option only if it holds the name of
-# the dialect's options field (vLLM: vllm_xargs) or a backslash (an escape can spell any of the key's letters)
+# the dialect's options field or a backslash (an escape can spell any of the key's letters)
 ESCAPE = b"\\"
 # One that cannot is still parsed where json.loads could raise rather than answer: JSON that may nest over DEEP levels
 # (its RecursionError comes at about 1,000) or an integer of over 4,300 digits (Python's int() limit). Both are judged
@@ -82,7 +74,7 @@ DEEP = 256
 STRING = re.compile(rb'"[^"]*"')
 DIGITS = bytes.maketrans(bytes(range(256)), bytes(48 if 48 <= b <= 57 else 32 for b in range(256)))  # digit -> "0"
 BRACKETS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff"), bytes(set(range(256)) - set(b"[{]}"))
-UNAUTHORIZED = b'{"error":"Unauthorized"}'  # vLLM's JSONResponse({"error": "Unauthorized"}, 401), byte for byte
+UNAUTHORIZED = b'{"error":"Unauthorized"}'  # the 401 body of the OpenAI-compatible servers' key middleware
 NESTED = ("the request body's JSON nests too deeply to be read: send {field} and the request's other fields "
           "as a flat object")  # .format(field=the dialect's options field)
 
@@ -111,7 +103,7 @@ def dialect_of(environ: Mapping[str, str]) -> GuardDialect:
 
 def api_tokens(app, environ: Mapping[str, str], dialect: GuardDialect) -> list[bytes]:
     """The sha256 digests of the API keys the server checks: those of its own key middleware found inside `app`
-    (vLLM's AuthenticationMiddleware: --api-key or VLLM_API_KEY, as vLLM chose), else the dialect's key variable's;
+    (the dialect's auth_middleware: the keys the server itself chose), else the dialect's key variable's;
     none when no key is set."""
     own = inner(app, dialect.auth_middleware) if dialect.auth_middleware else None
     tokens = getattr(own, "api_tokens", None)
@@ -133,7 +125,7 @@ def route_path(scope) -> str:
 
 def authorized(scope, tokens: list[bytes]) -> bool:
     """Whether a request may go on: no key set; a path in OPEN; else an `Authorization: Bearer KEY` header with one of
-    the keys, checked as vLLM 0.32's AuthenticationMiddleware checks it, for every method: a CORS preflight (OPTIONS
+    the keys, checked as the servers' own key middleware checks it, for every method: a CORS preflight (OPTIONS
     asking Access-Control-Request-Method) too, which may declare a body it never sends and would hold a connection
     and a server's admission place without the key."""
     if not tokens or route_path(scope) in OPEN:
@@ -220,7 +212,7 @@ def body_error(body: bytes, field: str) -> str | None:
         return NESTED.format(field=field or "RidgeFill's options")
     except (json.JSONDecodeError, UnicodeDecodeError):
         return None
-    except ValueError:  # an integer past Python's digit limit (vLLM would answer 400 outside its error format)
+    except ValueError:  # an integer past Python's digit limit (a server would answer outside its error format)
         return (f"the request body holds an integer of over {sys.get_int_max_str_digits():,} digits: send integers "
                 "of at most 2147483647 in RidgeFill's options")
     if not field:  # top-level options: the body's ridgefill_* fields (the body limit bounds them)
@@ -239,7 +231,7 @@ def top_level_error(doc: dict) -> str | None:
 
 
 def xargs_error(extra: dict, field: str) -> str | None:
-    """The one-line refusal of a request's options field (`field`: vLLM's `vllm_xargs`), or None."""
+    """The one-line refusal of a request's options field (`field`: the dialect's), or None."""
     try:
         size = len(json.dumps(extra).encode())
     except RecursionError:
@@ -265,7 +257,7 @@ class RequestGuard:
         self.field = self.dialect.options_field
         self.tokens = api_tokens(app, environ, self.dialect)
         self.limit = body_limit(environ)
-        self.cors = inner(app, "CORSMiddleware")  # vLLM's --allowed-origins: its headers go on our 400 and 413 too
+        self.cors = inner(app, "CORSMiddleware")  # the server's CORS headers go on our 400 and 413 too
         self.parsing = asyncio.Semaphore(PARSES)
 
     async def __call__(self, scope, receive, send) -> None:
@@ -312,7 +304,7 @@ class RequestGuard:
             return await asyncio.to_thread(body_error, body, self.field)
 
     async def refuse(self, scope, send, status: int, message: str, close: bool = False) -> None:
-        """refuse(), through vLLM's CORS middleware when it has one (as vLLM's own errors are answered)."""
+        """refuse(), through the server's CORS middleware when it has one (as its own errors are answered)."""
         async def refusal(scope, receive, send) -> None:
             await refuse(send, status, message, close)
 
@@ -369,7 +361,7 @@ def replayed(receive, first: dict):
 
 
 async def refuse(send, status: int, message: str, close: bool = False) -> None:
-    """An error in vLLM's format (ErrorResponse: message, type, param, code); with `close`, `Connection: close` (the
+    """An error in the OpenAI format (message, type, param, code); with `close`, `Connection: close` (the
     server then closes the connection after it, reading no more of the request)."""
     kind = HTTPStatus(status).phrase.replace(" ", "") + "Error"  # BadRequestError, RequestEntityTooLargeError
     await respond(send, status, json.dumps({"error": {"message": message, "type": kind, "param": None,
@@ -384,7 +376,7 @@ async def respond(send, status: int, payload: bytes, close: bool = False, prefix
 
 
 async def deny_websocket(scope, send) -> None:
-    """vLLM's 401 to a websocket handshake, where the server can send an HTTP answer to one (ASGI's
+    """The 401 to a websocket handshake, where the server can send an HTTP answer to one (ASGI's
     websocket.http.response extension), else a close before it is accepted (the server answers 403)."""
     if "websocket.http.response" in scope.get("extensions", {}):
         await respond(send, 401, UNAUTHORIZED, prefix="websocket.")

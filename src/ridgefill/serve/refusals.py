@@ -1,15 +1,15 @@
 """A server's own refusals made one line (the request guard, serve/guard.py, passes each response of the server
 through `one_line_errors`): a 4xx JSON error in the OpenAI format whose message spans lines or holds the `input` the
-client sent (FastAPI's validation errors as vLLM words them: "1 validation error:" and then each error as pydantic's
-dict, the value sent in it) goes out as one line naming each field and its problem, without the values. Engine-
-neutral: it reads only the error format every server answers in."""
+client sent (FastAPI's validation errors as some servers word them: "1 validation error:" and then each error as
+pydantic's dict, the value sent in it) goes out as one line naming each field and its problem, without the values.
+Engine-neutral: it reads only the error format every server answers in."""
 
 from __future__ import annotations
 
 import json
 import re
 
-# A server's own refusal in many lines (FastAPI's validation errors as vLLM words them: "1 validation error:" then
+# A server's own refusal in many lines (FastAPI's validation errors as some word them: "1 validation error:" then
 # one line per error, each pydantic's dict with the `input` the client sent): one line of its errors' fields and
 # problems, without the values sent
 LOC = re.compile(r"""'loc': (?:'([^']*)'|\(([^)]*)\))""")

@@ -141,8 +141,9 @@ def check_vllm(environ=os.environ) -> str:
 def vllm_command(c, folder: str, extra: list[str] = (), middleware: str | None = None) -> list[str]:
     """The vLLM server's command line: the model folder, serve's settings, `extra` (the KV cache's size), then every
     argument of the user's (last, so vLLM reads them after serve's). The model is served under the name --model gave
-    unless they name it (a folder by its name: backends/serving.served_name). `middleware`: the front's request guard (its class's import path), mounted with --middleware.
-An API key is not among them: it goes by the environment (VllmServer.launch)."""
+    unless they name it (a folder by its name: backends/serving.served_name). `middleware`: the front's request guard
+    (its class's import path), mounted with --middleware. An API key is not among them: it goes by the environment
+    (VllmServer.launch)."""
     args = split_api_key(c.server_args)[0]
     named = {option_name(a) for a in args}
     name = [] if "--served-model-name" in named else ["--served-model-name", served_name(c.model)]
