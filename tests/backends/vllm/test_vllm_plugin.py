@@ -253,8 +253,8 @@ def test_preempted_requests_are_recomputed_with_the_same_fill(vllm_tiny, workers
     assert sum(c.preemptions for c in alone) == 0
     assert [c.tokens for c in together] == [c.tokens for c in alone]
     # /metrics counts each prompt token once: a prompt recomputed after preemption only as recomputed
-    print(f"preemption: {tally['recomputed_prompt_rows']} prompt tokens recomputed, "
-          f"{tally['cached_prompt_rows']} served from the cache")
+    print(f"preemption: {tally['recomputed_prompt_tokens']} prompt tokens recomputed, "
+          f"{tally['cached_prompt_tokens']} served from the cache")
     assert tally["recomputed_prompt_tokens"] > 0
     assert tally["filled_tokens"] + tally["full_tokens"] + tally["cached_prompt_tokens"] == sum(map(len, batch))
 
