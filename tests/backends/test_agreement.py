@@ -82,7 +82,9 @@ def own(served, tmp_path_factory):
     return json.loads((root / "generate.json").read_text()), json.loads((root / "loss.json").read_text())
 
 
-@pytest.mark.parametrize("engine", ENGINES)
+# vLLM's run (about 3 minutes: four engines on SmolLM2) is the heavy tier's (make test-heavy): make test checks vLLM
+# against torchfill on the tiny models (tests/backends/vllm/test_vllm_commands.py, test_vllm_server.py)
+@pytest.mark.parametrize("engine", [pytest.param(e, marks=pytest.mark.heavy) if e == "vllm" else e for e in ENGINES])
 def test_every_engine_agrees_with_torchfill(engine, served, own, tmp_path, capfd, monkeypatch):
     why = installed(engine)
     if why is not None:

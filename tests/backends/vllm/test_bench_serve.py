@@ -17,6 +17,7 @@ from ridgefill.evals.bench_serve import BenchServeConfig, request_prompts
 pytest.importorskip("vllm")
 
 
+@pytest.mark.heavy  # make test-heavy: bench-serve through the seam is make test's (test_fourth_server.py, llama.cpp's)
 def test_bench_serve_drives_both_servers_and_writes_json_table_and_png(vllm_tiny, tmp_path):
     folder, maps = vllm_tiny["llama"]
     corpus = folder.parent / "corpus.txt"
