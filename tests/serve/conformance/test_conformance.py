@@ -240,9 +240,12 @@ def test_temperature_0_alone_gives_the_tokens_of_generate(served, tmp_path):
                         "16", "--out", str(out)], capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     (run,) = json.loads(out.read_text())["results"].values()
-    answer = served.complete(GREEDY_PROMPT, 16)
-    assert answer["usage"]["completion_tokens"] == len(run["tokens"])
-    assert answer["choices"][0]["text"] == run["text"], (answer["choices"][0]["text"], run["text"])
+    from openai import OpenAI
+
+    with OpenAI(base_url=served.base + "/v1", api_key=served.key, max_retries=0) as client:
+        answer = client.completions.create(model=served.name, prompt=GREEDY_PROMPT, max_tokens=16, temperature=0)
+    assert answer.usage.completion_tokens == len(run["tokens"])
+    assert answer.choices[0].text == run["text"], (answer.choices[0].text, run["text"])
 
 
 def test_a_server_whose_stderr_nobody_reads_keeps_answering(served):
