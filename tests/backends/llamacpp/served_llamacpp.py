@@ -12,10 +12,10 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+
+from server_client import ServerClient
 
 RIDGEFILL = [sys.executable, "-m", "ridgefill"]
 START_TIMEOUT = 180.0
@@ -41,46 +41,13 @@ def perturbed_maps(gguf: Path, out: Path, split: int = 3, seed: int = 0, scale: 
 
 
 @dataclass
-class Served:
+class Served(ServerClient):
     proc: subprocess.Popen
     base: str  # http://127.0.0.1:PORT
     key: str
     log: Path
     banner: str
     name: str  # the model name it serves under (serve's --model, a path's stem)
-
-    def request(self, method: str, path: str, body: dict | bytes | None = None, key: str | None = "",
-                timeout: float = 120.0) -> tuple[int, dict, bytes]:
-        """(status, headers, body); key "" (default): the server's key, None: no key."""
-        key = self.key if key == "" else key
-        data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-        headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
-        req = urllib.request.Request(self.base + path, data, headers, method=method)
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
-                return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
-        except urllib.error.HTTPError as exc:
-            return exc.code, {k.lower(): v for k, v in exc.headers.items()}, exc.read()
-
-    def post(self, path: str, body: dict | bytes, key: str | None = "") -> tuple[int, dict]:
-        status, _, data = self.request("POST", path, body, key)
-        return status, json.loads(data or b"{}")
-
-    def complete(self, prompt: str, max_tokens: int = 6, **options) -> dict:
-        """A greedy completion (temperature 0, no repeat penalty: llama-cpp-python's default is 1.1)."""
-        status, body = self.post("/v1/completions", {"model": self.name, "prompt": prompt, "max_tokens": max_tokens,
-                                                     "temperature": 0, "repeat_penalty": 1.0, **options})
-        assert status == 200, body
-        return body
-
-    def metrics(self) -> dict[str, float]:
-        status, _, data = self.request("GET", "/metrics", key=None)
-        assert status == 200
-        return {line.split()[0]: float(line.split()[1]) for line in data.decode().splitlines()
-                if line.startswith("ridgefill_")}
-
-    def port(self) -> int:
-        return int(self.base.rsplit(":", 1)[1])
 
 
 def read_until_banner(proc: subprocess.Popen, lines: list[str]) -> None:

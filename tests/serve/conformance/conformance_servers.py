@@ -13,13 +13,13 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import pytest
+
+from server_client import ServerClient
 
 RIDGEFILL = [sys.executable, "-m", "ridgefill"]
 START_TIMEOUT = 300.0
@@ -28,7 +28,7 @@ PROMPT_COUNTERS = ("ridgefill_filled_tokens_total", "ridgefill_full_tokens_total
 
 
 @dataclass
-class Served:
+class Served(ServerClient):
     """A running server: its `ridgefill serve` process, address, key, log, and what the suite needs of its kind."""
 
     kind: "Kind"
@@ -38,43 +38,6 @@ class Served:
     log: Path
     name: str  # the model name clients send
     generate: list[str]  # `ridgefill generate` options that run the server's fill (--engine X included)
-
-    def port(self) -> int:
-        return int(self.base.rsplit(":", 1)[1])
-
-    def request(self, method: str, path: str, body: dict | bytes | None = None, key: str | None = "",
-                headers: dict | None = None, timeout: float = 300.0) -> tuple[int, dict, bytes]:
-        """(status, headers, body); key "" (default): the server's key, None: no key."""
-        key = self.key if key == "" else key
-        data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-        sent = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {}),
-                **(headers or {})}
-        req = urllib.request.Request(self.base + path, data, sent, method=method)
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
-                return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
-        except urllib.error.HTTPError as exc:
-            return exc.code, {k.lower(): v for k, v in exc.headers.items()}, exc.read()
-
-    def post(self, path: str, body: dict | bytes, key: str | None = "", **kw) -> tuple[int, dict]:
-        status, _, data = self.request("POST", path, body, key, **kw)
-        try:
-            return status, json.loads(data or b"{}")
-        except ValueError:
-            return status, {"raw": data.decode(errors="replace")}
-
-    def complete(self, prompt, max_tokens: int = 8, **fields) -> dict:
-        """A completion with temperature 0 and no other sampling field (the server's defaults otherwise)."""
-        status, body = self.post("/v1/completions", {"model": self.name, "prompt": prompt, "max_tokens": max_tokens,
-                                                     "temperature": 0, **fields})
-        assert status == 200, body
-        return body
-
-    def metrics(self) -> dict[str, float]:
-        status, _, data = self.request("GET", "/metrics", key=None)
-        assert status == 200
-        return {line.split()[0]: float(line.split()[1]) for line in data.decode().splitlines()
-                if line.startswith("ridgefill_") and " " in line}
 
     def prompt_tokens(self) -> float:
         """The prompt tokens RidgeFill's counters have counted (filled, full or cached)."""
