@@ -239,10 +239,11 @@ def check_variants(backend, variants) -> None:
 def check_fill(backend, fill, facts):
     """The plan of `fill` (method/fill.FillSettings) on the model `facts` describes, refused in one line where the
     backend cannot run it (check_variants, check_plans): serve's check, the same as the measuring commands'."""
-    check_variants(backend, [fill.variant])
-    check_options(backend if isinstance(backend, type) else type(backend), fill)
+    cls = backend if isinstance(backend, type) else type(backend)
+    check_variants(cls, [fill.variant])
+    check_options(cls, fill)
     plan, _ = fill.plan(facts)
-    check_plans(backend, {fill.variant: plan})
+    check_plans(cls, {fill.variant: plan})
     return plan
 
 

@@ -56,7 +56,7 @@ def launch(plan: Launch) -> int:
         relay.finish()
     code = code if code >= 0 else 128 - code
     if not up and not signalled:
-        raise RidgefillError(startup_error(read_log(plan.log), code, plan.log, plan.dialect, port_of(plan)))
+        raise RidgefillError(start_failure(plan, code))
     return code
 
 
@@ -84,7 +84,7 @@ def running(plan: Launch):
         if not (wait_until_up(child, plan.health, relay) and check_plugin(plan, child)):
             code = child.wait()
             relay.join()
-            raise RidgefillError(startup_error(read_log(plan.log), code, plan.log, plan.dialect, port_of(plan)))
+            raise RidgefillError(start_failure(plan, code))
         yield child
     finally:
         if child.poll() is None:
@@ -198,11 +198,12 @@ def root_errors(log: str, dialect: LogDialect = LogDialect()) -> list[tuple[str,
     return errors
 
 
-def port_of(plan: Launch) -> int | None:
-    """The port the server was to listen on (its health URL's)."""
+def start_failure(plan: Launch, code: int) -> str:
+    """startup_error for the server of `plan`, which ended with `code` before it was up: its log read in its dialect,
+    the port it was to listen on (its health URL's) named in a fix."""
     from urllib.parse import urlparse
 
-    return urlparse(plan.health).port
+    return startup_error(read_log(plan.log), code, plan.log, plan.dialect, urlparse(plan.health).port)
 
 
 def startup_error(log: str, code: int, path: Path, dialect: LogDialect = LogDialect(), port: int | None = None) -> str:

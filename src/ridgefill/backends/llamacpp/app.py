@@ -32,7 +32,6 @@ import json
 import os
 import socket
 import sys
-import threading
 from dataclasses import dataclass
 
 from ridgefill.backends.llamacpp import requests

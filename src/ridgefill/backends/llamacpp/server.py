@@ -93,8 +93,9 @@ class LlamaCppServer(Server):
         return API_KEY in split_args(c.server_args) or bool(os.environ.get(KEY_ENV))
 
     def launch(self, c, fill, scratch: Path, guard: str | None, env: dict) -> Launch:
-        """The GGUF's architecture and the fill's maps in llama.cpp's form checked; the SPEC written in `scratch`;
-        the command (--guard, or --stock without a fill) and environment (the API key, the front's `env`)."""
+        """The GGUF's architecture checked (the fill was checked by the front: its variants and maps are the ones the
+        driver takes); the SPEC written in `scratch`; the command (--guard, or --stock without a fill) and environment
+        (the API key, the front's `env`)."""
         from ridgefill.backends.llamacpp import driver
         from ridgefill.runtime.models import gguf_file, model_identity
 
@@ -104,15 +105,7 @@ class LlamaCppServer(Server):
         identity = model_identity(c.model)
         described = {"shape": dataclasses.asdict(identity.shape), "context_length": identity.context_length,
                      "model_info": {k: v for k, v in identity.info.items() if k != "n_layers"}}
-        facts = model_of(described)
-        if fill is not None:
-            plan, _ = fill.plan(facts)
-            try:
-                driver.maps_of(plan.filler)
-            except ValueError as exc:
-                raise RidgefillError(f"the {fill.variant} variant ({exc}) is not supported with --engine llamacpp: "
-                                     "use identity, ridge or mean") from None
-        n_ctx = int(taken.get(N_CTX, 0)) or facts.context_length or 4096
+        n_ctx = int(taken.get(N_CTX, 0)) or identity.context_length or 4096
         threads = os.cpu_count() or 1
         spec = {"gguf": str(gguf), "arch": arch, "model": described, "name": c.model,
                 "fill": fill.describe() if fill is not None else None, "chunk": DEFAULT_CHUNK, "n_ctx": n_ctx,
