@@ -153,21 +153,6 @@ def test_a_place_is_taken_only_once_the_whole_body_has_come_for_every_method():
     asyncio.run(run())
 
 
-def leaving(body: bytes, leave: asyncio.Event):
-    """A receive that gives `body`, then the client's going away once `leave` is set."""
-    given = False
-
-    async def receive() -> dict:
-        nonlocal given
-        if not given:
-            given = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        await leave.wait()
-        return {"type": "http.disconnect"}
-
-    return receive
-
-
 def test_a_client_gone_from_a_request_on_the_model_is_waited_for_and_one_still_waiting_is_cancelled():
     """A request that holds the model lock (its worker thread running) is told to stop and its place is held until
     it ends, never cancelled; one still waiting for the lock is cancelled at once and frees its place."""
@@ -187,9 +172,9 @@ def test_a_client_gone_from_a_request_on_the_model_is_waited_for_and_one_still_w
         middleware = admission.Admission(app, queue, True, MODEL)
         body = json.dumps({"prompt": "x"}).encode()
         leave_first, leave_second = asyncio.Event(), asyncio.Event()
-        running = asyncio.ensure_future(middleware(scope(), leaving(body, leave_first), Client([]).send))
+        running = asyncio.ensure_future(middleware(scope(), admission.replayed_until(body, leave_first), Client([]).send))
         await asyncio.sleep(0.05)
-        waiting = asyncio.ensure_future(middleware(scope(), leaving(body, leave_second), Client([]).send))
+        waiting = asyncio.ensure_future(middleware(scope(), admission.replayed_until(body, leave_second), Client([]).send))
         await asyncio.sleep(0.05)
         assert queue.active == 2
         leave_second.set()  # the waiting client goes: cancelled, its place free at once

@@ -134,15 +134,8 @@ class Admission:
     async def admitted(self, scope, receive, send, body: bytes, state: RequestState) -> None:
         """The request run with its body replayed; when its client goes away: cancelled while it waits for the model,
         else stopped (state.gone) and waited for until it ends (its worker thread returned)."""
-        gone, given = asyncio.Event(), False
-
-        async def replay():
-            nonlocal given
-            if not given:
-                given = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            await gone.wait()
-            return {"type": "http.disconnect"}
+        gone = asyncio.Event()
+        replay = replayed_until(body, gone)
 
         async def watch():
             while (await receive())["type"] != "http.disconnect":
@@ -204,3 +197,18 @@ async def answer(send, status: int, message: str, headers: list = ()) -> None:
                 "headers": [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(payload)),
                             *headers]})
     await send({"type": "http.response.body", "body": payload})
+
+
+def replayed_until(body: bytes, gone: asyncio.Event):
+    """An ASGI receive that gives the whole `body` once, then the client's going away once `gone` is set."""
+    given = False
+
+    async def receive() -> dict:
+        nonlocal given
+        if not given:
+            given = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    return receive
