@@ -44,7 +44,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 # The first build compiles llama.cpp (3 min on 2 idle cores); later installs reuse the cached wheel (seconds).
-$(LLAMACPP_STAMP): $(STAMP) $(LLAMACPP_BUILD) src/ridgefill/backends/llamacpp/ridgefill.patch
+$(LLAMACPP_STAMP): $(STAMP) $(LLAMACPP_BUILD) src/ridgefill/backends/llamacpp/patches/*.patch
 	RIDGEFILL_CACHE=$(CACHE) $(PY) $(LLAMACPP_BUILD)
 	rm -f $(VENV)/.llamacpp-*
 	touch $(LLAMACPP_STAMP)

@@ -119,7 +119,7 @@ def test_a_step_run_by_llamacpp_is_keyed_by_the_build(tmp_path, monkeypatch, lla
 
 
 def test_changing_the_llamacpp_patch_changes_a_recipes_keys(tmp_path, monkeypatch, llamacpp_built):
-    """The code hash covers ridgefill.patch (not a .py file): other bytes in it give every step another key. The
+    """The code hash covers the llama.cpp patches (not .py files): other bytes in it give every step another key. The
     package is copied and the copy's patch changed; the real patch is never touched."""
     package = Path(provenance.__file__).resolve().parent.parent
     copy = tmp_path / "copy" / "ridgefill"
@@ -127,8 +127,8 @@ def test_changing_the_llamacpp_patch_changes_a_recipes_keys(tmp_path, monkeypatc
     monkeypatch.setattr(provenance, "__file__", str(copy / "runtime" / "provenance.py"))
     recipe = BASE + '[loss]\nengine = "llamacpp"\n'
     first = keys(tmp_path, recipe, code=None)
-    patch = copy / "backends" / "llamacpp" / "ridgefill.patch"
-    assert patch.read_bytes() == (package / "backends" / "llamacpp" / "ridgefill.patch").read_bytes()
+    patch = copy / "backends" / "llamacpp" / "patches" / "server.patch"
+    assert patch.read_bytes() == (package / "backends" / "llamacpp" / "patches" / "server.patch").read_bytes()
     patch.write_bytes(patch.read_bytes() + b"\n")
     other = keys(tmp_path, recipe, code=None)
     assert all(other[label] != first[label] for label in first)

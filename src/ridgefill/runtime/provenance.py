@@ -43,7 +43,7 @@ def code_hash() -> str:
     """A hash of the ridgefill package's files (by relative path and content): what keys cached artifacts and exact
     results to the code that made them, whether or not it runs from a git checkout. The rule: every file under the
     package shapes results, so every file is hashed (the Python source, and what is not Python: llama.cpp's
-    ridgefill.patch, compiled into the llama.cpp build), except Python's bytecode caches (__pycache__ folders,
+    patches, compiled into the llama.cpp builds), except Python's bytecode caches (__pycache__ folders,
     .pyc and .pyo files), which only mirror the source."""
     package = Path(__file__).resolve().parent.parent
     digest = hashlib.sha256()

@@ -149,22 +149,24 @@ def test_a_batch_of_several_sequences(tiny_ggufs):
 
 # --- the fill proves itself ------------------------------------------------------------------------------------------
 def test_rows_llama_cpp_did_not_fill_are_refused(tiny_ggufs, monkeypatch):
-    """A graph without the fill hook computes the rows in full and records no norms: the driver refuses, naming
-    the architecture, instead of timing exact prefill as filled (and instead of a KeyError with outliers)."""
+    """A graph without the fill hook computes the rows in full and records no norms: llama.cpp's plan refuses
+    (LLAMA_RIDGEFILL_ERR_FILLED) and the driver says so in one line naming the architecture, instead of timing exact
+    prefill as filled. The plan's check itself runs in every filled prefill (the C side); here the library answers
+    as a build without the hook would."""
     _, path = tiny_ggufs["qwen2"]
     with open_tiny(path) as lc:
         lc.set_maps(Maps(SPLIT))
         assert lc.prefill(ids(), full=full_rows()).filled == N - TAIL - 1  # llama.cpp's own count
-        monkeypatch.setattr(lc, "lib", NoNorms(lc.lib))
+        monkeypatch.setattr(lc, "lib", NoFill(lc.lib))
         for factor in (0.0, 3.0):
             with pytest.raises(RidgefillError) as err:
                 lc.prefill(ids(), full=full_rows(), outlier_factor=factor)
-            assert str(err.value) == ("llama.cpp filled 0 of the 31 rows its plan fills at positions 1..31: its qwen2 "
+            assert str(err.value) == ("llama.cpp did not fill the rows its plan fills from position 0: its qwen2 "
                                       "graph does not run ridgefill's fill; use --engine torchfill for this model")
 
 
-class NoNorms:
-    """The patched library as a build without a family's fill hook answers: no filled row recorded."""
+class NoFill:
+    """The patched library as a build without a family's fill hook answers: its plan finds no filled row recorded."""
 
     def __init__(self, lib):
         self._lib = lib
@@ -173,8 +175,8 @@ class NoNorms:
         return getattr(self._lib, name)
 
     @staticmethod
-    def llama_ridgefill_n_norms(ctx):
-        return 0
+    def llama_ridgefill_prefill(*args):
+        return driver.ERR_FILLED
 
 
 def test_the_filled_graph_computes_no_late_layer(tiny_ggufs):
@@ -197,11 +199,11 @@ def test_the_filled_graph_computes_no_late_layer(tiny_ggufs):
     _, path = tiny_ggufs["llama"]
     with open_tiny(path, eval_callback=callback) as lc:
         lc.set_maps(maps())
-        lc._decode(ids()[:16], 0, fill=False, outputs={15})  # one full ubatch
+        lc.prefill(ids()[:16], outputs=[15])  # one full ubatch
         full = list(seen)
         seen.clear()
         lc.clear()
-        lc._decode(ids()[:16], 0, fill=True)  # one filled ubatch
+        assert lc.prefill(ids()[:16], full=driver.Rows(0, 0), chunk=16).filled == 16  # one filled ubatch
         filled = list(seen)
 
     def count(nodes, op):

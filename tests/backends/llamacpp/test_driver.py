@@ -269,7 +269,7 @@ def test_outliers_run_in_full(tiny_ggufs):
         lc.set_maps(maps_of(filler))
         lc.prefill(prompt, full=full_rows(N, TAIL), chunk=16)
         # a factor just below the largest ratio to the median of the first chunk's filled rows: one outlier there
-        first = torch.tensor([lc._norms[p] for p in range(1, 16)])
+        first = torch.tensor(lc.rows_ran(1, 16)[1])
         factor = float((first.max() / first.median()) * 0.999)
         plan = FillPlan(filler, tail=TAIL, keep_first=1, outlier_factor=factor)
         want = runner.prefill(torch.tensor([prompt]), fill=plan)

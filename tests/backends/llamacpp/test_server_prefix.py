@@ -90,7 +90,7 @@ def test_a_shared_prefix_ends_as_a_fresh_prefill_of_the_new_prompt(lc):
 def test_keeping_the_whole_shared_prefix_would_change_the_cache(lc, monkeypatch):
     """The same cases (without outliers) with the rule replaced by 'keep every shared row': some cache differs from a
     fresh prefill's."""
-    monkeypatch.setattr(type(lc), "reusable", lambda self, planned, reuse, factor, chunk: reuse)
+    monkeypatch.setattr(lc, "lib", KeepAll(lc.lib))
     plain = [(*case[:6], 0.0, *case[7:]) for case in cases(40)]
     gaps = [gap(r_kv, f_kv) for r, r_kv, f, f_kv, _ in (served_then_fresh(lc, *case) for case in plain)]
     assert max(gaps) > 0.05, max(gaps)
@@ -113,3 +113,17 @@ def test_a_stopped_prefill_raises_and_the_cache_serves_on_after_clear(lc):
     lc.clear()
     assert len(calls) == 3
     assert np.array_equal(lc.prefill(a, plan(len(a), 8, 1), [len(a) - 1], 0.0, 16).logits.numpy(), before.numpy())
+
+
+class KeepAll:
+    """The patched library with llama.cpp's reuse rule replaced by 'keep every shared row'."""
+
+    def __init__(self, lib):
+        self._lib = lib
+
+    def __getattr__(self, name):
+        return getattr(self._lib, name)
+
+    def llama_ridgefill_reusable(self, ctx, seq, plan, n, reuse):
+        self._lib.llama_ridgefill_reusable(ctx, seq, plan, n, reuse)
+        return reuse

@@ -12,7 +12,10 @@ prompts are tokenized by it too, so every engine runs the same token ids. llama.
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -21,6 +24,7 @@ from ridgefill.backends.base import Backend, Capabilities, Generation, Timed, re
 from ridgefill.torchfill.fill_plan import FillTally
 from ridgefill.backends.llamacpp import driver, library
 from ridgefill.errors import RidgefillError
+from ridgefill.method.maps_gguf import is_gguf
 
 N_UBATCH = 512  # llama.cpp's default ubatch
 
@@ -74,6 +78,10 @@ class LlamaCppBackend(Backend):
                     self.maps[name] = driver.maps_of(plan.filler)
                 except ValueError as exc:
                     raise refuse(self, f"the {name} variant ({exc})", "use identity, ridge or mean") from None
+                fill = self.fills.get(name)
+                if fill is not None and fill.variant == "ridge" and is_gguf(fill.maps):
+                    # libllama reads the adapter as llama-server does (its matrices as stored: F16 by default)
+                    self.maps[name] = dataclasses.replace(self.maps[name], adapter=Path(fill.maps))
         self._tallies = {name: FillTally() for name in self.plans}
         return self
 
@@ -98,8 +106,8 @@ class LlamaCppBackend(Backend):
         if self._current != name:
             self.lc.set_maps(self.maps[name])
             self._current = name
-        full = plan.full_rows(len(prompt)).tolist()
-        done = self.lc.prefill(prompt, full=full, outputs=outputs, outlier_factor=plan.outlier_factor,
+        rows = driver.Rows(plan.tail, plan.keep_first, tuple(plan.keep_rows))  # llama.cpp's plan runs the rule
+        done = self.lc.prefill(prompt, full=rows, outputs=outputs, outlier_factor=plan.outlier_factor,
                                chunk=self.config.chunk)
         tally = self._tallies[name]
         tally.filled_tokens += done.filled

@@ -1,15 +1,23 @@
-"""Build llama-cpp-python with ridgefill's patch and install it (stdlib only: `make install` runs it before the
-package's own dependencies are needed).
+"""Build llama-cpp-python and llama.cpp's `llama-server` with ridgefill's patches and install them (stdlib only:
+`make install` runs it before the package's own dependencies are needed).
 
-    python -m ridgefill.backends.llamacpp.build [--python PY] [--key] [--jobs N] [--stock]
+    python -m ridgefill.backends.llamacpp.build [--python PY] [--key] [--jobs N] [--stock] [--stock-server]
 
-The sdist of llama-cpp-python VERSION (it vendors llama.cpp) is downloaded once, unpacked into a temporary folder,
-patched (`patch -p1` in vendor/llama.cpp) and built into a wheel with FLAGS and the patch's identity compiled in
-(RIDGEFILL_PATCH_ID). The wheel is kept under $RIDGEFILL_CACHE/llamacpp/wheels/<key>/ (default
-~/.cache/ridgefill), the key a hash of (version, patch, flags): a second install reuses it and takes seconds; a
-new patch or new flags build again. `--key` prints the key (the Makefile's stamp) and does nothing else.
-`--stock` builds (or finds) the same version with the same FLAGS and no patch, installs nothing and prints the
-wheel's path: the reference the exactness test (tests/backends/llamacpp/test_stock.py) compares with.
+The patches (patches/, applied in order with `patch -p1` in the sdist's vendor/llama.cpp), each a separate change:
+libllama.patch (the fill, the GGUF adapter and the fill plan in libllama: what the ctypes driver calls),
+common.patch (common's --ridgefill options and the adapter's loading) and server.patch (llama-server: a fill per
+slot, its refusals and counters).
+
+The sdist of llama-cpp-python VERSION (it vendors llama.cpp) is downloaded once and unpacked into a temporary folder
+for each build:
+- the wheel: the library patch, FLAGS and the patch's identity compiled in (RIDGEFILL_PATCH_ID), kept under
+  $RIDGEFILL_CACHE/llamacpp/wheels/<key>/ (default ~/.cache/ridgefill), the key a hash of (version, patch, flags);
+- `llama-server`: every patch, the same FLAGS and identity, static libraries, no web UI (nothing downloaded), kept
+  under $RIDGEFILL_CACHE/llamacpp/server/<key>/ and installed as the interpreter's bin/llama-server.
+A second install reuses both and takes seconds; a new patch or new flags build again. `--key` prints the key of both
+(the Makefile's stamp) and does nothing else. `--stock` builds (or finds) the wheel of the same version with the same
+FLAGS and no patch, `--stock-server` the same llama-server; they install nothing and print the path: the references
+the exactness tests (tests/backends/llamacpp/test_stock.py, test_llama_server.py) compare with.
 
 The build is made for the CPU it runs on: the instruction sets come from the flags of this machine's /proc/cpuinfo
 (`cpu_flags`; SSE4.2, AVX, AVX2, BMI2, FMA, F16C, AVX-VNNI and the AVX-512 sets only where listed), never AMX and
@@ -34,7 +42,12 @@ import tempfile
 from pathlib import Path
 
 VERSION = "0.3.36"
-PATCH = Path(__file__).with_name("ridgefill.patch")
+PATCHES = Path(__file__).with_name("patches")
+LIBRARY_PATCH = PATCHES / "libllama.patch"  # the wheel's (library.py checks its identity)
+SERVER_PATCHES = (LIBRARY_PATCH, PATCHES / "common.patch", PATCHES / "server.patch")  # llama-server's, in order
+SERVER_FLAGS = ("-DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF "
+                "-DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF "
+                "-DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF")
 BASE_FLAGS = "-DGGML_NATIVE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_BF16=OFF -DLLAVA_BUILD=OFF"
 CPU_ENV, CPUINFO_ENV = "RIDGEFILL_LLAMACPP_CPU", "RIDGEFILL_CPUINFO"
 # ggml's x86 options and the /proc/cpuinfo flags each needs (the compiler flags ggml adds for it: GGML_AVX512 is
@@ -88,13 +101,31 @@ def cmake_flags(feats: tuple[str, ...] | None = None) -> str:
 
 
 def patch_id() -> str:
-    """The first 16 hex digits of the patch's sha256 (library.patch_id computes the same)."""
-    return hashlib.sha256(PATCH.read_bytes()).hexdigest()[:16]
+    """The first 16 hex digits of the library patch's sha256 (library.patch_id computes the same)."""
+    return hashlib.sha256(LIBRARY_PATCH.read_bytes()).hexdigest()[:16]
+
+
+def server_patch_id() -> str:
+    """The first 16 hex digits of the sha256 of llama-server's patches, in order."""
+    return hashlib.sha256(b"".join(p.read_bytes() for p in SERVER_PATCHES)).hexdigest()[:16]
 
 
 def build_key(patched: bool = True, feats: tuple[str, ...] | None = None) -> str:
+    """The wheel's cache key."""
     flags = cmake_flags(feats)
     return hashlib.sha256(f"{VERSION}\n{patch_id() if patched else 'stock'}\n{flags}".encode()).hexdigest()[:16]
+
+
+def server_key(patched: bool = True, feats: tuple[str, ...] | None = None) -> str:
+    """llama-server's cache key."""
+    flags = f"{cmake_flags(feats)} {SERVER_FLAGS}"
+    ident = server_patch_id() if patched else "stock"
+    return hashlib.sha256(f"{VERSION}\nserver\n{ident}\n{flags}".encode()).hexdigest()[:16]
+
+
+def install_key() -> str:
+    """What `make install` builds: the wheel's key and the server's."""
+    return f"{build_key()}-{server_key()}"
 
 
 def cache_root() -> Path:
@@ -134,30 +165,79 @@ def wheel(python: str, jobs: int, patched: bool = True) -> Path:
     found = cached_wheel(patched)
     if found:
         return found
-    source = sdist(python)
     with tempfile.TemporaryDirectory(prefix="ridgefill-llamacpp-") as tmp:
-        with tarfile.open(source) as tar:
-            tar.extractall(tmp, filter="data")
-        root = Path(tmp) / f"llama_cpp_python-{VERSION}"
-        if patched:
-            _run(["patch", "-p1", "--forward", "--batch", "-i", str(PATCH)], cwd=root / "vendor" / "llama.cpp")
-        flags = cmake_flags()
-        if patched:
-            flags += f" -DRIDGEFILL_PATCH_ID={patch_id()} -DRIDGEFILL_CPU_FEATURES={','.join(features()) or 'none'}"
-        env = dict(os.environ, CMAKE_ARGS=flags, CMAKE_BUILD_PARALLEL_LEVEL=str(jobs))
+        root = unpacked(python, Path(tmp), (LIBRARY_PATCH,) if patched else ())
+        env = dict(os.environ, CMAKE_ARGS=cmake_flags() + (identity_flags() if patched else ""),
+                   CMAKE_BUILD_PARALLEL_LEVEL=str(jobs))
         built = Path(tmp) / "wheel"
         _run([python, "-m", "pip", "wheel", "-q", "--no-deps", str(root), "-w", str(built)], env=env)
         wheels = sorted(built.glob("llama_cpp_python-*.whl"))
         if len(wheels) != 1:
             raise SystemExit(f"the build left {len(wheels)} wheels in {built}")
-        staging = out.with_name(out.name + f".{os.getpid()}")
-        staging.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(wheels[0], staging / wheels[0].name)
-        try:
-            staging.rename(out)  # whole or absent: another install building at the same time keeps its own
-        except OSError:
-            shutil.rmtree(staging, ignore_errors=True)
+        keep(wheels[0], out)
     return cached_wheel(patched)
+
+
+def unpacked(python: str, tmp: Path, patches: tuple[Path, ...]) -> Path:
+    """The sdist unpacked into `tmp`, its vendored llama.cpp patched by `patches` in order; returns its root."""
+    with tarfile.open(sdist(python)) as tar:
+        tar.extractall(tmp, filter="data")
+    root = tmp / f"llama_cpp_python-{VERSION}"
+    for patch in patches:
+        _run(["patch", "-p1", "--forward", "--batch", "-i", str(patch)], cwd=root / "vendor" / "llama.cpp")
+    return root
+
+
+def identity_flags() -> str:
+    """The CMake definitions that compile the library patch's identity and the build's instruction sets in."""
+    return f" -DRIDGEFILL_PATCH_ID={patch_id()} -DRIDGEFILL_CPU_FEATURES={','.join(features()) or 'none'}"
+
+
+def keep(built: Path, out: Path) -> None:
+    """Put the file `built` in the cache folder `out`, whole or not at all: another install building at the same
+    time keeps its own."""
+    staging = out.with_name(out.name + f".{os.getpid()}")
+    staging.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(built, staging / built.name)
+    try:
+        staging.rename(out)
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def server_folder(patched: bool = True) -> Path:
+    """Where the llama-server of this build is kept (a stock build's name says so)."""
+    return cache_root() / "server" / (server_key() if patched else f"stock-{server_key(patched=False)}")
+
+
+def server(python: str, jobs: int, patched: bool = True) -> Path:
+    """llama-server, patched or stock: from the cache, else built (and cached). Built from the same sdist with the
+    same instruction sets as the wheel, static (one file), without the web UI (LLAMA_BUILD_UI and
+    LLAMA_USE_PREBUILT_UI off: nothing is downloaded)."""
+    out = server_folder(patched)
+    if (out / "llama-server").is_file():
+        return out / "llama-server"
+    with tempfile.TemporaryDirectory(prefix="ridgefill-llama-server-") as tmp:
+        root = unpacked(python, Path(tmp), SERVER_PATCHES if patched else ())
+        build = Path(tmp) / "build"
+        flags = f"{cmake_flags()} {SERVER_FLAGS}" + (identity_flags() if patched else "")
+        _run(["cmake", "-S", str(root / "vendor" / "llama.cpp"), "-B", str(build), *flags.split()])
+        _run(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs)])
+        keep(build / "bin" / "llama-server", out)
+    return out / "llama-server"
+
+
+def install_server(python: str, jobs: int) -> Path:
+    """The patched llama-server, copied (atomically) into the interpreter's bin/ beside its `ridgefill`."""
+    found = server(python, jobs)
+    prefix = subprocess.run([python, "-c", "import sys; print(sys.prefix)"], check=True, capture_output=True,
+                            text=True).stdout.strip()
+    target = Path(prefix) / "bin" / "llama-server"
+    staging = target.with_name(f".llama-server.{os.getpid()}")
+    shutil.copy2(found, staging)
+    staging.chmod(0o755)
+    staging.replace(target)
+    return target
 
 
 def install(python: str, jobs: int) -> Path:
@@ -175,15 +255,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--key", action="store_true", help="print the cache key of this build and stop")
     parser.add_argument("--stock", action="store_true", help="build (or find) the same version with the same flags "
                         "and no patch; install nothing, print the wheel's path")
+    parser.add_argument("--stock-server", action="store_true", help="build (or find) llama-server of the same version "
+                        "with the same flags and no patch; install nothing, print its path")
     args = parser.parse_args(argv)
     if args.key:
-        print(build_key())
+        print(install_key())
         return
-    if args.stock:
-        print(wheel(args.python, args.jobs, patched=False))
+    if args.stock or args.stock_server:
+        print(wheel(args.python, args.jobs, patched=False) if args.stock else
+              server(args.python, args.jobs, patched=False))
         return
     found = install(args.python, args.jobs)
     print(f"llama-cpp-python {VERSION} with ridgefill patch {patch_id()} installed from {found}")
+    print(f"llama-server with ridgefill patches {server_patch_id()} installed as {install_server(args.python, args.jobs)}")
 
 
 if __name__ == "__main__":

@@ -1,21 +1,22 @@
-"""llama.cpp with ridgefill's patch, driven through llama-cpp-python's low-level API (ctypes).
+"""llama.cpp with ridgefill's patches, driven through llama-cpp-python's low-level API (ctypes).
 
-The patch (ridgefill.patch, applied by build.py) gives llama.cpp a fill of its own: `llama_ridgefill_set_maps` copies
-a split's maps into a backend buffer, `llama_ridgefill_set_fill` puts the next `llama_decode` calls in fill mode
-(their ubatches run layers 0..S-1 and then, for each late layer, only the map's prediction, that layer's input
-norm, its K/V projection, k-norm and RoPE and the cache store), and the filled ubatches report their split-state
-norms. This module splits a prompt into runs by the fill rule (torchfill/rows.py: keep-first, tail, kept rows in
-full; the rest filled) and calls `llama_decode` once per run (and per `n_batch` rows): there is no Python in the
-per-layer path. Outliers (torchfill/rows.py `outliers`, torchfill's rule: per chunk of `chunk` rows, the
-median of its filled rows' split-state norms) are found from the norms of the filled runs; a chunk with outliers
-has its cache removed from the first outlier on and runs again from there with those rows in full (their split
-states, and so their norms, do not depend on the fill: layers below the split run exactly for every row).
+The library patch (patches/libllama.patch, applied by build.py) gives llama.cpp a fill of its own and the plan of it:
+`llama_ridgefill_set_maps` copies a split's maps into a backend buffer (`llama_adapter_ridgefill_init` reads them
+from a GGUF adapter), fill mode makes `llama_decode`'s ubatches run layers 0..S-1 and then, for each late layer, only
+the map's prediction, that layer's input norm, its K/V projection, k-norm and RoPE and the cache store, and
+`llama_ridgefill_prefill` runs a prompt by the plan, written once in libllama for this driver and for llama-server:
+the fill rule (keep-first, tail, kept rows in full; the rest filled: the rule of torchfill/rows.py), runs of equal
+kind each its own `llama_decode` (n_batch rows at most: no Python in the per-layer path), the outlier rule by chunk
+(torchfill's: per chunk of `chunk` rows, a filled row whose split-state norm exceeds the factor times the lower
+median of the chunk's filled rows' norms runs in full; the chunk runs again from its first outlier on), and which
+cached rows a new prompt keeps (`llama_ridgefill_reusable`).
 
 Every failure a user can cause is one line (RidgefillError): the build (library.py: missing, stale, for another CPU;
 `make install` builds the right one), a model the fill does not run, a refusal of the patch's C API (its
-LLAMA_RIDGEFILL_ERR_* codes, turned into lines here). The fill proves itself: after every filled
-`llama_decode` the rows llama.cpp reports filled (their split-state norms, by position) must be the rows the plan
-fills, and the tally counts llama.cpp's rows, not the plan's.
+LLAMA_RIDGEFILL_ERR_* codes, turned into lines here). The fill proves itself: after every filled `llama_decode` the
+plan checks that the rows llama.cpp reports filled (their split-state norms, by position) are the rows it fills
+(LLAMA_RIDGEFILL_ERR_FILLED otherwise), and the tally counts llama.cpp's rows as it ran them
+(`llama_ridgefill_get_rows`), not the plan's.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ import torch
 from ridgefill.backends.llamacpp import library
 from ridgefill.backends.llamacpp.gguf_header import FAMILIES, check_family, gguf_architecture  # noqa: F401
 from ridgefill.backends.llamacpp.maps import Maps, maps_of  # noqa: F401
-from ridgefill.torchfill.rows import outliers as outlier_rows
 from ridgefill.errors import RidgefillError
 
 KV_TYPES = {"f16": 1, "f32": 0}  # ggml types of the K/V cache the fill writes (a quantized cache is refused)
@@ -44,6 +44,7 @@ SET_MAPS_REFUSALS = {
     -5: "their width is not this model's",
     -6: "their key scale's KV heads are not this model's",
 }
+ERR_NO_MAPS, ERR_FILLED = -7, -8
 DECODE_REFUSALS = {
     -20: "a row of a filled run asks for logits: logits come only from rows that run in full",
     -21: "llama.cpp fills no rows of an embeddings context: use a generation context",
@@ -54,6 +55,21 @@ DECODE_REFUSALS = {
 class Stopped(Exception):
     """A prefill stopped by its `stop` callable (a server's client went away): the cache is in no known state until
     `clear`."""
+
+
+@dataclass(frozen=True)
+class Rows:
+    """A prompt's fill rule as llama.cpp's plan takes it (llama.h's struct llama_ridgefill_plan): its last `tail`
+    rows, its first `keep_first` rows and `keep_rows` run the whole model; every other row is filled."""
+
+    tail: int = 0
+    keep_first: int = 0
+    keep_rows: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, full: list[bool]) -> "Rows":
+        """The rule of a mask [n] (True: a row that runs in full)."""
+        return cls(0, 0, tuple(i for i, f in enumerate(full) if f))
 
 
 @dataclass
@@ -141,14 +157,8 @@ class LlamaCpp:
         self.mem = ll.llama_get_memory(self.ctx)
         self.batch = ll.llama_batch_init(n_batch, 0, 1)
         self.maps: Maps | None = None
-        self.n_past = 0  # positions held in the cache
-        # what the cache's rows are, as the prefills wrote them (rows a prefill did not write ran in full, unplanned:
-        # decode steps): how llama.cpp last ran each (True: filled), the plan's kind before outliers (True: full),
-        # and the split-state norms of the rows the plan filled (also those promoted to full as outliers)
-        self._filled: dict[int, bool] = {}
-        self._planned: dict[int, bool] = {}
-        self._norms: dict[int, float] = {}
-        self._logits: dict[int, np.ndarray] = {}  # a run's logits by position
+        self.n_past = 0  # positions held in the cache (what its rows are, llama.cpp's plan records: prefill)
+        self._logits: dict[int, np.ndarray] = {}  # a decode step's logits by position
         self.stop = None  # a callable asked before each llama_decode: True stops the prefill (Stopped; then clear())
 
     def meta(self, key: str) -> str | None:
@@ -158,6 +168,9 @@ class LlamaCpp:
 
     def close(self) -> None:
         ll = self.ll
+        if getattr(self, "ctx", None) and getattr(self, "_adapter", None):
+            self.lib.llama_set_adapter_ridgefill(self.ctx, None)
+            self._free_adapter()
         if getattr(self, "batch", None) is not None:
             ll.llama_batch_free(self.batch)
             self.batch = None
@@ -179,10 +192,14 @@ class LlamaCpp:
 
     # --- maps ---------------------------------------------------------------------------------------------------
     def set_maps(self, maps: Maps) -> None:
-        """Copy `maps` into llama.cpp (checked against this model's shape first)."""
+        """Copy `maps` into llama.cpp (checked against this model's shape first); maps with an adapter file are read
+        by libllama itself (llama_adapter_ridgefill_init, as llama-server reads them)."""
         s, h, m = maps.split, self.n_embd, self.n_layers - maps.split - 1
         if not 1 <= s < self.n_layers:
             raise RidgefillError(f"split {s} is outside this model's 1..{self.n_layers - 1}: fit maps for this model")
+        if maps.adapter is not None:
+            self._set_adapter(maps)
+            return
         want = {"w": (m, h, h), "u": (m, maps.rank, h), "v": (m, h, maps.rank), "b": (m, h),
                 "key_scale": (self.n_layers - s, self.n_head_kv)}
         for name, shape in want.items():
@@ -201,173 +218,143 @@ class LlamaCpp:
         if ret != 0:
             why = SET_MAPS_REFUSALS.get(ret, f"code {ret}")
             raise RidgefillError(f"llama.cpp refused the maps of split {s}: {why}: fit maps for this model")
+        self._free_adapter()
         self.maps = maps
+
+    def _set_adapter(self, maps: Maps) -> None:
+        adapter = self.lib.llama_adapter_ridgefill_init(self.model, str(maps.adapter).encode())
+        if not adapter:
+            raise RidgefillError(f"llama.cpp refused the adapter {maps.adapter} (llama_adapter_ridgefill_init): "
+                                 "convert the maps for this model (ridgefill convert-maps)")
+        ret = self.lib.llama_set_adapter_ridgefill(self.ctx, adapter)
+        if ret != 0:
+            self.lib.llama_adapter_ridgefill_free(adapter)
+            raise RidgefillError(f"llama.cpp refused the adapter {maps.adapter}: "
+                                 f"{SET_MAPS_REFUSALS.get(ret, f'code {ret}')}")
+        self._free_adapter()
+        self._adapter, self.maps = adapter, maps
+
+    def _free_adapter(self) -> None:
+        """Free the adapter llama.cpp held before (the context holds the new maps now)."""
+        old, self._adapter = getattr(self, "_adapter", None), None
+        if old:
+            self.lib.llama_adapter_ridgefill_free(old)
 
     # --- runs ---------------------------------------------------------------------------------------------------
     def clear(self) -> None:
         """Empty the cache (and forget what its rows were)."""
         self.ll.llama_memory_clear(self.mem, True)
+        self.lib.llama_ridgefill_reusable(self.ctx, 0, ctypes.byref(library.Plan(chunk=1)), 1, 0)
         self.n_past = 0
-        self._filled, self._planned, self._norms = {}, {}, {}
 
-    def _decode(self, tokens: list[int], start: int, fill: bool, outputs=frozenset()) -> None:
-        """Run tokens at positions start.. (fill mode or not), n_batch rows per llama_decode; the logits of the
-        positions in `outputs` go to self._logits, a filled run's split-state norms to self._norms, and every row's
-        kind as llama.cpp ran it (True: filled, by its own report) to self._filled."""
-        ret = self.lib.llama_ridgefill_set_fill(self.ctx, True) if fill else 0
-        if ret != 0:
-            raise RidgefillError(DECODE_REFUSALS.get(ret, "no maps are set for a filled run"))
-        try:
-            b = self.batch
-            for lo in range(0, len(tokens), self.n_batch):
-                part = tokens[lo:lo + self.n_batch]
-                index = {}
-                for i, tok in enumerate(part):
-                    pos = start + lo + i
-                    b.token[i], b.pos[i], b.n_seq_id[i] = tok, pos, 1
-                    b.seq_id[i][0] = 0
-                    out = pos in outputs  # in a filled run llama.cpp refuses it (a filled row has no logits)
-                    b.logits[i] = out
-                    if out:
-                        index[pos] = i
-                b.n_tokens = len(part)
-                if self.stop is not None and self.stop():
-                    raise Stopped(f"stopped before positions {start + lo}..{start + lo + len(part) - 1}")
-                ret = self.ll.llama_decode(self.ctx, b)
-                if fill and ret in DECODE_REFUSALS:
-                    raise RidgefillError(DECODE_REFUSALS[ret])
-                if ret != 0:
-                    raise RidgefillError(f"llama.cpp's decode failed (code {ret}) at positions {start + lo}.."
-                                         f"{start + lo + len(part) - 1} (a context of {self.n_ctx} tokens)")
-                rows = range(start + lo, start + lo + len(part))
-                if fill:
-                    self._norms.update(self._read_norms(rows))
-                self._filled.update((p, fill) for p in rows)
-                for pos, i in index.items():
-                    self._logits[pos] = self._row(i)
-            self.n_past = start + len(tokens)
-        finally:
-            if fill:
-                self.lib.llama_ridgefill_set_fill(self.ctx, False)
+    def _decode(self, tokens: list[int], start: int, outputs=frozenset()) -> None:
+        """Run tokens at positions start.. through the whole model (decode steps), n_batch rows per llama_decode; the
+        logits of the positions in `outputs` go to self._logits."""
+        b = self.batch
+        for lo in range(0, len(tokens), self.n_batch):
+            part = tokens[lo:lo + self.n_batch]
+            index = {}
+            for i, tok in enumerate(part):
+                pos = start + lo + i
+                b.token[i], b.pos[i], b.n_seq_id[i] = tok, pos, 1
+                b.seq_id[i][0] = 0
+                b.logits[i] = pos in outputs
+                if pos in outputs:
+                    index[pos] = i
+            b.n_tokens = len(part)
+            ret = self.ll.llama_decode(self.ctx, b)
+            if ret != 0:
+                raise RidgefillError(f"llama.cpp's decode failed (code {ret}) at positions {start + lo}.."
+                                     f"{start + lo + len(part) - 1} (a context of {self.n_ctx} tokens)")
+            for pos, i in index.items():
+                self._logits[pos] = self._row(i)
+        self.n_past = start + len(tokens)
 
     def _row(self, i: int) -> np.ndarray:
         p = self.ll.llama_get_logits_ith(self.ctx, i)
         return np.ctypeslib.as_array(p, shape=(self.n_vocab,)).copy()
 
-    def _read_norms(self, rows: range) -> dict[int, float]:
-        """The split-state norms llama.cpp recorded for the filled rows of its last decode, checked to be exactly
-        `rows`: a graph without the fill hook (another architecture, a hook lost in a rebase) records none and
-        computed the rows in full, which would be timed and counted as filled."""
-        n = self.lib.llama_ridgefill_n_norms(self.ctx)
-        pos = np.ctypeslib.as_array(self.lib.llama_ridgefill_norm_pos(self.ctx), shape=(n,)).tolist() if n else []
-        if pos != list(rows):
-            raise RidgefillError(f"llama.cpp filled {n} of the {len(rows)} rows its plan fills at positions "
-                                 f"{rows.start}..{rows.stop - 1}: its {self.arch} graph does not run ridgefill's "
-                                 f"fill; use --engine torchfill for this model")
-        norms = np.ctypeslib.as_array(self.lib.llama_ridgefill_norms(self.ctx), shape=(n,))
-        return dict(zip(pos, norms.tolist()))
-
-    def prefill(self, tokens: list[int], full: list[bool] | None = None, outputs: list[int] = (),
+    def prefill(self, tokens: list[int], full: "Rows | list[bool] | None" = None, outputs: list[int] = (),
                 outlier_factor: float = 0.0, chunk: int = 2048, reuse: int = 0) -> Prefill:
-        """Prefill `tokens`. full [n] (None: all): the rows that run the whole model; the rest are filled (maps set by
-        set_maps). outputs: rows whose logits come back. Outliers among the filled rows (outlier_factor > 0, per
-        chunk of `chunk` rows) run in full instead.
+        """Prefill `tokens` by llama.cpp's fill plan (llama_ridgefill_prefill: the plan is written once, in the
+        patched libllama, for this driver and for llama-server). full: the rows that run the whole model, as a rule
+        (Rows), a mask [n] (True: full) or None (all); the rest are filled (maps set by set_maps). outputs: rows whose
+        logits come back (rows the plan runs in full). Outliers among the filled rows (outlier_factor > 0, per chunk
+        of `chunk` rows) run in full instead.
 
-        reuse: the cache's first `reuse` rows hold these tokens (the caller compared them: llama-cpp-python's prefix
-        match); of those, the rows before `reusable`'s cut are kept and the rest run again, so the cache ends as a
-        fresh prefill of `tokens` would leave it. 0: the cache is cleared first."""
+        reuse: the cache's first `reuse` rows hold these tokens (the caller compared them); of those, llama.cpp keeps
+        the rows a fresh prefill would leave as they are (llama_ridgefill_reusable) and runs the rest again, so the
+        cache ends as a fresh prefill of `tokens` would leave it. 0: the cache is cleared first."""
         n = len(tokens)
         if n == 0 or n > self.n_ctx:
             raise RidgefillError(f"a prompt of {n} tokens does not fit the context of {self.n_ctx} tokens")
-        planned = [True] * n if full is None else list(full)
-        if not all(planned) and self.maps is None:
+        rows = Rows(0, n) if full is None else full if isinstance(full, Rows) else Rows.of(full)
+        plan = self._plan(rows, n, outlier_factor, chunk)
+        mask = (ctypes.c_bool * n)()
+        if self.lib.llama_ridgefill_plan_rows(ctypes.byref(plan), n, mask) > 0 and self.maps is None:
             raise RidgefillError("no maps are set for a filled prefill")
-        start = self.reusable(planned, min(reuse, n - 1, *outputs), outlier_factor, chunk)
-        if start == 0:
-            self.clear()
-        else:
-            self.ll.llama_memory_seq_rm(self.mem, 0, start, -1)
-        for record in (self._filled, self._planned, self._norms):
-            for p in [p for p in record if p >= start]:
-                del record[p]
-        self._planned.update((p, planned[p]) for p in range(start, n))
-        self._logits = {}
-        want = set(outputs)
-        full = list(planned)  # the kinds the rows end up with (outliers promoted)
-        first = start  # the first row computed here
+        if any(not mask[p] for p in outputs):
+            raise RidgefillError(DECODE_REFUSALS[-20])
+        start = self.lib.llama_ridgefill_reusable(self.ctx, 0, ctypes.byref(plan), n, min(reuse, n - 1, *outputs))
+        toks = (ctypes.c_int32 * n)(*tokens)
+        outs = (ctypes.c_int32 * max(len(outputs), 1))(*outputs)
+        logits = np.zeros((len(outputs), self.n_vocab), dtype=np.float32)  # [len(outputs), V]
         result = Prefill(torch.empty(0), list(outputs))
-        for c0 in range(start - start % chunk, n, chunk):
-            c1 = min(n, c0 + chunk)
-            result.runs += self._runs(tokens, full, max(c0, start), c1, want)
-            decided = self._decided(planned, c0, c1, outlier_factor)
-            wrong = self._first_unlike(decided, c0)
-            if wrong is not None:  # run again from the first row that ran otherwise (outliers in full)
-                full[c0:c1] = decided
-                self.ll.llama_memory_seq_rm(self.mem, 0, wrong, -1)
-                result.runs += self._runs(tokens, full, wrong, c1, want)
-                first = min(first, wrong)
+        pos = first = start
+        while pos < n:
+            if self.stop is not None and self.stop():
+                raise Stopped(f"stopped before positions {pos}..{n - 1}")
+            stats = library.Stats()
+            ret = self.lib.llama_ridgefill_prefill(self.ctx, 0, toks, n, pos, n, self.n_batch, ctypes.byref(plan),
+                                                   outs, len(outputs),
+                                                   logits.ctypes.data_as(ctypes.POINTER(ctypes.c_float)),
+                                                   ctypes.byref(stats))
+            if ret != 0:
+                raise RidgefillError(self._refusal(ret, pos, n))
+            first, pos, result.runs = min(first, stats.n_first), stats.n_past, result.runs + stats.n_decode
         self.n_past = n
-        computed = range(first, n)
+        kinds, _ = self.rows_ran(first, n)
         result.reused = first
-        result.filled = sum(self._filled[p] for p in computed)  # llama.cpp's own count: the rows it filled
-        result.promoted = [p for p in computed if full[p] and not planned[p]]
+        result.filled = sum(k == library.ROW_FILLED for k in kinds)  # llama.cpp's own count: the rows it filled
+        result.promoted = [first + i for i, k in enumerate(kinds) if k == library.ROW_OUTLIER]
         result.outliers = len(result.promoted)
-        result.logits = torch.from_numpy(np.stack([self._logits[p] for p in outputs])) if outputs else \
-            torch.empty(0, self.n_vocab)
-        self._logits = {}
+        result.logits = torch.from_numpy(logits)
         return result
 
-    def reusable(self, planned: list[bool], reuse: int, outlier_factor: float, chunk: int) -> int:
-        """How many of the cache's first `reuse` rows (the new prompt's own tokens) a prefill planned as `planned`
-        keeps: the rows before the first one a fresh prefill would compute otherwise. A row the plan runs in full is
-        kept only where it ran in full; a row the plan fills only where its split-state norm is known (it ran
-        filled, or was promoted as an outlier), and a whole chunk's rows only where its outlier decisions, made
-        again on those norms, are how the rows ran. The chunk the cut falls in is judged once its rest has run
-        (prefill: `_first_unlike`)."""
-        cut = next((r for r in range(reuse) if (self._filled.get(r, False) if planned[r] else r not in self._norms)),
-                   reuse)
-        for c0 in range(0, cut, chunk):
-            c1 = min(c0 + chunk, len(planned))
-            if c1 > cut:
-                break
-            wrong = self._first_unlike(self._decided(planned, c0, c1, outlier_factor), c0)
-            if wrong is not None:
-                return wrong
-        return cut
+    def rows_ran(self, p0: int, p1: int) -> tuple[list[int], list[float]]:
+        """How rows p0..p1-1 of the cache ran (library.ROW_*: llama.cpp's plan's records) and the split-state norms of
+        the rows the plan filled (NaN for the others)."""
+        kinds, norms = (ctypes.c_uint8 * (p1 - p0))(), (ctypes.c_float * (p1 - p0))()
+        self.lib.llama_ridgefill_get_rows(self.ctx, 0, p0, p1, kinds, norms)
+        return list(kinds), list(norms)
 
-    def _decided(self, planned: list[bool], c0: int, c1: int, outlier_factor: float) -> list[bool]:
-        """Rows c0..c1-1 of a chunk as a fresh prefill runs them (True: full): the plan's, and the outliers among
-        the rows it fills (their norms) in full."""
-        decided = planned[c0:c1]
-        filled = [p for p in range(c0, c1) if not planned[p]]
-        if outlier_factor > 0 and filled:
-            norms = torch.tensor([self._norms[p] for p in filled])
-            out = outlier_rows(norms, torch.zeros(len(filled), dtype=torch.long),
-                               torch.ones(len(filled), dtype=torch.bool), outlier_factor)
-            for p, o in zip(filled, out.tolist()):
-                decided[p - c0] = decided[p - c0] or bool(o)
-        return decided
+    @staticmethod
+    def _plan(rows: "Rows", n: int, outlier_factor: float, chunk: int) -> library.Plan:
+        outside = [r for r in rows.keep_rows if not 0 <= r < n]
+        if outside:
+            raise RidgefillError(f"keep row {outside[0]} is outside the {n}-token prompt (rows 0..{n - 1}): keep "
+                                 "rows inside the prompt")
+        keep = (ctypes.c_int32 * max(len(rows.keep_rows), 1))(*rows.keep_rows)
+        plan = library.Plan(rows.tail, rows.keep_first, outlier_factor, chunk, keep, len(rows.keep_rows))
+        plan._keep = keep  # the array lives as long as the plan
+        return plan
 
-    def _first_unlike(self, decided: list[bool], c0: int) -> int | None:
-        """The first row from c0 whose kind as it ran is not `decided`'s, or None."""
-        return next((c0 + i for i, f in enumerate(decided) if self._filled.get(c0 + i, False) == f), None)
-
-    def _runs(self, tokens, full, lo, hi, want) -> int:
-        """Rows lo..hi-1 as runs of equal kind (full or filled), in order; returns llama_decode calls."""
-        calls, p = 0, lo
-        while p < hi:
-            q = p
-            while q < hi and full[q] == full[p]:
-                q += 1
-            self._decode(tokens[p:q], p, fill=not full[p], outputs=want)
-            calls += -(-(q - p) // self.n_batch)
-            p = q
-        return calls
+    def _refusal(self, ret: int, pos: int, n: int) -> str:
+        """The one line of a failed llama_ridgefill_prefill (its LLAMA_RIDGEFILL_ERR_* codes, or llama_decode's)."""
+        if ret in DECODE_REFUSALS:
+            return DECODE_REFUSALS[ret]
+        if ret == ERR_FILLED:
+            return (f"llama.cpp did not fill the rows its plan fills from position {pos}: its {self.arch} graph does "
+                    "not run ridgefill's fill; use --engine torchfill for this model")
+        if ret == ERR_NO_MAPS:
+            return "no maps are set for a filled prefill"
+        return (f"llama.cpp's decode failed (code {ret}) at positions {pos}..{n - 1} (a context of {self.n_ctx} "
+                "tokens)")
 
     def step(self, token: int) -> np.ndarray:
         """One decode step (the whole model) after the cache: the next logits [V]."""
         self._logits = {}
-        self._decode([token], self.n_past, fill=False, outputs={self.n_past})
+        self._decode([token], self.n_past, outputs={self.n_past})
         return self._logits.pop(self.n_past - 1)
 
     def greedy(self, first_logits: np.ndarray | torch.Tensor, max_new_tokens: int, eos: int | None = None) -> list[int]:

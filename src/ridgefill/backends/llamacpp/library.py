@@ -12,7 +12,7 @@ from pathlib import Path
 from ridgefill.errors import RidgefillError
 
 VERSION = "0.3.36"  # the llama-cpp-python whose vendored llama.cpp the patch is written against
-PATCH = Path(__file__).with_name("ridgefill.patch")
+PATCH = Path(__file__).with_name("patches") / "libllama.patch"  # build.LIBRARY_PATCH
 INSTALL = "run `make install` (it builds llama-cpp-python with ridgefill's patch)"
 
 
@@ -81,17 +81,47 @@ def build_info() -> dict:
             "cpu_features": list(build_features(lib))}
 
 
+class Plan(ctypes.Structure):
+    """llama.h's struct llama_ridgefill_plan: the fill rule and the outlier rule of a prompt."""
+
+    _fields_ = [("tail", ctypes.c_int32), ("keep_first", ctypes.c_int32), ("outlier_factor", ctypes.c_float),
+                ("chunk", ctypes.c_int32), ("keep_rows", ctypes.POINTER(ctypes.c_int32)),
+                ("n_keep_rows", ctypes.c_int32)]
+
+
+class Stats(ctypes.Structure):
+    """llama.h's struct llama_ridgefill_stats: what one llama_ridgefill_prefill call did."""
+
+    _fields_ = [("n_past", ctypes.c_int32), ("n_first", ctypes.c_int32), ("n_decode", ctypes.c_int32)]
+
+
+ROW_FULL, ROW_FILLED, ROW_OUTLIER = 0, 1, 2  # llama.h's LLAMA_RIDGEFILL_ROW_*
+
+
 def _declare(lib) -> None:
     f32p, vp, i32 = ctypes.POINTER(ctypes.c_float), ctypes.c_void_p, ctypes.c_int32
+    i32p, planp = ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(Plan)
     for name in ("llama_ridgefill_patch_id", "llama_ridgefill_build_features", "llama_ridgefill_cpu_features"):
         getattr(lib, name).argtypes, getattr(lib, name).restype = [], ctypes.c_char_p
-    lib.llama_ridgefill_set_maps.argtypes = [vp, i32, i32, i32, i32, i32, f32p, f32p, f32p, f32p, f32p]
-    lib.llama_ridgefill_set_maps.restype = ctypes.c_int32
-    lib.llama_ridgefill_set_fill.argtypes, lib.llama_ridgefill_set_fill.restype = [vp, ctypes.c_bool], ctypes.c_int32
-    lib.llama_ridgefill_n_norms.argtypes, lib.llama_ridgefill_n_norms.restype = [vp], ctypes.c_int32
-    lib.llama_ridgefill_norms.argtypes, lib.llama_ridgefill_norms.restype = [vp], f32p
-    lib.llama_ridgefill_norm_pos.argtypes = [vp]
-    lib.llama_ridgefill_norm_pos.restype = ctypes.POINTER(ctypes.c_int32)
+    signatures = {
+        "llama_ridgefill_set_maps": ([vp, i32, i32, i32, i32, i32, f32p, f32p, f32p, f32p, f32p], i32),
+        "llama_ridgefill_set_fill": ([vp, ctypes.c_bool], i32),
+        "llama_ridgefill_n_norms": ([vp], i32),
+        "llama_ridgefill_norms": ([vp], f32p),
+        "llama_ridgefill_norm_pos": ([vp], i32p),
+        "llama_adapter_ridgefill_init": ([vp, ctypes.c_char_p], vp),
+        "llama_adapter_ridgefill_free": ([vp], None),
+        "llama_adapter_ridgefill_meta_val_str": ([vp, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t], i32),
+        "llama_set_adapter_ridgefill": ([vp, vp], i32),
+        "llama_ridgefill_plan_default": ([vp], Plan),
+        "llama_ridgefill_plan_rows": ([planp, i32, ctypes.POINTER(ctypes.c_bool)], i32),
+        "llama_ridgefill_reusable": ([vp, i32, planp, i32, i32], i32),
+        "llama_ridgefill_get_rows": ([vp, i32, i32, i32, ctypes.POINTER(ctypes.c_uint8), f32p], None),
+        "llama_ridgefill_prefill": ([vp, i32, i32p, i32, i32, i32, i32, planp, i32p, i32, f32p,
+                                     ctypes.POINTER(Stats)], i32),
+    }
+    for name, (args, res) in signatures.items():
+        getattr(lib, name).argtypes, getattr(lib, name).restype = args, res
 
 
 def check_installed() -> None:

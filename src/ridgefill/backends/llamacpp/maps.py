@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
+
 
 @dataclass
 class Maps:
@@ -16,6 +18,7 @@ class Maps:
     v: np.ndarray | None = None  # [m, H, r] (Vᵀ)
     b: np.ndarray | None = None  # [m, H]; None: identity fill
     key_scale: np.ndarray | None = None  # [L-S, Hkv]
+    adapter: Path | None = None  # the same maps as a GGUF adapter: libllama reads it itself, tensors as stored (F16)
 
     @property
     def rank(self) -> int:
