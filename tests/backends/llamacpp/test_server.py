@@ -1,9 +1,10 @@
-"""`ridgefill serve --engine llamacpp` as a user runs it, on the tiny Llama GGUF with perturbed ridge maps (split 3 of
-6, tail 8; a wrong fill shows): the OpenAI client's completion, chat completion and stream; greedy tokens equal to
-`ridgefill generate --engine llamacpp`; prefix reuse equal to a fresh prefill; /metrics counting each prompt token
-once; what llama.cpp cannot serve refused in one line; bad configurations one line and exit 2. The driver's reuse rule
-alone: test_server_prefix.py; the queue bound, the key, hostile bodies, clients that go away, SIGTERM and the rest
-every server must do: the conformance suite (tests/serve/conformance)."""
+"""`ridgefill serve --engine llamacpp` as a user runs it (the patched llama-server behind the front), on the tiny Llama
+GGUF with perturbed ridge maps (split 3 of 6, tail 8; a wrong fill shows): the OpenAI client's completion, chat
+completion and stream; greedy tokens equal to `ridgefill generate --engine llamacpp`; prefix reuse equal to a fresh
+prefill; /metrics counting each prompt token once; what it cannot serve refused in one line; bad configurations one
+line and exit 2; bench-serve. The reuse rule alone: test_server_prefix.py; llama-server run directly:
+test_llama_server.py; the queue bound, the key, hostile bodies, clients that go away, SIGTERM and the rest every
+server must do: the conformance suite (tests/serve/conformance)."""
 
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ def test_the_openai_client_gets_a_completion_a_chat_completion_and_a_stream(serv
 def asked(client, served) -> None:
     assert "with RidgeFill: ridge fill" in served.banner and "split 3 of 6 layers" in served.banner, served.banner
     assert [m.id for m in client.models.list().data] == [served.name]
-    greedy = {"temperature": 0, "extra_body": {"repeat_penalty": 1.0}}
+    greedy = {"temperature": 0}
     done = client.completions.create(model=served.name, prompt=PROMPT, max_tokens=6, **greedy)
     assert done.usage.completion_tokens == 6 and done.choices[0].text
     streamed = client.completions.create(model=served.name, prompt=PROMPT, max_tokens=6, stream=True, **greedy)
@@ -96,7 +97,7 @@ def test_greedy_tokens_equal_generate_on_the_same_prompt_maps_split_and_tail(ser
 
 
 def tokens(served, text: str) -> list[int]:
-    status, body = served.post("/extras/tokenize", {"input": text})
+    status, body = served.post("/tokenize", {"content": text, "add_special": True})
     assert status == 200, body
     return body["tokens"]
 
@@ -154,17 +155,17 @@ def test_metrics_count_each_prompt_token_once(served):
     assert again["ridgefill_full_tokens_total"] - mid["ridgefill_full_tokens_total"] == 1
 
 
-def test_what_llamacpp_cannot_serve_is_refused_in_one_line(served):
-    """llama.cpp's own refusals (the conformance suite checks that every refusal is one clean 4xx line):
-    embeddings (a generation context), logprobs (filled rows have no logits), several choices."""
-    cases = [("/v1/embeddings", {"input": "x"}, "embeddings are not served"),
-             ("/v1/completions", {"prompt": "x", "logprobs": 2}, "logprobs are not served with --engine llamacpp"),
-             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True},
-              "logprobs are not served with --engine llamacpp"),
-             ("/v1/completions", {"prompt": "x", "n": 2}, "n=2: this server answers one choice per request")]
+def test_what_llamacpp_cannot_serve_is_refused_in_one_line_and_logprobs_are_served(served):
+    """Refusals (the conformance suite checks that every refusal is one clean 4xx line): embeddings (a generation
+    server), more choices than llama-server has slots (one here). The log-probabilities of generated tokens come from
+    rows that run in full: served."""
+    cases = [("/v1/embeddings", {"input": "x"}, "embeddings and reranking are not served"),
+             ("/v1/completions", {"prompt": "x", "n": 2}, "Field 'n': Value must be between 1 <= value <= 1")]
     for path, body, message in cases:
         status, answered = served.post(path, body)
         assert status == 400 and answered["error"]["message"].startswith(message), (path, answered)
+    body = served.complete(PROMPT, 3, logprobs=2)
+    assert len(body["choices"][0]["logprobs"]["content"]) == 3, body
 
 
 def refused(args: list[str], monkeypatch, capfd) -> str:
@@ -182,14 +183,16 @@ def test_bad_configurations_are_one_line_and_exit_2(served, tiny_ggufs, tiny_che
         f"error: --engine llamacpp runs GGUF files, not {tiny_checkpoint}: give --model a .gguf file or an embedded "
         "alias (smollm2-135m)")
     assert refused(["--model", gguf, "--split", "3", "--max-model-len", "4096"], monkeypatch, capfd) == (
-        "error: --max-model-len is not an option of --engine llamacpp's server, which takes --api-key KEY and "
-        "--n-ctx N (vLLM's options need --engine vllm)")
+        "error: --max-model-len is not an option of --engine llamacpp's server, which takes --api-key KEY, --n-ctx N "
+        "and --parallel N (vLLM's options need --engine vllm)")
     from ridgefill.backends import server_of
     from ridgefill.backends.llamacpp.server import split_args
 
     assert split_args(server_of("llamacpp").context_args(4096)) == {"--n-ctx": "4096"}  # bench-serve's sizing
     assert refused(["--model", gguf, "--split", "3", "--n-ctx", "0"], monkeypatch, capfd) == (
         "error: --n-ctx '0' is not a number of tokens: give e.g. --n-ctx 4096")
+    assert refused(["--model", gguf, "--split", "3", "--parallel", "0"], monkeypatch, capfd) == (
+        "error: --parallel '0' is not a number of slots: give 1..64, e.g. --parallel 2")
     assert refused(["--model", gguf, "--split", "3", "--dtype", "bf16"], monkeypatch, capfd).startswith(
         "error: --dtype bf16 is not supported with --engine llamacpp")
     assert refused(["--model", gguf, "--split", "3", "--kv-cache-gib", "1"], monkeypatch, capfd).startswith(
@@ -203,10 +206,10 @@ def test_bad_configurations_are_one_line_and_exit_2(served, tiny_ggufs, tiny_che
 
 
 def test_a_serving_config_and_the_stock_server_bench_serve_compares(served, tmp_path, monkeypatch, cache):
-    """serve reads tune's serving config as vLLM's serve does (its fill pinned into the server's SPEC, the maps by
-    sha256); the same server without a fill (serve.stock_plan: --stock, no guard, no RidgeFill counter)
-    answers a prompt as the filled server answers it with a tail over the whole prompt (exact), and refuses
-    RidgeFill's options."""
+    """serve reads tune's serving config as vLLM's serve does (its fill into the server's SPEC, the maps checked by
+    sha256 and written as the GGUF adapter llama-server reads); the same server without a fill (serve.stock_plan:
+    --stock, no guard, no RidgeFill counter) answers a prompt as the filled server answers it with a tail over the
+    whole prompt (exact), and refuses RidgeFill's options."""
     from helpers import free_port
     from ridgefill.backends.llamacpp.server import KEY_ENV
     from ridgefill.method.fill import SERVING_KIND, FillSettings
@@ -225,8 +228,11 @@ def test_a_serving_config_and_the_stock_server_bench_serve_compares(served, tmp_
     c.check()
     plan = serve_plan(c, tmp_path)
     spec = json.loads((tmp_path / "llamacpp-server.json").read_text())
-    assert spec["fill"]["tail"] == 12 and spec["fill"]["maps"] == str(served.maps.resolve())
-    assert spec["fill"]["maps_sha256"] == json.loads(config.read_text())["maps"]["sha256"]
+    assert spec["fill"]["tail"] == 12 and spec["fill"]["adapter"] == str(tmp_path / "maps.gguf")
+    from ridgefill.method.maps import load_maps
+
+    ours, theirs = load_maps(served.maps)[0], load_maps(tmp_path / "maps.gguf")[0]
+    assert ours.keys() == theirs.keys() and all(ours[k].equal(theirs[k]) for k in ours)  # F32: the same numbers
     assert plan.env[KEY_ENV] == served.key and served.key not in " ".join(plan.argv)
     assert "--guard" in plan.argv and "tail 12" in plan.banner
     stock = stock_plan(c, tmp_path, tmp_path / "stock.log")
@@ -236,7 +242,7 @@ def test_a_serving_config_and_the_stock_server_bench_serve_compares(served, tmp_
         base = stock.health.removesuffix("/health")
         server = type(served)(served.proc, base, served.key, stock.log, stock.banner, served.name)
         assert server.complete(PROMPT, 6)["choices"][0]["text"] == exact["choices"][0]["text"]
-        assert not any(k.endswith("_total") for k in server.metrics())
+        assert not any(k.endswith("_total") for k in server.metrics())  # llama-server without --ridgefill
         status, body = server.post("/v1/completions", {"prompt": "x", "ridgefill_tail": 4})
         assert status == 400 and "runs without RidgeFill" in body["error"]["message"], body
 

@@ -132,12 +132,12 @@ def start_llamacpp(request, tmp_path_factory) -> Served:
 
 LLAMACPP = Kind(
     name="llamacpp", start=start_llamacpp,
-    body_routes=("/v1/completions", "/v1/chat/completions", "/v1/engines/copilot-codex/completions",
-                 "/v1/embeddings", "/extras/tokenize", "/extras/tokenize/count", "/extras/detokenize"),
-    open_routes=(),
-    get_routes=("/v1/models",),
-    detokenize=lambda served, ids: ("/extras/detokenize", {"tokens": ids}),
-    tokenize_empty=("/extras/tokenize", {}),
+    body_routes=("/v1/completions", "/v1/chat/completions", "/completion", "/infill", "/v1/embeddings",
+                 "/apply-template"),
+    open_routes=("/tokenize", "/detokenize"),  # open without the key, as vLLM's (serve's guard: no model runs)
+    get_routes=("/v1/models", "/props"),
+    detokenize=lambda served, ids: ("/detokenize", {"tokens": ids}),
+    tokenize_empty=("/tokenize", {}),
     options=lambda options: dict(options),
     bad_grammar={"grammar": 'root ::= ("a"'},
     bad_schema={"response_format": {"type": "json_object", "schema": {"enum": []}}},

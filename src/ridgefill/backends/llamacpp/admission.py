@@ -1,27 +1,21 @@
-"""The llama.cpp server's admission (app.py's `Admission`, pure ASGI middleware around llama-cpp-python's app): one
-model, one context. A request to a model route is admitted once its whole body has come within BODY_LIMIT and passed
-its checks (requests.py); at most `Queue.bound` at once, one running and the rest waiting for llama-cpp-python's model
-lock; past that a 503 with Retry-After. Each admitted request has a RequestState its worker thread reads (REQUEST): its
-RidgeFill options, its own stop flag, whether it holds the model lock. A client that goes away while its request waits
-for the model frees its place at once (the request cancelled: nothing runs for it); one whose request holds the lock
-stops it (the driver's prefill before its next llama_decode, the generation before its next token) and its place and
-the lock are held until the request has ended, its worker thread returned: a cancel there got past anyio's wait for
-the thread and the next request ran on the context beside it.
+"""The llama.cpp front's admission (app.py's `Admission`, pure ASGI middleware around the proxy to llama-server). A
+request to a model route (every route but /health and /metrics) is admitted once its whole body has come within
+BODY_LIMIT and passed its checks (requests.py); at most `Queue.bound` at once (llama-server runs `--parallel` of them,
+the rest wait in its queue); past that a 503 with Retry-After. A client that goes away has its request cancelled:
+the proxy's request to llama-server closes, and llama-server stops the request's work (prefill or generation) and
+frees its slot.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import contextvars
 import json
 import os
-import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ridgefill.backends.llamacpp import requests
 
-MODEL_PATHS = ("/v1/", "/extras/")  # the routes that wait for the model (llama-cpp-python's lock): admitted
+OPEN_PATHS = ("/health", "/metrics")  # the routes that are not admitted (every other one is)
 # the most bytes of a body Admission reads (the guard's bound when it is mounted: RIDGEFILL_MAX_REQUEST_BYTES raises
 # both; the stock server has no guard)
 BODY_LIMIT = 8 << 20
@@ -31,57 +25,15 @@ ADMITTED = "ridgefill_admitted_requests"  # the gauge of the requests admitted n
 
 
 @dataclass
-class RequestState:
-    """A request as the Llama sees it in its worker thread: RidgeFill's options the client gave, whether it went away
-    (set by Admission: its prefill stops before its next llama_decode, its generation before its next token), and
-    whether it holds llama-cpp-python's model lock (set on the event loop as it takes it: from then on Admission waits
-    for the request to end instead of cancelling it)."""
-
-    options: dict = field(default_factory=dict)
-    gone: threading.Event = field(default_factory=threading.Event)
-    on_model: bool = False
-
-    __hash__ = object.__hash__  # (a set's member, by identity)
-
-
-REQUEST: contextvars.ContextVar[RequestState] = contextvars.ContextVar("ridgefill_request")
-
-
-def stop_requested() -> bool:
-    """The driver's stop flag: whether the client of the request this thread runs went away (per request: a context
-    variable, never a field the next request overwrites)."""
-    state = REQUEST.get(None)
-    return state is not None and state.gone.is_set()
-
-
-@dataclass
 class Queue:
     """The requests admitted for the model (Admission's), at most `bound`: a gauge on /metrics."""
 
     bound: int
     active: int = 0
-    running: set = field(default_factory=set)  # the RequestStates admitted now (SIGTERM stops each)
 
     def text(self) -> str:
         return (f"# HELP {ADMITTED} Requests running or waiting for the model (at most {self.bound})\n"
                 f"# TYPE {ADMITTED} gauge\n{ADMITTED} {self.active}\n")
-
-
-def hold_the_model_lock(lapp) -> None:
-    """llama-cpp-python's model lock (get_llama_proxy, as its completion routes take it), marking the request that
-    holds it (RequestState.on_model, set on the event loop as the lock is taken): Admission never cancels such a
-    request, whose worker thread may be running on the context (a cancel got past anyio's wait for the thread and
-    released the lock under it)."""
-    taken = lapp.get_llama_proxy
-
-    async def get_llama_proxy():
-        async with contextlib.asynccontextmanager(taken)() as proxy:
-            state = REQUEST.get(None)
-            if state is not None:
-                state.on_model = True
-            yield proxy
-
-    lapp.get_llama_proxy = get_llama_proxy
 
 
 def body_limit() -> int:
@@ -92,16 +44,16 @@ def body_limit() -> int:
 
 
 class Admission:
-    """Pure ASGI middleware around llama-cpp-python's app: a model route's request admitted once its whole body has
-    come (within `limit`) and passed its checks (requests.check), at most `queue.bound` at once; its RequestState; and
-    its client's going away (module docstring)."""
+    """Pure ASGI middleware around the proxy: a model route's request admitted once its whole body has come (within
+    `limit`) and passed its checks (requests.check), at most `queue.bound` at once; and its client's going away
+    (module docstring)."""
 
     def __init__(self, app, queue: Queue, fill_on: bool, model: requests.Model, limit: int = BODY_LIMIT) -> None:
         self.app, self.queue, self.fill_on, self.model, self.limit = app, queue, fill_on, model, limit
 
     async def __call__(self, scope, receive, send) -> None:
         path, queue = scope.get("path", ""), self.queue
-        if scope.get("type") != "http" or not path.startswith(MODEL_PATHS):
+        if scope.get("type") != "http" or path in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
         body = await read_body(receive, self.limit)
@@ -111,52 +63,44 @@ class Admission:
             await answer(send, 413, f"the request body is over {self.limit:,} bytes, the most this server reads: "
                          "send a shorter request", [(b"connection", b"close")])
             return
-        state = RequestState()
         if scope.get("method") == "POST" and path in requests.ROUTES:
             checked = requests.check(body, header(scope, b"content-type"), path, self.model, self.fill_on)
             if checked.error is not None:
                 await answer(send, checked.status, checked.error)
                 return
-            state.options, body = checked.options or {}, checked.body
+            body = checked.body
         if queue.active >= queue.bound:
             await answer(send, 503, f"the server is busy: {queue.bound} requests are running or waiting for the "
                          f"model (the most it admits); retry after {RETRY_AFTER_S} s",
                          [(b"retry-after", b"%d" % RETRY_AFTER_S)])
             return
         queue.active += 1
-        queue.running.add(state)
         try:
-            await self.admitted(scope, receive, send, body, state)
+            await self.admitted(scope, receive, send, body)
         finally:
             queue.active -= 1
-            queue.running.discard(state)
 
-    async def admitted(self, scope, receive, send, body: bytes, state: RequestState) -> None:
-        """The request run with its body replayed; when its client goes away: cancelled while it waits for the model,
-        else stopped (state.gone) and waited for until it ends (its worker thread returned)."""
+    async def admitted(self, scope, receive, send, body: bytes) -> None:
+        """The request run with its body replayed; cancelled when its client goes away (its request to llama-server
+        closes: llama-server stops its work)."""
         gone = asyncio.Event()
         replay = replayed_until(body, gone)
 
         async def watch():
             while (await receive())["type"] != "http.disconnect":
                 pass
-            state.gone.set()
             gone.set()
 
-        token = REQUEST.set(state)
-        try:
-            task = asyncio.ensure_future(self.app(scope, replay, send))
-        finally:
-            REQUEST.reset(token)
+        task = asyncio.ensure_future(self.app(scope, replay, send))
         watcher = asyncio.ensure_future(watch())
         try:
             await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            if not task.done() and not state.on_model:  # gone while waiting for the model: nothing runs for it
+            if not task.done():
                 task.cancel()
             try:
-                await task  # on the model: it stops at its next step; its place and the lock held until it ends
+                await task
             except asyncio.CancelledError:
-                if not state.gone.is_set():
+                if not gone.is_set():
                     raise
         finally:
             watcher.cancel()

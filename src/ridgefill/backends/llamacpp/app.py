@@ -1,213 +1,214 @@
 """The process `ridgefill serve --engine llamacpp` runs (`python -m ridgefill.backends.llamacpp.app SPEC [--guard
-CLASS] [--stock]`): llama-cpp-python 0.3.36's own OpenAI-compatible server (llama_cpp.server.app.create_app: its
-routes /v1/completions, /v1/chat/completions with the GGUF's chat template, /v1/models, streaming) on a `FilledLlama`,
-the patched build's `Llama` whose prompt prefill goes through the driver's fill (driver.LlamaCpp.attach on the
-Llama's own context: the rows the plan fills filled, the tail, keep-first and outliers in full) and whose decode
-steps stay llama-cpp-python's (the whole model). SPEC is the JSON server.py writes (the GGUF, the fill, threads,
-context, address, the admission bound); the API key comes by the environment (serving.KEY_ENV), never the command
-line.
+CLASS] [--stock]`): llama.cpp's own `llama-server`, patched (patches/server.patch: the fill per slot, llama-server's
+continuous batching over `--parallel` slots), behind a small front on serve's address. SPEC is the JSON server.py
+writes (the llama-server binary and its arguments, the GGUF, the maps as a GGUF adapter, the address, the admission
+bound). The API key comes by the environment (serving.KEY_ENV), never a command line: the front checks it, and
+llama-server, on a loopback port of its own, gets a fresh key of the front's through its environment (LLAMA_API_KEY),
+so nothing on this machine reaches it past the front.
 
-Prefix reuse: llama-cpp-python keeps the longest common prefix of the previous prompt in its context; the prompt's
-rows then go to driver.LlamaCpp.prefill with `reuse` that prefix, and the driver keeps only the rows a fresh prefill
-of the new prompt would compute the same way (driver.LlamaCpp.reusable), so an answer never depends on what was
-asked before.
-
-Around the app: `Admission` (admission.py: a request admitted once its whole body has come and passed its checks,
-requests.py, at most `queue` at once; a client that goes away stops its request, whose place and the model lock are
-held until its worker thread has returned) and, outermost, the front's request guard (`--guard`: the API key before
-any body, body limits). The served name (`model` in answers, /v1/models) is serve's --model, or the GGUF's stem when
-that is a path. /health answers once the model is loaded; /metrics gives RidgeFill's counters (backends/counters.py:
-filled, full, cached and outlier prompt tokens, each prompt token counted once in filled, full or cached). `--stock`:
-the same server with the fill off (plain llama-cpp-python prefill, no guard, no RidgeFill counter): bench-serve's
-baseline. The port is bound before the model loads: one taken is one line (RidgefillError's, which serve prints as its
-reason), not uvicorn's exit code 3.
+The front: outermost the request guard (`--guard`: the API key before any body, body limits), then `Admission`
+(admission.py: a request admitted once its whole body has come and passed its checks, requests.py; at most `queue`
+at once, past that a 503; a client that goes away has its request to llama-server closed, which stops its work there)
+and the proxy to llama-server (`Proxy`: every answer streamed as llama-server sends it; an error's message made one
+line). /health answers once llama-server does; /metrics is llama-server's (RidgeFill's counters among them:
+ridgefill_filled_tokens_total, ...) and the admission gauge. `--stock`: the same llama-server without --ridgefill
+and without the guard: bench-serve's baseline. The port is bound before llama-server starts: one taken is one line
+(RidgefillError's, which serve prints as its reason). llama-server's own lines go to this process's output (serve's
+log); one that did not start is one line naming its reason.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import dataclasses
+import ctypes
 import importlib
 import json
 import os
+import secrets
+import signal
 import socket
+import subprocess
 import sys
-from dataclasses import dataclass
+import threading
+import time
+import urllib.request
+from collections import deque
 
 from ridgefill.backends.llamacpp import requests
-from ridgefill.backends.llamacpp.admission import (REQUEST, Admission, Queue, RequestState, body_limit,
-                                                    hold_the_model_lock, stop_requested)
-from ridgefill.backends.llamacpp.server import KEY_ENV, model_of
-from ridgefill.backends.counters import FillCounters
-from ridgefill.backends.serving import KEEP_FIRST_ARG, TAIL_ARG, served_name
+from ridgefill.backends.llamacpp.admission import Admission, Queue, answer, body_limit
+from ridgefill.backends.llamacpp.server import KEY_ENV
 from ridgefill.errors import RidgefillError
 
-GRACE_S = 5  # seconds SIGTERM waits for running requests (each told to stop) before the server closes them
-# the counters this server keeps (backends/counters.py; each prompt token once: filled, full, or cached, the rows
-# kept from the context's previous prompt by llama-cpp-python's prefix match, cut where a fresh prefill would compute
-# a row otherwise)
-SERVED = ("filled_tokens", "full_tokens", "cached_prompt_tokens", "outlier_tokens")
+GRACE_S = 5  # seconds SIGTERM waits for running requests before the server closes them
+START_S = 600  # seconds llama-server may take to load a model
+CHILD_KEY_ENV = "LLAMA_API_KEY"  # llama-server's API key from its environment (common/arg.cpp: --api-key's env)
+# llama-server's log lines that say why it did not start (the last one seen is the reason shown)
+REASONS = ("ridgefill: ", "failed to load ridgefill adapter: ", "error while handling argument", "error: ",
+           "failed to load model", "failed to create_context", "couldn't bind")
+HOP = {b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"server", b"date"}
 
 
-@dataclass
-class Fill:
-    """What the server fills by: the plan of its fill settings (per request its tail and keep-first replaced), the
-    maps in llama.cpp's form, the chunk the outliers are judged by, and the counters."""
+class Child:
+    """llama-server as a child process: its output copied to ours line by line (the last lines that name an error
+    kept), stopped with the front (SIGTERM, then SIGKILL after GRACE_S), and given SIGTERM by the kernel should the
+    front die first."""
 
-    plan: object  # torchfill.FillPlan
-    maps: object  # driver.Maps
-    chunk: int
-    counters: FillCounters
-    arch: str  # the GGUF's architecture (serve checked it: driver.check_family)
+    def __init__(self, argv: list[str], env: dict) -> None:
+        self.reasons: deque[str] = deque(maxlen=4)
+        self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+        self.copier = threading.Thread(target=self.copy, daemon=True)
+        self.copier.start()
 
-    def plan_for(self, options: dict):
-        """The plan with the request's own tail and keep-first (checked at admission)."""
-        if not options:
-            return self.plan
-        return dataclasses.replace(self.plan, tail=options.get(TAIL_ARG, self.plan.tail),
-                                   keep_first=options.get(KEEP_FIRST_ARG, self.plan.keep_first))
+    def copy(self) -> None:
+        for raw in iter(self.proc.stdout.readline, b""):
+            line = raw.decode(errors="replace").rstrip()
+            sys.stderr.write(line + "\n")
+            sys.stderr.flush()
+            reason = next((line[line.index(r):] for r in REASONS if r in line), None)
+            if reason:
+                self.reasons.append(reason)
 
+    def reason(self) -> str:
+        """Why it ended: its last line naming an error, or its exit code."""
+        self.copier.join(5)
+        return self.reasons[-1] if self.reasons else f"it exited with code {self.proc.returncode}"
 
-def filled_llama_class():
-    """FilledLlama, defined where llama_cpp is imported (only backends/llamacpp imports it)."""
-    from llama_cpp import Llama
-
-    from ridgefill.backends.llamacpp import driver
-
-    class FilledLlama(Llama):
-        """llama-cpp-python's Llama whose prompt prefill is the driver's (fill None: its own, the fill off); every
-        generation stops when its client goes away."""
-
-        def __init__(self, *args, fill: Fill | None = None, **kwargs) -> None:
-            super().__init__(*args, **kwargs)
-            self.fill, self.driver, self._prompt = fill, None, False
-            if fill is not None:
-                self.driver = driver.LlamaCpp.attach(fill.arch, self.model, self.ctx, self.n_ctx(), self.n_batch)
-                self._stack.callback(self.driver.close)
-                self.driver.set_maps(fill.maps)
-                self.driver.stop = stop_requested
-
-        def generate(self, tokens, *args, **kwargs):
-            request = REQUEST.get(None) or RequestState()
-            # never sample from a cached prompt's last logits: its rows may have run another request's plan
-            self._requires_eval = True
-            self._prompt = self.driver is not None
-            inner = super().generate(tokens, *args, **kwargs)
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
             try:
-                for token in inner:
-                    if request.gone.is_set():
-                        return
-                    yield token
-            except driver.Stopped:  # the client went away mid-prefill: the cache holds nothing known
-                self.reset()
-                self.driver.clear()
-            finally:
-                inner.close()
-
-        def eval(self, tokens) -> None:
-            if not self._prompt:
-                return super().eval(tokens)
-            self._prompt = False
-            request = REQUEST.get(None) or RequestState()
-            reuse = self.n_tokens  # llama-cpp-python's prefix match: these rows hold the prompt's first tokens
-            prompt = [*self.input_ids[:reuse].tolist(), *tokens]
-            n = len(prompt)
-            plan = self.fill.plan_for(request.options)
-            done = self.driver.prefill(prompt, plan.full_rows(n).tolist(), [n - 1], plan.outlier_factor,
-                                       self.fill.chunk, reuse=reuse)
-            self.input_ids[:n] = prompt
-            self.n_tokens = n
-            self._requires_eval = False
-            self.fill.counters.count(filled_tokens=done.filled, full_tokens=n - done.reused - done.filled,
-                                     cached_prompt_tokens=done.reused, outlier_tokens=done.outliers)
-
-    return FilledLlama
+                self.proc.wait(GRACE_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
 
 
-# --- the app -------------------------------------------------------------------------------------------------------
-def build_app(spec: dict, key: str | None, guard: str | None, stock: bool):
-    """llama-cpp-python's app on a FilledLlama (spec: server.py's), with Admission, /health, /metrics and, when
-    `guard` names one, the front's request guard mounted outermost."""
-    import llama_cpp.server.app as lapp
-    from fastapi.responses import PlainTextResponse
-    from llama_cpp.server.model import LlamaProxy
-    from llama_cpp.server.settings import ModelSettings, ServerSettings
+def die_with_parent() -> None:
+    """In the child: SIGTERM when the front dies (Linux's PR_SET_PDEATHSIG)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
 
-    fill = None if stock else served_fill(spec)
-    llama_class = filled_llama_class()
 
-    class Proxy(LlamaProxy):  # llama-cpp-python's model holder, loading the FilledLlama with serve's settings
-        @staticmethod
-        def load_llama_from_model_settings(settings):
-            return llama_class(model_path=spec["gguf"], n_gpu_layers=0, n_ctx=spec["n_ctx"], n_batch=spec["n_batch"],
-                               n_ubatch=spec["n_ubatch"], n_threads=spec["threads"],
-                               n_threads_batch=spec["threads"], flash_attn=True, type_k=1, type_v=1,
-                               logits_all=False, embedding=False, verbose=False, fill=fill)
+def wait_ready(child: Child, base: str, key: str) -> dict:
+    """Wait for llama-server's /health, then read its model's facts (/v1/models' meta: n_vocab); RidgefillError, one
+    line, when it ends first."""
+    deadline = time.monotonic() + START_S
+    while True:
+        if child.proc.poll() is not None:
+            raise RidgefillError(f"llama-server did not start: {child.reason()}")
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                if r.status == 200:
+                    break
+        if time.monotonic() > deadline:
+            raise RidgefillError(f"llama-server did not answer in {START_S} s: see the log")
+        time.sleep(0.1)
+    ask = urllib.request.Request(base + "/v1/models", headers={"Authorization": f"Bearer {key}"})
+    with urllib.request.urlopen(ask, timeout=30) as r:
+        models = json.load(r)
+    return (models.get("data") or [{}])[0].get("meta") or {}
 
-    server = ServerSettings(host=spec["host"], port=spec["port"], api_key=key, interrupt_requests=False,
-                            disable_ping_events=False, root_path="", ssl_keyfile=None, ssl_certfile=None)
-    name = served_name(spec["name"])
-    models = [ModelSettings(model=spec["gguf"], model_alias=name)]
-    lapp.set_llama_proxy = lambda model_settings: setattr(lapp, "_llama_proxy", Proxy(models=model_settings))
-    app = lapp.create_app(server_settings=server, model_settings=models)
-    hold_the_model_lock(lapp)
-    counters, queue = fill.counters if fill is not None else None, Queue(spec["queue"])
-    llama = lapp._llama_proxy(name)
-    model = requests.Model(llama.n_vocab(), lambda text: grammar_parses(llama, text), name)
 
-    @app.get("/health", include_in_schema=False)
-    async def health():
-        return {"status": "ok"}
+class Proxy:
+    """An ASGI app forwarding each request to llama-server (its internal key added), its answer streamed back as
+    it comes; an error's message made one line (never a traceback or an internal path)."""
 
-    @app.get("/metrics", include_in_schema=False)
-    async def metrics():
-        from prometheus_client import generate_latest
+    def __init__(self, base: str, key: str) -> None:
+        import httpx
 
-        ours = generate_latest(counters.registry).decode() if counters is not None else ""
-        return PlainTextResponse(ours + queue.text())
+        self.key = key
+        self.client = httpx.AsyncClient(base_url=base, timeout=httpx.Timeout(None, connect=10.0))
 
-    app.state.queue = queue
-    app.add_middleware(Admission, queue=queue, fill_on=fill is not None, model=model, limit=body_limit())
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        body = b""
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return
+            body += message.get("body", b"")
+            if not message.get("more_body", False):
+                break
+        headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() not in (b"host", b"authorization",
+                                                                                     b"content-length")]
+        headers.append((b"authorization", f"Bearer {self.key}".encode()))
+        path = scope.get("raw_path") or scope["path"].encode()
+        url = path.decode("latin-1") + ("?" + scope["query_string"].decode("latin-1") if scope.get("query_string")
+                                        else "")
+        request = self.client.build_request(scope["method"], url, headers=headers, content=body)
+        response = await self.client.send(request, stream=True)
+        try:
+            if response.status_code >= 400:
+                await self.error(send, response)
+                return
+            kept = [(k, v) for k, v in response.headers.raw if k.lower() not in HOP]
+            await send({"type": "http.response.start", "status": response.status_code, "headers": kept})
+            async for chunk in response.aiter_raw():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+        finally:
+            await response.aclose()
+
+    @staticmethod
+    async def error(send, response) -> None:
+        """llama-server's error as one line, in the OpenAI format; a 5xx it answers for a request is a 400 here
+        (llama-server answers 500 for bodies it cannot use) unless it says it failed itself."""
+        text = (await response.aread()).decode(errors="replace")
+        try:
+            message = json.loads(text)["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = text
+        status = response.status_code
+        if status in (500, 501) and "server_error" not in text:
+            status = 400
+        await answer(send, status, requests.one_line(str(message) or f"llama-server answered {status}"))
+
+
+def build_app(spec: dict, child_base: str, child_key: str, meta: dict, guard: str | None, stock: bool):
+    """The front: the guard (when named), Admission, /health, /metrics, the proxy."""
+    proxy = Proxy(child_base, child_key)
+    queue = Queue(spec["queue"])
+    model = requests.Model(int(meta.get("n_vocab") or 0), spec["name"])
+
+    async def app(scope, receive, send) -> None:
+        path = scope.get("path", "")
+        if scope.get("type") == "http" and path == "/metrics":
+            upstream = await proxy.client.get("/metrics", headers={"Authorization": f"Bearer {child_key}"})
+            text = (upstream.text if upstream.status_code == 200 else "") + queue.text()
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"text/plain; version=0.0.4")]})
+            await send({"type": "http.response.body", "body": text.encode()})
+            return
+        if scope.get("type") == "http" and path == "/health":
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type",
+                                                                                   b"application/json")]})
+            await send({"type": "http.response.body", "body": b'{"status":"ok"}'})
+            return
+        await proxy(scope, receive, send)
+
+    front = Admission(app, queue=queue, fill_on=not stock, model=model, limit=body_limit())
+    front.queue = queue
     if guard:
         module, _, middleware = guard.rpartition(".")
-        app.add_middleware(getattr(importlib.import_module(module), middleware))
-    return app
+        return getattr(importlib.import_module(module), middleware)(front), queue
+    return front, queue
 
 
-def grammar_parses(llama, text: str) -> bool:
-    """Whether llama.cpp's grammar parser takes `text` (root rule "root") on this model's vocabulary: the sampler it
-    builds, freed at once (llama-cpp-python would add a NULL one to its chain, and the process ends)."""
-    import llama_cpp
-
-    try:
-        data = text.encode("utf-8")
-    except UnicodeEncodeError:  # a lone surrogate from a JSON escape
-        return False
-    sampler = llama_cpp.llama_sampler_init_grammar(llama._model.vocab, data, b"root")
-    if not sampler:
-        return False
-    llama_cpp.llama_sampler_free(sampler)
-    return True
-
-
-def served_fill(spec: dict) -> Fill:
-    """The fill of `spec` on its model: the plan (maps loaded and checked against the model) and the maps in
-    llama.cpp's form."""
-    import torch
-
-    from ridgefill.backends.llamacpp import driver
-    from ridgefill.method.fill import FillSettings
-
-    # torch's work here is small (plans, outlier medians) and its OpenMP threads, spinning after each op, took cores
-    # from llama.cpp's own: decode steps were 40 % slower than the stock server's on 2 cores (13 against 9 ms per
-    # token, nothing filled), equal with torch on one thread
-    torch.set_num_threads(1)
-    settings = FillSettings(**spec["fill"])
-    plan, _ = settings.plan(model_of(spec["model"]))
-    from prometheus_client import CollectorRegistry
-
-    counters = FillCounters(publish=True, registry=CollectorRegistry(), kept=SERVED)  # this server's own /metrics
-    return Fill(plan, driver.maps_of(plan.filler), spec["chunk"], counters, spec["arch"])
+def child_argv(spec: dict, port: int, stock: bool) -> list[str]:
+    """llama-server's command: the GGUF, its name, context, batch, threads, slots, an F16 K/V cache, flash
+    attention, /metrics, and with the fill the adapter and the fill's settings."""
+    argv = [spec["binary"], "-m", spec["gguf"], "--alias", spec["name"], "--host", "127.0.0.1", "--port", str(port),
+            "-c", str(spec["n_ctx"] * spec["parallel"]), "-np", str(spec["parallel"]), "-b", str(spec["n_batch"]),
+            "-ub", str(spec["n_ubatch"]), "-t", str(spec["threads"]), "-tb", str(spec["threads"]), "-fa", "on",
+            "-ctk", "f16", "-ctv", "f16", "--metrics", "--no-webui", "--cache-ram", "0", "--no-warmup"]
+    fill = spec.get("fill")
+    if fill and not stock:
+        argv += ["--ridgefill", fill["adapter"], "--ridgefill-tail", str(fill["tail"]), "--ridgefill-keep-first",
+                 str(fill["keep_first"]), "--ridgefill-outlier-factor", repr(float(fill["outlier_factor"]))]
+    return argv
 
 
 # --- the process ---------------------------------------------------------------------------------------------------
@@ -219,23 +220,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--guard", default=None)
     parser.add_argument("--stock", action="store_true")
     args = parser.parse_args(argv)
-    os.environ.pop("CONFIG_FILE", None)  # llama-cpp-python's create_app would read its settings from it
+    child = None
     try:
         with open(args.spec) as f:
             spec = json.load(f)
-        sock = listening(spec["host"], spec["port"])  # before the model loads: a taken port ends the start at once
-        app = build_app(spec, os.environ.get(KEY_ENV) or None, args.guard, args.stock)
+        sock = listening(spec["host"], spec["port"])  # before llama-server starts: a taken port ends the start
+        port, child_key = free_port(), secrets.token_hex(16)
+        env = {k: v for k, v in os.environ.items() if k != KEY_ENV} | {CHILD_KEY_ENV: child_key}
+        child = Child(child_argv(spec, port, args.stock), env)
+        base = f"http://127.0.0.1:{port}"
+        meta = wait_ready(child, base, child_key)
+        app, queue = build_app(spec, base, child_key, meta, args.guard, args.stock)
     except RidgefillError as exc:  # the front prints it as serve's one line (serve/process.startup_error)
         print(f"ridgefill.errors.RidgefillError: {exc}", flush=True)
+        if child is not None:
+            child.stop()
         return 2
     import uvicorn
 
     class Server(uvicorn.Server):
-        def handle_exit(self, sig, frame) -> None:  # SIGTERM, SIGINT: every admitted request stops at its next step
-            for state in list(app.state.queue.running):
-                state.gone.set()
-            super().handle_exit(sig, frame)
-
         @contextlib.contextmanager
         def capture_signals(self):  # a stop asked for is a clean exit (0), not uvicorn's signal raised again (143)
             with super().capture_signals():
@@ -244,13 +247,37 @@ def main(argv: list[str] | None = None) -> int:
                 finally:
                     self._captured_signals.clear()
 
+    async def watch_child(server: Server) -> None:
+        while child.proc.poll() is None and not server.should_exit:
+            await asyncio.sleep(0.5)
+        if child.proc.poll() is not None and not server.should_exit:
+            print(f"ridgefill.errors.RidgefillError: llama-server ended: {child.reason()}", flush=True)
+            server.should_exit = True
+
     config = uvicorn.Config(app, log_level="info", timeout_keep_alive=5, timeout_graceful_shutdown=GRACE_S)
-    Server(config).run(sockets=[sock])
-    # stopped: nothing is left to write, and tearing down the model, llama.cpp and torch took seconds on a busy
-    # machine (SIGTERM's answer must not wait for them)
+    server = Server(config)
+
+    async def serve() -> None:
+        watcher = asyncio.ensure_future(watch_child(server))
+        try:
+            await server.serve(sockets=[sock])
+        finally:
+            watcher.cancel()
+
+    try:
+        asyncio.run(serve())
+    finally:
+        child.stop()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(0 if child.proc.returncode in (0, -signal.SIGTERM) or server.should_exit else 1)
+
+
+def free_port() -> int:
+    """A loopback port free now (llama-server's, behind the front)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def listening(host: str, port: int) -> socket.socket:
