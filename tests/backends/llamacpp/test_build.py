@@ -1,8 +1,12 @@
 """build.py builds llama.cpp for the CPU it runs on: the instruction sets from /proc/cpuinfo's flags (or
 RIDGEFILL_LLAMACPP_CPU), never AMX or GGML_NATIVE, and the features in the cache key; the driver refuses a build
-that needs an instruction set the running CPU lacks (whole messages)."""
+that needs an instruction set the running CPU lacks (whole messages). The wheel is keyed by the library patch, the
+server by all three patches; each patch applies cleanly, in order, to the pinned source."""
 
 from __future__ import annotations
+
+import subprocess
+import tarfile
 
 import pytest
 
@@ -80,3 +84,43 @@ def test_a_build_for_instruction_sets_this_cpu_lacks_is_one_line():
         library.check_cpu(("avx", "avx2", "avx512f", "avx512bw"), ("sse4_2", "avx", "avx2", "fma"))
     assert str(err.value) == ("the installed llama-cpp-python was built for a CPU with avx512f, avx512bw, which this "
                               "CPU lacks: run `make install` (it builds llama.cpp for the CPU it runs on)")
+
+
+def test_the_wheel_is_keyed_by_the_library_patch_and_the_server_by_all_three(tmp_path, monkeypatch):
+    """Another server or common patch builds another llama-server and the same wheel; another library patch builds
+    both again; the Makefile's stamp (--key) names both keys."""
+    monkeypatch.delenv(build.CPU_ENV, raising=False)
+    feats = build.features(build.cpu_flags(cpuinfo(tmp_path, DESKTOP)))
+    wheel, server = build.build_key(feats=feats), build.server_key(feats=feats)
+    assert build.LIBRARY_PATCH == build.SERVER_PATCHES[0] and library.PATCH == build.LIBRARY_PATCH
+    for name in ("server.patch", "common.patch", "libllama.patch"):
+        copy = tmp_path / "patches" / name
+        copy.parent.mkdir(exist_ok=True)
+        copy.write_bytes((build.PATCHES / name).read_bytes() + b"\n")
+        patches = tuple(copy if p.name == name else p for p in build.SERVER_PATCHES)
+        monkeypatch.setattr(build, "SERVER_PATCHES", patches)
+        monkeypatch.setattr(build, "LIBRARY_PATCH", patches[0])
+        assert build.server_key(feats=feats) != server, name
+        assert (build.build_key(feats=feats) != wheel) == (name == "libllama.patch"), name
+        monkeypatch.undo()
+        monkeypatch.delenv(build.CPU_ENV, raising=False)
+    assert build.server_key(patched=False, feats=feats) != server
+    assert build.install_key() == f"{build.build_key()}-{build.server_key()}"
+
+
+def test_the_patches_apply_cleanly_in_order_to_the_pinned_source(tmp_path):
+    source = build.cache_root() / "sdist" / f"llama_cpp_python-{build.VERSION}.tar.gz"
+    if not source.is_file():
+        pytest.skip(f"no sdist of llama-cpp-python {build.VERSION} in the cache (make install downloads it)")
+    prefix = f"llama_cpp_python-{build.VERSION}/vendor/llama.cpp/"
+    touched = {line.split()[1].removeprefix("b/") for p in build.SERVER_PATCHES
+               for line in p.read_text().splitlines() if line.startswith("+++ ") and line.split()[1] != "/dev/null"}
+    with tarfile.open(source) as tar:
+        members = [m for m in tar.getmembers() if m.name.removeprefix(prefix) in touched]
+        tar.extractall(tmp_path, members=members, filter="data")
+    root = tmp_path / prefix
+    for patch in build.SERVER_PATCHES:
+        done = subprocess.run(["patch", "-p1", "--forward", "--batch", "-i", str(patch)], cwd=root,
+                              capture_output=True, text=True)
+        assert done.returncode == 0 and "fuzz" not in done.stdout and "offset" not in done.stdout, (patch.name,
+                                                                                                    done.stdout)

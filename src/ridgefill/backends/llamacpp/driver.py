@@ -114,7 +114,6 @@ class LlamaCpp:
             raise RidgefillError(f"llama.cpp cannot load {path}: check that it is a complete GGUF file")
         self.ctx = None
         self.batch = None
-        self._owned = True  # the model and context are this driver's (attach: another owner's)
         try:
             cparams = ll.llama_context_default_params()
             cparams.n_ctx, cparams.n_batch, cparams.n_ubatch = n_ctx, n_batch, min(n_ubatch, n_batch)
@@ -133,19 +132,6 @@ class LlamaCpp:
             self.close()
             raise
         self._bind(n_ctx, n_batch)
-
-    @classmethod
-    def attach(cls, arch: str, model, ctx, n_ctx: int, n_batch: int) -> "LlamaCpp":
-        """A driver of a model and context that another owner made and frees (llama-cpp-python's `Llama`, whose
-        context must be a generation context of one sequence, as __init__ makes them: CPU, unquantized K/V), of
-        architecture `arch` (check_family's): its prefills fill by the same rule on that context; `close` frees only
-        the driver's own batch."""
-        self = cls.__new__(cls)
-        self.ll, self.lib = library.load()
-        self.arch = arch
-        self.model, self.ctx, self.batch, self._owned = model, ctx, None, False
-        self._bind(n_ctx, n_batch)
-        return self
 
     def _bind(self, n_ctx: int, n_batch: int) -> None:
         ll = self.ll
@@ -174,9 +160,6 @@ class LlamaCpp:
         if getattr(self, "batch", None) is not None:
             ll.llama_batch_free(self.batch)
             self.batch = None
-        if not getattr(self, "_owned", True):  # attached: the owner frees them
-            self.ctx = self.model = None
-            return
         if getattr(self, "ctx", None):
             ll.llama_free(self.ctx)
             self.ctx = None
