@@ -24,8 +24,9 @@ ENGINES = {
 SERVERS = {
     "vllm": ("ridgefill.backends.vllm.server", "any option of `vllm serve` (`vllm serve --help=all`), e.g. "
              "--max-model-len 4096 --api-key KEY; a request sets its own tail in vllm_xargs: ridgefill_tail"),
-    "llamacpp": ("ridgefill.backends.llamacpp.server", "--api-key KEY and --n-ctx N (its context in tokens); a "
-                 "request sets its own tail as a top-level ridgefill_tail"),
+    "llamacpp": ("ridgefill.backends.llamacpp.server", "llama.cpp's llama-server with ridgefill's patches: --api-key "
+                 "KEY, --n-ctx N (each slot's context in tokens) and --parallel N (slots, default 1); a request sets "
+                 "its own tail as a top-level ridgefill_tail"),
 }
 # the engine `serve` and `bench-serve` run, and whose dialect a mounted request guard follows, unless told otherwise
 SERVING_DEFAULT = "vllm"

@@ -146,10 +146,10 @@ class LlamaCppServer(Server):
 
     def drive(self, base: str, model: str, tokenizer, prompts: list[list[int]], rate: float, output_tokens: int,
               seed: int, time_limit: float, salt: str = "") -> list[dict]:
-        """ridgefill's load client (backends/load.py): llama-cpp-python's server takes text, so each prompt is its
-        tokens decoded (the server tokenizes them again with the GGUF's own vocabulary); greedy with no repeat
-        penalty and end-of-sequence kept out by a logit bias. `salt` is vLLM's prefix-cache salt: consecutive
-        prompts here share no prefix, so llama.cpp's prefix reuse has none to find."""
+        """ridgefill's load client (backends/load.py): each prompt is its tokens decoded (llama-server tokenizes them
+        again with the GGUF's own vocabulary); greedy with no repeat penalty and end-of-sequence kept out by a logit
+        bias. `salt` is vLLM's prefix-cache salt: consecutive prompts here share no prefix, so llama-server's prefix
+        reuse has none to find."""
         from ridgefill.backends.load import drive_completions
 
         texts = [tokenizer.decode(p) for p in prompts]
