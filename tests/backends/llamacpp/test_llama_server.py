@@ -13,7 +13,6 @@ import json
 import os
 import re
 import secrets
-import signal
 import subprocess
 import sys
 import threading
@@ -30,7 +29,7 @@ from helpers import free_port
 from ridgefill.backends.llamacpp import build
 from ridgefill.cli import app
 from server_client import ServerClient
-from served_llamacpp import perturbed_maps
+from served_llamacpp import perturbed_maps, stop
 
 MISSING = tiny_gguf.missing_build()
 SERVER = Path(sys.prefix) / "bin" / "llama-server"  # where build.py installs it, beside this interpreter
@@ -109,13 +108,7 @@ def running(gguf: Path, root: Path, *args, binary: Path = SERVER):
             time.sleep(0.1)
         yield server
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop(proc)
 
 
 def refused(gguf: Path, root: Path, *args) -> tuple[int, list[str]]:
