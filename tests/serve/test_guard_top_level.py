@@ -1,6 +1,7 @@
 """The request guard in the dialect of a server whose requests carry RidgeFill's options as top-level fields
-(GuardDialect.options_field "": llama-cpp-python's server, --engine llamacpp): the key before any body, the
-ridgefill_* fields checked as the client wrote them (escapes decoded), every other body passed on unparsed."""
+(GuardDialect.options_field "": the llama.cpp front before llama-server, --engine llamacpp): the key before any
+body, the ridgefill_* fields checked as the client wrote them (escapes decoded), every other body passed on
+unparsed."""
 
 from __future__ import annotations
 
