@@ -1,4 +1,5 @@
-"""The served prefix reuse on the driver alone (driver.LlamaCpp.prefill with `reuse`, as the server's Llama calls it):
+"""The prefix reuse rule (libllama's llama_ridgefill_reusable, as llama-server's slots use it) on the driver alone
+(driver.LlamaCpp.prefill with `reuse`):
 after a prompt and a few decode steps, a prompt that shares a prefix with the cache ends with the cache and the logits
 a fresh prefill of it gives, whatever the two plans (tails, keep-first), the chunks and the outliers (a low outlier
 factor promotes rows per chunk); and a rule that kept the whole shared prefix would not (the test has teeth)."""

@@ -1,1 +1,2 @@
-"""ridgefill's fill inside llama.cpp: the patch (ridgefill.patch), its build (build.py) and its driver (driver.py)."""
+"""ridgefill's fill inside llama.cpp: the patches (patches/), their builds (build.py: the wheel and llama-server), the
+driver (driver.py) and the server behind serve (server.py, app.py)."""
