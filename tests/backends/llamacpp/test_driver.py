@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import tiny_gguf
-from ridgefill.backends.llamacpp.driver import LlamaCpp, Maps, maps_of
+from ridgefill.backends.llamacpp.driver import LlamaCpp, Maps
+from ridgefill.backends.llamacpp.maps import maps_of
 from ridgefill.torchfill import Runner, IdentityFiller, MapFiller, MeanFiller, adapter_for
 from ridgefill.torchfill.fill_plan import FillPlan
 

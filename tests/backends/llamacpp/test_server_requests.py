@@ -2,7 +2,7 @@
 what llama-server would answer with a 5xx, ignore or echo is one line and a 4xx naming the problem and its fix,
 without the body's text; a good body passes as it came, with the served name as `model` when it gives none; a place
 taken only once the whole body has come; a client that goes away has its request cancelled. Against a real
-llama-server: test_llama_server.py and tests/serve/conformance. test_bug_*: gaps found, failing until fixed."""
+llama-server: test_llama_server.py and tests/serve/conformance."""
 
 from __future__ import annotations
 
@@ -136,11 +136,11 @@ def test_other_routes_pass_as_they_came():
     (C, {"prompt": ["a", None]}, "prompt"),
     ("/tokenize", {"content": [5, 100], "with_pieces": True}, "100"),  # token_to_piece: vector::_M_range_check
 ])
-def test_bug_what_llama_server_answers_with_a_500_is_refused_here(route, body, named):
+def test_what_llama_server_answers_with_a_500_is_refused_here(route, body, named):
     assert named in refused(route, body)
 
 
-def test_bug_a_mixed_prompt_that_starts_with_text_is_one_prompt():  # llama-server's tokenize_input_prompts
+def test_a_mixed_prompt_that_starts_with_text_is_one_prompt():  # llama-server's tokenize_input_prompts
     assert check(C, {"prompt": ["a", 5]}).error is None
     assert refused(C, {"prompt": ["a", 200]}).startswith("the prompt holds 200")
 
@@ -292,7 +292,7 @@ async def test_a_client_that_goes_away_has_its_request_cancelled_and_its_place_f
 
 
 @in_a_loop
-async def test_bug_a_front_cancelled_from_outside_cancels_its_request_too():
+async def test_a_front_cancelled_from_outside_cancels_its_request_too():
     """uvicorn cancels the requests still running GRACE_S after SIGTERM (timeout_graceful_shutdown): the inner task
     (the request to llama-server) must not outlive the place Admission frees."""
     middleware, queue, inner = front(hold=True)

@@ -104,6 +104,8 @@ class Admission:
                     raise
         finally:
             watcher.cancel()
+            if not task.done():  # this call itself cancelled (uvicorn's graceful shutdown): its request goes too
+                task.cancel()
 
 
 TOO_LARGE = object()  # read_body's answer for a body over its bound

@@ -23,6 +23,8 @@ import torch
 from ridgefill.backends.base import Backend, Capabilities, Generation, Timed, refuse
 from ridgefill.torchfill.fill_plan import FillTally
 from ridgefill.backends.llamacpp import driver, library
+from ridgefill.backends.llamacpp.gguf_header import check_family
+from ridgefill.backends.llamacpp.maps import Maps, maps_of
 from ridgefill.errors import RidgefillError
 from ridgefill.method.maps_gguf import is_gguf
 
@@ -59,13 +61,13 @@ class LlamaCppBackend(Backend):
         if self.gguf is None:
             raise RidgefillError(f"--engine llamacpp runs GGUF files, not {config.model}: give --model a .gguf file or "
                                  f"an embedded alias ({', '.join(ALIASES)})")
-        driver.check_family(self.gguf)
+        check_family(self.gguf)
         self.model = model_facts(config.model)
         self.threads = config.threads or os.cpu_count() or 1  # EngineOptions.threads
         self.n_batch = max(1, config.chunk)  # rows per llama_decode call
         self.n_ubatch = min(N_UBATCH, self.n_batch)
         self.lc: driver.LlamaCpp | None = None
-        self.maps: dict[str, driver.Maps] = {}
+        self.maps: dict[str, Maps] = {}
         self._tallies: dict[str, FillTally] = {}
         self._current: str | None = None  # the variant whose maps llama.cpp holds
 
@@ -75,7 +77,7 @@ class LlamaCppBackend(Backend):
         for name, plan in self.plans.items():
             if plan is not None:
                 try:
-                    self.maps[name] = driver.maps_of(plan.filler)
+                    self.maps[name] = maps_of(plan.filler)
                 except ValueError as exc:
                     raise refuse(self, f"the {name} variant ({exc})", "use identity, ridge or mean") from None
                 fill = self.fills.get(name)

@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from ridgefill.backends.llamacpp import library
-from ridgefill.backends.llamacpp.gguf_header import FAMILIES, check_family, gguf_architecture  # noqa: F401
-from ridgefill.backends.llamacpp.maps import Maps, maps_of  # noqa: F401
+from ridgefill.backends.llamacpp.gguf_header import check_family
+from ridgefill.backends.llamacpp.maps import Maps
 from ridgefill.errors import RidgefillError
 
 KV_TYPES = {"f16": 1, "f32": 0}  # ggml types of the K/V cache the fill writes (a quantized cache is refused)

@@ -97,8 +97,8 @@ def check(body: bytes, content_type: bytes | None, route: str, model: Model, fil
     if options and kind not in GENERATING:
         return Checked(f"{next(iter(options))}: only completions and chat completions take RidgeFill's options: drop "
                        "it")
-    error = {GENERATE: prompt_error, CHAT: chat_error, TOKENIZE: tokenize_error, DETOKENIZE: detokenize_error,
-             OTHER: lambda doc, model: None}[kind](doc, model)
+    error = {GENERATE: lambda doc, model: prompt_error(doc, model, route), CHAT: chat_error,
+             TOKENIZE: tokenize_error, DETOKENIZE: detokenize_error, OTHER: lambda doc, model: None}[kind](doc, model)
     if error is None and kind in GENERATING:
         error = logit_bias_error(doc.get("logit_bias"), model) or grammar_error(doc.get("grammar"))
     if error is not None:
@@ -119,24 +119,38 @@ def token_error(tokens, where: str, model: Model) -> str | None:
     return f"{where} holds {shown(bad)}, not a token id of this model: give ids in 0..{model.n_vocab - 1}"
 
 
-def prompt_error(doc: dict, model: Model) -> str | None:
-    """A completion's prompt: text, token ids, or a list of either; none of them empty, every id in the vocabulary."""
-    prompt = doc.get("prompt", doc.get("input_extra") and "")
-    prompts = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
-    for one in prompts:
-        if isinstance(one, str):
-            if not one and "input_prefix" not in doc:
-                return "the prompt is empty: send at least one character of text"
-        elif isinstance(one, list):
-            if not one:
-                return "the prompt is empty: send at least one token id"
-            ids = [t for t in one if not isinstance(t, str)]
-            error = token_error(ids, "the prompt", model)
-            if error:
-                return error
-        elif one is not None:
-            return f"the prompt is {type(one).__name__}: send text or a list of token ids"
+def prompt_error(doc: dict, model: Model, route: str = "") -> str | None:
+    """A completion's prompt as llama-server reads it (tokenize_input_prompts): text, token ids, text and ids mixed
+    (a list holding an integer is one prompt), or a list of those; none empty, every id in the vocabulary. /infill may
+    leave it out or empty (its input_prefix and input_suffix are the prompt)."""
+    prompt = doc.get("prompt")
+    if route == "/infill" and prompt in (None, ""):
+        return None
+    if prompt is None:
+        return "the prompt is missing: send \"prompt\" (text or token ids)"
+    if prompt == []:
+        return "the prompt is empty: send at least one token id"
+    one = isinstance(prompt, list) and any(isinstance(p, int) and not isinstance(p, bool) for p in prompt)
+    for part in ([prompt] if one or not isinstance(prompt, list) else prompt):
+        error = part_error(part, model)
+        if error:
+            return error
     return None
+
+
+def part_error(part, model: Model) -> str | None:
+    """One prompt: text, or a list of token ids and text."""
+    if isinstance(part, str):
+        return None if part else "the prompt is empty: send at least one character of text"
+    if isinstance(part, bool) or not isinstance(part, (list, int)):
+        what = "not a list of token ids: give integers" if isinstance(part, bool) else \
+            f"{type(part).__name__}: send text or a list of token ids"
+        return f"the prompt is {what}"
+    if isinstance(part, int):
+        return "the prompt is int: send text or a list of token ids"
+    if not part:
+        return "the prompt is empty: send at least one token id"
+    return token_error([p for p in part if not isinstance(p, str)], "the prompt", model)
 
 
 def chat_error(doc: dict, model: Model) -> str | None:
@@ -147,8 +161,13 @@ def chat_error(doc: dict, model: Model) -> str | None:
 
 
 def tokenize_error(doc: dict, model: Model) -> str | None:
-    if not isinstance(doc.get("content"), (str, list)):
+    """/tokenize's content: text, or text and token ids (llama-server looks each id up: one outside the vocabulary
+    is a C++ range error there)."""
+    content = doc.get("content")
+    if not isinstance(content, (str, list)):
         return "tokenize needs its text: send {\"content\": \"...\"}"
+    if isinstance(content, list):
+        return token_error([c for c in content if not isinstance(c, str)], "content", model)
     return None
 
 
@@ -160,14 +179,14 @@ def logit_bias_error(bias, model: Model) -> str | None:
     """logit_bias as {id: bias} or [[id, bias], ...]: every id a token of this model (llama-server skips others)."""
     if bias is None:
         return None
-    keys = list(bias) if isinstance(bias, dict) else [pair[0] for pair in bias if isinstance(pair, list) and pair] \
-        if isinstance(bias, list) else None
-    if keys is None:
+    if isinstance(bias, dict):  # {"id": bias}: JSON keys are text, of digits
+        keys, ok = list(bias), lambda k: k.isascii() and k.isdigit()
+    elif isinstance(bias, list) and all(isinstance(pair, list) and pair for pair in bias):  # [[id, bias], ...]
+        keys, ok = [pair[0] for pair in bias], lambda k: isinstance(k, int) and not isinstance(k, bool) and k >= 0
+    else:
         return "logit_bias is not an object of token ids: give {\"id\": bias}"
     for key in keys:
-        number = isinstance(key, int) and not isinstance(key, bool) and key >= 0
-        ok = number or (isinstance(key, str) and key.isascii() and key.isdigit())
-        if not ok or (model.n_vocab and int(key) >= model.n_vocab):
+        if not ok(key) or (model.n_vocab and int(key) >= model.n_vocab):
             return (f"logit_bias key {shown(key)} is not a token id of this model: give ids in "
                     f"0..{model.n_vocab - 1} as keys")
     return None

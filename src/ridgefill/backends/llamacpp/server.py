@@ -111,12 +111,12 @@ class LlamaCppServer(Server):
         """The GGUF's architecture checked (the fill was checked by the front); the maps as a GGUF adapter; the SPEC
         written in `scratch`; the command (--guard, or --stock without a fill) and environment (the API key, the
         front's `env`)."""
-        from ridgefill.backends.llamacpp import driver
+        from ridgefill.backends.llamacpp.gguf_header import check_family
         from ridgefill.runtime.models import gguf_file, model_identity
 
         taken = split_args(c.server_args)
         gguf = gguf_file(c.model)
-        driver.check_family(gguf)
+        check_family(gguf)
         identity = model_identity(c.model)
         n_ctx = int(taken.get(N_CTX, 0)) or identity.context_length or 4096
         parallel = int(taken.get(PARALLEL, 1))
