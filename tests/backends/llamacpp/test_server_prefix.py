@@ -81,7 +81,10 @@ def test_a_shared_prefix_ends_as_a_fresh_prefill_of_the_new_prompt(lc):
         reused, reused_kv, fresh, fresh_kv, common = served_then_fresh(lc, *case)
         assert reused.reused <= min(common, len(case[1]) - 1)
         assert gap(reused_kv, fresh_kv) < 2e-3, case
-        assert np.allclose(reused.logits.numpy(), fresh.logits.numpy(), atol=2e-4), case
+        # a reused and a fresh prefill run some rows in batches of other shapes (rows kept, outlier rows run again in
+        # full beside others or alone), and llama.cpp's results then part in the last bits: at most 5e-4 in the K/V
+        # and 2.2e-4 in the logits over these cases (2026-12-06); a wrong rule parts by over 0.05 (the next test)
+        assert np.allclose(reused.logits.numpy(), fresh.logits.numpy(), atol=5e-4), case
         assert reused.promoted == [p for p in fresh.promoted if p >= reused.reused], case
         reused_rows += reused.reused
         promoted += len(fresh.promoted)
