@@ -139,7 +139,7 @@ def main() -> None:
               "achieved_over_limit": speedup / limit, "counters": counters}
     with atomic_path(args.out) as tmp:
         Path(tmp).write_text(json.dumps(result, indent=1))
-    print(f"| tokens | stock median (min) | ridge median (min) | speedup [95% CI] | FLOP limit | achieved / limit |")
+    print("| tokens | stock median (min) | ridge median (min) | speedup [95% CI] | FLOP limit | achieved / limit |")
     print("|---|---|---|---|---|---|")
     print(f"| {args.length:,} | {statistics.median(stock):.1f} s ({min(stock):.1f} s) | {statistics.median(ridge):.1f} s "
           f"({min(ridge):.1f} s) | {speedup:.2f} [{low:.2f}, {high:.2f}] | {limit:.2f} | {speedup / limit:.0%} |")
