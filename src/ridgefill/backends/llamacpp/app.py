@@ -154,16 +154,14 @@ class Proxy:
 
     @staticmethod
     async def error(send, response) -> None:
-        """llama-server's error as one line, in the OpenAI format; a 5xx it answers for a request is a 400 here
-        (llama-server answers 500 for bodies it cannot use) unless it says it failed itself."""
+        """llama-server's error as one line, in the OpenAI format, with its status (501, a feature this server was not
+        started with, is the client's 400)."""
         text = (await response.aread()).decode(errors="replace")
         try:
             message = json.loads(text)["error"]["message"]
         except (ValueError, KeyError, TypeError):
             message = text
-        status = response.status_code
-        if status in (500, 501) and "server_error" not in text:
-            status = 400
+        status = 400 if response.status_code == 501 else response.status_code
         await answer(send, status, requests.one_line(str(message) or f"llama-server answered {status}"))
 
 
