@@ -400,8 +400,8 @@ BAD = [("ridgefill_tail", 0), ("ridgefill_tail", -3), ("ridgefill_tail", 2.5), (
 
 def test_a_bad_per_request_field_is_a_400_naming_it(maps):
     """Each bad ridgefill_tail or ridgefill_keep_first, on each completion route, is a 400 whose message names the
-    field; nothing of it is counted, and the server answers afterwards (serving the F16 maps, with the defaults' -1
-    and --cache-reuse 0, which start)."""
+    field, and so is `n` over 1 with two slots; nothing of it is counted, and the server answers afterwards (serving
+    the F16 maps, with the defaults' -1 and --cache-reuse 0, which start)."""
     bodies = {"/v1/completions": {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 2},
               "/completion": {"prompt": PROMPTS[0], "n_predict": 2},
               "/v1/chat/completions": {"model": "tiny", "max_tokens": 2,
@@ -415,6 +415,9 @@ def test_a_bad_per_request_field_is_a_400_naming_it(maps):
                 status, got = server.post(path, {**body, "temperature": 0, field: value})
                 assert status == 400, (path, field, value, got)
                 assert field in got["error"]["message"], (path, field, value, got)
+        # more choices than one: their slots would be copies of the first's cache, which do not say what was filled
+        status, got = server.post("/v1/completions", {**bodies["/v1/completions"], "n": 2})
+        assert status == 400 and "'n'" in got["error"]["message"], got
         assert server.proc.poll() is None
         assert server.metrics().get("ridgefill_full_tokens_total", 0) == 0  # nothing ran
         sent = 0
