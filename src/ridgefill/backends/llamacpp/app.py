@@ -38,6 +38,7 @@ from collections import deque
 from ridgefill.backends.llamacpp import requests
 from ridgefill.backends.llamacpp.admission import Admission, Queue, answer, body_limit
 from ridgefill.backends.llamacpp.server import KEY_ENV
+from ridgefill.backends.serving import free_port
 from ridgefill.errors import RidgefillError
 
 GRACE_S = 5  # seconds SIGTERM waits for running requests before the server closes them
@@ -188,11 +189,10 @@ def build_app(spec: dict, child_base: str, child_key: str, meta: dict, guard: st
         await proxy(scope, receive, send)
 
     front = Admission(app, queue=queue, fill_on=not stock, model=model, limit=body_limit())
-    front.queue = queue
     if guard:
         module, _, middleware = guard.rpartition(".")
-        return getattr(importlib.import_module(module), middleware)(front), queue
-    return front, queue
+        return getattr(importlib.import_module(module), middleware)(front)
+    return front
 
 
 def child_argv(spec: dict, port: int, stock: bool) -> list[str]:
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         child = Child(child_argv(spec, port, args.stock), env)
         base = f"http://127.0.0.1:{port}"
         meta = wait_ready(child, base, child_key)
-        app, queue = build_app(spec, base, child_key, meta, args.guard, args.stock)
+        app = build_app(spec, base, child_key, meta, args.guard, args.stock)
     except RidgefillError as exc:  # the front prints it as serve's one line (serve/process.startup_error)
         print(f"ridgefill.errors.RidgefillError: {exc}", flush=True)
         if child is not None:
@@ -269,13 +269,6 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0 if child.proc.returncode in (0, -signal.SIGTERM) or server.should_exit else 1)
-
-
-def free_port() -> int:
-    """A loopback port free now (llama-server's, behind the front)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def listening(host: str, port: int) -> socket.socket:
