@@ -245,11 +245,14 @@ def main(argv: list[str] | None = None) -> int:
                 finally:
                     self._captured_signals.clear()
 
+    ended = []  # llama-server's end while the front served (the front then ends with exit code 1)
+
     async def watch_child(server: Server) -> None:
         while child.proc.poll() is None and not server.should_exit:
             await asyncio.sleep(0.5)
         if child.proc.poll() is not None and not server.should_exit:
             print(f"ridgefill.errors.RidgefillError: llama-server ended: {child.reason()}", flush=True)
+            ended.append(child.proc.returncode)
             server.should_exit = True
 
     config = uvicorn.Config(app, log_level="info", timeout_keep_alive=5, timeout_graceful_shutdown=GRACE_S)
@@ -268,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         child.stop()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0 if child.proc.returncode in (0, -signal.SIGTERM) or server.should_exit else 1)
+    os._exit(1 if ended else 0)
 
 
 def listening(host: str, port: int) -> socket.socket:
